@@ -1,0 +1,314 @@
+"""One launcher for every multi-rank script: `launch(worker, args)`.
+
+The same script runs three ways and the worker cannot tell the difference:
+
+    python script.py -w 4                       # launch() spawns 4 processes itself
+    torchrun --nproc-per-node 4 script.py       # torchrun started them: launch() runs the worker in this process
+    torchrun --nnodes 2 --node-rank R ...       # multi-node: same, the env:// variables say where rank 0 is
+
+Lifecycle of one rank (`_run_rank`): pick device and threads -> init_process_group(env://, timeout) -> worker(ctx, ...)
+-> destroy_process_group, the last step in a `finally`, so it runs even when the worker raises.
+
+Spawning (`_spawn`): the parent hosts the rendezvous store itself on port 0, so the operating system picks a free port
+and two jobs started at the same moment can never collide (this is what torchrun's agent does too: every rank then
+connects to the store as a client). If MASTER_ADDR/MASTER_PORT are set, they are honoured instead. The parent then
+watches its children: the first rank that fails has its traceback printed under its rank number, the other ranks are
+terminated within a few seconds (they may be blocked inside a collective waiting for the dead rank), and the parent
+raises `JobFailed`, which `cli.run` turns into a non-zero exit. Children ask the kernel to kill them if the parent
+dies, so no rank outlives its job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlsys.cli import DistArgs, SelfCheckFailed, UsageError, under_torchrun
+
+TERMINATE_GRACE_S = 3.0
+
+
+class JobFailed(Exception):
+    """A rank failed; `str()` is the report the user sees, `exit_code` what the process should exit with."""
+
+    def __init__(self, rank: int, report: str, exit_code: int = 1):
+        super().__init__(report)
+        self.rank, self.exit_code = rank, exit_code
+
+
+@dataclass
+class RankContext:
+    """What a worker knows about its place in the job. Passed explicitly as the worker's first argument."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: Any  # torch.device: cuda:<local_rank> with nccl, cpu with gloo
+    all_ranks: bool = False
+    verbose: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *objects: Any, all_ranks: bool | None = None, sep: str = " ") -> None:
+        """Print from rank 0 only (or from every rank with a `[rank r]` prefix), one atomic write per call."""
+        every = self.all_ranks if all_ranks is None else all_ranks
+        if not every and self.rank != 0:
+            return
+        text = sep.join(str(o) for o in objects)
+        if every and self.world_size > 1:
+            text = "\n".join(f"[rank {self.rank}] {line}" for line in text.splitlines() or [""])
+        sys.stdout.write(text + "\n")  # one write of whole lines: lines from different ranks never mix
+        sys.stdout.flush()
+
+    def print_ordered(self, text: str) -> None:
+        """Collective: every rank passes a text, rank 0 prints them all in rank order. All ranks must call it."""
+        import torch.distributed as dist
+
+        texts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(texts, text)
+        if self.rank == 0:
+            lines = [f"[rank {r}] {line}" for r, t in enumerate(texts) for line in str(t).splitlines()]
+            sys.stdout.write("\n".join(lines) + "\n")
+            sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------------------------- choosing a backend
+def resolve_backend(backend: str, world_size: int) -> str:
+    """auto -> nccl when every local rank can have its own GPU, else gloo. Raises UsageError for impossible asks."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if backend == "auto":
+        return "nccl" if gpus >= ranks_here and gpus > 0 else "gloo"
+    if backend == "nccl":
+        if gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo or auto")
+        if gpus < ranks_here:
+            raise UsageError(f"--backend nccl needs one GPU per rank: {ranks_here} ranks here, {gpus} GPU(s)")
+    elif backend != "gloo":
+        raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+    return backend
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """Split this machine's cores between the ranks on it: 2 ranks on 2 cores get 1 thread each, not 2 and 2."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+# ----------------------------------------------------------------------------------------------- the public entry
+@dataclass
+class LaunchOptions:
+    world_size: int = 2
+    backend: str = "auto"
+    timeout: float = 120.0
+    all_ranks: bool = False
+    verbose: bool = False
+
+
+def launch(worker: Callable[..., Any], *worker_args: Any, **overrides: Any) -> Any:
+    """Run `worker(ctx, *worker_args)` on every rank; return rank 0's return value where the job is owned.
+
+    Options (world_size, backend, timeout, all_ranks, verbose) come from the first worker argument when it is a
+    `cli.DistArgs`, and keyword arguments override them. The return value is rank 0's result in the process that
+    owns the job (the parent when spawning, rank 0 under torchrun) and None on the other torchrun ranks.
+    """
+    opts = LaunchOptions()
+    if worker_args and isinstance(worker_args[0], DistArgs):
+        source = worker_args[0]
+        opts = LaunchOptions(**{f.name: getattr(source, f.name) for f in dataclasses.fields(LaunchOptions)})
+    opts = dataclasses.replace(opts, **overrides)
+    if under_torchrun():
+        opts.world_size = int(os.environ["WORLD_SIZE"])
+        opts.backend = resolve_backend(opts.backend, opts.world_size)
+        result = _run_rank(worker, worker_args, opts)
+        return result if int(os.environ["RANK"]) == 0 else None
+    if opts.world_size < 1:
+        raise UsageError(f"world size must be at least 1, got {opts.world_size}")
+    opts.backend = resolve_backend(opts.backend, opts.world_size)
+    return _spawn(worker, worker_args, opts)
+
+
+# ----------------------------------------------------------------------------------------------- one rank
+def _run_rank(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(threads_per_rank(local_world_size))
+    if opts.backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        opts.backend, init_method="env://", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=opts.timeout), device_id=device if opts.backend == "nccl" else None,
+    )
+    try:
+        if opts.verbose:
+            from mlsys import trace
+
+            trace.enable(rank)
+        ctx = RankContext(rank, world_size, local_rank, local_world_size, opts.backend, device,
+                          opts.all_ranks, opts.verbose)
+        return worker(ctx, *worker_args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
+                env: dict[str, str], conn: mp.connection.Connection) -> None:
+    _die_with_parent()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    code = 0
+    try:
+        result = _run_rank(worker, worker_args, opts)
+        conn.send(("ok", result if rank == 0 else None))
+    except SelfCheckFailed as err:
+        conn.send(("selfcheck", f"self-check failed on rank {rank}: {err}"))
+        code = 1
+    except UsageError as err:
+        conn.send(("usage", f"rank {rank}: error: {err}"))
+        code = 2
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
+        conn.send(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
+        code = 1
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: a rank whose peer died must not linger in atexit hooks
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
+    """Environment for the children, and the store the parent hosts (None when the user chose MASTER_PORT)."""
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+           "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")}
+    if "MASTER_PORT" in os.environ:  # the user's choice wins; rank 0 then hosts the store
+        env["MASTER_PORT"] = os.environ["MASTER_PORT"]
+        return env, None
+    import torch.distributed as dist
+
+    # port=0: the kernel hands out a free port atomically, with no window for another job to take it.
+    store = dist.TCPStore(env["MASTER_ADDR"], 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")  # every rank joins as a client
+    return env, store
+
+
+def _context() -> Any:
+    """forkserver with torch preloaded: each rank forks from a clean process that has already imported torch.
+
+    A fresh interpreter per rank ("spawn") would import torch once per rank, about 2 s each on a small CPU; forking
+    our own process instead is unsafe once it has started threads (the store above runs one). The fork server is a
+    single-threaded process that imports torch once, so its forks start in milliseconds. MLSYS_START_METHOD=spawn
+    switches back to the plain method.
+    """
+    method = os.environ.get("MLSYS_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed"])
+    return context
+
+
+def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) -> Any:
+    env, store = _rendezvous(opts.world_size, opts.timeout)
+    context = _context()
+    procs, conns = [], []
+    try:
+        for rank in range(opts.world_size):
+            reader, writer = context.Pipe(duplex=False)
+            proc = context.Process(target=_child_main, name=f"rank{rank}",
+                                   args=(rank, worker, worker_args, opts, env, writer))
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            conns.append(reader)
+        messages, failed = _watch(procs, conns)
+    finally:
+        _terminate(procs)
+        del store
+    if failed is not None:
+        raise _failure(failed, procs[failed].exitcode, messages.get(failed))
+    kind, payload = messages.get(0, ("error", "rank 0 sent no result"))
+    return payload
+
+
+def _watch(procs: list, conns: list) -> tuple[dict[int, tuple], int | None]:
+    """Wait until every rank has exited, or until the first one fails. Returns (messages, failed rank or None)."""
+    messages: dict[int, tuple] = {}
+    waiting: dict[Any, tuple[str, int]] = {}
+    for rank, (proc, conn) in enumerate(zip(procs, conns)):
+        waiting[proc.sentinel] = ("exit", rank)
+        waiting[conn] = ("msg", rank)
+    while any(kind == "exit" for kind, _ in waiting.values()):
+        for handle in mp.connection.wait(list(waiting)):
+            kind, rank = waiting.pop(handle)
+            if kind == "msg":
+                try:
+                    messages[rank] = handle.recv()
+                except EOFError:
+                    pass
+                continue
+            procs[rank].join()
+            if procs[rank].exitcode != 0:
+                if conns[rank].poll(0.5):  # the report was sent just before the exit
+                    try:
+                        messages[rank] = conns[rank].recv()
+                    except EOFError:
+                        pass
+                return messages, rank
+    return messages, None
+
+
+def _failure(rank: int, exitcode: int | None, message: tuple | None) -> JobFailed:
+    if message is None:
+        how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+        return JobFailed(rank, f"rank {rank} died ({how}) without a report; the other ranks were stopped", 1)
+    kind, text = message
+    code = {"usage": 2}.get(kind, 1)
+    return JobFailed(rank, f"{text.rstrip()}\n(job stopped: rank {rank} failed, the other ranks were terminated)", code)
+
+
+def _terminate(procs: list) -> None:
+    """SIGTERM every live rank, then SIGKILL whatever is still there after a short grace period."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
