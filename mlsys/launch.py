@@ -28,6 +28,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -36,7 +37,8 @@ from typing import Any
 
 from mlsys.cli import DistArgs, SelfCheckFailed, UsageError, under_torchrun
 
-TERMINATE_GRACE_S = 3.0
+TERMINATE_GRACE_S = 3.0  # SIGTERM, then this long before SIGKILL
+FAILURE_WINDOW_S = 1.0  # after a failed exit, how long to wait for the other ranks' reports
 
 
 class JobFailed(Exception):
@@ -175,32 +177,62 @@ def _run_rank(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOption
         dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), so no rank is orphaned."""
+def _die_with_parent(conn: mp.connection.Connection) -> None:
+    """Make sure this rank cannot outlive the launcher that started it.
+
+    The rank's pipe to the launcher is a socket pair: a daemon thread waits on it, and when the launcher dies the
+    read ends (EOF) and the rank kills itself. This works whatever forked us (with forkserver, our parent process is
+    the fork server, not the launcher). On Linux, PR_SET_PDEATHSIG covers the direct parent as well.
+    """
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
         except OSError:
             pass
 
+    def watch() -> None:
+        try:
+            while conn.poll(None):  # the launcher never writes to us, so poll only returns at EOF
+                conn.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-lifeline", daemon=True).start()
+
+
+def _report(rank: int, err: BaseException) -> tuple[str, str, float]:
+    """(kind, text, when) for the parent; `when` lets it tell the rank that failed first from its victims."""
+    if isinstance(err, SelfCheckFailed):
+        return "selfcheck", f"self-check failed on rank {rank}: {err}", time.time()
+    if isinstance(err, UsageError):
+        return "usage", f"rank {rank}: error: {err}", time.time()
+    return "error", f"rank {rank} failed:\n{traceback.format_exc()}", time.time()
+
 
 def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
                 env: dict[str, str], conn: mp.connection.Connection) -> None:
-    _die_with_parent()
+    _die_with_parent(conn)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    sent = False
+
+    def reporting_worker(ctx: RankContext, *args: Any) -> Any:
+        nonlocal sent
+        try:
+            return worker(ctx, *args)
+        except BaseException as err:  # report before teardown, while the peers are still connected
+            conn.send(_report(rank, err))
+            sent = True
+            raise
+
     code = 0
     try:
-        result = _run_rank(worker, worker_args, opts)
-        conn.send(("ok", result if rank == 0 else None))
-    except SelfCheckFailed as err:
-        conn.send(("selfcheck", f"self-check failed on rank {rank}: {err}"))
-        code = 1
-    except UsageError as err:
-        conn.send(("usage", f"rank {rank}: error: {err}"))
-        code = 2
-    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
-        conn.send(("error", f"rank {rank} failed:\n{traceback.format_exc()}"))
-        code = 1
+        result = _run_rank(reporting_worker, worker_args, opts)
+        conn.send(("ok", result if rank == 0 else None, time.time()))
+    except BaseException as err:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
+        if not sent:
+            conn.send(_report(rank, err))
+        code = 2 if isinstance(err, UsageError) else 1
     finally:
         conn.close()
         sys.stdout.flush()
@@ -248,32 +280,43 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
     procs, conns = [], []
     try:
         for rank in range(opts.world_size):
-            reader, writer = context.Pipe(duplex=False)
+            ours, theirs = context.Pipe(duplex=True)  # results come back on it; its EOF tells a rank we died
             proc = context.Process(target=_child_main, name=f"rank{rank}",
-                                   args=(rank, worker, worker_args, opts, env, writer))
+                                   args=(rank, worker, worker_args, opts, env, theirs))
             proc.start()
-            writer.close()
+            theirs.close()
             procs.append(proc)
-            conns.append(reader)
+            conns.append(ours)
         messages, failed = _watch(procs, conns)
     finally:
         _terminate(procs)
+        for conn in conns:
+            conn.close()
         del store
     if failed is not None:
-        raise _failure(failed, procs[failed].exitcode, messages.get(failed))
-    kind, payload = messages.get(0, ("error", "rank 0 sent no result"))
-    return payload
+        raise _failure(failed, procs[failed].exitcode, messages)
+    return messages[0][1] if 0 in messages else None
 
 
 def _watch(procs: list, conns: list) -> tuple[dict[int, tuple], int | None]:
-    """Wait until every rank has exited, or until the first one fails. Returns (messages, failed rank or None)."""
+    """Wait until every rank has exited, or until one fails. Returns (messages, the rank that failed first or None).
+
+    When rank 1 raises, rank 0 usually fails a moment later because its peer went away. Both report, each with the
+    time of its failure; we keep listening briefly after the first failed exit and blame the earliest report.
+    """
     messages: dict[int, tuple] = {}
     waiting: dict[Any, tuple[str, int]] = {}
     for rank, (proc, conn) in enumerate(zip(procs, conns)):
         waiting[proc.sentinel] = ("exit", rank)
         waiting[conn] = ("msg", rank)
+    failed_exit: int | None = None
+    deadline = None
     while any(kind == "exit" for kind, _ in waiting.values()):
-        for handle in mp.connection.wait(list(waiting)):
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = mp.connection.wait(list(waiting), timeout)
+        if not ready:
+            break  # the listening window after a failure is over
+        for handle in ready:
             kind, rank = waiting.pop(handle)
             if kind == "msg":
                 try:
@@ -282,23 +325,25 @@ def _watch(procs: list, conns: list) -> tuple[dict[int, tuple], int | None]:
                     pass
                 continue
             procs[rank].join()
-            if procs[rank].exitcode != 0:
-                if conns[rank].poll(0.5):  # the report was sent just before the exit
-                    try:
-                        messages[rank] = conns[rank].recv()
-                    except EOFError:
-                        pass
-                return messages, rank
-    return messages, None
+            if procs[rank].exitcode != 0 and failed_exit is None:
+                failed_exit, deadline = rank, time.monotonic() + FAILURE_WINDOW_S
+    if failed_exit is None:
+        return messages, None
+    errors = {r: m for r, m in messages.items() if m[0] != "ok"}
+    first = min(errors, key=lambda r: errors[r][2]) if errors else failed_exit
+    return messages, first
 
 
-def _failure(rank: int, exitcode: int | None, message: tuple | None) -> JobFailed:
+def _failure(rank: int, exitcode: int | None, messages: dict[int, tuple]) -> JobFailed:
+    message = messages.get(rank)
     if message is None:
         how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
         return JobFailed(rank, f"rank {rank} died ({how}) without a report; the other ranks were stopped", 1)
-    kind, text = message
-    code = {"usage": 2}.get(kind, 1)
-    return JobFailed(rank, f"{text.rstrip()}\n(job stopped: rank {rank} failed, the other ranks were terminated)", code)
+    kind, text, _ = message
+    others = sorted(r for r, m in messages.items() if m[0] != "ok" and r != rank)
+    after = f"; rank(s) {', '.join(map(str, others))} failed after it" if others else ""
+    note = f"(job stopped: rank {rank} failed first{after}; the other ranks were terminated)"
+    return JobFailed(rank, f"{text.rstrip()}\n{note}", 2 if kind == "usage" else 1)
 
 
 def _terminate(procs: list) -> None:

@@ -1,0 +1,62 @@
+"""Shared test helpers: run a script as a subprocess the way a learner would, and time the smoke runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TUTORIAL = ROOT / "tutorial"
+SMOKE_TIMES: dict[str, float] = {}
+
+
+def chapter_scripts() -> list[Path]:
+    """Every script under tutorial/ that the contract applies to (files starting with _ are helpers)."""
+    return sorted(p for p in TUTORIAL.glob("part*/chapter*/scripts/*.py") if not p.name.startswith("_"))
+
+
+def script_id(path: Path) -> str:
+    return f"{path.parent.parent.name.split('-')[0]}/{path.name}"
+
+
+def run(args: list[str | os.PathLike], timeout: float = 120, env: dict | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python <args>` (or a full command if args[0] is an executable path) and capture its output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # never inherit a job
+        if key not in (env or {}):
+            full_env.pop(key, None)
+    cmd = [str(a) for a in args]
+    if not cmd[0].endswith(("python", "torchrun")) and not Path(cmd[0]).name.startswith("python"):
+        cmd = [sys.executable, *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)
+
+
+def timed_run(name: str, args: list, **kw) -> subprocess.CompletedProcess:
+    start = time.perf_counter()
+    proc = run(args, **kw)
+    SMOKE_TIMES[name] = time.perf_counter() - start
+    return proc
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook signature
+    if SMOKE_TIMES:
+        terminalreporter.section("smoke run time per script (s)")
+        for name, seconds in sorted(SMOKE_TIMES.items()):
+            terminalreporter.write_line(f"{seconds:6.1f}  {name}")
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

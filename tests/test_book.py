@@ -1,0 +1,246 @@
+"""The executed book: markers become real outputs and figures, broken runs break the build, the site works.
+
+Unit tests build a tiny fixture repo under tmp_path (one part, one chapter, one contract-abiding script).
+The `book` test builds the real book with --smoke and opens it in headless Chromium:
+
+    python -m pytest tests/test_book.py -q               # all (about 1 min on 2 cores, more on a cold cache)
+    python -m pytest tests/test_book.py -q -m "not book"  # fixture book only (about 20 s)
+"""
+from __future__ import annotations
+
+import functools
+import html
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "scripts" / "build_book.py"
+CHAPTER = "tutorial/part1-distributed/chapter01-demo"
+
+DEMO_SCRIPT = '''\
+"""Demo: every rank says hello, and one bar per rank is drawn.
+
+    python tutorial/part1-distributed/chapter01-demo/scripts/demo.py -w 3
+"""
+import argparse, json, sys
+from pathlib import Path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot-dir", type=Path)
+    p.add_argument("-w", "--world-size", type=int, default=2)
+    p.add_argument("--fail", action="store_true")
+    args = p.parse_args()
+    # --8<-- [start:greet]
+    for rank in range(args.world_size):
+        print(f"[rank {rank}] hello from rank {rank} of {args.world_size}")
+    # --8<-- [end:greet]
+    if args.fail:
+        print("rank 1 gave up", file=sys.stderr)
+        return 3
+    if args.plot_dir:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(3, 2))
+        ax.bar(range(args.world_size), [1] * args.world_size)
+        fig.savefig(args.plot_dir / "ranks.png")
+    if args.json:
+        args.json.write_text(json.dumps({"world_size": args.world_size, "smoke": args.smoke}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+DEMO_README = f'''\
+# Chapter 1 — Demo
+
+<!-- run: scripts/demo.py -w 3 -->
+
+```python
+--8<-- "{CHAPTER}/scripts/demo.py:greet"
+```
+
+<!-- figure: demo/ranks.png "One bar per rank" -->
+
+<!-- run: scripts/demo.py --fail expect=3 -->
+
+Read [the script](scripts/demo.py), then [chapter 2](../chapter02-stub/README.md).
+'''
+
+
+def make_repo(root: Path, readme: str = DEMO_README) -> Path:
+    chapter = root / CHAPTER
+    (chapter / "scripts").mkdir(parents=True)
+    (chapter / "scripts" / "demo.py").write_text(DEMO_SCRIPT)
+    (chapter / "README.md").write_text(readme)
+    stub = root / "tutorial/part1-distributed/chapter02-stub"     # a chapter with only a README, no h1
+    stub.mkdir()
+    (stub / "README.md").write_text("Coming soon.\n")
+    (root / "book" / "pages").mkdir(parents=True)
+    (root / "book" / "pages" / "index.md").write_text("# Fixture book\n\n<!-- contents -->\n")
+    return root
+
+
+def page_text(html_file: Path) -> str:
+    """The text of a built page, tags stripped (highlighted code is split into many spans)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", html_file.read_text(encoding="utf-8")))
+
+
+def build(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BUILD), "--root", str(root), *flags], cwd=REPO, text=True,
+                          capture_output=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="module")
+def fixture_book(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    root = make_repo(tmp_path_factory.mktemp("book"))
+    return root, build(root, "--smoke")
+
+
+def test_lesson_shows_captured_output_and_figure(fixture_book):
+    root, result = fixture_book
+    assert result.returncode == 0, result.stderr
+    lesson = (root / "book/docs/chapter01-demo/index.md").read_text()
+    assert f"$ python {CHAPTER}/scripts/demo.py -w 3 --smoke\n[rank 0] hello" in lesson
+    assert "[rank 2] hello from rank 2 of 3" in lesson
+    assert "![One bar per rank](figures/demo/ranks.png)" in lesson
+    assert "rank 1 gave up\n[exit code 3]" in lesson          # expect=3: shown, not fatal
+    assert "[the script](demo.md)" in lesson and "Scripts in this chapter" not in lesson
+    assert "[chapter 2](../chapter02-stub/index.md)" in lesson
+    assert (root / "book/docs/chapter02-stub/index.md").read_text().startswith("# Chapter 2: stub")
+    assert (root / "book/site/chapter01-demo/figures/demo/ranks.png").stat().st_size > 0
+    page = page_text(root / "book/site/chapter01-demo/index.html")
+    assert "for rank in range(args.world_size):" in page and "--8<--" not in page   # the snippet section
+    assert "Book built:" in result.stdout
+
+
+def test_script_page_has_docstring_source_output_results(fixture_book):
+    root, _ = fixture_book
+    page = (root / "book/docs/chapter01-demo/demo.md").read_text()
+    assert page.startswith("# demo.py")
+    assert "Demo: every rank says hello" in page
+    assert f'--8<-- "{CHAPTER}/scripts/demo.py"' in page
+    assert "--json /tmp/demo.json --plot-dir /tmp/demo_figures --smoke" in page
+    assert '"world_size": 2' in page and "figures/demo/ranks.png" in page
+    assert "def main() -> int:" in page_text(root / "book/site/chapter01-demo/demo.html")
+
+
+def test_second_build_is_served_from_the_cache(fixture_book):
+    root, _ = fixture_book
+    result = build(root, "--smoke")
+    assert result.returncode == 0, result.stderr
+    runs = [line for line in result.stdout.splitlines() if line.startswith("[run]")]
+    assert runs and all(line.endswith("(cached)") for line in runs), result.stdout
+
+
+def test_failing_run_fails_the_build_and_names_the_command(tmp_path):
+    root = make_repo(tmp_path, DEMO_README.replace("--fail expect=3", "--fail"))
+    result = build(root, "--smoke")
+    assert result.returncode == 1
+    assert f"`python {CHAPTER}/scripts/demo.py --fail --smoke` exited 3 (expected 0)" in result.stderr
+    assert "rank 1 gave up" in result.stderr
+
+
+def test_missing_snippet_section_fails_strict_build(tmp_path):
+    root = make_repo(tmp_path, DEMO_README.replace(":greet", ":no_such_section"))
+    result = build(root, "--smoke")
+    assert result.returncode == 1
+    assert "no_such_section" in result.stderr
+
+
+def test_no_run_uses_placeholders(tmp_path):
+    root = make_repo(tmp_path)
+    result = build(root, "--no-run")
+    assert result.returncode == 0, result.stderr
+    assert "[run]" not in result.stdout
+    assert '!!! note "Not run"' in (root / "book/docs/chapter01-demo/index.md").read_text()
+
+
+def test_bad_flag_exits_2_with_one_line(tmp_path):
+    result = build(make_repo(tmp_path), "--no-such-flag")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--no-such-flag" in result.stderr
+
+
+# ---- the real book, in a browser --------------------------------------------------------------------------
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+CH01 = REPO / "tutorial/part1-distributed/chapter01-first-program"
+
+
+def serve(site: Path) -> http.server.ThreadingHTTPServer:
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def chromium(profile: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--no-first-run", "--window-size=1280,1000", f"--user-data-dir={profile}"]:
+        options.add_argument(arg)
+    return webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+
+
+@pytest.mark.book
+@pytest.mark.timeout(300)
+def test_real_book_renders_in_a_browser(tmp_path):
+    for tool in (CHROMIUM, CHROMEDRIVER):
+        if not tool.exists():
+            pytest.skip(f"{tool} is not installed (apt-get install chromium chromium-driver)")
+    if not (CH01 / "scripts/hello_distributed.py").exists() or not (CH01 / "scripts/env_check.py").exists():
+        pytest.skip("chapter 1 scripts (env_check.py, hello_distributed.py) are not written yet")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    docs, site = tmp_path / "docs", tmp_path / "site"
+    result = subprocess.run([sys.executable, str(BUILD), "--smoke", "--docs", str(docs), "--out", str(site)],
+                            cwd=REPO, text=True, capture_output=True, timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    title = re.search(r"^# +(.+)$", (docs / CH01.name / "index.md").read_text(), re.M).group(1)
+    pages_with_images = sorted(p for p in site.rglob("*.html") if "<img " in p.read_text(encoding="utf-8"))
+    assert pages_with_images, "no page of the built book shows a figure"
+
+    server, driver = serve(site), chromium(tmp_path / "chrome-profile")
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        driver.get(f"{base}/{CH01.name}/index.html")
+        h1 = driver.find_element(By.CSS_SELECTOR, "article h1").text.replace("¶", "").strip()
+        assert h1 == title.replace("`", ""), (h1, title)
+
+        driver.get(f"{base}/{pages_with_images[0].relative_to(site).as_posix()}")
+        loaded = "return [...document.images].filter(i => i.complete && i.naturalWidth > 0).length"
+        WebDriverWait(driver, 20).until(lambda d: d.execute_script(loaded) > 0)
+
+        driver.get(f"{base}/index.html")
+        search = driver.find_element(By.CSS_SELECTOR, "input.md-search__input")
+        search.click()
+        search.send_keys("rank")
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item"))
+    finally:
+        driver.quit()
+        server.shutdown()

@@ -1,0 +1,190 @@
+"""The shared launcher: free ports under concurrency, failing ranks, timeouts, torchrun, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run
+
+JOB = ROOT / "tests" / "fixtures" / "job.py"
+HELLO = ROOT / "tutorial" / "part1-distributed" / "chapter01-first-program" / "scripts" / "hello_distributed.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def alive(pid: int) -> bool:
+    """True if `pid` is a live process (a zombie counts as dead: it has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(pid_dir.glob("rank*.pid"))]
+
+
+def wait_dead(pid_list: list[int], within: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(alive(p) for p in pid_list):
+        time.sleep(0.1)
+    return [p for p in pid_list if alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_ok_job_returns_rank0_result(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([JOB, "-w", "3", "--json", out, "--all-ranks"])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())["results"]
+    assert result["sum"] == [6.0, 6.0]  # 1 + 2 + 3
+    assert result["threads"] == 1  # 3 ranks share 2 cores: one torch thread each (never more than the cores)
+    hellos = [line for line in proc.stdout.splitlines() if "says hello" in line]
+    assert sorted(hellos) == [f"[rank {r}] rank {r} says hello" for r in range(3)]  # whole lines, never mixed
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:  # noqa: ANN001
+    """Four copies started at the same moment all succeed, each on its own port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    procs = [subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--json", str(tmp_path / f"{i}.json")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [o[1][-2000:] for o in outs]
+    ports = {json.loads((tmp_path / f"{i}.json").read_text())["results"]["master_port"] for i in range(4)}
+    assert len(ports) == 4
+
+
+@pytest.mark.timeout(120)
+def test_two_copies_of_chapter1_at_once(tmp_path) -> None:  # noqa: ANN001
+    procs = [subprocess.Popen([sys.executable, str(HELLO), "--smoke", "--plot-dir", str(tmp_path / str(i))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert all("OK: all_gather and all_reduce match" in o[0] for o in outs)
+
+
+@pytest.mark.timeout(120)
+def test_master_port_from_environment_is_honoured(tmp_path) -> None:  # noqa: ANN001
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "r.json"
+    proc = run([JOB, "-w", "2", "--json", out], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["results"]["master_port"] == str(port)
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:  # noqa: ANN001
+    """Rank 1 raises while rank 0 waits for it in a collective: the job must end fast, not at the timeout."""
+    start = time.monotonic()
+    proc = run([JOB, "-w", "3", "--mode", "raise", "--pid-dir", tmp_path, "--timeout", "300"], timeout=100)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    assert "rank 1 failed" in proc.stderr and "ValueError: boom from the test job" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s: the other ranks were not stopped"
+    assert len(pids(tmp_path)) == 3 and wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+def test_selfcheck_failure_exits_1_with_a_message() -> None:
+    proc = run([JOB, "-w", "2", "--mode", "selfcheck"])
+    assert proc.returncode == 1
+    assert "self-check failed on rank 1: fixture value" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_collective_timeout_fails_instead_of_hanging() -> None:
+    start = time.monotonic()
+    proc = run([JOB, "-w", "2", "--mode", "stall", "--timeout", "3"], timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    assert "rank 0 failed" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_killed_parent_leaves_no_orphans(tmp_path) -> None:  # noqa: ANN001
+    """SIGKILL the launcher while its ranks are blocked in recv: the kernel must take the ranks down too."""
+    parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--pid-dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(pids(tmp_path)) == 2, "the ranks never started"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:  # noqa: ANN001
+    parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--pid-dir", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGINT)
+    parent.communicate(timeout=30)
+    assert parent.returncode != 0
+    assert wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([*TORCHRUN, "--nproc-per-node", str(nproc), HELLO, "--smoke", "--json", out,
+                "--plot-dir", tmp_path], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]
+    assert result["world_size"] == nproc and result["ok"] is True
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_world_size_mismatch_is_a_usage_error() -> None:
+    proc = run([*TORCHRUN, "--nproc-per-node", "1", JOB, "-w", "3"], timeout=110)
+    assert proc.returncode != 0
+    assert "disagrees with torchrun's WORLD_SIZE=1" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_verbose_traces_collectives() -> None:
+    proc = run([JOB, "-w", "2", "--verbose"])
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0] -> all_reduce(tensor[2]:float32)" in proc.stderr
+    assert "[rank 1] <- all_reduce done in" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_nccl_without_gpus_is_a_one_line_usage_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run([JOB, "--backend", "nccl"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "job.py: error: --backend nccl needs CUDA GPUs and this machine has none; use --backend gloo or auto"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_nccl_all_reduce_on_gpus(tmp_path) -> None:  # noqa: ANN001
+    import torch
+
+    world = min(2, torch.cuda.device_count())
+    out = tmp_path / "r.json"
+    proc = run([JOB, "-w", str(world), "--backend", "nccl", "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["results"]["sum"] == [world * (world + 1) / 2] * 2

@@ -1,0 +1,51 @@
+"""Every chapter script, discovered automatically: --help, bad flags, and a --smoke run that writes its JSON.
+
+A new script under tutorial/*/*/scripts/ is picked up with no change here, so a script without a working
+`--smoke` fails the suite.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import chapter_scripts, run, script_id, timed_run
+
+SCRIPTS = chapter_scripts()
+
+
+def test_scripts_exist() -> None:
+    assert SCRIPTS, "no chapter scripts found under tutorial/"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
+def test_help_and_bad_flags(script) -> None:  # noqa: ANN001
+    helped = run([script, "--help"])
+    assert helped.returncode == 0, helped.stderr
+    for flag in ("--seed", "--smoke", "--json"):
+        assert flag in helped.stdout, f"{script.name} --help does not list {flag}"
+    distributed = "--world-size" in helped.stdout
+    if distributed:
+        assert "--backend" in helped.stdout
+    bad = run([script, "--world-size", "0"] if distributed else [script, "--seed", "not-a-number"])
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, f"want a one-line error, got:\n{bad.stderr}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
+def test_smoke_run(script, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "results.json"
+    args = [script, "--smoke", "--json", out]
+    if "PlotArgs" in script.read_text():  # the script draws: give it a figure dir
+        args += ["--plot-dir", tmp_path / "figures"]
+    proc = timed_run(script_id(script), args, timeout=170)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    doc = json.loads(out.read_text())
+    assert doc["results"], "the JSON results are empty"
+    assert doc["settings"]["smoke"] is True
+    if "--plot-dir" in args:
+        assert list((tmp_path / "figures").glob("*.png")), "a plotting script wrote no figure in --plot-dir"
