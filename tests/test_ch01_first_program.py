@@ -1,0 +1,80 @@
+"""Chapter 1 oracles: what each rank holds after all_gather / all_reduce, against numpy; the environment check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, load_script, run
+
+CH01 = ROOT / "tutorial" / "part1-distributed" / "chapter01-first-program" / "scripts"
+
+
+def load(name: str):  # noqa: ANN201
+    return load_script(CH01 / f"{name}.py")
+
+
+def numpy_reference(world_size: int, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    per_rank = np.arange(world_size * numel, dtype=np.float32).reshape(world_size, numel)  # row r = rank r's data
+    return per_rank, per_rank.sum(axis=0)
+
+
+@pytest.mark.parametrize("world_size, numel", [(1, 1), (2, 3), (5, 4), (8, 2)])
+def test_expected_values_match_numpy(world_size: int, numel: int) -> None:
+    hello = load("hello_distributed")
+    gathered, summed = numpy_reference(world_size, numel)
+    np.testing.assert_array_equal(hello.expected_gather(world_size, numel).numpy(), gathered)
+    np.testing.assert_array_equal(hello.expected_sum(world_size, numel).numpy(), summed)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_every_rank_holds_the_numpy_result(world_size: int, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([CH01 / "hello_distributed.py", "-w", world_size, "--numel", 4, "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())["results"]
+    gathered, summed = numpy_reference(world_size, 4)
+    assert len(result["per_rank"]) == world_size
+    for rank, held in enumerate(result["per_rank"]):
+        np.testing.assert_array_equal(held["before"], gathered[rank])
+        np.testing.assert_array_equal(held["gathered"], gathered.ravel())
+        np.testing.assert_array_equal(held["summed"], summed)
+    assert (tmp_path / "placement.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(120)
+def test_crashing_rank_ends_the_job_with_exit_1() -> None:
+    proc = run([CH01 / "hello_distributed.py", "--smoke", "--crash-rank", "1"])
+    assert proc.returncode == 1
+    assert "RuntimeError: rank 1 crashes on purpose" in proc.stderr and "rank 1 failed" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_env_check_reports_ready_here(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "env.json"
+    proc = run([CH01 / "env_check.py", "--json", out])
+    doc = json.loads(out.read_text())["results"]
+    checks = {row["check"]: row for row in doc["checks"]}
+    assert proc.returncode == 0 and doc["ready"], proc.stdout
+    assert checks["2-rank all_reduce (gloo)"]["status"] == "ok"
+    assert "ranks hold [3.0, 3.0], expected 3" in checks["2-rank all_reduce (gloo)"]["detail"]
+    assert checks["spawn a process"]["status"] == "ok"
+
+
+def test_env_check_flags_an_old_torch() -> None:
+    env_check = load("env_check")
+    assert env_check.version_tuple("2.13.0+cpu") >= env_check.MIN_TORCH
+    assert env_check.version_tuple("2.12.1") < env_check.MIN_TORCH
+
+
+@pytest.mark.timeout(120)
+def test_env_check_require_gpu_fails_without_one() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run([CH01 / "env_check.py", "--require-gpu"])
+    assert proc.returncode == 1 and "NOT READY: cuda devices" in proc.stdout
