@@ -1,0 +1,51 @@
+# One command surface for the book. Every target sets up .venv (pinned) on first use.
+#   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/
+#   make serve    serve the built book on http://127.0.0.1:8000
+#   make test     the whole test suite
+#   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
+#   make weights  train the tiny GPT checkpoints into .cache/weights/ (also built on first use)
+# GPU users: make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128  (see README.md)
+
+PY ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+CONSTRAINTS := requirements/constraints.txt
+STAMP := $(VENV)/.installed
+TORCH_INDEX_URL ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup book serve test check weights browser clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	# torch first and alone, pinned: with no torch present, an unpinned one would pull the CUDA wheels.
+	$(PYTHON) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(PYTHON) -m pip install --quiet -c $(CONSTRAINTS) -e ".[book,test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+book: $(STAMP)
+	$(PYTHON) scripts/build_book.py
+
+serve: book
+	@echo "Serving book/site on http://127.0.0.1:8000 (Ctrl-C to stop)"
+	$(PYTHON) -m http.server --bind 127.0.0.1 --directory book/site 8000
+
+test: $(STAMP)
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+check: $(STAMP)
+	@test -n "$(EX)" || (echo "usage: make check EX=ch01.1 [SOLUTION=1]" && exit 2)
+	$(PYTHON) -m mlsys.exercises $(EX) $(if $(SOLUTION),--solution)
+
+weights: $(STAMP)
+	$(PYTHON) scripts/train_weights.py
+
+# Debian's Chromium and its driver, for the test that opens the rendered book (needs root).
+browser:
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+
+clean:
+	rm -rf book/docs book/site .cache .pytest_cache
