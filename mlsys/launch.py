@@ -241,6 +241,7 @@ def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts:
 
 
 # ----------------------------------------------------------------------------------------------- the parent
+# --8<-- [start:rendezvous]
 def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
     """Environment for the children, and the store the parent hosts (None when the user chose MASTER_PORT)."""
     env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
@@ -255,6 +256,7 @@ def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
                           timeout=datetime.timedelta(seconds=timeout))
     env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")  # every rank joins as a client
     return env, store
+# --8<-- [end:rendezvous]
 
 
 def _context() -> Any:
