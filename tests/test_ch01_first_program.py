@@ -78,3 +78,15 @@ def test_env_check_require_gpu_fails_without_one() -> None:
         pytest.skip("this machine has CUDA")
     proc = run([CH01 / "env_check.py", "--require-gpu"])
     assert proc.returncode == 1 and "NOT READY: cuda devices" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([CH01 / "rendezvous.py", "-w", "3", "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]["rows"]
+    for kind in ("tcp", "file"):
+        mine = [r for r in rows if r["store"] == kind]
+        assert sorted(r["ticket"] for r in mine) == [1, 2, 3]  # the atomic counter: one ticket per rank
+        assert all(r["peers_seen"] == 3 and r["all_reduce"] == 6.0 for r in mine)
