@@ -57,12 +57,12 @@ def task(title: str, *, gpu: bool = False) -> Callable[[Callable], Callable]:
 
 
 def load_module(path: Path, name: str | None = None) -> ModuleType:
-    """Import a file by path (chapter folders are not packages)."""
+    """Import a file by path (chapter folders are not packages); registered in sys.modules under a unique name."""
     name = name or "_ex_" + re.sub(r"\W", "_", str(path.relative_to(REPO_ROOT)).removesuffix(".py"))
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
 

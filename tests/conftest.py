@@ -20,16 +20,11 @@ def chapter_scripts() -> list[Path]:
     return sorted(p for p in TUTORIAL.glob("part*/chapter*/scripts/*.py") if not p.name.startswith("_"))
 
 
-def load_script(path: Path, name: str | None = None):  # noqa: ANN201
+def load_script(path: Path):  # noqa: ANN201
     """Import a chapter script (its folder name is not a package name) as a module, to test its functions."""
-    import importlib.util
+    from mlsys.exercises import load_module
 
-    name = name or f"_book_{path.parent.parent.name.replace('-', '_')}_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path)
 
 
 def script_id(path: Path) -> str:
