@@ -210,9 +210,10 @@ def chromium(profile: Path):
 def test_real_book_renders_in_a_browser(tmp_path):
     for tool in (CHROMIUM, CHROMEDRIVER):
         if not tool.exists():
-            pytest.skip(f"{tool} is not installed (apt-get install chromium chromium-driver)")
-    if not (CH01 / "scripts/hello_distributed.py").exists() or not (CH01 / "scripts/env_check.py").exists():
-        pytest.skip("chapter 1 scripts (env_check.py, hello_distributed.py) are not written yet")
+            message = f"{tool} is not installed (make browser, or apt-get install chromium chromium-driver)"
+            if os.environ.get("MLSYS_REQUIRE_BROWSER") == "1":  # set by .ci/run: in CI this test must run
+                pytest.fail(message)
+            pytest.skip(message)
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
