@@ -291,6 +291,8 @@ class Builder:
         pages.setdefault("index.md", "# The book\n\n<!-- contents -->\n")
         for name, text in pages.items():
             self.write(name, CONTENTS_RE.sub(lambda _: self.contents(parts), text))
+        for asset in sorted((self.root / "book/pages").glob("*.css")):  # the book's stylesheet(s)
+            shutil.copy2(asset, self.docs / asset.name)
         return sorted((n for n in pages if n != "index.md"), key=lambda n: (n == "glossary.md", n))
 
     def build_chapter(self, ch: Chapter, chapters: list[Chapter]) -> list[str]:
