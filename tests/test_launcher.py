@@ -188,3 +188,23 @@ def test_nccl_all_reduce_on_gpus(tmp_path) -> None:  # noqa: ANN001
     proc = run([JOB, "-w", str(world), "--backend", "nccl", "--json", out])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["results"]["sum"] == [world * (world + 1) / 2] * 2
+
+
+@pytest.mark.timeout(120)
+def test_two_node_torchrun_on_one_machine(tmp_path) -> None:  # noqa: ANN001
+    """Multi-node torchrun (static rendezvous): two 'nodes' of one process each, node 0 hosting the store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # torchrun's static rendezvous needs the port up front (a test-only race)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    nodes = []
+    for node_rank in (0, 1):
+        cmd = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(HELLO), "--smoke", "--json", str(tmp_path / f"node{node_rank}.json"), "--plot-dir", str(tmp_path)]
+        nodes.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=110) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    result = json.loads((tmp_path / "node0.json").read_text())["results"]  # global rank 0 lives on node 0
+    assert result["world_size"] == 2 and result["ok"] is True
+    assert not (tmp_path / "node1.json").exists()  # only rank 0 reports
