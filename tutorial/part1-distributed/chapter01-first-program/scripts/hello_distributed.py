@@ -13,7 +13,7 @@ How to run (any world size >= 1)
     ... --crash-rank 1     # rank 1 raises: watch the launcher stop the whole job and exit non-zero
     ... --verbose          # trace every collective call on every rank
 
-Runtime on 2 cores: about 3 s (mostly starting the processes and importing torch), 2 s with --smoke.
+Runtime on 2 cores: about 5 s (mostly starting the processes and importing torch), 4 s with --smoke.
 """
 
 from __future__ import annotations
