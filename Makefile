@@ -18,7 +18,6 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --upgrade pip
 	# torch first and alone, pinned: with no torch present, an unpinned one would pull the CUDA wheels.
 	$(PYTHON) -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PYTHON) -m pip install --quiet -c $(CONSTRAINTS) -e ".[book,test]"
@@ -37,7 +36,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 check: $(STAMP)
-	@test -n "$(EX)" || (echo "usage: make check EX=ch01.1 [SOLUTION=1]" && exit 2)
+	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }
 	$(PYTHON) -m mlsys.exercises $(EX) $(if $(SOLUTION),--solution)
 
 weights: $(STAMP)
