@@ -58,7 +58,9 @@ def task(title: str, *, gpu: bool = False) -> Callable[[Callable], Callable]:
 
 def load_module(path: Path, name: str | None = None) -> ModuleType:
     """Import a file by path (chapter folders are not packages); registered in sys.modules under a unique name."""
-    name = name or "_ex_" + re.sub(r"\W", "_", str(path.relative_to(REPO_ROOT)).removesuffix(".py"))
+    path = path.resolve()
+    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    name = name or "_ex_" + re.sub(r"\W", "_", str(shown).removesuffix(".py"))
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -88,11 +90,11 @@ def find(exercise_id: str) -> Exercise:
     raise LookupError(f"no exercise {exercise_id!r}; known: {known}")
 
 
-def check(exercise: Exercise, solution: bool = False) -> list[Outcome]:
-    """Run every task of the exercise's checker against the attempt (or the reference solution)."""
+def check(exercise: Exercise, solution: bool = False, target: Path | None = None) -> list[Outcome]:
+    """Run every task of the exercise's checker against the attempt, the reference solution, or `target`."""
     import torch
 
-    target = exercise.solution if solution else exercise.attempt
+    target = target or (exercise.solution if solution else exercise.attempt)
     attempt = load_module(target)
     checker = load_module(exercise.checker)
     tasks = [fn for fn in vars(checker).values() if callable(fn) and hasattr(fn, "__task__")]
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("exercise", help="an id such as ch01.1, or 'all'")
     parser.add_argument("--solution", action="store_true", help="check the reference solution instead")
+    parser.add_argument("--file", type=Path, help="check this file instead of the exercise's stub")
     args = parser.parse_args(argv)
     try:
         chosen = all_exercises() if args.exercise == "all" else [find(args.exercise)]
@@ -165,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for exercise in chosen:
         which = "reference solution" if args.solution else "your attempt"
-        target = exercise.solution if args.solution else exercise.attempt
-        print(f"{exercise.exercise_id}: checking {which}, {target.relative_to(REPO_ROOT)}")
-        for outcome in check(exercise, args.solution):
+        target = (args.file or (exercise.solution if args.solution else exercise.attempt)).resolve()
+        shown = target.relative_to(REPO_ROOT) if target.is_relative_to(REPO_ROOT) else target
+        print(f"{exercise.exercise_id}: checking {which}, {shown}")
+        for outcome in check(exercise, args.solution, target):
             print(f"  {outcome.status:<9} {outcome.task}" + (f"\n            {outcome.detail}" if outcome.detail else ""))
             failed += outcome.status in ("FAIL", "TODO")
     print("all tasks pass" if not failed else f"{failed} task(s) to go")

@@ -36,3 +36,36 @@ def test_command_line_exit_codes(capsys) -> None:  # noqa: ANN001
     assert "PASS      shard_bounds" in capsys.readouterr().out
     assert exercises.main(["ch01.1"]) == 1
     assert exercises.main(["ch99.9"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_attempt_fails_with_a_useful_message(tmp_path) -> None:  # noqa: ANN001
+    """Checkers must catch wrong answers, not only missing ones: ceil-sized shards are a classic mistake."""
+    wrong = tmp_path / "ex1_rank_arithmetic.py"
+    wrong.write_text(
+        "import math\n"
+        "def shard_bounds(n, rank, w):\n"
+        "    size = math.ceil(n / w)\n"
+        "    return min(rank * size, n), min((rank + 1) * size, n)\n"
+        "def node_and_local_rank(rank, nproc):\n"
+        "    return divmod(rank, nproc)\n")
+    outcomes = exercises.check(exercises.find("ch01.1"), target=wrong)
+    assert [o.status for o in outcomes] == ["FAIL", "PASS"]
+    assert "expected" in outcomes[0].detail
+
+
+@pytest.mark.timeout(120)
+def test_a_crashing_distributed_attempt_fails_instead_of_hanging(tmp_path) -> None:  # noqa: ANN001
+    wrong = tmp_path / "ex2_first_collectives.py"
+    wrong.write_text(
+        "import torch.distributed as dist\n"
+        "def global_mean(local):\n"
+        "    if dist.get_rank() == 1:\n"
+        "        raise ValueError('rank 1 gives up')\n"
+        "    dist.all_reduce(local)\n"
+        "    return local.mean()\n"
+        "def argmax_rank(value):\n"
+        "    return 0\n")
+    outcomes = exercises.check(exercises.find("ch01.2"), target=wrong)
+    assert outcomes[0].status == "FAIL" and "rank 1 gives up" in outcomes[0].detail
+    assert outcomes[1].status == "FAIL"  # always answering 0 is wrong for [0.5, 2.0, -1.0]
