@@ -3,6 +3,7 @@
     make check EX=ch01.1              # checks tutorial/.../chapter01-*/exercises/ex1_*.py (your attempt)
     make check EX=ch01.1 SOLUTION=1   # the same checks against exercises/solutions/ex1_*.py
     python -m mlsys.exercises all --solution
+    python -m mlsys.exercises ch01.2 --file ~/my_attempt.py   # an attempt kept somewhere else
 
 Layout of a chapter's exercises/ folder:
     ex<K>_<name>.py             the stub you edit: real signatures, bodies that raise NotImplementedError("TODO ...")
