@@ -343,8 +343,11 @@ def _failure(rank: int, exitcode: int | None, messages: dict[int, tuple]) -> Job
         return JobFailed(rank, f"rank {rank} died ({how}) without a report; the other ranks were stopped", 1)
     kind, text, _ = message
     others = sorted(r for r, m in messages.items() if m[0] != "ok" and r != rank)
-    after = f"; rank(s) {', '.join(map(str, others))} failed after it" if others else ""
-    note = f"(job stopped: rank {rank} failed first{after}; the other ranks were terminated)"
+    if others:
+        note = (f"(job stopped: rank {rank} failed first; rank(s) {', '.join(map(str, others))} failed after it, "
+                "waiting on a peer that was gone; any rank still running was terminated)")
+    else:
+        note = f"(job stopped: rank {rank} failed; the other ranks were terminated)"
     return JobFailed(rank, f"{text.rstrip()}\n{note}", 2 if kind == "usage" else 1)
 
 
