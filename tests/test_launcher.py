@@ -47,7 +47,8 @@ def test_ok_job_returns_rank0_result(tmp_path) -> None:  # noqa: ANN001
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())["results"]
     assert result["sum"] == [6.0, 6.0]  # 1 + 2 + 3
-    assert result["threads"] == 1  # 3 ranks share 2 cores: one torch thread each (never more than the cores)
+    cores = len(os.sched_getaffinity(0))
+    assert result["threads"] == max(1, cores // 3)  # 3 ranks share the cores: together never more than the cores
     hellos = [line for line in proc.stdout.splitlines() if "says hello" in line]
     assert sorted(hellos) == [f"[rank {r}] rank {r} says hello" for r in range(3)]  # whole lines, never mixed
 
