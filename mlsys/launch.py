@@ -79,10 +79,10 @@ class RankContext:
 
     def print_ordered(self, text: str) -> None:
         """Collective: every rank passes a text, rank 0 prints them all in rank order. All ranks must call it."""
-        import torch.distributed as dist
+        from torch.distributed import distributed_c10d  # the untraced function: --verbose shows the script's calls
 
         texts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(texts, text)
+        distributed_c10d.all_gather_object(texts, text)
         if self.rank == 0:
             lines = [f"[rank {r}] {line}" for r, t in enumerate(texts) for line in str(t).splitlines()]
             sys.stdout.write("\n".join(lines) + "\n")

@@ -29,6 +29,8 @@ def describe(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         inner = ", ".join(describe(v) for v in value[:2]) + (", ..." if len(value) > 2 else "")
         return f"[{inner}]"
+    if type(value).__name__ == "RedOpType":  # ReduceOp.SUM prints as <RedOpType.SUM: 0>
+        return str(value.name)
     text = repr(value)
     return text if len(text) < 40 else text[:37] + "..."
 

@@ -90,3 +90,15 @@ def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:  # noqa: 
         mine = [r for r in rows if r["store"] == kind]
         assert sorted(r["ticket"] for r in mine) == [1, 2, 3]  # the atomic counter: one ticket per rank
         assert all(r["peers_seen"] == 3 and r["all_reduce"] == 6.0 for r in mine)
+
+
+@pytest.mark.timeout(120)
+def test_verbose_traces_the_scripts_own_calls_only(tmp_path) -> None:  # noqa: ANN001
+    proc = run([CH01 / "hello_distributed.py", "--smoke", "--verbose", "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    starts = [line for line in proc.stderr.splitlines() if " -> " in line]
+    for rank in (0, 1):
+        called = [line.split(" -> ")[1].split("(")[0] for line in starts if line.startswith(f"[rank {rank}]")]
+        # print_ordered's internal gathers are not traced; the worker's own final all_gather_object is
+        assert called == ["all_gather", "all_reduce", "all_gather_object"], called
+    assert "all_reduce(tensor[2]:float32, op=SUM)" in proc.stderr
