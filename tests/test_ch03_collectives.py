@@ -1,0 +1,174 @@
+"""Chapter 3 oracles: the ring all-reduce against dist.all_reduce and numpy, comm_volume against counted messages,
+every collective of the tour against numpy, and the composed operations against numpy/torch on the full data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
+
+CH03 = ROOT / "tutorial" / "part1-distributed" / "chapter03-collectives" / "scripts"
+LENGTHS = [1, 2, 5, 7, 1000, 1001]
+
+
+# ----------------------------------------------------------------------------------------------- ring all-reduce
+def ring_worker(ctx, lengths: list[int]) -> list[dict]:  # noqa: ANN001 - module level: the launcher pickles it
+    import torch.distributed as dist
+
+    out = []
+    for n in lengths:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * ctx.rank + n))
+        sent = [0]
+        ring = ring_all_reduce(x.clone(), on_step=lambda *a: sent.__setitem__(0, sent[0] + a[4]))
+        builtin = x.clone()
+        dist.all_reduce(builtin)
+        out.append({"n": n, "ring": ring.tolist(), "builtin": builtin.tolist(), "sent": sent[0]})
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, out)
+    return gathered
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_all_reduce_equals_all_reduce_and_numpy(world_size: int) -> None:
+    from mlsys.launch import launch
+
+    per_rank = launch(ring_worker, LENGTHS, world_size=world_size, backend="gloo", timeout=60)
+    for i, n in enumerate(LENGTHS):
+        inputs = np.stack([torch.randn(n, generator=torch.Generator().manual_seed(1000 * r + n)).numpy()
+                           for r in range(world_size)]).astype(np.float64)
+        for rank in range(world_size):
+            row = per_rank[rank][i]
+            np.testing.assert_allclose(row["ring"], inputs.sum(0), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(row["ring"], row["builtin"], rtol=1e-5, atol=1e-5)
+        # bytes handed to isend: exactly 2(W-1)N over all ranks, for any chunking
+        total = sum(per_rank[r][i]["sent"] for r in range(world_size))
+        assert total == pytest.approx(world_size * comm_volume("all_reduce", 4 * n, world_size)["sent"])
+
+
+def test_ring_all_reduce_is_a_no_op_without_peers_and_keeps_shape() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).reshape(2, 3).t()  # non-contiguous (3, 2)
+        assert ring_all_reduce(x) is x and torch.equal(x, torch.arange(6.0).reshape(2, 3).t())
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- comm_volume
+def messages(collective: str, n: int, w: int) -> list[tuple[int, int, float]]:
+    """Every (src, dst, bytes) message of the explicit algorithm comm_volume names, for N bytes on W ranks."""
+    piece, root, msgs = n / w, 0, []
+    ring = [(r, (r + 1) % w) for r in range(w)]
+    if collective == "broadcast":  # a chain 0 -> 1 -> ... -> W-1, the tensor cut into 8 pipelined slices
+        msgs = [(r, r + 1, n / 8) for r in range(w - 1) for _ in range(8)]
+    elif collective == "scatter":
+        msgs = [(root, r, piece) for r in range(w) if r != root]
+    elif collective == "gather":
+        msgs = [(r, root, piece) for r in range(w) if r != root]
+    elif collective in ("all_gather", "reduce_scatter"):
+        msgs = [(s, d, piece) for _ in range(w - 1) for s, d in ring]
+    elif collective == "all_reduce":
+        msgs = [(s, d, piece) for _ in range(2 * (w - 1)) for s, d in ring]
+    elif collective == "reduce":  # ring reduce-scatter, then each rank's finished piece goes to the root
+        msgs = [(s, d, piece) for _ in range(w - 1) for s, d in ring] + [(r, root, piece) for r in range(w) if r != root]
+    elif collective == "all_to_all":
+        msgs = [(s, d, piece) for s in range(w) for d in range(w) if s != d]
+    return msgs
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_comm_volume_matches_counted_messages(collective: str, world_size: int) -> None:
+    n = 3 * 8 * 1024 * 7 * 5  # divisible by every W here and by the 8 broadcast slices
+    msgs = messages(collective, n, world_size)
+    sent = [sum(b for s, _, b in msgs if s == r) for r in range(world_size)]
+    received = [sum(b for _, d, b in msgs if d == r) for r in range(world_size)]
+    v = comm_volume(collective, n, world_size)
+    assert v["sent"] == pytest.approx(max(sent)) and v["received"] == pytest.approx(max(received))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
+@pytest.mark.parametrize("numel", [1, 5, 1000, 1001])
+def test_ring_bytes_from_chunk_sizes(world_size: int, numel: int) -> None:
+    """Rank r sends chunk (r-s) in reduce-scatter and (r+1-s) in all-gather: count bytes from tensor_split sizes."""
+    sizes = [len(c) * 4 for c in torch.arange(numel).tensor_split(world_size)]
+    per_rank = [sum(sizes[(r - s) % world_size] + sizes[(r + 1 - s) % world_size] for s in range(world_size - 1))
+                for r in range(world_size)]
+    formula = comm_volume("all_reduce", numel * 4, world_size)["sent"]
+    assert sum(per_rank) == pytest.approx(world_size * formula)
+    if numel % world_size == 0:
+        assert per_rank == [formula] * world_size
+    assert formula == pytest.approx(2 * (world_size - 1) / world_size * numel * 4)
+
+
+def test_comm_volume_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown collective"):
+        comm_volume("allreduce", 8, 2)
+
+
+# ----------------------------------------------------------------------------------------------- the scripts
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_tour_checks_every_supported_collective(world_size: int, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "tour.json"
+    proc = run([CH03 / "collectives_tour.py", "-w", world_size, "--root", world_size - 1, "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]["collectives"]
+    assert len(rows) == 15
+    for row in rows:
+        assert row["checked_ok"] is True if row["supported"] else row["reason"]
+    assert {r["collective"] for r in rows if not r["supported"]} <= {"all_reduce PREMUL_SUM"}
+
+
+def test_tour_numpy_reference_is_independent_of_the_collectives() -> None:
+    tour = load_script(CH03 / "collectives_tour.py")
+    X = tour.all_inputs(0, 3, 2)
+    assert X.shape == (3, 6) and np.array_equal(X[1], tour.rank_input(0, 1, 3, 2).numpy())
+    assert set(np.unique(X)) <= {1.0, 2.0, 3.0}  # small integers: products of 8 stay exact in float32
+
+
+@pytest.mark.timeout(120)
+def test_composed_ops_equal_numpy(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "ops.json"
+    proc = run([CH03 / "composed_ops.py", "-w", 3, "--vocab", 17, "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert res["rows_per_rank"] == [5, 8, 11]
+    assert res["argmax_index"] == res["numpy_argmax"] and res["softmax_ok"]
+    assert res["sums_max_abs_err_var"] < 1e-9 and res["chan_max_abs_err_var"] < 1e-9
+
+
+def test_chan_merge_equals_numpy_on_the_union() -> None:
+    ops = load_script(CH03 / "composed_ops.py")
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(5, 2, (7, 3)), rng.normal(-1, 3, (12, 3))
+
+    def stats(x):  # noqa: ANN001, ANN202
+        return len(x), torch.tensor(x.mean(0)), torch.tensor(((x - x.mean(0)) ** 2).sum(0))
+
+    n, mean, m2 = ops.chan_merge(stats(a), stats(b))
+    both = np.concatenate([a, b])
+    assert n == 19
+    np.testing.assert_allclose(mean.numpy(), both.mean(0), rtol=1e-12)
+    np.testing.assert_allclose((m2 / n).numpy(), both.var(0), rtol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_ring_script_counts_the_formula_bytes(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "ring.json"
+    proc = run([CH03 / "ring_allreduce.py", "-w", 3, "--mib", 0.05, "--repeats", 1, "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert [r["numel"] for r in res["lengths"]] == [1, 2, 4, 1001, 13107]
+    big = res["lengths"][-1]
+    assert big["ring_bytes_sent_max"] == big["formula_bytes_sent"] == 2 * 2 * 13107 * 4 // 3
+    assert "reduce-scatter step 1: sent chunk" in proc.stdout and "all-gather     step 1" in proc.stdout
