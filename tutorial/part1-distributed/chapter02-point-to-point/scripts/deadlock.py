@@ -1,0 +1,162 @@
+"""The head-to-head deadlock, shown safely: both ranks send first, and a short timeout ends the wait.
+
+What it shows
+    Ranks are paired (0,1), (2,3), ...; each pair swaps a tensor.
+    NAIVE     both partners call the blocking dist.send first, then dist.recv. A gloo send returns only when the
+              peer has posted the matching recv, so each waits for the other forever. Here the send runs on a
+              separate gloo process group with a short timeout (--deadlock-timeout), so it fails with
+              "Timed out" and the script prints "deadlocked: timed out after X s" instead of hanging. It is tried
+              with a 1-element tensor and with a large one (--numel): on gloo both deadlock, because gloo never
+              buffers a send on its own, whatever its size (MPI libraries and NCCL do buffer small messages, which
+              is why this bug can hide in tests with tiny tensors and appear in production).
+    ORDERED   even ranks send then receive, odd ranks receive then send: completes.
+    NONBLOCK  isend + irecv, then wait on both: completes, in any order.
+    The two fixed versions check that each rank received its partner's tensor (exit 1 if not). The broken group
+    is destroyed afterwards; the default group was never involved, so the job goes on normally.
+
+How to run (even world sizes)
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py
+    ... --deadlock-timeout 5        # wait longer before giving up on the naive version
+
+Contract flags: --seed changes nothing here (the tensors hold rank numbers, so nothing is random).
+
+Runtime on 2 cores: about 8 s (two naive attempts of 2 s each, plus starting the ranks), 6 s with --smoke.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, report
+from mlsys.launch import RankContext, launch
+
+
+@dataclass
+class Settings(cli.DistArgs):
+    numel: int = 1 << 22
+    """Elements (float32) in the large tensor each partner sends: 4M elements = 16 MiB."""
+    deadlock_timeout: float = 2.0
+    """Seconds the naive send may wait before it is declared deadlocked."""
+
+    def validate(self) -> None:
+        if self.numel < 1:
+            raise cli.UsageError(f"--numel must be at least 1, got {self.numel}")
+        if not 0 < self.deadlock_timeout < self.timeout:
+            raise cli.UsageError(f"--deadlock-timeout must be in (0, --timeout={self.timeout}), "
+                                 f"got {self.deadlock_timeout}")
+
+
+def partner_of(rank: int) -> int:
+    return rank ^ 1  # pairs (0,1), (2,3), ...: flip the lowest bit
+
+
+def payload(rank: int, numel: int, device: torch.device) -> torch.Tensor:
+    return torch.full((numel,), float(rank), device=device)  # rank r sends r's: easy to tell who sent what
+
+
+# --8<-- [start:naive]
+def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float) -> dict:
+    """Both partners send first. Run on a fresh gloo group whose timeout is short, so the deadlock ends in an error.
+
+    A timed-out gloo send closes that group's connection to the peer, so the group is thrown away afterwards; the
+    default group (used by everything else) never saw these calls.
+    """
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=deadlock_timeout))  # collective
+    mine, theirs = payload(ctx.rank, numel, torch.device("cpu")), torch.empty(numel)  # gloo group: CPU tensors
+    start = time.perf_counter()
+    try:
+        dist.send(mine, dst=partner_of(ctx.rank), group=group)  # waits for the partner's recv... which never comes
+        dist.recv(theirs, src=partner_of(ctx.rank), group=group)
+        outcome = "completed"
+    except RuntimeError as err:
+        # Whichever partner's timer fires first reports "Timed out" and closes the connection; the other one,
+        # still waiting, may see "Connection closed by peer" a moment later instead. Both were deadlocked.
+        message = str(err).lower()
+        if "timed out" in message:
+            outcome = "timed out"
+        elif "connection closed by peer" in message:
+            outcome = "peer timed out"
+        else:
+            raise
+    seconds = time.perf_counter() - start
+    dist.destroy_process_group(group)
+    return {"numel": numel, "outcome": outcome, "seconds": round(seconds, 3),
+            "received_ok": outcome == "completed" and bool((theirs == partner_of(ctx.rank)).all())}
+# --8<-- [end:naive]
+
+
+# --8<-- [start:fixed]
+def ordered_swap(ctx: RankContext, mine: torch.Tensor) -> torch.Tensor:
+    """Break the symmetry: the even partner sends first, the odd one receives first."""
+    theirs = torch.empty_like(mine)
+    if ctx.rank % 2 == 0:
+        dist.send(mine, dst=partner_of(ctx.rank))
+        dist.recv(theirs, src=partner_of(ctx.rank))
+    else:
+        dist.recv(theirs, src=partner_of(ctx.rank))
+        dist.send(mine, dst=partner_of(ctx.rank))
+    return theirs
+
+
+def nonblocking_swap(ctx: RankContext, mine: torch.Tensor) -> torch.Tensor:
+    """Post the send and the recv, then wait on both: neither call blocks, so the order does not matter."""
+    theirs = torch.empty_like(mine)
+    requests = [dist.isend(mine, dst=partner_of(ctx.rank)), dist.irecv(theirs, src=partner_of(ctx.rank))]
+    for request in requests:
+        request.wait()
+    return theirs
+# --8<-- [end:fixed]
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    naive = [naive_swap(ctx, numel, args.deadlock_timeout) for numel in (1, args.numel)]
+    mine = payload(ctx.rank, args.numel, ctx.device)
+    want = payload(partner_of(ctx.rank), args.numel, ctx.device)
+    fixed = {}
+    for name, swap in (("ordered send/recv", ordered_swap), ("isend + irecv + wait", nonblocking_swap)):
+        start = time.perf_counter()
+        theirs = swap(ctx, mine)
+        fixed[name] = {"seconds": round(time.perf_counter() - start, 4), "from_rank": int(theirs[0].item())}
+        report.expect_equal(f"rank {ctx.rank} {name}", theirs, want)
+
+    lines = []
+    for attempt in naive:
+        if attempt["outcome"] == "completed":
+            verdict = f"completed in {attempt['seconds']:.3f} s (this backend buffered the send)"
+        else:
+            verdict = f"deadlocked: {attempt['outcome']} after {attempt['seconds']:.1f} s"
+        lines.append(f"{'naive send/send':<22} {attempt['numel']:>8} elements: {verdict}")
+    for name, info in fixed.items():
+        lines.append(f"{name:<22} {args.numel:>8} elements: completed in {info['seconds']:.3f} s, "
+                     f"got rank {info['from_rank']}'s tensor")
+    ctx.print_ordered("\n".join(lines))
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"rank": ctx.rank, "naive": naive, "fixed": fixed})
+    return {"world_size": ctx.world_size, "numel": args.numel, "deadlock_timeout": args.deadlock_timeout,
+            "per_rank": everyone}
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"numel": 1 << 16, "deadlock_timeout": 1.0},
+                     world_sizes=lambda w: w >= 2 and w % 2 == 0, world_sizes_text="2, 4, 6, ... (pairs of ranks)")
+    result = launch(worker, args)
+    if result is None:
+        return 0
+    hung = sum(a["outcome"] != "completed" for p in result["per_rank"] for a in p["naive"])
+    total = sum(len(p["naive"]) for p in result["per_rank"])
+    print(f"naive version: {hung} of {total} rank-attempts deadlocked and were stopped by the "
+          f"{result['deadlock_timeout']} s timeout")
+    print("OK: the ordered and the non-blocking swaps delivered every partner's tensor")
+    if args.json:
+        report.write_json(args.json, {"ok": True, **result}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

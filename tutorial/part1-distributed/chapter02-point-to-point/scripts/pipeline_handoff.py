@@ -1,0 +1,231 @@
+"""A model split across ranks: activations go forward with send/recv, their gradients come back the same way.
+
+What it shows
+    PIPELINE  a small MLP (Linear+ReLU blocks, seeded) is cut into W stages, one per rank. Rank 0 feeds the batch;
+              each stage receives its input activation from the previous rank and sends its output to the next;
+              the last rank computes the loss and starts backward; each stage then receives d(loss)/d(output)
+              from the next rank, backpropagates through its own layers, and sends d(loss)/d(input) to the
+              previous one. The last rank's output and every parameter's gradient (gathered to rank 0) are
+              compared with the same model run in one process (tolerance 1e-6).
+    PITFALLS  (--pitfalls, on by default) two bugs that give a wrong answer without any error, each shown wrong,
+              then right, with a check that the wrong version really differs:
+              buffer reuse   the sender changes a tensor after isend() but before wait(): gloo reads the tensor
+                             only when the receiver is ready, so the receiver gets the changed value;
+              missing wait   the receiver reads an irecv buffer before wait(): it sees the zeros it allocated.
+              Both are made deterministic with a dist.barrier() handshake, not with timing luck.
+
+How to run (any world size >= 2; --num-blocks must be >= the world size)
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py -w 4
+    torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py
+
+Runtime on 2 cores: about 4 s with -w 4, 4 s with --smoke.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mlsys import cli, report
+from mlsys.launch import RankContext, launch
+
+
+@dataclass
+class Settings(cli.DistArgs):
+    world_size: int = 4
+    """Number of ranks (= pipeline stages). Under torchrun it is taken from WORLD_SIZE."""
+    num_blocks: int = 4
+    """Linear(+ReLU) blocks in the MLP; split as evenly as possible across the stages."""
+    hidden: int = 32
+    """Width of every hidden layer."""
+    batch_size: int = 8
+    """Rows in the input batch."""
+    pitfalls: bool = True
+    """Also run the two pitfall demonstrations (buffer reuse, missing wait)."""
+
+    def validate(self) -> None:
+        if self.num_blocks < self.world_size:
+            raise cli.UsageError(f"--num-blocks {self.num_blocks} must be >= the world size {self.world_size} "
+                                 "(every stage needs at least one block)")
+        if min(self.hidden, self.batch_size) < 1:
+            raise cli.UsageError("--hidden and --batch-size must be at least 1")
+
+
+IN_FEATURES, OUT_FEATURES = 16, 4
+
+
+# --8<-- [start:model]
+def build_model(num_blocks: int, hidden: int, seed: int) -> nn.Sequential:
+    """Blocks of Linear+ReLU (the last block without ReLU): 16 -> hidden -> ... -> hidden -> 4. Same seed, same weights."""
+    torch.manual_seed(seed)
+    dims = [IN_FEATURES] + [hidden] * (num_blocks - 1) + [OUT_FEATURES]
+    blocks = [nn.Sequential(nn.Linear(dims[i], dims[i + 1]), nn.ReLU()) for i in range(num_blocks - 1)]
+    return nn.Sequential(*blocks, nn.Sequential(nn.Linear(dims[-2], dims[-1])))
+
+
+def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(batch_size, IN_FEATURES, generator=g), torch.randn(batch_size, OUT_FEATURES, generator=g)
+
+
+def stage_blocks(num_blocks: int, stage: int, num_stages: int) -> range:
+    """Contiguous, near-even split: the first num_blocks % num_stages stages get one block more."""
+    base, extra = divmod(num_blocks, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+# --8<-- [end:model]
+
+
+def reference(args: Settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole model in one process: the output and every parameter's gradient (names as in the full model)."""
+    model = build_model(args.num_blocks, args.hidden, args.seed)
+    x, target = make_batch(args.batch_size, args.seed)
+    out = model(x)
+    nn.functional.mse_loss(out, target).backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+# --8<-- [start:pipeline]
+def pipeline_step(ctx: RankContext, args: Settings) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """One forward + backward of this rank's stage. Returns (output on the last rank else None, local grads)."""
+    full = build_model(args.num_blocks, args.hidden, args.seed)  # every rank builds it, keeps only its blocks
+    mine = stage_blocks(args.num_blocks, ctx.rank, ctx.world_size)
+    stage = nn.Sequential(*[full[i] for i in mine]).to(ctx.device)  # cuda:<local rank> under nccl, else cpu
+    is_first, is_last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
+    x, target = (t.to(ctx.device) for t in make_batch(args.batch_size, args.seed))
+
+    # forward: receive the previous stage's activation (batch, hidden), run our blocks, send the result on
+    if is_first:
+        inp = x
+    else:
+        inp = torch.empty(args.batch_size, args.hidden, device=ctx.device)
+        dist.recv(inp, src=ctx.rank - 1)
+        inp.requires_grad_(True)  # a leaf of this rank's graph: backward will fill inp.grad for the previous rank
+    out = stage(inp)
+    if not is_last:
+        dist.send(out.detach(), dst=ctx.rank + 1)  # (batch, hidden)
+
+    # backward: the last stage starts from the loss; the others from the gradient the next stage sends back
+    if is_last:
+        nn.functional.mse_loss(out, target).backward()
+    else:
+        grad_out = torch.empty_like(out)  # d(loss)/d(out), (batch, hidden)
+        dist.recv(grad_out, src=ctx.rank + 1)
+        out.backward(grad_out)  # chain rule: continues the backward pass the next rank began
+    if not is_first:
+        dist.send(inp.grad, dst=ctx.rank - 1)  # d(loss)/d(inp): the previous stage's grad_out
+
+    grads = {f"{i}.{name}": p.grad for i in mine for name, p in full[i].named_parameters()}  # full-model names
+    return (out.detach().cpu() if is_last else None), {k: g.cpu() for k, g in grads.items()}
+# --8<-- [end:pipeline]
+
+
+# --8<-- [start:pitfalls]
+def pitfall_buffer_reuse(ctx: RankContext, safe: bool) -> list[float] | None:
+    """Rank 0 isends [1,1,1,1] to rank 1, then overwrites the tensor with 7s. Returns what rank 1 received."""
+    if ctx.rank == 0:
+        data = torch.ones(4)
+        request = dist.isend(data, dst=1)
+        if safe:
+            dist.barrier()  # handshake first (so the timing is the same in both versions)...
+            request.wait()  # ...and change the tensor only after the send has completed
+            data.fill_(7.0)
+        else:
+            data.fill_(7.0)  # BUG: the send is still in flight; gloo has not read `data` yet
+            dist.barrier()  # handshake: rank 1 posts its recv only now, after the change
+            request.wait()
+    elif ctx.rank == 1:
+        got = torch.zeros(4)
+        dist.barrier()
+        dist.recv(got, src=0)
+        return got.tolist()
+    else:
+        dist.barrier()
+    return None
+
+
+def pitfall_missing_wait(ctx: RankContext, safe: bool) -> list[float] | None:
+    """Rank 0 sends [5,5,5,5] only after a barrier; rank 1 reads its irecv buffer. Returns what rank 1 read."""
+    if ctx.rank == 1:
+        got = torch.zeros(4)
+        request = dist.irecv(got, src=0)
+        if safe:
+            dist.barrier()
+            request.wait()  # the data is ours only after wait() returns
+            seen = got.clone()
+        else:
+            seen = got.clone()  # BUG: read before wait(); rank 0 cannot even have sent yet (it waits on the barrier)
+            dist.barrier()
+            request.wait()
+        return seen.tolist()
+    dist.barrier()
+    if ctx.rank == 0:
+        dist.send(torch.full((4,), 5.0), dst=1)
+    return None
+# --8<-- [end:pitfalls]
+
+
+def run_pitfalls(ctx: RankContext) -> dict:
+    results = {}
+    for name, fn, sent in (("buffer reuse", pitfall_buffer_reuse, [1.0] * 4),
+                           ("missing wait", pitfall_missing_wait, [5.0] * 4)):
+        wrong, right = fn(ctx, safe=False), fn(ctx, safe=True)
+        if ctx.rank == 1:
+            # The demonstration is itself checked: the buggy version must differ, the fixed one must match.
+            if wrong == sent:
+                raise cli.SelfCheckFailed(f"{name}: the buggy version got the right value {wrong}; bug not shown")
+            report.expect_equal(f"{name} (fixed)", right, sent)
+            results[name] = {"sent": sent, "buggy_received": wrong, "fixed_received": right}
+    return results
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    out, grads = pipeline_step(ctx, args)
+    ref_out, ref_grads = reference(args)  # every rank can compute it: same seed, same weights, same batch
+    result: dict = {"stages": [list(stage_blocks(args.num_blocks, r, ctx.world_size)) for r in range(ctx.world_size)]}
+    if out is not None:
+        report.expect_close(f"rank {ctx.rank} forward output", out, ref_out, rtol=0, atol=1e-6)
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {"out": None if out is None else out.tolist(),
+                                      "grads": {k: v.tolist() for k, v in grads.items()}})
+    all_grads = {k: torch.tensor(v) for part in gathered for k, v in part["grads"].items()}
+    if ctx.rank == 0:
+        report.expect_equal("parameters with a gradient", sorted(all_grads), sorted(ref_grads))
+        for name, grad in all_grads.items():
+            report.expect_close(f"grad of {name}", grad, ref_grads[name], rtol=0, atol=1e-6)
+        result["max_abs_diff_output"] = float((torch.tensor(gathered[-1]["out"]) - ref_out).abs().max())
+        result["max_abs_diff_grad"] = max(float((g - ref_grads[k]).abs().max()) for k, g in all_grads.items())
+        result["num_params_checked"] = len(all_grads)
+    ctx.print_ordered(f"stage {ctx.rank}: blocks {list(stage_blocks(args.num_blocks, ctx.rank, ctx.world_size))}, "
+                      f"{len(grads)} parameter gradients" + (f", output {tuple(out.shape)}" if out is not None else ""))
+    if args.pitfalls and ctx.backend != "gloo":
+        ctx.print("pitfall demos skipped: they are written for gloo's CPU transfers; NCCL's timing differs")
+    elif args.pitfalls:
+        pit: list = [None] * ctx.world_size
+        dist.all_gather_object(pit, run_pitfalls(ctx))
+        result["pitfalls"] = pit[1]
+    return result
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "hidden": 8},
+                     world_sizes=lambda w: w >= 2, world_sizes_text=">= 2")
+    result = launch(worker, args)
+    if result is None:
+        return 0
+    print(f"pipeline vs one process: max |output diff| = {result['max_abs_diff_output']:.2e}, "
+          f"max |grad diff| = {result['max_abs_diff_grad']:.2e} over {result['num_params_checked']} parameters")
+    for name, seen in result.get("pitfalls", {}).items():
+        print(f"pitfall {name}: sent {seen['sent']}, buggy version received {seen['buggy_received']}, "
+              f"fixed version received {seen['fixed_received']}")
+    print("OK: the pipelined forward and backward match the single-process model")
+    if args.json:
+        report.write_json(args.json, {"ok": True, **result}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

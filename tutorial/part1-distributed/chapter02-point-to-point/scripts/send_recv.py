@@ -1,0 +1,193 @@
+"""Point-to-point: a value passed down a chain, and tensors shifted around a ring, three ways each.
+
+What it shows
+    CHAIN  rank 0 starts a tensor; rank r receives it from r-1, adds r, and passes it to r+1. Done twice: with
+           blocking send/recv, and with isend/irecv + wait(). Rank r must end up holding start + r(r+1)/2.
+    RING   every rank sends its own tensor to (r+1) % W and receives from (r-1) % W at the same moment. Done
+           three ways: blocking calls in even/odd order, isend/irecv + wait(), and batch_isend_irecv (P2POp).
+           Rank r must end up holding rank (r-1) % W's tensor.
+    Every rank computes the value it must hold without any communication and compares (exit 1 on a mismatch).
+    Each pattern is repeated --repeats times; the mean time per rank and pattern is printed and saved in --json.
+
+How to run (any world size >= 2)
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 4
+    torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py
+    ... --numel 4 --verbose      # trace every send and recv on every rank
+
+Contract flags: --seed changes nothing here (every value is a function of the rank, so nothing is random).
+
+Runtime on 2 cores: about 4 s with -w 4 (mostly starting the ranks), 3 s with --smoke.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, report
+from mlsys.launch import RankContext, launch
+
+
+@dataclass
+class Settings(cli.DistArgs):
+    world_size: int = 4
+    """Number of ranks to start (at least 2). Under torchrun it is taken from WORLD_SIZE."""
+    numel: int = 1024
+    """Elements in the tensor each pattern moves (float32)."""
+    repeats: int = 20
+    """How many times each pattern runs; the timings are the mean over these runs."""
+
+    def validate(self) -> None:
+        if self.numel < 1:
+            raise cli.UsageError(f"--numel must be at least 1, got {self.numel}")
+        if self.repeats < 1:
+            raise cli.UsageError(f"--repeats must be at least 1, got {self.repeats}")
+
+
+# --8<-- [start:expected]
+def chain_start(numel: int) -> torch.Tensor:
+    return torch.arange(numel, dtype=torch.float32)  # what rank 0 starts with: [0, 1, ..., numel-1]
+
+
+def expected_chain(rank: int, numel: int) -> torch.Tensor:
+    # rank r adds r to what it received, so it holds start + 1 + 2 + ... + r = start + r(r+1)/2
+    return chain_start(numel) + rank * (rank + 1) / 2
+
+
+def ring_own(rank: int, numel: int) -> torch.Tensor:
+    return 100.0 * rank + torch.arange(numel, dtype=torch.float32)  # rank r's tensor: 100r + [0, 1, ...]
+
+
+def expected_ring(rank: int, world_size: int, numel: int) -> torch.Tensor:
+    return ring_own((rank - 1) % world_size, numel)  # everyone receives from its left neighbour
+# --8<-- [end:expected]
+
+
+# --8<-- [start:chain]
+def chain_blocking(ctx: RankContext, numel: int) -> torch.Tensor:
+    """Rank r waits for r-1, adds r, hands on to r+1. The ranks run one after the other."""
+    if ctx.rank == 0:
+        value = chain_start(numel).to(ctx.device)
+    else:
+        value = torch.empty(numel, device=ctx.device)  # recv fills a buffer we allocate: shape and dtype must match the sender's
+        dist.recv(value, src=ctx.rank - 1)
+        value += ctx.rank
+    if ctx.rank < ctx.world_size - 1:
+        dist.send(value, dst=ctx.rank + 1)  # returns once the next rank has the data
+    return value
+
+
+def chain_nonblocking(ctx: RankContext, numel: int) -> torch.Tensor:
+    """The same chain with isend/irecv: each call returns a request at once; wait() is where we block."""
+    if ctx.rank == 0:
+        value = chain_start(numel).to(ctx.device)
+    else:
+        value = torch.empty(numel, device=ctx.device)
+        dist.irecv(value, src=ctx.rank - 1).wait()  # we need the data before adding to it
+        value += ctx.rank
+    if ctx.rank < ctx.world_size - 1:
+        request = dist.isend(value, dst=ctx.rank + 1)
+        request.wait()  # `value` must not change until this returns (see pipeline_handoff.py --pitfalls)
+    return value
+# --8<-- [end:chain]
+
+
+# --8<-- [start:ring]
+def ring_even_odd(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
+    """Blocking calls. If every rank sent first, every send would wait for a recv that never comes.
+
+    Even ranks send then receive, odd ranks receive then send. With an odd W, rank W-1 and rank 0 are both even:
+    rank W-1's send waits until rank 0 has finished its own send and posts its recv, which it always does.
+    """
+    right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+    got = torch.empty_like(own)
+    if ctx.rank % 2 == 0:
+        dist.send(own, dst=right)
+        dist.recv(got, src=left)
+    else:
+        dist.recv(got, src=left)
+        dist.send(own, dst=right)
+    return got
+
+
+def ring_isend_irecv(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
+    """Post both operations first, then wait: no rank blocks before its recv is posted, so no order is needed."""
+    right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+    got = torch.empty_like(own)
+    requests = [dist.isend(own, dst=right), dist.irecv(got, src=left)]
+    for request in requests:
+        request.wait()
+    return got
+
+
+def ring_batched(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
+    """The same with one call: batch_isend_irecv posts a list of P2POps (with NCCL, as one fused group)."""
+    right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+    got = torch.empty_like(own)
+    ops = [dist.P2POp(dist.isend, own, right), dist.P2POp(dist.irecv, got, left)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return got
+# --8<-- [end:ring]
+
+
+def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
+    """Run fn() `repeats` times; return its last result and the mean wall time in microseconds."""
+    dist.barrier()  # start every pattern together, so no rank's time includes waiting for a slow starter
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    return out, (time.perf_counter() - start) / repeats * 1e6
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    own = ring_own(ctx.rank, args.numel).to(ctx.device)  # cuda:<local rank> under nccl, else cpu
+    patterns = {
+        "chain send/recv": lambda: chain_blocking(ctx, args.numel),
+        "chain isend/irecv": lambda: chain_nonblocking(ctx, args.numel),
+        "ring even/odd": lambda: ring_even_odd(ctx, own),
+        "ring isend/irecv": lambda: ring_isend_irecv(ctx, own),
+        "ring batch_isend_irecv": lambda: ring_batched(ctx, own),
+    }
+    held, times_us = {}, {}
+    for name, fn in patterns.items():
+        held[name], times_us[name] = timed(fn, args.repeats)
+
+    # Self-check on every rank, against values computed with no communication at all.
+    for name, value in held.items():
+        want = expected_chain(ctx.rank, args.numel) if name.startswith("chain") else \
+            expected_ring(ctx.rank, ctx.world_size, args.numel)
+        report.expect_equal(f"rank {ctx.rank} {name}", value, want)
+
+    shown = min(args.numel, 3)
+    ctx.print_ordered(f"chain holds {held['chain send/recv'][:shown].tolist()}...  "
+                      f"ring got {held['ring isend/irecv'][:shown].tolist()}... "
+                      f"(from rank {(ctx.rank - 1) % ctx.world_size})")
+    mine = {"rank": ctx.rank, "values": {k: v.cpu().tolist() for k, v in held.items()}, "times_us": times_us}
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"world_size": ctx.world_size, "numel": args.numel, "repeats": args.repeats, "per_rank": everyone}
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "numel": 8, "repeats": 3},
+                     world_sizes=lambda w: w >= 2, world_sizes_text=">= 2 (point-to-point needs a peer)")
+    result = launch(worker, args)
+    if result is None:  # a non-zero torchrun rank: rank 0 reports
+        return 0
+    names = list(result["per_rank"][0]["times_us"])
+    rows = [{"pattern": n, **{f"rank {p['rank']} (us)": round(p["times_us"][n], 1) for p in result["per_rank"]}}
+            for n in names]
+    print(f"\nmean time per call, {result['numel']} float32 elements, {result['repeats']} repeats:")
+    print(report.table(rows))
+    print(f"OK: chain and ring values match the expected values on all {result['world_size']} ranks")
+    if args.json:
+        report.write_json(args.json, {"ok": True, **result}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
