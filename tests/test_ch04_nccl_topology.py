@@ -1,0 +1,204 @@
+"""Chapter 4 oracles: hand-written all-reduce algorithms vs numpy and dist.all_reduce, the nccl-tests bandwidth
+arithmetic against hand-computed values, the alpha-beta fit on synthetic timings, and the scripts' JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, load_script, run
+
+CH04 = ROOT / "tutorial" / "part1-distributed" / "chapter04-nccl-topology" / "scripts"
+ODD_LENGTHS = [1, 3, 7, 1001]  # shorter than, and not divisible by, most world sizes
+
+
+def load(name: str):  # noqa: ANN201
+    return load_script(CH04 / f"{name}.py")
+
+
+# ------------------------------------------------------------------------------------------ algorithms on real ranks
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_algorithm_equals_all_reduce_and_numpy(world_size: int) -> None:
+    from mlsys.exercises import run_ranks
+
+    rvt = load("ring_vs_tree")
+    per_rank = run_ranks(rvt, "all_reduce_every_way", [(ODD_LENGTHS, 3)] * world_size)
+    expected_names = {"ring", "tree", "gloo all_reduce"} | ({"halving-doubling"} if world_size in (1, 2, 4) else set())
+    for rank, results in enumerate(per_rank):
+        assert set(results) == expected_names
+        for i, n in enumerate(ODD_LENGTHS):
+            # numpy oracle, in float64: the sum over ranks of each rank's reproducible input
+            want = np.sum([rvt.rank_data(r, n, 3).numpy().astype(np.float64) for r in range(world_size)], axis=0)
+            library = np.array(results["gloo all_reduce"][i])
+            np.testing.assert_allclose(library, want, rtol=1e-5, atol=1e-5)
+            for name in expected_names:
+                got = np.array(results[name][i], dtype=np.float32)
+                assert got.shape == (n,), (name, got.shape)
+                np.testing.assert_allclose(got, library, rtol=1e-5, atol=1e-5, err_msg=f"{name} W={world_size} n={n}")
+
+
+def test_halving_doubling_only_for_powers_of_two() -> None:
+    rvt = load("ring_vs_tree")
+    assert [w for w in range(1, 17) if "halving-doubling" in rvt.algorithms(w)] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 13])
+def test_tree_reaches_every_rank_once_within_log_depth(world_size: int) -> None:
+    rvt = load("ring_vs_tree")
+    seen, frontier, depth = [0], [0], 0
+    while frontier:
+        frontier = [c for r in frontier for c in rvt.tree_children(r, world_size)]
+        seen += frontier
+        depth += bool(frontier)
+    assert sorted(seen) == list(range(world_size))  # a spanning tree: no rank twice, none missing
+    assert depth == int(math.floor(math.log2(world_size)))
+    for r in range(1, world_size):
+        assert r in rvt.tree_children(rvt.tree_parent(r), world_size)
+    assert rvt.tree_parent(0) is None
+
+
+# ------------------------------------------------------------------------------------------ bandwidth arithmetic
+@pytest.mark.parametrize("collective, world_size, factor", [
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_reduce", 1, 0.0),
+    ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875), ("all_to_all", 2, 0.5),
+    ("broadcast", 8, 1.0), ("reduce", 3, 1.0)])
+def test_busbw_factors_are_the_nccl_tests_ones(collective: str, world_size: int, factor: float) -> None:
+    bench = load("bench_collectives")
+    assert bench.busbw_factor(collective, world_size) == pytest.approx(factor)
+
+
+def test_algbw_and_busbw_arithmetic() -> None:
+    bench = load("bench_collectives")
+    assert bench.algbw(1e9, 1.0) == pytest.approx(1.0)  # GB/s are 1e9 bytes, as nccl-tests
+    assert bench.algbw(32 * 2**20, 0.01) == pytest.approx(3.3554432)
+    assert bench.busbw("all_reduce", 8e9, 2.0, 4) == pytest.approx(6.0)  # 4 GB/s * 2*3/4
+    assert bench.busbw("all_gather", 6e8, 0.5, 3) == pytest.approx(0.8)  # 1.2 GB/s * 2/3
+
+
+def test_element_counts_split_evenly() -> None:
+    bench = load("bench_collectives")
+    assert bench.element_count("all_reduce", 10, 3) == 2
+    assert bench.element_count("all_gather", 40, 3) == 9  # 10 elements rounded down to a multiple of 3
+    assert bench.element_count("all_to_all", 4, 4) == 4  # never below one element per rank
+
+
+# ------------------------------------------------------------------------------------------ cost model
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_alpha_beta_fit_recovers_known_values(world_size: int) -> None:
+    rvt = load("ring_vs_tree")
+    alpha, beta = 40e-6, 2.5e-9  # 40 us per step, 0.4 GB/s
+    sizes = np.array([2.0**k for k in range(8, 24, 2)])
+    terms = [rvt.cost_terms(name, world_size) for name in ("ring", "tree")]
+    steps = np.concatenate([np.full(sizes.size, a) for a, _ in terms])  # ring points, then tree points
+    moved = np.concatenate([b * sizes for _, b in terms])
+    exact = steps * alpha + moved * beta
+    assert rvt.fit_alpha_beta(steps, moved, exact) == pytest.approx((alpha, beta), rel=1e-9)
+    ring_only = slice(0, sizes.size)
+    assert rvt.fit_alpha_beta(steps[ring_only], moved[ring_only], exact[ring_only]) == pytest.approx((alpha, beta))
+    noise = 1 + 0.03 * np.random.default_rng(0).standard_normal(exact.size)  # 3% multiplicative noise
+    fit_alpha, fit_beta = rvt.fit_alpha_beta(steps, moved, exact * noise)
+    assert fit_alpha == pytest.approx(alpha, rel=0.15) and fit_beta == pytest.approx(beta, rel=0.15)
+
+
+def test_alpha_beta_fit_stays_non_negative() -> None:
+    rvt = load("ring_vs_tree")
+    sizes = np.array([2.0**k for k in range(8, 24, 2)])
+    steps, moved = np.full(sizes.size, 6.0), 1.5 * sizes
+    shrinking = 1e-2 - 1e-10 * moved  # bigger messages measured faster: plain least squares gives beta < 0
+    alpha, beta = rvt.fit_alpha_beta(steps, moved, shrinking)
+    assert beta == 0.0 and alpha > 0
+    assert rvt.crossover_bytes(alpha, beta, 4) is None
+
+
+def test_cost_terms_and_crossover_by_hand() -> None:
+    rvt = load("ring_vs_tree")
+    assert rvt.cost_terms("ring", 4) == (6, 1.5)  # 2(p-1) steps, 2(p-1)/p bytes
+    assert rvt.cost_terms("tree", 4) == (4, 4)  # 2 log2 p steps, each with all n bytes
+    assert rvt.cost_terms("tree", 5) == (6, 6)  # log2 rounded up
+    assert rvt.cost_terms("halving-doubling", 8) == (6, 1.75)
+    alpha, beta = 1e-4, 1e-9
+    cross = rvt.crossover_bytes(alpha, beta, 4)
+    assert cross == pytest.approx(2 * alpha / (2.5 * beta))  # (6-4) alpha = (4-1.5) n beta
+    ring = lambda n: 6 * alpha + 1.5 * n * beta  # noqa: E731
+    tree = lambda n: 4 * alpha + 4 * n * beta  # noqa: E731
+    assert ring(cross) == pytest.approx(tree(cross))
+    assert tree(cross / 2) < ring(cross / 2) and ring(cross * 2) < tree(cross * 2)
+    assert rvt.crossover_bytes(alpha, beta, 2) is None  # 2 ranks: ring has as few steps as the tree
+
+
+def test_latency_bandwidth_fit_of_the_benchmark() -> None:
+    bench = load("bench_collectives")
+    sizes = np.array([2.0**k for k in range(3, 26, 2)])
+    alpha, bandwidth = bench.fit_latency_bandwidth(sizes, 300e-6 + sizes / 1.5e9)
+    assert alpha == pytest.approx(300e-6, rel=1e-9) and bandwidth == pytest.approx(1.5e9, rel=1e-9)
+    shrinking = 1e-3 - sizes * 1e-12  # noise can make big messages look no slower: no bandwidth term at all
+    assert bench.fit_latency_bandwidth(sizes, shrinking)[1] == math.inf
+
+
+# ------------------------------------------------------------------------------------------ the scripts' results
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collective, world_size", [("all_reduce", 2), ("all_gather", 3)])
+def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp_path) -> None:  # noqa: ANN001
+    bench = load("bench_collectives")
+    out = tmp_path / "b.json"
+    proc = run([CH04 / "bench_collectives.py", "--smoke", "-w", world_size, "--collective", collective,
+                "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())["results"]
+    rows = doc["rows"]
+    assert rows[0]["size (B)"] <= 4 * world_size and rows[-1]["size (B)"] <= 64 * 2**10
+    for row in rows:
+        assert {"size (B)", "count", "type", "time (us)", "algbw (GB/s)", "busbw (GB/s)"} <= set(row)
+        assert row["size (B)"] == 4 * row["count"]
+        assert row["algbw (GB/s)"] == pytest.approx(row["size (B)"] / (row["time (us)"] * 1e-6) / 1e9)
+        assert row["busbw (GB/s)"] == pytest.approx(row["algbw (GB/s)"] * bench.busbw_factor(collective, world_size))
+    avg = np.mean([r["busbw (GB/s)"] for r in rows])
+    assert doc["avg_busbw_gbps"] == pytest.approx(avg)
+    assert f"# Avg bus bandwidth : {avg:.4f}" in proc.stdout
+    assert (tmp_path / f"{collective}_sweep.png").exists()
+
+
+@pytest.mark.timeout(120)
+def test_ring_vs_tree_json(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([CH04 / "ring_vs_tree.py", "-w", 3, "--max-bytes", 65536, "--max-iters", 2, "--rounds", 1,
+                "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    assert "halving-doubling needs a power-of-two world size; skipped for 3 ranks" in proc.stdout
+    doc = json.loads(out.read_text())["results"]
+    assert set(doc["max_abs_error"]) == {"ring", "tree", "gloo all_reduce"}
+    assert max(doc["max_abs_error"].values()) < 1e-4
+    for row in doc["rows"]:
+        assert row["busbw (GB/s)"] == pytest.approx(row["size (B)"] / (row["time (us)"] * 1e-6) / 1e9 * 4 / 3)
+    assert doc["memcpy_GBps"] > 0 and doc["loopback_tcp_GBps"] > 0
+    assert (tmp_path / "ring_vs_tree.png").exists()
+
+
+@pytest.mark.timeout(120)
+def test_topology_reports_this_machine(tmp_path) -> None:  # noqa: ANN001
+    import torch
+
+    out = tmp_path / "t.json"
+    proc = run([CH04 / "topology.py", "--smoke", "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())["results"]
+    assert doc["cpu"]["logical_cpus"] == os.cpu_count()
+    assert doc["cpu"]["hardware_threads"] == os.cpu_count()
+    assert 1 <= doc["cpu"]["physical_cores"] <= os.cpu_count()
+    assert doc["gpus"]["count"] == torch.cuda.device_count()
+    assert {k["variable"] for k in doc["nccl_env"]} >= {"NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG", "NCCL_P2P_DISABLE",
+                                                         "NCCL_SOCKET_IFNAME"}
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU on this machine" in proc.stdout
+
+
+def test_topology_reads_the_kernels_cpu_lists() -> None:
+    topo = load("topology")
+    assert topo.parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert topo.parse_cpu_list("5") == [5]
+    assert topo.parse_cpu_list("") == []

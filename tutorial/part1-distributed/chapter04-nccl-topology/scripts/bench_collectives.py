@@ -1,0 +1,244 @@
+"""A collective benchmark in the layout of NVIDIA's nccl-tests: time, algbw and busbw over a sweep of sizes.
+
+What it shows
+    One collective (all_reduce by default) timed at message sizes from a few bytes to tens of MiB. For each size:
+    warm-up calls, then a timed loop (barrier first, time.perf_counter around the loop, the MAX of the elapsed time
+    over ranks, as nccl-tests reports it). Columns as in nccl-tests:
+      size (B)    bytes of the full buffer (all_reduce/broadcast: the tensor; all_gather: the gathered output;
+                  reduce_scatter: the input being scattered; all_to_all: each rank's send buffer)
+      count       elements of float32 in that buffer
+      time (us)   per call
+      algbw       size / time
+      busbw       algbw * factor(collective, world size): the factors published in nccl-tests'
+                  doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
+    and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (time is flat, busbw tiny),
+    large ones bandwidth-bound (time grows with size, busbw levels off). A fitted time = alpha + size/B line puts the
+    boundary at size = alpha * B, shaded on the figure. Each size is checked once against a closed-form answer
+    before it is timed. Over gloo on CPU here; with one GPU per rank, --backend auto picks NCCL and CUDA tensors.
+
+How to run (any world size >= 1; the busbw factors are defined for every n)
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py -w 4 --collective all_gather
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
+
+Contract flags: --smoke sweeps 8 B .. 64 KiB with few iterations; --seed changes nothing (the data are fixed).
+
+Runtime on 2 cores: about 6 s (2 ranks, 8 B .. 32 MiB); --smoke about 4 s.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import typing
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, plot, report
+from mlsys.launch import RankContext, launch
+
+Collective = typing.Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"]
+ELEMENT_BYTES = 4  # float32
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    collective: Collective = "all_reduce"
+    """Which collective to time."""
+    min_bytes: int = 8
+    """Smallest message size in bytes."""
+    max_bytes: int = 32 * 2**20
+    """Largest message size in bytes."""
+    step_factor: int = 4
+    """Each size is this many times the previous one (nccl-tests' -f)."""
+    warmup: int = 2
+    """Untimed calls before each timed loop (connection setup, first-touch of memory)."""
+    max_iters: int = 50
+    """Timed calls at the smallest sizes; large sizes get fewer (about bytes_per_size / size, at least 3)."""
+    bytes_per_size: int = 128 * 2**20
+    """Bytes moved per size, which sets the iteration count of large sizes."""
+
+    def validate(self) -> None:
+        if self.min_bytes < ELEMENT_BYTES or self.max_bytes < self.min_bytes:
+            raise cli.UsageError(f"need {ELEMENT_BYTES} <= --min-bytes <= --max-bytes, got {self.min_bytes}, "
+                                 f"{self.max_bytes}")
+        if self.step_factor < 2 or self.warmup < 0 or self.max_iters < 1:
+            raise cli.UsageError("need --step-factor >= 2, --warmup >= 0 and --max-iters >= 1")
+
+
+# --8<-- [start:busbw]
+def busbw_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md in NVIDIA/nccl-tests).
+
+    It turns "bytes of the buffer per second" into "bytes each link carried per second", so that every collective
+    can be compared with the hardware's link bandwidth: an all_reduce must move 2(n-1)/n of the buffer through each
+    rank's link (reduce-scatter then all-gather), an all_gather or reduce_scatter (n-1)/n, a broadcast the whole.
+    """
+    n = world_size
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+               "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
+    return factors[collective]
+
+
+def algbw(size_bytes: float, time_s: float) -> float:
+    """Algorithm bandwidth in GB/s (1e9 bytes, as nccl-tests): the buffer's size over the time of one call."""
+    return size_bytes / time_s / 1e9
+
+
+def busbw(collective: str, size_bytes: float, time_s: float, world_size: int) -> float:
+    return algbw(size_bytes, time_s) * busbw_factor(collective, world_size)
+# --8<-- [end:busbw]
+
+
+def sizes(args: Settings) -> list[int]:
+    out, size = [], args.min_bytes
+    while size <= args.max_bytes:
+        out.append(size)
+        size *= args.step_factor
+    return out
+
+
+def iterations(size_bytes: int, args: Settings) -> int:
+    """Many calls for tiny messages (each is ~100 us), few for large ones (each is many ms)."""
+    return max(3, min(args.max_iters, args.bytes_per_size // size_bytes))
+
+
+def element_count(collective: str, size_bytes: int, world_size: int) -> int:
+    """float32 elements of the full buffer; a multiple of world_size where the buffer is split into n pieces."""
+    count = max(1, size_bytes // ELEMENT_BYTES)
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        count = max(world_size, count // world_size * world_size)
+    return count
+
+
+# --8<-- [start:call]
+def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Callable[[], None], typing.Callable]:
+    """Buffers for one size, a zero-argument call that runs the collective once, and a check of its result.
+
+    Inputs hold rank + 1 everywhere, so every answer has a closed form: a sum is n(n+1)/2, a gathered piece from
+    rank r is r + 1, a broadcast from rank 0 is 1.
+    """
+    n, r, dev = ctx.world_size, ctx.rank, ctx.device
+    piece = count // n  # elements per rank where the buffer is split (all_gather, reduce_scatter, all_to_all)
+    total = float(n * (n + 1) // 2)
+    if collective == "all_reduce" or collective == "reduce":
+        buf = torch.full((count,), r + 1.0, device=dev)  # [count]
+        call = (lambda: dist.all_reduce(buf)) if collective == "all_reduce" else (lambda: dist.reduce(buf, dst=0))
+        if collective == "reduce" and r != 0:  # only the root's result is defined; others may hold partial sums
+            return call, lambda: (buf.cpu(), buf.cpu())
+        return call, lambda: (buf, torch.full((count,), total))
+    if collective == "broadcast":
+        buf = torch.full((count,), r + 1.0, device=dev)
+        return (lambda: dist.broadcast(buf, src=0)), lambda: (buf, torch.ones(count))
+    if collective == "all_gather":
+        src, out = torch.full((piece,), r + 1.0, device=dev), torch.empty(count, device=dev)  # [count/n] -> [count]
+        want = torch.arange(1.0, n + 1).repeat_interleave(piece)
+        return (lambda: dist.all_gather_single(out, src)), lambda: (out, want)
+    if collective == "reduce_scatter":
+        src, out = torch.full((count,), r + 1.0, device=dev), torch.empty(piece, device=dev)  # [count] -> [count/n]
+        return (lambda: dist.reduce_scatter_single(out, src)), lambda: (out, torch.full((piece,), total))
+    # all_to_all: rank r sends piece j to rank j and receives piece r of every rank: out[j-th piece] = j + 1
+    src, out = torch.full((count,), r + 1.0, device=dev), torch.empty(count, device=dev)
+    want = torch.arange(1.0, n + 1).repeat_interleave(piece)
+    return (lambda: dist.all_to_all_single(out, src)), lambda: (out, want)
+# --8<-- [end:call]
+
+
+# --8<-- [start:timing]
+def time_call(call: typing.Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
+    """Seconds per call, the slowest rank's: a collective is finished only when the last rank is done."""
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
+    dist.barrier()  # everyone starts the timed loop together
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # nccl-tests reports the max over ranks
+    return elapsed.item() / iters
+# --8<-- [end:timing]
+
+
+def worker(ctx: RankContext, args: Settings) -> list[dict]:
+    rows = []
+    for size in sizes(args):
+        count = element_count(args.collective, size, ctx.world_size)
+        call, result = make_call(args.collective, count, ctx)
+        call()  # one checked call before timing: a fast wrong answer is worth nothing
+        got, want = result()
+        report.expect_equal(f"rank {ctx.rank} {args.collective} of {count} elements", got.cpu(), want)
+        iters = iterations(size, args)
+        seconds = time_call(call, args.warmup, iters, ctx.device)
+        nbytes = count * ELEMENT_BYTES
+        rows.append({"size (B)": nbytes, "count": count, "type": "float", "iters": iters,
+                     "time (us)": seconds * 1e6, "algbw (GB/s)": algbw(nbytes, seconds),
+                     "busbw (GB/s)": busbw(args.collective, nbytes, seconds, ctx.world_size)})
+    return rows
+
+
+def fit_latency_bandwidth(size_bytes: np.ndarray, time_s: np.ndarray) -> tuple[float, float]:
+    """Least squares of time = alpha + size / B, weighted by 1/time so the microsecond points count as much as
+    the millisecond ones. Returns (alpha in s, B in bytes/s); the two terms are equal at size = alpha * B.
+    B is infinite when the sweep never left the latency-bound regime (no measurable growth with size)."""
+    design = np.stack([np.ones_like(size_bytes), size_bytes], axis=1) / time_s[:, None]  # [sizes, 2]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(time_s), rcond=None)
+    return max(float(alpha), 1e-9), (1.0 / float(beta) if beta > 0 else math.inf)
+
+
+def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int) -> None:
+    plt = plot.pyplot()
+    size = np.array([r["size (B)"] for r in rows], dtype=float)
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
+    ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=f"fit: {alpha * 1e6:.0f} us + size / "
+                f"{bandwidth / 1e9:.2f} GB/s")  # bandwidth may be inf: the line is then flat at alpha
+    ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
+    for ax in (ax_t, ax_b):
+        knee = alpha * bandwidth  # latency term == bandwidth term
+        ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
+        ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
+        ax.set_xlabel("message size (bytes)")
+    ax_t.set_ylabel("time per call (us)")
+    ax_b.set_ylabel("busbw (GB/s)")
+    ax_t.legend(fontsize=8)
+    ax_b.legend(fontsize=8)
+    fig.suptitle(f"{args.collective}, {world_size} ranks, {args.backend}")
+    plot.save(fig, args, f"{args.collective}_sweep")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"max_bytes": 64 * 2**10, "max_iters": 5, "warmup": 1},
+                     world_sizes=lambda w: w >= 1, world_sizes_text=">= 1")
+    rows = launch(worker, args)
+    if rows is None:
+        return 0
+    print(f"# {args.collective}, {args.world_size} ranks, backend {args.backend}, float32, "
+          f"busbw factor {busbw_factor(args.collective, args.world_size):.3f}")
+    print(report.table(rows, floatfmt=".3f"))
+    avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
+    print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
+    size = np.array([r["size (B)"] for r in rows], dtype=float)
+    alpha, bandwidth = fit_latency_bandwidth(size, np.array([r["time (us)"] for r in rows]) * 1e-6)
+    if math.isfinite(bandwidth):
+        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
+              f"{alpha * bandwidth / 1024:.0f} KiB, bandwidth-bound above")
+    else:
+        print(f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound")
+    draw(rows, alpha, bandwidth, args, args.world_size)
+    if args.json:
+        report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
+                                      "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,
+                                      "fit_alpha_s": alpha,
+                                      "fit_bandwidth_Bps": bandwidth if math.isfinite(bandwidth) else None}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,383 @@
+"""Ring vs tree vs recursive halving-doubling all-reduce, by hand, against gloo's own, with an alpha-beta model.
+
+What it shows
+    Three all-reduce algorithms written from isend/irecv, each checked equal to dist.all_reduce (float32 tolerance,
+    an odd length that no world size divides) before it is timed:
+      ring      mlsys.collectives.ring_all_reduce: reduce-scatter + all-gather around a ring, 2(p-1) steps,
+                each rank sends 2(p-1)/p * n bytes (bandwidth-optimal, latency grows with p);
+      tree      reduce up a binary tree to rank 0, then broadcast down: ~2 log2(p) steps, but the whole n bytes
+                cross every level, ~2 log2(p) * n on the critical path (few steps, many bytes);
+      halving-doubling  Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive doubling,
+                2 log2(p) steps AND 2(p-1)/p * n bytes; power-of-two p only (skipped otherwise, with a message).
+    They run side by side with gloo's dist.all_reduce in the same job over a sweep of sizes (busbw per algorithm,
+    nccl-tests' factor 2(p-1)/p). Then: the box's ceiling (memcpy bandwidth of a large torch copy, loopback TCP
+    bandwidth through a socket), busbw as a fraction of it, an alpha-beta model time = steps*alpha + bytes*beta
+    fitted to the ring's and tree's points together by least squares, its predicted ring-vs-tree crossover size,
+    and a figure of the model against the measurements. Headline: ring busbw / gloo busbw at the largest size.
+
+How to run (any world size >= 1; halving-doubling needs a power of two)
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
+    torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py
+
+Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
+
+Runtime on 2 cores: about 12-25 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 5 s.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, plot, report
+from mlsys.collectives import ring_all_reduce
+from mlsys.launch import RankContext, launch
+
+ELEMENT_BYTES = 4  # float32
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    world_size: int = 4
+    """Number of ranks to start. Under torchrun it is taken from WORLD_SIZE."""
+    min_bytes: int = 256
+    """Smallest message size in bytes."""
+    max_bytes: int = 8 * 2**20
+    """Largest message size in bytes (always measured, even off the x4 grid)."""
+    max_iters: int = 10
+    """Timed calls per algorithm at small sizes; large sizes get fewer (at least 2)."""
+    rounds: int = 3
+    """The algorithms take turns this many times at each size; the median round counts (the CPU is shared)."""
+    check_numel: int = 1001
+    """Length of the random tensor each algorithm must all-reduce exactly like dist.all_reduce."""
+
+    def validate(self) -> None:
+        if self.min_bytes < ELEMENT_BYTES or self.max_bytes < self.min_bytes:
+            raise cli.UsageError(f"need {ELEMENT_BYTES} <= --min-bytes <= --max-bytes")
+        if self.max_iters < 1 or self.rounds < 1 or self.check_numel < 1:
+            raise cli.UsageError("need --max-iters, --rounds and --check-numel >= 1")
+
+
+def sendrecv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
+    """Post a send and a receive together and wait for both (either may be absent or empty).
+
+    Plain isend/irecv rather than batch_isend_irecv: with gloo on this CPU the batched call was the slower of the
+    two for small messages (it adds bookkeeping around the same two operations)."""
+    works = [dist.isend(send, dst)] if send is not None and send.numel() else []
+    works += [dist.irecv(recv, src)] if recv is not None and recv.numel() else []
+    for work in works:
+        work.wait()
+
+
+# --8<-- [start:tree]
+def tree_parent(rank: int) -> int | None:
+    """Binary tree in heap order: rank r's parent is (r-1)//2; rank 0 is the root.
+
+                0
+              /   \\
+             1     2
+            / \\   / \\
+           3   4 5   6      depth floor(log2 p): p=4 -> 2 levels below the root
+    """
+    return None if rank == 0 else (rank - 1) // 2
+
+
+def tree_children(rank: int, world_size: int) -> list[int]:
+    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
+
+
+def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place SUM: every child's partial sum flows up to rank 0, then the total flows back down."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    parent, children = tree_parent(rank), tree_children(rank, world_size)
+    incoming = [torch.empty_like(tensor) for _ in children]  # [n] per child
+    for work in [dist.irecv(buf, c) for buf, c in zip(incoming, children)]:  # both children at once
+        work.wait()
+    for buf in incoming:
+        tensor.add_(buf)  # now: the sum over my subtree
+    if parent is not None:
+        dist.send(tensor, parent)
+        dist.recv(tensor, parent)  # the root's total, coming back down
+    for work in [dist.isend(tensor, c) for c in children]:
+        work.wait()
+    return tensor
+# --8<-- [end:tree]
+
+
+# --8<-- [start:halving]
+def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Rabenseifner's all-reduce for a power-of-two world size, in place (SUM).
+
+    Reduce-scatter by recursive halving: at distance d = p/2, p/4, .., 1 exchange half of the current range with
+    partner rank ^ d; the rank whose bit d is 0 keeps the lower half. After log2(p) steps each rank owns 1/p of the
+    vector, fully summed. All-gather by recursive doubling replays the steps backwards, swapping owned ranges.
+    Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
+    https://doi.org/10.1177/1094342005051521
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)  # [n]
+    lo, hi, history = 0, flat.numel(), []
+    distance = world_size // 2
+    while distance >= 1:  # reduce-scatter: the range halves each step
+        partner, mid = rank ^ distance, lo + (hi - lo) // 2  # both partners hold the same [lo, hi): same mid
+        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
+        incoming = flat.new_empty(keep[1] - keep[0])
+        sendrecv(flat[give[0]:give[1]], partner, incoming, partner)
+        flat[keep[0]:keep[1]].add_(incoming)
+        history.append((partner, keep, give))
+        (lo, hi), distance = keep, distance // 2
+    for partner, keep, give in reversed(history):  # all-gather: send what I own, receive what the partner owns
+        sendrecv(flat[keep[0]:keep[1]], partner, flat[give[0]:give[1]], partner)
+    return tensor
+# --8<-- [end:halving]
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def gloo_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor)  # the library's own algorithm (gloo picks it), in place
+    return tensor
+
+
+def algorithms(world_size: int) -> dict:
+    algos = {"ring": ring_all_reduce, "tree": tree_all_reduce}
+    if is_power_of_two(world_size):
+        algos["halving-doubling"] = halving_doubling_all_reduce
+    algos["gloo all_reduce"] = gloo_all_reduce
+    return algos
+
+
+# --8<-- [start:model]
+def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
+    """(latency steps a, bytes factor b) of the model time = a * alpha + b * n * beta for an n-byte all-reduce.
+
+    ring: 2(p-1) steps, 2(p-1)/p * n bytes per rank; tree: ~2 log2(p) steps, each moving all n bytes;
+    halving-doubling: 2 log2(p) steps and the ring's bytes. (Alpha-beta model: Hockney, "The communication
+    challenge for MPP", Parallel Computing 1994, https://doi.org/10.1016/0167-8191(94)90032-9.)
+    """
+    p = world_size
+    levels = math.ceil(math.log2(p)) if p > 1 else 0
+    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "tree": (2 * levels, 2 * levels),
+            "halving-doubling": (2 * levels, 2 * (p - 1) / p)}[algorithm]
+
+
+def fit_alpha_beta(steps: np.ndarray, bytes_moved: np.ndarray, time_s: np.ndarray) -> tuple[float, float]:
+    """Least squares for (alpha s/step, beta s/byte) in time = steps*alpha + bytes_moved*beta, one row per measured
+    point (points of different algorithms can be mixed: each row carries its own steps and bytes). Each row is
+    divided by its time, so that 100 us and 100 ms measurements weigh the same (relative error). Both values are
+    kept >= 0: when noise drives one negative, the other is refitted alone (a two-variable non-negative fit)."""
+    design = np.stack([steps, bytes_moved], axis=1).astype(float) / time_s[:, None]  # [points, 2]
+    target = np.ones_like(time_s, dtype=float)
+    (alpha, beta), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if alpha >= 0 and beta >= 0:
+        return float(alpha), float(beta)
+    only_alpha = (np.linalg.lstsq(design[:, :1], target, rcond=None)[0][0], 0.0)
+    only_beta = (0.0, np.linalg.lstsq(design[:, 1:], target, rcond=None)[0][0])
+    residual = lambda ab: float(np.sum((design @ np.array(ab) - target) ** 2))  # noqa: E731
+    alpha, beta = min(only_alpha, only_beta, key=residual)
+    return float(alpha), float(beta)
+
+
+def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
+    """Size where the model's ring and tree times are equal (tree faster below it); None if there is none."""
+    (a_ring, b_ring), (a_tree, b_tree) = cost_terms("ring", world_size), cost_terms("tree", world_size)
+    if a_ring <= a_tree or b_tree <= b_ring or beta <= 0:
+        return None  # the ring has no more steps than the tree (p <= 3), or the fit found no per-byte cost
+    return alpha * (a_ring - a_tree) / (beta * (b_tree - b_ring))
+# --8<-- [end:model]
+
+
+def rank_data(rank: int, numel: int, seed: int) -> torch.Tensor:
+    """Rank `rank`'s random input of length `numel`: reproducible anywhere, so a test can sum it with numpy."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed * 7919 + 131 * rank + numel))
+
+
+def all_reduce_every_way(numels: list[int], seed: int) -> dict[str, list[list[float]]]:
+    """On every rank: each algorithm (and dist.all_reduce) applied to fresh copies of this rank's data.
+    Plain lists, not tensors, so that the results can travel back through the launcher's pipe."""
+    rank = dist.get_rank()
+    return {name: [fn(rank_data(rank, n, seed)).tolist() for n in numels]
+            for name, fn in algorithms(dist.get_world_size()).items()}
+
+
+def check_against_gloo(ctx: RankContext, args: Settings) -> dict:
+    """Every hand algorithm on random data of an odd length must match dist.all_reduce."""
+    results = all_reduce_every_way([args.check_numel], args.seed)
+    reference = torch.tensor(results["gloo all_reduce"][0])
+    errors = {}
+    for name, (values,) in results.items():
+        got = torch.tensor(values)
+        report.expect_close(f"rank {ctx.rank}: {name} vs dist.all_reduce", got, reference, rtol=1e-5, atol=1e-5)
+        errors[name] = float((got - reference).abs().max())
+    return errors
+
+
+def sweep_sizes(args: Settings) -> list[int]:
+    out, size = [], args.min_bytes
+    while size < args.max_bytes:
+        out.append(size)
+        size *= 4
+    return out + [args.max_bytes]
+
+
+def time_algorithm(fn, buf: torch.Tensor, iters: int) -> float:
+    fn(buf)  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn(buf)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time, as nccl-tests
+    return elapsed.item() / iters
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    algos = algorithms(ctx.world_size)
+    errors = check_against_gloo(ctx, args)
+    rows = []
+    for size in sweep_sizes(args):
+        count = size // ELEMENT_BYTES
+        buf = torch.zeros(count)  # zeros: repeated in-place sums stay finite
+        iters = max(2, min(args.max_iters, (16 * 2**20) // size))
+        rounds = {name: [] for name in algos}
+        for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
+            for name, fn in algos.items():
+                rounds[name].append(time_algorithm(fn, buf, iters))
+        for name, times in rounds.items():
+            seconds = float(np.median(times))
+            rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
+                         "busbw (GB/s)": count * ELEMENT_BYTES / seconds / 1e9 * 2 * (ctx.world_size - 1)
+                         / ctx.world_size})
+    return {"rows": rows, "max_abs_error": errors}
+
+
+# --8<-- [start:ceiling]
+def memcpy_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large torch copy (best of a few): the memory system's ceiling for anything on this box."""
+    src, dst = torch.ones(num_bytes // 4), torch.empty(num_bytes // 4)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def loopback_tcp_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes/s through one TCP connection on 127.0.0.1 (what gloo's pairs use here), best of a few."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    payload, sink = bytearray(num_bytes), bytearray(num_bytes)
+
+    def drain() -> None:
+        view, got = memoryview(sink), 0
+        while got < num_bytes:
+            got += conn.recv_into(view[got:])
+
+    best = math.inf
+    try:
+        for _ in range(repeats):
+            reader = threading.Thread(target=drain)
+            start = time.perf_counter()
+            reader.start()
+            client.sendall(payload)
+            reader.join()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        for s in (client, conn, server):
+            s.close()
+    return num_bytes / best
+# --8<-- [end:ceiling]
+
+
+def summarise(rows: list[dict], world_size: int) -> dict:
+    sizes = sorted({r["size (B)"] for r in rows})
+    ring = {r["size (B)"]: r for r in rows if r["algorithm"] == "ring"}
+    tree = {r["size (B)"]: r for r in rows if r["algorithm"] == "tree"}
+    gloo = {r["size (B)"]: r for r in rows if r["algorithm"] == "gloo all_reduce"}
+    # one fit over the ring's AND the tree's points: the same alpha and beta must explain both algorithms
+    points = [(*cost_terms(name, world_size), s, table[s]["time (us)"] * 1e-6)
+              for name, table in (("ring", ring), ("tree", tree)) for s in sizes]
+    steps, factor, size, seconds = (np.array(col, dtype=float) for col in zip(*points))
+    alpha, beta = fit_alpha_beta(steps, factor * size, seconds)
+    measured_cross = next((s for i, s in enumerate(sizes)  # smallest size from which ring stays faster than tree
+                           if all(ring[t]["time (us)"] < tree[t]["time (us)"] for t in sizes[i:])), None)
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "predicted_crossover_bytes": crossover_bytes(alpha, beta,
+            world_size), "measured_crossover_bytes": measured_cross, "largest_size": sizes[-1],
+            "ring_over_gloo_busbw": ring[sizes[-1]]["busbw (GB/s)"] / gloo[sizes[-1]]["busbw (GB/s)"]}
+
+
+def draw(rows: list[dict], summary: dict, world_size: int, args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    x = np.array(sorted({r["size (B)"] for r in rows}), dtype=float)
+    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):
+        mine = [r for r in rows if r["algorithm"] == name]
+        ax_t.loglog(x, [r["time (us)"] for r in mine], "o", color=f"C{i}", label=f"{name} (measured)")
+        ax_b.loglog(x, [r["busbw (GB/s)"] for r in mine], "o-", color=f"C{i}", label=name)
+        if name in ("ring", "tree"):
+            a, b = cost_terms(name, world_size)
+            model = 1e6 * (a * summary["alpha_s"] + b * x * summary["beta_s_per_byte"])
+            ax_t.loglog(x, model, "--", color=f"C{i}", label=f"{name} (alpha-beta model)")
+    if summary["predicted_crossover_bytes"]:
+        ax_t.axvline(summary["predicted_crossover_bytes"], color="gray", ls=":", label="predicted crossover")
+    ax_t.set(xlabel="message size (bytes)", ylabel="time per all-reduce (us)")
+    ax_b.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)")
+    ax_t.legend(fontsize=7, loc="upper left")
+    ax_b.legend(fontsize=7)
+    fig.suptitle(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (one model fitted to ring and tree)")
+    plot.save(fig, args, "ring_vs_tree")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "max_bytes": 64 * 2**10, "max_iters": 3,
+                                               "rounds": 1}, world_sizes=lambda w: w >= 1, world_sizes_text=">= 1")
+    if not is_power_of_two(args.world_size):
+        print(f"note: halving-doubling needs a power-of-two world size; skipped for {args.world_size} ranks")
+    result = launch(worker, args)
+    if result is None:
+        return 0
+    rows, w = result["rows"], args.world_size
+    print("correctness vs dist.all_reduce (max abs error over", args.check_numel, "elements):",
+          ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
+    print(report.table(rows, floatfmt=".3f"))
+    summary = summarise(rows, w)
+    ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}
+    best = max(r["busbw (GB/s)"] for r in rows if r["size (B)"] == summary["largest_size"])
+    summary.update(ceiling, best_busbw_GBps=best, fraction_of_tcp=best / ceiling["loopback_tcp_GBps"],
+                   fraction_of_memcpy=best / ceiling["memcpy_GBps"])
+    cross = summary["predicted_crossover_bytes"]
+    print(f"\nalpha-beta fit to the ring and tree points: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, "
+          f"beta = {summary['beta_s_per_byte'] * 1e9:.3f} ns per byte (1/beta = "
+          f"{1 / summary['beta_s_per_byte'] / 1e9 if summary['beta_s_per_byte'] > 0 else math.inf:.2f} GB/s)")
+    print("predicted ring-vs-tree crossover: " + (f"{cross / 1024:.1f} KiB (tree faster below, ring above)"
+          if cross else f"none: with {w} ranks the ring takes no more steps than the tree" if w <= 3
+          else "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
+    measured = summary["measured_crossover_bytes"]
+    print("measured: " + (f"ring faster than tree from {measured / 1024:.1f} KiB on" if measured else
+                          "the tree was faster than the ring at the largest size (no crossover in this sweep)"))
+    print(f"ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s;"
+          f" best busbw at {summary['largest_size'] / 2**20:.1f} MiB = {best:.3f} GB/s = "
+          f"{summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} of memcpy")
+    print(f"HEADLINE: ring busbw / gloo all_reduce busbw at {summary['largest_size'] / 2**20:.1f} MiB with {w} "
+          f"ranks = {summary['ring_over_gloo_busbw']:.2f}")
+    draw(rows, summary, w, args)
+    if args.json:
+        report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
+                                      **summary}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
