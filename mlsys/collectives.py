@@ -110,8 +110,10 @@ def comm_volume(collective: str, num_bytes: int, world_size: int) -> dict:
       all_reduce      N = each rank's tensor                ring: reduce-scatter + all-gather, 2(W-1) pieces
       reduce_scatter  N = each rank's INPUT (output N/W)    ring: W-1 steps of one piece
       all_to_all      N = each rank's input (W blocks)      direct: keep one block, send W-1
-    A piece is N/W bytes. "sent"/"received" are for the busiest rank (the root where roles differ), the bottleneck
-    a bandwidth-bound collective waits for; every rank of a symmetric collective moves the same amount.
+    A piece is N/W bytes. "sent" is the most any one rank sends and "received" the most any one rank receives: the
+    bottleneck a bandwidth-bound collective waits for. In a symmetric collective every rank moves the same amount;
+    in a rooted one the two maxima can belong to different ranks (in scatter the root sends W-1 pieces, and each
+    other rank receives one).
     """
     n, w = float(num_bytes), world_size
     if w < 1:
