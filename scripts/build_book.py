@@ -17,6 +17,7 @@ keyed by the command and the sources of the chapter and of mlsys/.
     make book                                # = python scripts/build_book.py  (full sizes)
     python scripts/build_book.py --smoke     # every script with --smoke: the fast build the tests use
     python scripts/build_book.py --no-run    # prose edits: cached outputs, placeholders for the rest
+    python scripts/build_book.py --smoke --only chapter01   # run one chapter's scripts, the rest as --no-run
 
 Exit 0 built; 1 a run failed (the message names the command) or mkdocs --strict refused the site; 2 bad flags.
 Runtime on 2 cores: the runs (a few seconds per script with --smoke) plus about 2 s; about 3 s when cached.
@@ -53,6 +54,7 @@ class Settings:
     smoke: bool      # append --smoke to every run: tiny sizes, fast build
     no_run: bool     # run nothing: cached outputs where there are some, placeholders elsewhere
     timeout: float   # seconds one run may take before the build fails
+    only: str = ""   # run only chapters whose folder name contains this; the others are built as with no_run
 
 
 @dataclass
@@ -141,7 +143,7 @@ class Builder:
         key = hashlib.sha256(f"{shown}\0{expect}\0{self.sources_digest(ch)}".encode()).hexdigest()[:24]
         entry = self.cache / key
         cached = (entry / "run.json").exists()
-        if not cached and self.s.no_run:
+        if not cached and self.runs_off(ch):
             return None
         if not cached:
             self.fresh_run(launcher, args, shown, expect, entry)
@@ -181,6 +183,10 @@ class Builder:
         out = ANSI_RE.sub("", out).replace(str(work), "/tmp").replace(str(self.root) + os.sep, "")
         return "\n".join(line.rsplit("\r", 1)[-1].rstrip() for line in out.rstrip().split("\n"))
 
+    def runs_off(self, ch: Chapter) -> bool:
+        """True when this build shows cached outputs or placeholders for `ch` instead of running its scripts."""
+        return self.s.no_run or bool(self.s.only) and self.s.only not in ch.slug
+
     def repo_path(self, ch: Chapter, token: str) -> str:
         path = ch.path / token
         return path.relative_to(self.root).as_posix() if token.endswith(".py") and path.is_file() else token
@@ -203,7 +209,7 @@ class Builder:
 
     def figure_md(self, ch: Chapter, rel: str, caption: str) -> str:
         if not (self.docs / ch.slug / "figures" / rel).is_file():
-            if self.s.no_run:
+            if self.runs_off(ch):
                 return f'!!! note "Figure not drawn yet"\n    `{rel}` appears once the book is built with its runs.'
             raise BuildError(f"{ch.slug}/README.md: figure `{rel}` was not written by "
                              f"scripts/{rel.split('/')[0]}.py into its --plot-dir")
@@ -346,6 +352,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     p.add_argument("--smoke", action="store_true", help="run every script with --smoke (tiny sizes)")
     p.add_argument("--no-run", action="store_true", help="run nothing: cached outputs or placeholders")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    p.add_argument("--only", default="", metavar="TEXT",
+                   help="run only the chapters whose folder contains TEXT (e.g. chapter01); others as --no-run")
     a = p.parse_args(argv)
     root = a.root.resolve()
     if not (root / "tutorial").is_dir():
@@ -353,7 +361,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     if a.timeout <= 0:
         p.error("--timeout must be positive")
     return Settings(root, (a.docs or root / "book/docs").resolve(), (a.out or root / "book/site").resolve(),
-                    a.smoke, a.no_run, a.timeout)
+                    a.smoke, a.no_run, a.timeout, a.only)
 
 
 def main(argv: list[str] | None = None) -> int:
