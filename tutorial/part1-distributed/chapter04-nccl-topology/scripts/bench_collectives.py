@@ -29,7 +29,6 @@ Runtime on 2 cores: about 6 s (2 ranks, 8 B .. 32 MiB); --smoke about 4 s.
 from __future__ import annotations
 
 import math
-import time
 import typing
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
+from mlsys.bench import algbw, busbw, busbw_factor, time_collective
 from mlsys.launch import RankContext, launch
 
 Collective = typing.Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"]
@@ -67,30 +67,6 @@ class Settings(cli.DistArgs, cli.PlotArgs):
                                  f"{self.max_bytes}")
         if self.step_factor < 2 or self.warmup < 0 or self.max_iters < 1:
             raise cli.UsageError("need --step-factor >= 2, --warmup >= 0 and --max-iters >= 1")
-
-
-# --8<-- [start:busbw]
-def busbw_factor(collective: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md in NVIDIA/nccl-tests).
-
-    It turns "bytes of the buffer per second" into "bytes each link carried per second", so that every collective
-    can be compared with the hardware's link bandwidth: an all_reduce must move 2(n-1)/n of the buffer through each
-    rank's link (reduce-scatter then all-gather), an all_gather or reduce_scatter (n-1)/n, a broadcast the whole.
-    """
-    n = world_size
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-               "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
-    return factors[collective]
-
-
-def algbw(size_bytes: float, time_s: float) -> float:
-    """Algorithm bandwidth in GB/s (1e9 bytes, as nccl-tests): the buffer's size over the time of one call."""
-    return size_bytes / time_s / 1e9
-
-
-def busbw(collective: str, size_bytes: float, time_s: float, world_size: int) -> float:
-    return algbw(size_bytes, time_s) * busbw_factor(collective, world_size)
-# --8<-- [end:busbw]
 
 
 def sizes(args: Settings) -> list[int]:
@@ -147,25 +123,6 @@ def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Cal
 # --8<-- [end:call]
 
 
-# --8<-- [start:timing]
-def time_call(call: typing.Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
-    """Seconds per call, the slowest rank's: a collective is finished only when the last rank is done."""
-    for _ in range(warmup):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
-    dist.barrier()  # everyone starts the timed loop together
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # nccl-tests reports the max over ranks
-    return elapsed.item() / iters
-# --8<-- [end:timing]
-
-
 def worker(ctx: RankContext, args: Settings) -> list[dict]:
     rows = []
     for size in sizes(args):
@@ -175,7 +132,7 @@ def worker(ctx: RankContext, args: Settings) -> list[dict]:
         got, want = result()
         report.expect_equal(f"rank {ctx.rank} {args.collective} of {count} elements", got.cpu(), want)
         iters = iterations(size, args)
-        seconds = time_call(call, args.warmup, iters, ctx.device)
+        seconds = time_collective(call, args.warmup, iters, ctx.device)
         nbytes = count * ELEMENT_BYTES
         rows.append({"size (B)": nbytes, "count": count, "type": "float", "iters": iters,
                      "time (us)": seconds * 1e6, "algbw (GB/s)": algbw(nbytes, seconds),

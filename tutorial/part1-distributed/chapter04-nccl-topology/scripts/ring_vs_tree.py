@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
+from mlsys.bench import busbw, time_collective
 from mlsys.collectives import ring_all_reduce
 from mlsys.launch import RankContext, launch
 
@@ -230,17 +231,6 @@ def sweep_sizes(args: Settings) -> list[int]:
     return out + [args.max_bytes]
 
 
-def time_algorithm(fn, buf: torch.Tensor, iters: int) -> float:
-    fn(buf)  # warm-up
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn(buf)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time, as nccl-tests
-    return elapsed.item() / iters
-
-
 def worker(ctx: RankContext, args: Settings) -> dict:
     algos = algorithms(ctx.world_size)
     errors = check_against_gloo(ctx, args)
@@ -252,12 +242,11 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         rounds = {name: [] for name in algos}
         for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
             for name, fn in algos.items():
-                rounds[name].append(time_algorithm(fn, buf, iters))
+                rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters, device=ctx.device))
         for name, times in rounds.items():
             seconds = float(np.median(times))
             rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
-                         "busbw (GB/s)": count * ELEMENT_BYTES / seconds / 1e9 * 2 * (ctx.world_size - 1)
-                         / ctx.world_size})
+                         "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size)})
     return {"rows": rows, "max_abs_error": errors}
 
 
