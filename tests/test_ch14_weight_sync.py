@@ -1,0 +1,181 @@
+"""Chapter 14 oracles for weight sync: the bucket plan by hand, pack against torch's own flatten, pack/unpack round
+trips, bitwise broadcasts on real ranks (per tensor and bucketed) against weights every rank rebuilds from the seed,
+the script's results, and (on a GPU) the CUDA IPC hand-over."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from conftest import ROOT, run
+from mlsys.weight_sync import (broadcast_bucketed, broadcast_per_tensor, named_meta, pack, plan_buckets,
+                               tensors_equal, unique_parameters, unpack)
+
+CH14 = ROOT / "tutorial" / "part4-rlhf" / "chapter14-rlhf-architecture" / "scripts"
+
+
+def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of three dtypes and awkward shapes, rebuilt identically from the seed on any rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, shape in enumerate([(3, 5), (7,), (1,), (4, 4, 2), (33,), (2, 9), (100,)]):
+        dtype = [torch.float32, torch.bfloat16, torch.int64][i % 3]
+        if dtype is torch.int64:
+            out[f"t{i}"] = torch.randint(-1000, 1000, shape, generator=g)
+        else:
+            out[f"t{i}"] = torch.randn(shape, generator=g).to(dtype)
+    return out
+
+
+def test_plan_buckets_hand_case() -> None:
+    f32 = torch.float32
+    meta = [("a", (10,), f32), ("b", (4, 5), f32), ("c", (5,), f32), ("d", (100,), f32), ("e", (2,), torch.bfloat16)]
+    plan = plan_buckets(meta, bucket_bytes=120)  # 30 fp32 elements
+    # a + b = 30 elements = 120 B fits exactly; c would make 140 B: new bucket; d (400 B) alone; e: its own dtype
+    assert [[s.name for s in b.slots] for b in plan] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert [b.nbytes for b in plan] == [120, 20, 400, 4]
+    assert [(s.offset, s.numel) for s in plan[0].slots] == [(0, 10), (10, 20)]
+    with pytest.raises(ValueError):
+        plan_buckets(meta, 0)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 300, 1 << 20])
+def test_plan_covers_every_tensor_once_within_the_cap(bucket_bytes: int) -> None:
+    tensors = mixed_tensors(0)
+    plan = plan_buckets(named_meta(tensors), bucket_bytes)
+    names = [s.name for b in plan for s in b.slots]
+    assert sorted(names) == sorted(tensors)
+    for b in plan:
+        assert all(tensors[s.name].dtype == b.dtype for s in b.slots)
+        assert [s.offset for s in b.slots] == [sum(x.numel for x in b.slots[:i]) for i in range(len(b.slots))]
+        assert b.nbytes <= bucket_bytes or len(b.slots) == 1  # only a lone oversized tensor may exceed the cap
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 300, 1 << 20])
+def test_pack_equals_torch_flatten_and_unpack_round_trips(bucket_bytes: int) -> None:
+    tensors = mixed_tensors(1)
+    into = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    for bucket in plan_buckets(named_meta(tensors), bucket_bytes):
+        flat = pack(bucket, tensors)
+        assert torch.equal(flat, _flatten_dense_tensors([tensors[s.name] for s in bucket.slots]))
+        unpack(bucket, flat, into)
+    assert tensors_equal(into, tensors) == []
+    with pytest.raises(ValueError):
+        unpack(plan_buckets(named_meta(tensors), 64)[0], torch.zeros(3), into)
+
+
+def test_unique_parameters_sends_the_tied_head_once() -> None:
+    from mlsys.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny"))
+    params = unique_parameters(model)
+    assert "lm_head.weight" not in params and "wte.weight" in params
+    # 2 embeddings + 12 tensors per block (2 LayerNorms, qkv, proj, fc, proj, each weight + bias) x 2 + ln_f (2)
+    assert len(params) == 2 + 12 * 2 + 2 == 28
+    assert sum(t.numel() for t in params.values()) == sum(p.numel() for p in model.parameters())
+
+
+def sync_worker(ctx, bucket_sizes: list[int]) -> list:  # noqa: ANN001 - module level: the launcher pickles it
+    """Rank 0 holds the seeded tensors, the others zeros; after each sync every rank compares with the tensors it
+    rebuilds itself from the seed (a single-process reference) and reports the names that differ."""
+    expected = mixed_tensors(7)
+    results = []
+    for how in ["per_tensor", *bucket_sizes]:
+        mine = {n: (t.clone() if ctx.rank == 0 else torch.zeros_like(t)) for n, t in expected.items()}
+        objects = dict(mine)
+        if how == "per_tensor":
+            calls = broadcast_per_tensor(mine, src=0)
+        else:
+            calls = broadcast_bucketed(mine, plan_buckets(named_meta(mine), how), src=0)
+        same_objects = all(mine[n] is objects[n] for n in mine)  # updated in place
+        results.append((how, calls, tensors_equal(mine, expected), same_objects))
+    gathered = [None] * ctx.world_size
+    torch.distributed.all_gather_object(gathered, results)
+    return gathered
+
+
+@pytest.mark.timeout(120)
+def test_broadcasts_are_bitwise_on_every_rank() -> None:
+    from mlsys.launch import launch
+
+    sizes = [8, 256, 1 << 20]
+    gathered = launch(sync_worker, sizes, world_size=3, backend="gloo", timeout=60)
+    expected_calls = [len(mixed_tensors(7))] + [len(plan_buckets(named_meta(mixed_tensors(7)), b)) for b in sizes]
+    for rank, results in enumerate(gathered):
+        for (how, calls, bad, same), want_calls in zip(results, expected_calls):
+            assert bad == [], f"rank {rank}, {how}: tensors {bad} differ"
+            assert same, f"rank {rank}, {how}: tensors replaced instead of updated in place"
+            assert calls == want_calls
+
+
+@pytest.mark.timeout(150)
+def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:  # noqa: ANN001
+    from mlsys.model import GPT, GPTConfig
+
+    out = tmp_path / "r.json"
+    proc = run([CH14 / "weight_sync.py", "--smoke", "-w", "3", "--json", out, "--plot-dir", tmp_path], timeout=140)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["engine_ok"] is True
+    script = {r["model"]: r for r in res["rows"]}
+    for name in ("tiny", "draft", "small"):
+        params = unique_parameters(GPT(GPTConfig.preset(name)))
+        assert script[name]["tensors"] == len(params)
+        assert script[name]["MB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
+        assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
+        assert script[name]["per-tensor ms/MB"] == pytest.approx(script[name]["per-tensor ms"] / script[name]["MB"])
+    assert (tmp_path / "sync_time.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+def _ipc_child(handles, conn) -> None:  # noqa: ANN001 - runs in a spawned process
+    from mlsys.weight_sync import open_cuda_ipc_handles
+
+    opened = open_cuda_ipc_handles(handles)
+    conn.send({n: t.cpu() for n, t in opened.items()})  # what this process sees in the trainer's memory
+    conn.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_ipc_handles_show_the_trainers_memory_in_another_process() -> None:
+    import torch.multiprocessing as tmp
+
+    from mlsys.weight_sync import cuda_ipc_handles
+
+    tensors = {n: t.cuda() for n, t in mixed_tensors(3).items()}
+    ctx = tmp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_ipc_child, args=(cuda_ipc_handles(tensors), theirs))
+    child.start()
+    seen = ours.recv()
+    child.join(60)
+    assert child.exitcode == 0
+    assert tensors_equal(seen, {n: t.cpu() for n, t in tensors.items()}) == []
+
+
+@pytest.mark.gpu
+def test_bucket_round_trip_on_cuda() -> None:
+    tensors = {n: t.cuda() for n, t in mixed_tensors(4).items()}
+    into = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    for bucket in plan_buckets(named_meta(tensors), 64):
+        flat = pack(bucket, tensors)
+        assert flat.is_cuda
+        unpack(bucket, flat, into)
+    assert tensors_equal(into, tensors) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(150)
+def test_script_over_nccl(tmp_path) -> None:  # noqa: ANN001
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL between ranks needs one GPU per rank: 2 or more GPUs")
+    out = tmp_path / "r.json"
+    proc = run([CH14 / "weight_sync.py", "--smoke", "--backend", "nccl", "--json", out, "--plot-dir", tmp_path],
+               timeout=140)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["results"]["engine_ok"] is True
+
