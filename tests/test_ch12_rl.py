@@ -1,0 +1,204 @@
+"""Chapter 12 oracles: GAE (vectorized vs loop vs hand-worked cases, its lambda = 0 and lambda = 1 limits), the PPO
+policy and value losses against hand computations (clipping on both sides, gradients included), the masked helpers
+against numpy, and the PPO script's pieces (rollout bookkeeping, the solve itself as a slow test)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+from mlsys import rl
+
+CH12 = ROOT / "tutorial" / "part4-rlhf" / "chapter12-rl-fundamentals" / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: torch's intra-op threads only add contention (10x slower on a loaded 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_rollout(T: int = 9, N: int = 5, p_done: float = 0.25, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rewards, values = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+    dones = (torch.rand(T, N, generator=g) < p_done).float()
+    return rewards, values, dones, torch.randn(N, generator=g)
+
+
+# ------------------------------------------------------------------------------------------------------ GAE
+def test_gae_hand_case_no_episode_end() -> None:
+    r, v, d, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.zeros(3, 1), torch.tensor([2.0])
+    adv, ret = rl.compute_gae(r, v, d, lv, gamma=0.5, lam=0.5)
+    # deltas: 1 + .5*1 - .5 = 1,  2 + .5*1.5 - 1 = 1.75,  3 + .5*2 - 1.5 = 2.5;  gamma*lam = 0.25
+    # A2 = 2.5, A1 = 1.75 + .25*2.5 = 2.375, A0 = 1 + .25*2.375 = 1.59375
+    assert adv[:, 0].tolist() == [1.59375, 2.375, 2.5]
+    assert ret[:, 0].tolist() == [1.59375 + 0.5, 2.375 + 1.0, 2.5 + 1.5]
+
+
+def test_gae_hand_case_episode_end_stops_bootstrap_and_carry() -> None:
+    r, v, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.tensor([2.0])
+    d = torch.tensor([[0.0], [1.0], [0.0]])  # the episode ends after step 1; step 2 starts a new one
+    adv, _ = rl.compute_gae(r, v, d, lv, gamma=0.5, lam=0.5)
+    # delta1 = 2 - 1 = 1 (no V(s2)); A1 = 1 (nothing carried from the next episode); A0 = 1 + .25*1 = 1.25
+    assert adv[:, 0].tolist() == [1.25, 1.0, 2.5]
+
+
+def test_gae_hand_case_two_envs_differ() -> None:
+    r = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    v = torch.zeros(2, 2)
+    d = torch.tensor([[0.0, 0.0], [1.0, 0.0]])  # env 0 ends at the last step, env 1 bootstraps from last_value
+    adv, _ = rl.compute_gae(r, v, d, torch.tensor([10.0, 10.0]), gamma=0.9, lam=1.0)
+    assert torch.allclose(adv, torch.tensor([[1.9, 1 + 0.9 * (1 + 9.0)], [1.0, 1 + 9.0]]))
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.9, 0.0), (1.0, 1.0), (0.5, 0.3)])
+def test_gae_vectorized_equals_loop(gamma: float, lam: float) -> None:
+    for seed in range(3):
+        r, v, d, lv = random_rollout(T=17, N=6, seed=seed)
+        a1, r1 = rl.compute_gae(r, v, d, lv, gamma, lam)
+        a2, r2 = rl.compute_gae_loop(r, v, d, lv, gamma, lam)
+        torch.testing.assert_close(a1, a2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r1, r2, rtol=1e-5, atol=1e-5)
+
+
+def test_gae_lambda_zero_is_one_step_td() -> None:
+    r, v, d, lv = random_rollout()
+    adv, _ = rl.compute_gae(r, v, d, lv, gamma=0.9, lam=0.0)
+    next_v = torch.cat([v[1:], lv[None]])
+    torch.testing.assert_close(adv, r + 0.9 * next_v * (1 - d) - v)
+
+
+def test_gae_lambda_one_is_monte_carlo_return_minus_value() -> None:
+    r, v, d, lv = random_rollout(T=12, N=4)
+    gamma = 0.9
+    adv, ret = rl.compute_gae(r, v, d, lv, gamma=gamma, lam=1.0)
+    T, N = r.shape
+    for n in range(N):  # discounted sum of rewards to the episode's end (or bootstrapped by last_value), numpy
+        for t in range(T):
+            g, k = 0.0, t
+            while True:
+                g += gamma ** (k - t) * float(r[k, n])
+                if d[k, n]:
+                    break
+                if k == T - 1:
+                    g += gamma ** (T - t) * float(lv[n])
+                    break
+                k += 1
+            assert math.isclose(float(ret[t, n]), g, rel_tol=1e-5, abs_tol=1e-5)
+            assert math.isclose(float(adv[t, n]), g - float(v[t, n]), rel_tol=1e-5, abs_tol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- PPO losses
+def hand_case():
+    ratio = torch.tensor([0.5, 1.1, 1.5, 0.5, 1.1, 1.5])
+    logp_new = ratio.log().requires_grad_()
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0])
+    return ratio, logp_new, torch.zeros(6), adv
+
+
+def test_policy_loss_hand_case_both_sides() -> None:
+    ratio, logp_new, logp_old, adv = hand_case()
+    loss, stats = rl.ppo_policy_loss(logp_new, logp_old, adv, clip_eps=0.2)
+    # A > 0: -min(r, clip r) = -0.5, -1.1, -1.2 (clipped at 1 + eps); A < 0: max(r, clip r) = 0.8 (clipped at
+    # 1 - eps), 1.1, 1.5.  Mean = (-2.8 + 3.4) / 6 = 0.1
+    assert math.isclose(loss.item(), 0.1, abs_tol=1e-6)
+    loss.backward()
+    # d loss / d logp = d loss / d r * r: zero where the clipped term wins (A>0, r=1.5 and A<0, r=0.5)
+    want = torch.tensor([-0.5, -1.1, 0.0, 0.0, 1.1, 1.5]) / 6
+    torch.testing.assert_close(logp_new.grad, want)
+    assert math.isclose(stats["clip_frac"], 4 / 6, abs_tol=1e-6)
+    kl = float(((ratio - 1) - ratio.log()).mean())
+    assert math.isclose(stats["approx_kl"], kl, rel_tol=1e-5)
+    assert math.isclose(stats["ratio_mean"], float(ratio.mean()), rel_tol=1e-6)
+
+
+def test_policy_loss_mask_ignores_masked_positions() -> None:
+    ratio, logp_new, logp_old, adv = hand_case()
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    loss, stats = rl.ppo_policy_loss(logp_new, logp_old, adv, 0.2, mask=mask)
+    assert math.isclose(loss.item(), (-0.5 - 1.1 + 1.1 + 1.5) / 4, abs_tol=1e-6)
+    assert math.isclose(stats["clip_frac"], 2 / 4, abs_tol=1e-6)
+
+
+def test_policy_loss_at_ratio_one_is_the_vanilla_policy_gradient() -> None:
+    # before the first update (new == old) PPO's gradient is REINFORCE's: -mean(A * grad log pi)
+    logp = torch.randn(8, requires_grad=True)
+    adv = torch.randn(8)
+    loss, stats = rl.ppo_policy_loss(logp, logp.detach(), adv, 0.2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv / 8)
+    assert stats["clip_frac"] == 0.0 and abs(stats["approx_kl"]) < 1e-7
+
+
+def test_approx_kl_k3_estimates_the_true_kl() -> None:
+    # samples from the old policy; mean of (r - 1) - log r with r = p_new / p_old estimates KL(old || new)
+    old, new = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.4, 0.4, 0.2])
+    g = torch.Generator().manual_seed(0)
+    idx = torch.multinomial(old, 200_000, replacement=True, generator=g)
+    _, stats = rl.ppo_policy_loss(new.log()[idx], old.log()[idx], torch.zeros(idx.numel()), 0.2)
+    true_kl = float((old * (old / new).log()).sum())
+    assert math.isclose(stats["approx_kl"], true_kl, rel_tol=0.05)
+
+
+def test_value_loss_hand_case() -> None:
+    new, old, ret = torch.tensor([1.0, 3.0]), torch.tensor([2.0, 2.0]), torch.tensor([0.0, 0.0])
+    assert math.isclose(rl.ppo_value_loss(new, old, ret).item(), 0.5 * (1 + 9) / 2)
+    # clipped: old + clamp(new - old, -.5, .5) = 1.5, 2.5 -> errors 2.25, 6.25; max with 1, 9 -> 2.25, 9
+    assert math.isclose(rl.ppo_value_loss(new, old, ret, clip_eps=0.5).item(), 0.5 * (2.25 + 9) / 2)
+    assert math.isclose(rl.ppo_value_loss(new, old, ret, mask=torch.tensor([0.0, 1.0])).item(), 4.5)
+
+
+def test_masked_mean_and_whiten_match_numpy() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(4, 7, generator=g) * 3 + 1, (torch.rand(4, 7, generator=g) < 0.6).float()
+    sel = x.numpy()[mask.numpy() == 1]
+    assert math.isclose(rl.masked_mean(x, mask).item(), float(sel.mean()), rel_tol=1e-5)
+    w = rl.masked_whiten(x, mask).numpy()[mask.numpy() == 1]
+    np.testing.assert_allclose(w, (sel - sel.mean()) / sel.std(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rl.masked_whiten(x).numpy(), (x.numpy() - x.numpy().mean()) / x.numpy().std(),
+                               rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- PPO script
+def test_rollout_bookkeeping_on_real_cartpole() -> None:
+    """Episode returns counted by collect_rollout equal the number of steps between dones (reward 1 per step),
+    and a time-limit truncation is bootstrapped: reward 1 + gamma * V(final obs), while done is still set."""
+    ppo = load_script(CH12 / "ppo_cartpole.py")
+    torch.manual_seed(0)
+    envs = ppo.make_envs(3, seed=0)
+    obs, _ = envs.reset(seed=0)
+    agent = ppo.ActorCritic()
+    episodes, running = [], np.zeros(3)
+    buf, _ = ppo.collect_rollout(envs, agent, obs, 120, 0.99, episodes, running)
+    lengths = []
+    for n in range(3):
+        ends = torch.nonzero(buf["dones"][:, n]).flatten().tolist()
+        lengths += [b - a for a, b in zip([-1] + ends, ends)]
+    assert sorted(episodes) == sorted(float(x) for x in lengths) and len(episodes) > 3
+    assert torch.all(buf["rewards"] == 1.0)  # random policy: no episode reaches the 500-step limit here
+
+    envs = ppo.make_envs(1, seed=0)
+    obs, _ = envs.reset(seed=0)
+    envs.envs[0]._elapsed_steps = 499  # gymnasium's TimeLimit wrapper: the next step hits the 500-step limit
+    agent.value = lambda x: torch.full((x.shape[0],), 7.0)  # a critic with a known value everywhere
+    buf, _ = ppo.collect_rollout(envs, agent, obs, 1, 0.99, [], np.zeros(1))
+    assert buf["dones"][0, 0] == 1.0
+    assert math.isclose(float(buf["rewards"][0, 0]), 1.0 + 0.99 * 7.0, rel_tol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ppo_solves_cartpole_default_seed(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = run([CH12 / "ppo_cartpole.py", "--json", out, "--plot-dir", tmp_path], timeout=290)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (res,) = json.loads(out.read_text())["results"]["runs"]
+    assert res["solved"] and res["eval_return"] >= 475 and res["steps"] <= 150_000
