@@ -1,0 +1,287 @@
+"""RLHF memory planner: the four models' memory in each phase, per GPU, co-located vs disaggregated, and a pick.
+
+What it shows
+    PPO-style RLHF keeps four models: the actor (trained), the critic (trained), the reward model and the reference
+    (frozen). For published shapes (mlsys.kv_memory.MODEL_SHAPES: Llama-3-8B/70B, ... each with its config.json
+    source) and one rollout workload, it prices every model in every phase with the book's formulas:
+      weights, gradients, optimizer state  mlsys.memory.zero_bytes_per_rank (bf16 + fp32 Adam: 16 B per trained
+                                           parameter; 2 B per frozen one), ZeRO-3-sharded over the GPUs that hold it
+      KV cache (generation)                mlsys.kv_memory.kv_bytes_per_token: 2 * layers * kv_heads * head_dim *
+                                           2 B, GQA's kv_heads, times sequences in flight times their full length
+      activations (training)               mlsys.memory.activation_bytes_per_layer (Korthikanti et al.) * layers,
+                                           plus the fp32 logits over the vocabulary for the actor
+      forward working set (scoring)        the fp32 logits of one micro-batch plus one layer's activations
+    Then it sizes two placements on --gpu:
+      co-located    every GPU holds a ZeRO-3 shard of all four models and runs every phase in turn, with a full
+                    bf16 actor copy for the inference engine during generation (the "hybrid engine" of verl)
+      disaggregated trainer GPUs hold actor, critic, reward and reference (ZeRO-3 over them); rollout GPUs hold
+                    only the bf16 actor (tensor-parallel when it does not fit on one GPU) and the KV cache
+    and recommends the one that needs fewer GPUs. Figure: per-GPU memory over the phases (co-located).
+
+How to run
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py
+    ... --actor llama-3-70b --critic llama-3-8b --gpu h100-80gb
+    ... --rollout-batch 1024 --prompt-len 2048 --response-len 2048 --recompute selective
+
+Runtime: under a second of arithmetic (about 2 s with the imports); the same with --smoke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mlsys import cli, plot, report
+from mlsys import kv_memory as kvm
+from mlsys import memory as mem
+
+GIB = kvm.GIB
+PHASES = ("generation", "scoring", "training")
+ROLES = ("actor", "critic", "reward", "reference")
+TRAINED = {"actor": True, "critic": True, "reward": False, "reference": False}
+
+
+@dataclass
+class Settings(cli.Args, cli.PlotArgs):
+    actor: str = "llama-3-8b"
+    """Shape of the actor and the reference (a name from mlsys.kv_memory.MODEL_SHAPES)."""
+    critic: str = "llama-3-8b"
+    """Shape of the critic and the reward model (their LM head replaced by a scalar head)."""
+    gpu: str = "h100-80gb"
+    """GPU preset: l4, rtx4090, a100-40gb, a100-80gb, h100-80gb, h200."""
+    reserve_fraction: float = 0.1
+    """Fraction of each GPU kept back for the CUDA context, allocator fragmentation and buffers."""
+    rollout_batch: int = 256
+    """Sequences generated per iteration, all in flight at once (one wave)."""
+    prompt_len: int = 1024
+    """Prompt tokens per sequence."""
+    response_len: int = 1024
+    """Generated tokens per sequence (the KV cache holds prompt + response)."""
+    micro_batch: int = 2
+    """Sequences per GPU per forward/backward in scoring and training."""
+    recompute: str = "full"
+    """Activation recomputation in training: none, selective or full (gradient checkpointing)."""
+
+    def validate(self) -> None:
+        for flag, name in (("--actor", self.actor), ("--critic", self.critic)):
+            if name not in kvm.MODEL_SHAPES:
+                raise cli.UsageError(f"{flag} must be one of {sorted(kvm.MODEL_SHAPES)}, got {name!r}")
+        if self.gpu not in kvm.GPU_MEMORY_GIB:
+            raise cli.UsageError(f"--gpu must be one of {sorted(kvm.GPU_MEMORY_GIB)}, got {self.gpu!r}")
+        if not 0 <= self.reserve_fraction < 1:
+            raise cli.UsageError(f"--reserve-fraction must be in [0, 1), got {self.reserve_fraction}")
+        if min(self.rollout_batch, self.prompt_len, self.response_len, self.micro_batch) < 1:
+            raise cli.UsageError("--rollout-batch, --prompt-len, --response-len and --micro-batch must be >= 1")
+        if self.recompute not in mem.RECOMPUTE:
+            raise cli.UsageError(f"--recompute must be one of {mem.RECOMPUTE}, got {self.recompute!r}")
+
+
+# --8<-- [start:per_model]
+def scalar_head_params(shape: kvm.ModelShape) -> int:
+    """Critic / reward model: the LM trunk with its (vocab x hidden) head replaced by a (hidden -> 1) linear."""
+    return shape.num_params - shape.vocab_size * shape.hidden_size + shape.hidden_size + 1
+
+
+def state_bytes(num_params: int, trained: bool, shards: int) -> dict[str, float]:
+    """Weights, gradients, optimizer state of one model on one of `shards` GPUs (ZeRO-3: all three sharded).
+
+    Trained: bf16 weights + bf16 grads + fp32 master and Adam m, v = 2 + 2 + 12 B per parameter (mlsys.memory).
+    Frozen (reward, reference): bf16 weights only, 2 B per parameter.
+    """
+    if trained:
+        z = mem.zero_bytes_per_rank(num_params, shards, stage=3, precision="mixed")
+        return {"weights": z["params"], "grads": z["grads"], "optimizer": z["optimizer"]}
+    return {"weights": kvm.weight_bytes(num_params, "bf16") / shards, "grads": 0.0, "optimizer": 0.0}
+
+
+def kv_cache_bytes(shape: kvm.ModelShape, num_seqs: float, seq_len: int, tp: int = 1) -> float:
+    """K and V of num_seqs sequences of seq_len tokens (GQA: the shape's kv_heads), split over tp GPUs."""
+    per_token = kvm.shape_kv_bytes_per_token(shape, "bf16")  # 2 * layers * kv_heads * head_dim * 2 B
+    return per_token * num_seqs * seq_len / min(tp, shape.num_kv_heads)
+
+
+def logits_bytes(micro_batch: int, seq_len: int, vocab: int) -> float:
+    """fp32 logits of one micro-batch over the vocabulary (log-softmax for the log-probs): 4 B each."""
+    return 4.0 * micro_batch * seq_len * vocab
+
+
+def train_activation_bytes(shape: kvm.ModelShape, micro_batch: int, seq_len: int, recompute: str,
+                           lm_head: bool) -> float:
+    """Activations kept for backward: Korthikanti et al.'s per-layer bytes times layers (+ fp32 logits)."""
+    per_layer = mem.activation_bytes_per_layer(seq_len, micro_batch, shape.hidden_size, shape.num_heads,
+                                               recompute=recompute)
+    head = logits_bytes(micro_batch, seq_len, shape.vocab_size) if lm_head else 0.0
+    return per_layer * shape.num_layers + head
+
+
+def forward_bytes(shape: kvm.ModelShape, micro_batch: int, seq_len: int, lm_head: bool) -> float:
+    """No-grad forward (scoring): one layer's activations live at a time, plus the fp32 logits."""
+    layer = mem.activation_bytes_per_layer(seq_len, micro_batch, shape.hidden_size, shape.num_heads,
+                                           recompute="selective")
+    return layer + (logits_bytes(micro_batch, seq_len, shape.vocab_size) if lm_head else 0.0)
+# --8<-- [end:per_model]
+
+
+def models_of(args: Settings) -> dict[str, tuple[kvm.ModelShape, int]]:
+    """role -> (shape, parameter count)."""
+    a, c = kvm.MODEL_SHAPES[args.actor], kvm.MODEL_SHAPES[args.critic]
+    return {"actor": (a, a.num_params), "critic": (c, scalar_head_params(c)),
+            "reward": (c, scalar_head_params(c)), "reference": (a, a.num_params)}
+
+
+# --8<-- [start:colocated]
+def colocated_phases(args: Settings, num_gpus: int, engine_tp: int = 1) -> dict[str, dict[str, float]]:
+    """Per-GPU bytes by component in each phase when all four models share `num_gpus` GPUs (ZeRO-3 each).
+
+    generation: every state stays resident (no offload) + the engine's bf16 actor, split over engine_tp GPUs,
+                + the KV cache of this GPU's share of the batch (batch / num_gpus sequences at full length)
+    scoring:    resident + the largest no-grad forward (actor/reference logits dominate)
+    training:   resident + the actor's or the critic's backward activations, whichever is larger
+    """
+    models, seq = models_of(args), args.prompt_len + args.response_len
+    resident: dict[str, float] = {}
+    for role, (shape, n) in models.items():
+        for part, b in state_bytes(n, TRAINED[role], num_gpus).items():
+            resident[part] = resident.get(part, 0.0) + b
+    actor = models["actor"][0]
+    gen = {**resident, "engine weights": kvm.weight_bytes(models["actor"][1], "bf16") / engine_tp,
+           "KV cache": kv_cache_bytes(actor, args.rollout_batch / num_gpus, seq)}
+    score = {**resident, "activations": max(forward_bytes(s, args.micro_batch, seq, role in ("actor", "reference"))
+                                            for role, (s, _) in models.items())}
+    train = {**resident, "activations": max(train_activation_bytes(s, args.micro_batch, seq, args.recompute,
+                                                                   role == "actor")
+                                            for role, (s, _) in models.items() if TRAINED[role])}
+    return {"generation": gen, "scoring": score, "training": train}
+
+
+def colocated_peak(args: Settings, num_gpus: int, budget: float) -> tuple[float, int]:
+    """(per-GPU peak over the phases, engine tp): the smallest tp in 1, 2, 4, 8 (<= num_gpus) that fits the budget
+    (less tensor parallelism means less communication per generated token), else the lowest peak."""
+    options = [(max(sum(v.values()) for v in colocated_phases(args, num_gpus, tp).values()), tp)
+               for tp in (1, 2, 4, 8) if tp <= num_gpus]
+    fitting = [(peak, tp) for peak, tp in options if peak <= budget]
+    return fitting[0] if fitting else min(options)
+
+
+# --8<-- [end:colocated]
+
+
+# --8<-- [start:disaggregated]
+def trainer_peak(args: Settings, num_gpus: int) -> float:
+    """Per-GPU peak of the trainer pool: the co-located scoring/training phases without engine or KV cache."""
+    phases = colocated_phases(args, num_gpus)
+    return max(sum(phases[p].values()) for p in ("scoring", "training"))
+
+
+def rollout_pool(args: Settings, budget: float) -> dict[str, float] | None:
+    """The smallest rollout pool: for each tensor-parallel size tp in 1, 2, 4, 8, the bf16 actor split over tp
+    GPUs and enough replicas that the whole batch's KV cache fits beside the weights; the tp needing the fewest
+    GPUs wins (ties: the smaller tp). None if the weights do not fit even at tp = 8."""
+    shape, n = models_of(args)["actor"]
+    seq, best = args.prompt_len + args.response_len, None
+    for tp in (1, 2, 4, 8):
+        weights = kvm.weight_bytes(n, "bf16") / tp
+        one_seq = kv_cache_bytes(shape, 1, seq, tp)
+        if budget - weights < one_seq:
+            continue
+        replicas = math.ceil(args.rollout_batch / int((budget - weights) // one_seq))
+        if best is None or tp * replicas < best["gpus"]:
+            best = {"tp": tp, "replicas": replicas, "gpus": tp * replicas, "weights": weights,
+                    "KV cache": kv_cache_bytes(shape, args.rollout_batch / replicas, seq, tp)}
+    return best
+# --8<-- [end:disaggregated]
+
+
+def smallest_gpus(peak_of, budget: float, limit: int = 4096) -> int | None:
+    """The smallest power of two n with peak_of(n) <= budget (None beyond `limit`)."""
+    n = 1
+    while n <= limit:
+        if peak_of(n) <= budget:
+            return n
+        n *= 2
+    return None
+
+
+def plan(args: Settings) -> dict:
+    budget = kvm.GPU_MEMORY_GIB[args.gpu] * GIB * (1 - args.reserve_fraction)
+    n_co = smallest_gpus(lambda n: colocated_peak(args, n, budget)[0], budget)
+    n_tr = smallest_gpus(lambda n: trainer_peak(args, n), budget)
+    pool = rollout_pool(args, budget)
+    n_dis = None if n_tr is None or pool is None else n_tr + pool["gpus"]
+    if n_co is None and n_dis is None:
+        pick = "neither fits within 4096 GPUs"
+    elif n_dis is None or (n_co is not None and n_co <= n_dis):
+        pick = f"co-located on {n_co} GPUs"
+    else:
+        pick = f"disaggregated: {n_tr} trainer + {pool['gpus']} rollout GPUs = {n_dis}"
+    return {"budget_bytes": budget, "colocated_gpus": n_co,
+            "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None, "trainer_gpus": n_tr, "rollout": pool,
+            "disaggregated_gpus": n_dis, "pick": pick}
+
+
+def model_rows(args: Settings) -> list[dict]:
+    """Each model's full (unsharded) footprint, in GiB, for the table."""
+    rows, seq = [], args.prompt_len + args.response_len
+    for role, (shape, n) in models_of(args).items():
+        s = state_bytes(n, TRAINED[role], 1)
+        rows.append({"model": role, "shape": shape.name, "params (B)": n / 1e9, "weights": s["weights"] / GIB,
+                     "grads": s["grads"] / GIB, "optimizer": s["optimizer"] / GIB,
+                     "train act.": train_activation_bytes(shape, args.micro_batch, seq, args.recompute,
+                                                          role == "actor") / GIB if TRAINED[role] else 0.0})
+    return rows
+
+
+def draw(phases: dict[str, dict[str, float]], budget: float, n: int, args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(6.6, 4.2))
+    parts = ["weights", "grads", "optimizer", "engine weights", "KV cache", "activations"]
+    bottom = [0.0] * len(PHASES)
+    for part in parts:
+        vals = [phases[p].get(part, 0.0) / GIB for p in PHASES]
+        ax.bar(PHASES, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(budget / GIB, color="black", ls="--", lw=1, label=f"{args.gpu} usable")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"Co-located on {n} GPUs: actor {args.actor}, critic {args.critic}")
+    ax.legend(fontsize=8, loc="upper right")
+    plot.save(fig, args, "memory_phases")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={})
+    seq = args.prompt_len + args.response_len
+    actor = kvm.MODEL_SHAPES[args.actor]
+    print(f"RLHF memory plan: actor/reference {args.actor}, critic/reward {args.critic}, {args.rollout_batch} "
+          f"sequences of {args.prompt_len} + {args.response_len} tokens, micro-batch {args.micro_batch}, "
+          f"recompute {args.recompute}, {args.gpu}\n")
+    print("Each model unsharded (GiB):")
+    print(report.table(model_rows(args), floatfmt=".1f"))
+    kv_total = kv_cache_bytes(actor, args.rollout_batch, seq)
+    print(f"\nKV cache of the whole rollout batch: {kvm.shape_kv_bytes_per_token(actor) / 1024:.0f} KiB/token "
+          f"({actor.num_kv_heads} KV heads of {actor.num_heads}) x {args.rollout_batch} x {seq} = "
+          f"{kv_total / GIB:.1f} GiB")
+    result = plan(args)
+    n = result["colocated_gpus"]
+    if n is not None:
+        phases = colocated_phases(args, n, result["colocated_engine_tp"])
+        rows = [{"phase": p, **{k: v / GIB for k, v in phases[p].items()}, "total": sum(phases[p].values()) / GIB}
+                for p in PHASES]
+        print(f"\nCo-located, ZeRO-3 over {n} GPUs, engine TP {result['colocated_engine_tp']}, per GPU (GiB):")
+        print(report.table([{k: r.get(k, 0.0) for k in ["phase", "weights", "grads", "optimizer", "engine weights",
+                                                         "KV cache", "activations", "total"]} for r in rows],
+                           floatfmt=".1f"))
+        draw(phases, result["budget_bytes"], n, args)
+    pool = result["rollout"]
+    if pool is not None and result["trainer_gpus"] is not None:
+        print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "
+              f"{trainer_peak(args, result['trainer_gpus']) / GIB:.1f} GiB each); rollout pool {pool['replicas']} "
+              f"engine(s) x TP {pool['tp']} = {pool['gpus']} GPUs ({pool['weights'] / GIB:.1f} GiB weights + "
+              f"{pool['KV cache'] / GIB:.1f} GiB KV each)")
+    print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}.")
+    if args.json:
+        report.write_json(args.json, {**result, "models": model_rows(args), "kv_total_bytes": kv_total}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
