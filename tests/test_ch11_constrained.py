@@ -1,0 +1,176 @@
+"""Chapter 11 oracles, JSON-constrained decoding: the automaton on hand cases, min-tokens-to-close against a
+brute-force search and against the NFA's own distances, the table mask against the scanning mask, and every
+decoded output (real model and an untrained one, many seeds, every budget from the shortest document up)
+parsing with json.loads and validating with jsonschema."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import ROOT
+from mlsys.data import LANGS, PEOPLE, format_record, sample_record
+from mlsys.json_constrained import (INF, RECORD_SCHEMA, SchemaFSM, compile_schema, constrained_generate,
+                                    min_tokens_to_close, step_nfa)
+from mlsys.model import GPT, GPTConfig
+from mlsys.weights import load_pretrained
+
+CH11 = ROOT / "tutorial" / "part3-inference" / "chapter11-speculative-constrained" / "scripts"
+SMALL_SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}}
+SCHEMAS = {"record": RECORD_SCHEMA, "small": SMALL_SCHEMA, "any": {},
+           "enum-array": {"type": "array", "items": {"enum": ["a", 7, None, True]}, "minItems": 2, "maxItems": 4}}
+
+
+@pytest.fixture(scope="module")
+def record_fsm() -> SchemaFSM:
+    return compile_schema(RECORD_SCHEMA)
+
+
+# ------------------------------------------------------------------------------------------ hand cases
+def test_record_fsm_hand_cases(record_fsm: SchemaFSM) -> None:
+    rng = random.Random(0)
+    for _ in range(50):  # every record of the training grammar is in the language
+        assert record_fsm.accepts_text(format_record(sample_record(rng)))
+    good = '{"name": "ada", "age": 34, "city": "london", "langs": ["c", "go"]}'
+    assert record_fsm.accepts_text(good)
+    for bad in [good.replace('": ', '":'),  # other spacing: outside the canonical layout
+                good.replace('"ada"', '"bob"'), good.replace("34", "9"), good.replace("34", "100"),
+                good.replace('["c", "go"]', "[]"), good.replace('["c", "go"]', '["c", "go", "ml", "lua"]'),
+                good.replace('"age": 34, ', ""), good[:-1], good + " "]:
+        assert not record_fsm.accepts_text(bad), bad
+    shortest = {"name": min(PEOPLE, key=len), "age": 10, "city": min({p.city for p in PEOPLE.values()}, key=len),
+                "langs": [min(LANGS, key=len)]}
+    assert record_fsm.min_length == len(json.dumps(shortest))
+    # after '{"name": "b' only the b-names continue; with exactly enough budget, the shortest one
+    s = record_fsm.walk('{"name": "b')
+    allowed = {record_fsm.tok.itos[v] for v in record_fsm.mask(s, 100).nonzero().flatten()}
+    assert allowed == {n[1] for n in PEOPLE if n.startswith("b")}
+    tight = {record_fsm.tok.itos[v] for v in record_fsm.mask(s, record_fsm.dist[s]).nonzero().flatten()}
+    assert tight == {"j"}  # "barbara" or "bjarne": with no budget to spare, only the shorter name fits
+
+
+@pytest.mark.parametrize("schema, shortest", [
+    ({"type": "boolean"}, "true"), ({"type": "null"}, "null"), ({"type": "integer"}, "0"),
+    ({"type": "string"}, '""'), ({"type": "string", "minLength": 3}, '"aaa"'), ({"type": "array"}, "[]"),
+    ({"enum": ["ab", "c", 12]}, "12"), ({"const": "x"}, '"x"'), ({}, "0"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2}, "[0, 0]"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}}, '{"a": null}'),
+])
+def test_min_length_hand_cases(schema: dict, shortest: str) -> None:
+    fsm = compile_schema(schema)
+    assert fsm.min_length == len(shortest)
+    assert fsm.accepts_text(shortest)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "integer"}, ["0", "7", "120"], ["01", "", "1 "]),
+    ({"type": "integer", "minimum": 3, "maximum": 12}, ["3", "9", "12"], ["2", "13", "03"]),
+    ({"type": "string", "maxLength": 2}, ['""', '"a"', '"a "'], ['"abc"', "a"]),
+    ({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, ["[]", "[true]", "[true, false]"],
+     ["[true, true, true]", "[true,false]", "[, true]", "[true, ]"]),
+    ({}, ['{}', '[]', '{"a": [1, null]}', '[[], "x"]', '[{"b": true}]'], ['{"a"}', "[1,]", "{1: 2}", "[[[1]]]", '{"a": [{"b": 1}]}']),
+])
+def test_language_hand_cases(schema: dict, good: list[str], bad: list[str]) -> None:
+    fsm = compile_schema(schema)
+    for text in good:
+        assert fsm.accepts_text(text), text
+        jsonschema.validate(json.loads(text), schema)
+    for text in bad:
+        assert not fsm.accepts_text(text), text
+
+
+def test_unsupported_schemas_fail_loudly() -> None:
+    for schema in ({"type": "integer", "minimum": -3}, {"type": "string", "pattern": "a+"}, {"enum": ["A"]}):
+        with pytest.raises(ValueError):
+            compile_schema(schema)
+
+
+# ------------------------------------------------------------------------------------------ min tokens to close
+@pytest.mark.parametrize("name", ["small", "enum-array", "any"])
+def test_min_tokens_to_close_against_forward_search(name: str) -> None:
+    """dist[s] equals a plain breadth-first search forward from s, state by state, and the NFA's 0-1 BFS."""
+    fsm = compile_schema(SCHEMAS[name])
+    for s in range(len(fsm.trans)):
+        seen, queue, found = {s}, deque([(s, 0)]), INF
+        while queue:
+            cur, d = queue.popleft()
+            if cur in fsm.accepting:
+                found = d
+                break
+            for nxt in fsm.trans[cur].values():
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append((nxt, d + 1))
+        assert fsm.dist[s] == found
+        assert fsm.dist[s] == min(fsm.nfa_dist[n] for n in fsm.subsets[s])
+
+
+def test_min_tokens_to_close_tiny_graph() -> None:
+    #  0 -a-> 1 -b-> 2 (accept);  0 -c-> 2;  3 -d-> 0;  4 (dead end)
+    trans = [{"a": 1, "c": 2}, {"b": 2}, {}, {"d": 0}, {}]
+    assert min_tokens_to_close(trans, {2}) == [1, 1, 0, 2, INF]
+
+
+# ------------------------------------------------------------------------------------------ masks
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_table_mask_equals_scanning_mask(name: str) -> None:
+    fsm = compile_schema(SCHEMAS[name])
+    rng = random.Random(0)
+    for _ in range(6):  # random walks through the language, every budget along the way
+        state, nfa_states, remaining = fsm.start, fsm.nfa_start, fsm.min_length + rng.randint(0, 20)
+        while True:
+            a, b = fsm.mask(state, remaining), fsm.mask_by_scanning(nfa_states, remaining)
+            assert torch.equal(a, b)
+            choices = [v for v in a.nonzero().flatten().tolist() if v != fsm.tok.eos_id]
+            if not choices:
+                assert a[fsm.tok.eos_id]
+                break
+            ch = fsm.tok.itos[rng.choice(choices)]
+            state, nfa_states, remaining = fsm.trans[state][ch], step_nfa(fsm.nfa, nfa_states, ch), remaining - 1
+
+
+def test_budget_below_the_shortest_document_is_refused(record_fsm: SchemaFSM) -> None:
+    model = GPT(GPTConfig.preset("tiny")).eval()
+    with pytest.raises(ValueError, match="shortest valid document"):
+        constrained_generate(model, record_fsm, record_fsm.min_length - 1)
+
+
+# ------------------------------------------------------------------------------------------ decoding
+def check_all_valid(model, fsm: SchemaFSM, budgets, seeds, temperature: float = 1.0) -> int:
+    n = 0
+    for budget in budgets:
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)
+            text = constrained_generate(model, fsm, budget, temperature=temperature, generator=g)
+            assert len(text) <= budget, (budget, text)
+            jsonschema.validate(json.loads(text), fsm.schema)
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_untrained_model_every_budget_valid(name: str) -> None:
+    """An untrained model's logits go anywhere: the mask alone must keep every output valid."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("small")).eval()
+    fsm = compile_schema(SCHEMAS[name])
+    lo = fsm.min_length
+    budgets = sorted({lo, lo + 1, lo + 2, lo + 5, lo + 17, 90})
+    assert check_all_valid(model, fsm, budgets, range(8), temperature=2.0) == 8 * len(budgets)
+
+
+@pytest.mark.timeout(150)
+def test_trained_model_many_seeds_and_budgets(record_fsm: SchemaFSM) -> None:
+    torch.set_num_threads(1)
+    model = load_pretrained("small")
+    lo = record_fsm.min_length
+    check_all_valid(model, record_fsm, [lo, lo + 1, lo + 4, 70, 100], range(10))
+    check_all_valid(model, compile_schema({}), [1, 2, 3, 30], range(10))
+    check_all_valid(model, record_fsm, [lo, 80], [0], temperature=0.0)  # greedy too

@@ -1,0 +1,177 @@
+"""Chapter 11 oracles, speculative decoding: greedy output equal to the target's own greedy decoding (several
+prompts, several k), the KV cache after rollback equal to a fresh prefill, the acceptance rule's output
+distribution equal to the target's (exact enumeration and chi-square over fixed-seed samples, explicit p and q,
+and on the real models), the expected-tokens formula against enumeration, and transformers' assisted generation."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+from mlsys.data import Tokenizer
+from mlsys.model import generate
+from mlsys.speculative import (CachedModel, chi_square, expected_tokens_per_step, residual, spec_step,
+                               speculative_generate, verify_greedy, verify_sampled)
+from mlsys.weights import load_pretrained
+
+CH11 = ROOT / "tutorial" / "part3-inference" / "chapter11-speculative-constrained" / "scripts"
+TOK = Tokenizer()
+PROMPTS = ['', '{"name": "', '{"name": "grace", "a', '{"name": "ken", "age": 5', '{"na']
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return load_pretrained("small"), load_pretrained("draft")
+
+
+# ------------------------------------------------------------------------------------------ formulas
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99, 1.0])
+def test_expected_tokens_formula_equals_enumeration(alpha: float, k: int) -> None:
+    # j drafts accepted (then one target token): P(j) = alpha^j (1 - alpha) for j < k, alpha^k for j = k
+    probs = [alpha**j * (1 - alpha) for j in range(k)] + [alpha**k]
+    assert sum(probs) == pytest.approx(1.0)
+    enumerated = sum(p * (j + 1) for j, p in enumerate(probs))
+    assert expected_tokens_per_step(alpha, k) == pytest.approx(enumerated)
+
+
+def test_verify_greedy_hand_cases() -> None:
+    logits = torch.full((4, 5), -1.0)
+    for row, tok in enumerate([2, 0, 4, 1]):  # target argmax per row
+        logits[row, tok] = 1.0
+    assert verify_greedy(logits, torch.tensor([2, 0, 4])) == (3, 1)  # all accepted, bonus = row 3
+    assert verify_greedy(logits, torch.tensor([2, 3, 4])) == (1, 0)  # second differs: correction = row 1
+    assert verify_greedy(logits, torch.tensor([1, 0, 4])) == (0, 2)  # later agreement does not count
+
+
+def test_residual_hand_case() -> None:
+    p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.2, 0.5, 0.2, 0.1])
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0, 0.0]))  # max(0, p-q) = [.3, 0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------ the acceptance rule
+P = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]])  # target, 3 positions
+Q = torch.tensor([[0.1, 0.6, 0.1, 0.2], [0.4, 0.1, 0.4, 0.1]])  # draft, 2 positions (far from P on purpose)
+
+
+def test_rule_exact_enumeration() -> None:
+    """Sum over the draft token: q(d) min(1, p/q) accepted + P(reject) * residual = p, exactly."""
+    for p, q in [(P[0], Q[0]), (P[1], Q[1]), (P[0], P[0]), (torch.tensor([0.0, 0.0, 1.0, 0.0]), Q[0])]:
+        accept = q * torch.clamp(p / q, max=1.0)  # P(draft = x and accepted)
+        out = accept + (1 - accept.sum()) * residual(p, q)
+        assert torch.allclose(out, p, atol=1e-6)
+
+
+def test_rule_samples_match_target_chi_square() -> None:
+    """k = 2 with fixed seeds: emitted token 1 ~ P[0]; token 2 (when draft 1 passed) ~ P[1]; bonus ~ P[2]."""
+    g = torch.Generator().manual_seed(0)
+    first, second, bonus = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    all_drafts = torch.stack([torch.multinomial(Q[i], 12_000, replacement=True, generator=g) for i in range(2)])
+    for drafts in all_drafts.T:  # (2,) d_i ~ q_i
+        j, nxt = verify_sampled(P, Q, drafts, g)
+        emitted = [*drafts[:j].tolist(), nxt]
+        first[emitted[0]] += 1
+        if j >= 1:
+            second[emitted[1]] += 1
+        if j == 2:
+            bonus[nxt] += 1
+    for counts, p in [(first, P[0]), (second, P[1]), (bonus, P[2])]:
+        stat, critical = chi_square(counts, p)
+        assert stat < critical, (counts / counts.sum(), p)
+    # and the test has power: the draft's own distribution is rejected
+    assert chi_square(first, Q[0])[0] > chi_square(first, Q[0])[1]
+
+
+@pytest.mark.timeout(120)
+def test_real_models_sampling_keeps_target_distribution(models) -> None:
+    """First token after '{"name": "' (12 names start here): speculative sampling (k=3) vs softmax(target)."""
+    target, draft = models
+    prompt = TOK.encode('{"name": "', bos=True)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([prompt]))[0][0, -1], -1)  # (V,) the target's distribution
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(TOK.vocab_size)
+    for _ in range(600):
+        out = speculative_generate(target, draft, prompt, 1, k=3, temperature=1.0, generator=g)
+        counts[out.token_ids[0]] += 1
+    stat, critical = chi_square(counts, p)
+    assert stat < critical
+
+
+# ------------------------------------------------------------------------------------------ greedy identity
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_greedy_speculative_equals_target_greedy(models, k: int) -> None:
+    target, draft = models
+    for text in PROMPTS:
+        prompt = TOK.encode(text, bos=True)
+        ref = generate(target, torch.tensor([prompt]), 90)[0, len(prompt):].tolist()  # runs past <eos>
+        out = speculative_generate(target, draft, prompt, 90, k=k)
+        assert out.token_ids == ref, (k, text)
+        assert out.stats.steps == out.stats.draft_forwards // k < len(ref)  # fewer target forwards than tokens
+        assert sum(out.stats.accepted_at) == out.stats.accepted
+
+
+def test_stop_at_eos_and_token_budget(models) -> None:
+    target, draft = models
+    prompt = TOK.encode('{"name": "ada"', bos=True)
+    out = speculative_generate(target, draft, prompt, 120, k=4, eos_id=TOK.eos_id).token_ids
+    assert out[-1] == TOK.eos_id and TOK.eos_id not in out[:-1]
+    for n in (1, 2, 5, 13):
+        assert len(speculative_generate(target, draft, prompt, n, k=4).token_ids) == n
+
+
+def test_rollback_leaves_the_cache_of_a_fresh_prefill(models) -> None:
+    """After several steps with rejections, the valid part of both caches equals a fresh prefill of seq[:-1]."""
+    target, draft = models
+    seq = TOK.encode('{"name": "bar', bos=True)
+    tgt, drf = CachedModel(target, 128), CachedModel(draft, 128)
+    tgt.feed(seq[:-1])
+    drf.feed(seq[:-1])
+    rejected = 0
+    for _ in range(8):
+        new, j, _ = spec_step(tgt, drf, seq, 5, temperature=0.0)
+        rejected += j < 5
+        seq += new
+    assert rejected > 0, "pick a prompt where the draft is sometimes wrong"
+    for cached in (tgt, drf):
+        fresh = CachedModel(cached.model, 128)
+        fresh.feed(seq[:-1])
+        assert cached.cache_len == fresh.cache_len == len(seq) - 1
+        n = cached.cache_len
+        for a, b in zip(cached.cache, fresh.cache):
+            torch.testing.assert_close(a.k[:, :, :n], b.k[:, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.v[:, :, :n], b.v[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ transformers
+@pytest.mark.timeout(120)
+def test_hf_assisted_generation_gives_the_same_tokens(models) -> None:
+    target, draft = models
+    mod = load_script(CH11 / "speculative.py")
+    prompts = [TOK.encode(t, bos=True) for t in PROMPTS[:3]]
+    for k in (2, 5):
+        hf = mod.hf_assisted(target, draft, prompts, k, 60)
+        ours = [speculative_generate(target, draft, p, 60, k=k, eos_id=TOK.eos_id).token_ids for p in prompts]
+        assert hf == ours
+
+
+# ------------------------------------------------------------------------------------------ the scripts' numbers
+@pytest.mark.timeout(120)
+def test_spec_vs_k_script_numbers(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = run([CH11 / "spec_vs_k.py", "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    for row in res["rows"]:
+        assert 1.0 <= row["tokens/step"] <= row["k"] + 1
+        assert row["formula"] == pytest.approx(expected_tokens_per_step(row["alpha"], row["k"]))
+        k = str(row["k"])
+        want = row["formula"] * res["c_target_1"] / (row["k"] * res["c_draft_1"] + res["c_target_k1"][k])
+        assert row["predicted"] == pytest.approx(want)
+    assert (tmp_path / "spec_vs_k.png").exists()

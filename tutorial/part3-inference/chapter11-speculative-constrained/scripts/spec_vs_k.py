@@ -1,0 +1,170 @@
+"""Speculative decoding's wall-clock speed-up against k, with the draft's cost charged per drafted token.
+
+What it shows
+    1. The cost model, measured: one target forward over 1 token (a plain decode step), over k+1 tokens (a
+       verification), and one draft forward over 1 token. On this CPU these tiny models are dominated by
+       per-operator overhead, so the draft's forward costs far more than its 1/7 share of the parameters, and
+       a k+1-token verification costs barely more than a 1-token decode.
+    2. For each k: greedy speculative decoding of the same prompts, timed side by side with the target's plain
+       greedy decoding (repeats interleaved, median kept, so machine load hits both alike). Reported: acceptance
+       rate alpha, tokens per step observed vs (1 - alpha^(k+1)) / (1 - alpha), the speed-up measured, and the
+       speed-up the cost model predicts:
+
+           speed-up(k) = E[tokens per step] * c_target(1) / (k * c_draft(1) + c_target(k+1))
+
+       Every run's tokens equal the target's greedy tokens (checked).
+    3. A figure: tokens per step and speed-up against k.
+
+How to run
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 3 4 5 6 8 --repeats 5
+
+Runtime on 2 cores: about 25 s, 5 s with --smoke. Timings are only as good as the machine is idle.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mlsys import cli, plot, report
+from mlsys.data import Tokenizer, format_record, sample_record
+from mlsys.model import generate
+from mlsys.speculative import CachedModel, expected_tokens_per_step, speculative_generate
+from mlsys.weights import load_pretrained
+
+
+@dataclass
+class Settings(cli.Args, cli.PlotArgs):
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    """Draft lengths to time."""
+    num_prompts: int = 3
+    """Prompts: <bos> and the start of a record; decoding runs on through several records (no <eos> stop)."""
+    max_new_tokens: int = 160
+    """Tokens generated per prompt."""
+    repeats: int = 3
+    """Timed repeats per configuration (the median is kept)."""
+
+    def validate(self) -> None:
+        if not self.ks or not all(1 <= k <= 16 for k in self.ks):
+            raise cli.UsageError("--ks must be values in 1..16")
+        if self.num_prompts < 1 or self.repeats < 1 or not 8 <= self.max_new_tokens <= 200:
+            raise cli.UsageError("--num-prompts, --repeats must be >= 1 and --max-new-tokens in 8..200")
+
+
+def make_prompts(n: int, seed: int) -> list[list[int]]:
+    rng, tok = random.Random(seed + 7), Tokenizer()
+    return [tok.encode(format_record(sample_record(rng))[: rng.randint(2, 12)], bos=True) for _ in range(n)]
+
+
+# --8<-- [start:cost_model]
+@torch.no_grad()
+def forward_cost(model, num_tokens: int, context: int = 64, repeats: int = 30) -> float:
+    """Median seconds of one cached forward over num_tokens new tokens after `context` cached ones."""
+    cached = CachedModel(model, context + num_tokens)
+    cached.feed([3] * context)  # any ids: the cost does not depend on them
+    times = []
+    for _ in range(repeats):
+        cached.rollback(context)
+        t0 = time.perf_counter()
+        cached.feed([3] * num_tokens)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def predicted_speedup(alpha: float, k: int, c_target_1: float, c_target_k1: float, c_draft_1: float) -> float:
+    """Tokens per step * the plain cost per token, over the cost of one step (k drafts + one verification)."""
+    return expected_tokens_per_step(alpha, k) * c_target_1 / (k * c_draft_1 + c_target_k1)
+# --8<-- [end:cost_model]
+
+
+def time_it(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# --8<-- [start:side_by_side]
+def side_by_side(target, draft, prompts, ks, max_new: int, repeats: int) -> dict:
+    """Median wall time of plain greedy and of speculative greedy per k, repeats interleaved."""
+    plain_t, spec_t, stats = [], {k: [] for k in ks}, {}
+    for _ in range(repeats):
+        dt, plain = time_it(lambda: [generate(target, torch.tensor([p]), max_new)[0, len(p):].tolist()
+                                     for p in prompts])
+        plain_t.append(dt)
+        for k in ks:
+            dt, outs = time_it(lambda: [speculative_generate(target, draft, p, max_new, k=k) for p in prompts])
+            spec_t[k].append(dt)
+            for p, o, ref in zip(prompts, outs, plain):
+                report.expect_equal(f"k={k} tokens", o.token_ids, ref)
+            stats[k] = [o.stats for o in outs]
+    return {"plain": statistics.median(plain_t), "spec": {k: statistics.median(v) for k, v in spec_t.items()},
+            "stats": stats}
+# --8<-- [end:side_by_side]
+
+
+def draw(rows: list[dict], args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ks = [r["k"] for r in rows]
+    ax1.plot(ks, [r["tokens/step"] for r in rows], "o-", label="observed")
+    ax1.plot(ks, [r["formula"] for r in rows], "x--", label="(1 - a^(k+1)) / (1 - a), measured a")
+    ax1.plot(ks, [k + 1 for k in ks], ":", color="gray", label="k + 1 (every draft accepted)")
+    ax1.set(xlabel="k (draft tokens per step)", ylabel="tokens per target forward", title="Tokens per step")
+    ax1.legend(fontsize=8)
+    ax2.plot(ks, [r["speed-up"] for r in rows], "o-", label="measured")
+    ax2.plot(ks, [r["predicted"] for r in rows], "x--", label="cost model")
+    ax2.axhline(1.0, color="gray", lw=1)
+    ax2.set(xlabel="k (draft tokens per step)", ylabel="speed-up over plain greedy", title="Wall-clock speed-up")
+    ax2.legend(fontsize=8)
+    plot.save(fig, args, "spec_vs_k")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"ks": [1, 4], "num_prompts": 1, "max_new_tokens": 40, "repeats": 1})
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # tiny models: one thread avoids two threads fighting over small matmuls
+    target, draft = load_pretrained("small"), load_pretrained("draft")
+    prompts = make_prompts(args.num_prompts, args.seed)
+
+    # 1. the cost model
+    reps = 10 if args.smoke else 40
+    c_t1, c_d1 = forward_cost(target, 1, repeats=reps), forward_cost(draft, 1, repeats=reps)
+    c_tk = {k: forward_cost(target, k + 1, repeats=reps) for k in args.ks}
+    print(f"1. cost per forward (median, 64 cached tokens): target 1 token {1e3 * c_t1:.3f} ms, draft 1 token "
+          f"{1e3 * c_d1:.3f} ms -> the draft costs {c_d1 / c_t1:.2f} of a target decode step "
+          f"(its parameter share is {sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters()):.2f})")
+    print("   target verification over k+1 tokens: "
+          + ", ".join(f"k={k}: {c_tk[k] / c_t1:.2f}x" for k in args.ks) + " of a 1-token step\n")
+
+    # 2. side by side
+    timed = side_by_side(target, draft, prompts, args.ks, args.max_new_tokens, args.repeats)
+    num_tokens = len(prompts) * args.max_new_tokens
+    rows = []
+    for k in args.ks:
+        st = timed["stats"][k]
+        alpha = sum(s.accepted for s in st) / sum(s.drafted for s in st)
+        rows.append({"k": k, "alpha": alpha, "tokens/step": sum(s.emitted for s in st) / sum(s.steps for s in st),
+                     "formula": expected_tokens_per_step(alpha, k), "tok/s": num_tokens / timed["spec"][k],
+                     "speed-up": timed["plain"] / timed["spec"][k],
+                     "predicted": predicted_speedup(alpha, k, c_t1, c_tk[k], c_d1)})
+    print(f"2. plain greedy: {num_tokens / timed['plain']:.0f} tok/s; speculative greedy (same tokens: checked), "
+          f"median of {args.repeats}:")
+    print("   " + report.table(rows, floatfmt=".3g").replace("\n", "\n   "))
+    best = max(rows, key=lambda r: r["speed-up"])
+    print(f"   best: k={best['k']}, {best['speed-up']:.2f}x measured ({best['predicted']:.2f}x predicted); "
+          f"{torch.get_num_threads()} thread, {torch.__version__}")
+
+    draw(rows, args)
+    report.write_json(args.json, {"c_target_1": c_t1, "c_draft_1": c_d1, "c_target_k1": c_tk, "rows": rows,
+                                  "plain_s": timed["plain"], "best_k": best["k"], "best_speedup": best["speed-up"]},
+                      args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,211 @@
+"""Speculative decoding with the book's draft (119k params) and target (832k params): correctness first.
+
+What it shows
+    1. One step, traced: the draft proposes k tokens one forward at a time, the target scores all of them in ONE
+       forward over k+1 positions, the agreeing prefix is kept plus one target token, and both KV caches are
+       rolled back to the accepted length.
+    2. Greedy speculative decoding gives token for token the target's own greedy decoding
+       (mlsys.model.generate), for every prompt and every k; each k's acceptance rate alpha, tokens per target
+       forward, and the formula (1 - alpha^(k+1)) / (1 - alpha) at the measured alpha.
+    3. Acceptance per draft position i: P(draft i accepted | drafts before it accepted).
+    4. Sampling mode (temperature 1): the acceptance rule min(1, p/q) with the residual max(0, p - q) keeps the
+       target's distribution. Checked on explicit small p and q by sampling the rule many times (total
+       variation distance to p), then run on the real models.
+    5. Hugging Face assisted generation (`generate(..., assistant_model=...)`) on the same two models
+       (mlsys.model.to_hf_model) gives the same greedy tokens.
+    Speed is measured by spec_vs_k.py.
+
+How to run
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 6 --num-prompts 8
+
+Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two models, about 3 min, once).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from mlsys import cli, report
+from mlsys.data import Tokenizer, format_record, sample_record
+from mlsys.model import generate, num_params, to_hf_model
+from mlsys.speculative import CachedModel, expected_tokens_per_step, spec_step, speculative_generate, verify_sampled
+from mlsys.weights import load_pretrained
+
+
+@dataclass
+class Settings(cli.Args):
+    num_prompts: int = 6
+    """Prompts: <bos> and the first few characters of a record drawn from the data grammar."""
+    max_new_tokens: int = 72
+    """Tokens generated per prompt (greedy decoding stops earlier at <eos>)."""
+    k: int = 4
+    """Draft tokens per step in sections 1, 3, 4 and 5."""
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Values of k checked against the target's greedy decoding in section 2."""
+    num_samples: int = 20_000
+    """Draws of the acceptance rule on explicit p, q in section 4."""
+
+    def validate(self) -> None:
+        if self.num_prompts < 1 or not 1 <= self.max_new_tokens <= 160:
+            raise cli.UsageError("--num-prompts must be >= 1 and --max-new-tokens in 1..160")
+        if not all(1 <= k <= 16 for k in [self.k, *self.ks]):
+            raise cli.UsageError("--k and --ks must be in 1..16")
+        if self.num_samples < 100:
+            raise cli.UsageError(f"--num-samples must be >= 100, got {self.num_samples}")
+
+
+def make_prompts(n: int, seed: int) -> list[list[int]]:
+    """<bos> + the first 2..20 characters of a fresh record (not a copy of the training stream's seed)."""
+    rng, tok = random.Random(seed + 11), Tokenizer()
+    return [tok.encode(format_record(sample_record(rng))[: rng.randint(2, 20)], bos=True) for _ in range(n)]
+
+
+# --8<-- [start:trace]
+def trace_one_step(target, draft, prompt: list[int], k: int) -> dict:
+    """Prefill both caches with prompt[:-1], run one spec_step, report what happened to the caches."""
+    tok = Tokenizer()
+    max_len = len(prompt) + 2 * (k + 1)
+    tgt, drf = CachedModel(target, max_len), CachedModel(draft, max_len)
+    tgt.feed(prompt[:-1])
+    drf.feed(prompt[:-1])
+    before = tgt.cache_len
+    new, j, drafts = spec_step(tgt, drf, list(prompt), k, temperature=0.0)
+    return {"context": tok.decode(prompt), "drafts": tok.decode(drafts, skip_special=False), "accepted": j,
+            "new": tok.decode(new, skip_special=False), "target_cache": f"{before} -> {before + k + 1} -> "
+            f"{tgt.cache_len}", "draft_cache": f"{before} -> {before + k} -> {drf.cache_len}"}
+# --8<-- [end:trace]
+
+
+# --8<-- [start:greedy_check]
+def greedy_vs_target(target, draft, prompts, ks, max_new: int) -> list[dict]:
+    """For each k: speculative greedy == target greedy on every prompt, plus the step statistics."""
+    eos = Tokenizer().eos_id
+    refs = [generate(target, torch.tensor([p]), max_new, eos_id=eos)[0, len(p):].tolist() for p in prompts]
+    refs = [r[: r.index(eos) + 1] if eos in r else r for r in refs]  # generate pads a finished row with eos
+    rows = []
+    for k in ks:
+        outs = [speculative_generate(target, draft, p, max_new, k=k, eos_id=eos) for p in prompts]
+        for p, out, ref in zip(prompts, outs, refs):
+            report.expect_equal(f"k={k} prompt {Tokenizer().decode(p)!r}", out.token_ids, ref)
+        steps = sum(o.stats.steps for o in outs)
+        alpha = sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs)
+        emitted = sum(o.stats.emitted for o in outs)
+        rows.append({"k": k, "tokens": emitted, "target forwards": steps, "alpha": alpha,
+                     "tokens/step": emitted / steps, "formula": expected_tokens_per_step(alpha, k),
+                     "draft forwards": sum(o.stats.draft_forwards for o in outs), "identical": True})
+    return rows
+# --8<-- [end:greedy_check]
+
+
+def alpha_per_position(target, draft, prompts, k: int, max_new: int, temperature: float, seed: int) -> list[float]:
+    """Pooled over prompts: accepted_at[i] / reached[i] for draft position i."""
+    g = torch.Generator().manual_seed(seed)
+    acc, reach = [0] * k, [0] * k
+    for p in prompts:
+        s = speculative_generate(target, draft, p, max_new, k=k, temperature=temperature, generator=g).stats
+        acc = [a + b for a, b in zip(acc, s.accepted_at)]
+        reach = [a + b for a, b in zip(reach, s.reached)]
+    return [a / r if r else float("nan") for a, r in zip(acc, reach)]
+
+
+# --8<-- [start:rule_check]
+def rule_distribution(p: torch.Tensor, q: torch.Tensor, num_samples: int, seed: int) -> torch.Tensor:
+    """Empirical distribution of the first emitted token when k=1 drafts come from q and the target has p.
+
+    p (2, V): the target's distribution at the drafted position and at the bonus position; q (1, V)."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q[0], num_samples, replacement=True, generator=g)  # (N,) d ~ q
+    counts = torch.zeros(p.size(1))
+    for d in drafts:
+        j, nxt = verify_sampled(p, q, d.view(1), g)
+        counts[int(d) if j == 1 else nxt] += 1  # accepted: the draft is the first token; else the redraw
+    return counts / num_samples
+# --8<-- [end:rule_check]
+
+
+def hf_assisted(target, draft, prompts, k: int, max_new: int) -> list[list[int]]:
+    """transformers' assisted generation, greedy, k assistant tokens per step, never cut short by confidence."""
+    import transformers
+    from transformers import GenerationConfig
+
+    transformers.logging.set_verbosity_error()  # assisted generation warns about its own internal call
+    hf_t, hf_d = to_hf_model(target), to_hf_model(draft)
+    tok = Tokenizer()
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, num_assistant_tokens=k,
+                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+                           eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = hf_t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_d, generation_config=cfg)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"num_prompts": 2, "max_new_tokens": 24, "ks": [1, 4],
+                                                "num_samples": 2000})
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # tiny models: one thread avoids two threads fighting over small matmuls
+    target, draft, tok = load_pretrained("small"), load_pretrained("draft"), Tokenizer()
+    prompts = make_prompts(args.num_prompts, args.seed)
+    print(f"target 'small' {num_params(target):,} params ({target.config.n_layer} layers, n_embd "
+          f"{target.config.n_embd}); draft 'draft' {num_params(draft):,} params ({draft.config.n_layer} layers, "
+          f"n_embd {draft.config.n_embd}); {len(prompts)} prompts\n")
+
+    # 1. one step
+    step = trace_one_step(target, draft, prompts[0], args.k)
+    print(f"1. one step, k={args.k}, after {step['context']!r}:")
+    print(f"   draft proposes {step['drafts']!r}; the target agrees with the first {step['accepted']}; "
+          f"the step emits {step['new']!r}")
+    print(f"   target cache length {step['target_cache']} (rollback), draft cache {step['draft_cache']}\n")
+
+    # 2. greedy == target greedy, for every k
+    rows = greedy_vs_target(target, draft, prompts, args.ks, args.max_new_tokens)
+    print("2. greedy speculative decoding vs the target's greedy decoding (same tokens: checked)")
+    print("   " + report.table(rows, floatfmt=".3g").replace("\n", "\n   "))
+    print("   plain decoding needs one target forward per token; 'formula' is (1 - a^(k+1)) / (1 - a) at the "
+          "measured a\n")
+
+    # 3. per-position acceptance
+    alphas = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 0.0, args.seed)
+    print(f"3. greedy acceptance by draft position (k={args.k}): "
+          + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(alphas)))
+    print("   the formula assumes one alpha for every position; these are conditional on the earlier ones\n")
+
+    # 4. sampling mode: the rule on explicit distributions, then on the models
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])  # target: drafted position, bonus
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.2]])  # draft: proposes token 1 too often, token 0 too rarely
+    emp = rule_distribution(p, q, args.num_samples, args.seed)
+    tv = 0.5 * float((emp - p[0]).abs().sum())
+    print(f"4. acceptance rule on p={[round(x, 2) for x in p[0].tolist()]}, q={[round(x, 2) for x in q[0].tolist()]}: "
+          f"{args.num_samples} draws give "
+          f"{[round(x, 3) for x in emp.tolist()]} (TV distance to p {tv:.4f}; to q "
+          f"{0.5 * float((q[0] - p[0]).abs().sum()):.2f})")
+    report.expect_close("empirical distribution of the rule", emp, p[0], atol=5 / args.num_samples ** 0.5)
+    sampled = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 1.0, args.seed)
+    print(f"   real models, temperature 1, k={args.k}: acceptance by position "
+          + ", ".join(f"{a:.3f}" for a in sampled) + "\n")
+
+    # 5. transformers assisted generation
+    hf = hf_assisted(target, draft, prompts, args.k, args.max_new_tokens)
+    ours = [speculative_generate(target, draft, p, args.max_new_tokens, k=args.k, eos_id=tok.eos_id).token_ids
+            for p in prompts]
+    for prompt, a, b in zip(prompts, ours, hf):
+        report.expect_equal(f"HF assisted generation, prompt {tok.decode(prompt)!r}", a, b)
+    print(f"5. transformers assisted generation (assistant_model=draft, {args.k} tokens, greedy): same tokens on "
+          f"all {len(prompts)} prompts, e.g. {tok.decode(prompts[-1])!r} -> {tok.decode(hf[-1])!r}")
+
+    report.write_json(args.json, {"trace": step, "greedy": rows, "alpha_per_position_greedy": alphas,
+                                  "alpha_per_position_sampled": sampled, "rule_empirical": emp.tolist(),
+                                  "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
