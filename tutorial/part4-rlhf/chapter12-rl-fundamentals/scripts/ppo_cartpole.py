@@ -64,6 +64,9 @@ class Settings(cli.Args, cli.PlotArgs):
     """GAE lambda: 0 is one-step TD, 1 is Monte Carlo."""
     clip_eps: float = 0.2
     """PPO clip range for the probability ratio (and the value clipping)."""
+    clip_vloss: bool = False
+    """Also clip the value update to --clip-eps around the rollout's values (PPO2/cleanrl style). Off by default:
+    with unnormalized returns of ~100, a 0.2 step per update leaves the critic far behind."""
     ent_coef: float = 0.0
     """Entropy bonus coefficient."""
     vf_coef: float = 0.5
@@ -178,7 +181,8 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, buf: dict, args: 
             logp_new = dist.log_prob(flat["actions"][mb])
             pg_loss, stats = rl.ppo_policy_loss(logp_new, flat["logp"][mb], rl.masked_whiten(adv[mb]),
                                                 args.clip_eps)  # advantages normalized per minibatch
-            v_loss = rl.ppo_value_loss(agent.value(flat["obs"][mb]), flat["values"][mb], ret[mb], args.clip_eps)
+            v_loss = rl.ppo_value_loss(agent.value(flat["obs"][mb]), flat["values"][mb], ret[mb],
+                                     args.clip_eps if args.clip_vloss else None)
             entropy = dist.entropy().mean()
             loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
             opt.zero_grad()
@@ -208,8 +212,10 @@ def evaluate(agent: ActorCritic, episodes: int, seed: int, greedy: bool = True) 
     return returns
 
 
-def train(args: Settings, seed: int, progress: bool = True) -> dict:
-    """One PPO run; stops when solved or out of budget. Returns the curves and the verdict."""
+def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name: str = "PPO") -> dict:
+    """One run; stops when solved or out of budget. Returns the agent, the curves and the verdict.
+    update_fn(agent, opt, buf, args) -> stats replaces ppo_update (reinforce_vs_ppo.py passes REINFORCE's)."""
+    update_fn = update_fn or ppo_update
     torch.manual_seed(seed)
     np.random.seed(seed)
     envs = make_envs(args.num_envs, seed)
@@ -222,7 +228,7 @@ def train(args: Settings, seed: int, progress: bool = True) -> dict:
     running = np.zeros(args.num_envs)
     curve, evals, updates = [], [], []
     start, solved_at = time.perf_counter(), None
-    bar = tqdm(range(1, num_updates + 1), desc=f"PPO seed {seed}", disable=not progress, leave=False)
+    bar = tqdm(range(1, num_updates + 1), desc=f"{name} seed {seed}", disable=not progress, leave=False)
     for update in bar:
         opt.param_groups[0]["lr"] = args.lr * (1.0 - (update - 1) / num_updates)  # linear annealing
         n_before = len(episodes)
@@ -231,7 +237,7 @@ def train(args: Settings, seed: int, progress: bool = True) -> dict:
             args_gae = (buf["rewards"], buf["values"], buf["dones"], buf["last_value"], args.gamma, args.gae_lambda)
             report.expect_close("GAE vectorized vs loop", rl.compute_gae(*args_gae)[0],
                                 rl.compute_gae_loop(*args_gae)[0], rtol=1e-4, atol=1e-4)
-        stats = ppo_update(agent, opt, buf, args)
+        stats = update_fn(agent, opt, buf, args)
         steps = update * batch
         curve += [(steps, r) for r in episodes[n_before:]]
         updates.append({"steps": steps, **stats})
@@ -250,8 +256,8 @@ def train(args: Settings, seed: int, progress: bool = True) -> dict:
             break
     bar.close()
     envs.close()
-    return {"seed": seed, "solved": solved_at is not None, "evals": evals, "updates": updates, "curve": curve,
-            "steps": evals[-1]["steps"], "seconds": evals[-1]["seconds"], "eval_return": evals[-1]["eval_return"]}
+    return {"agent": agent, "seed": seed, "solved": solved_at is not None, "evals": evals, "updates": updates,
+            "curve": curve, **{k: evals[-1][k] for k in ("steps", "seconds", "eval_return")}}
 
 
 def plot_run(run: dict, args: Settings) -> None:
@@ -291,7 +297,8 @@ def main() -> int:
              "eval return": r["eval_return"]} for r in runs]
     print("\n" + report.table(rows))
     if args.json:
-        report.write_json(args.json, {"runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs]}, args)
+        runs_json = [{k: v for k, v in r.items() if k not in ("curve", "agent")} for r in runs]
+        report.write_json(args.json, {"runs": runs_json}, args)
     unsolved = [r["seed"] for r in runs if not r["solved"]]
     if args.smoke:
         print(f"\nsmoke run: {runs[0]['steps']} steps, no solve check")
@@ -299,7 +306,8 @@ def main() -> int:
     if unsolved:
         raise cli.SelfCheckFailed(f"NOT SOLVED for seed(s) {unsolved}: mean eval return below {args.solve_return}")
     print(f"\nsolved: mean return >= {args.solve_return:g} over {args.eval_episodes} episodes, "
-          f"median {np.median([r['steps'] for r in runs]):,.0f} env steps, {np.median([r['seconds'] for r in runs]):.1f} s")
+          f"median {np.median([r['steps'] for r in runs]):,.0f} env steps, "
+          f"{np.median([r['seconds'] for r in runs]):.1f} s")
     return 0
 
 
