@@ -1,0 +1,160 @@
+"""Chapter 14 oracles for the memory planner (formulas by hand, on published and toy shapes) and for the placements
+(co-located and disaggregated give the same numbers as one process running chapter 13's loop on the same shards)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+from mlsys import kv_memory as kvm
+from mlsys import memory as mem
+
+CH14 = ROOT / "tutorial" / "part4-rlhf" / "chapter14-rlhf-architecture" / "scripts"
+GIB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def planner():
+    return load_script(CH14 / "memory_planner.py")
+
+
+def settings(planner, **kw):
+    return planner.Settings(**kw)
+
+
+# ------------------------------------------------------------------------------------------ planner formulas
+def test_state_bytes_by_hand(planner) -> None:
+    # trained: 2 + 2 + 12 B per parameter, all three divided by the shards (ZeRO-3)
+    assert planner.state_bytes(1000, True, 4) == {"weights": 500.0, "grads": 500.0, "optimizer": 3000.0}
+    # frozen: bf16 weights only
+    assert planner.state_bytes(1000, False, 4) == {"weights": 500.0, "grads": 0.0, "optimizer": 0.0}
+    # Llama-3-8B actor on one GPU: 8,030,261,248 x 16 B
+    s = planner.state_bytes(8_030_261_248, True, 1)
+    assert sum(s.values()) == 8_030_261_248 * 16
+
+
+def test_scalar_head_params_by_hand(planner) -> None:
+    s = kvm.MODEL_SHAPES["llama-3-8b"]
+    # drop the 128256 x 4096 LM head, add a 4096 -> 1 linear with bias
+    assert planner.scalar_head_params(s) == 8_030_261_248 - 128256 * 4096 + 4096 + 1
+    # and the same from the shape: transformer_params without the untied head
+    dense = mem.transformer_params(32, 4096, 32, 8, 128, 14336, 128256, tied_embeddings=True)["total"]
+    assert planner.scalar_head_params(s) == dense + 4096 + 1
+
+
+def test_kv_cache_bytes_gqa_by_hand(planner) -> None:
+    s = kvm.MODEL_SHAPES["llama-3-8b"]
+    # 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 B = 131072 B per token; 256 sequences of 2048 tokens
+    assert planner.kv_cache_bytes(s, 256, 2048) == 131072 * 256 * 2048 == 64 * GIB
+    assert planner.kv_cache_bytes(s, 256, 2048, tp=4) == 16 * GIB
+    assert planner.kv_cache_bytes(s, 1, 10, tp=16) == 131072 * 10 / 8  # heads run out at tp = 8: replicated
+    mha = kvm.MODEL_SHAPES["llama-2-7b"]  # 32 KV heads: 4x the cache per token
+    assert kvm.shape_kv_bytes_per_token(mha) == 4 * 131072
+
+
+def test_activation_and_logits_by_hand(planner) -> None:
+    toy = kvm.ModelShape("toy", num_layers=3, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                         intermediate_size=16, vocab_size=10, num_params=1000, source="test")
+    # full recompute keeps 2*s*b*h per layer; logits 4 B x b x s x V
+    assert planner.train_activation_bytes(toy, 2, 5, "full", lm_head=False) == 3 * 2 * 5 * 2 * 8
+    assert planner.logits_bytes(2, 5, 10) == 4 * 2 * 5 * 10
+    assert planner.train_activation_bytes(toy, 2, 5, "full", lm_head=True) == 3 * 160 + 400
+    # no recompute: s*b*h*(34 + 5*a*s/h) per layer (Korthikanti et al.)
+    sbh = 5 * 2 * 8
+    assert planner.train_activation_bytes(toy, 2, 5, "none", False) == pytest.approx(3 * sbh * (34 + 5 * 2 * 5 / 8))
+    # forward working set: one layer without the attention scores, plus logits
+    assert planner.forward_bytes(toy, 2, 5, lm_head=True) == pytest.approx(sbh * 34 + 400)
+
+
+def test_colocated_phases_add_up(planner) -> None:
+    args = settings(planner, rollout_batch=64, prompt_len=512, response_len=512, micro_batch=1)
+    n = 8
+    phases = planner.colocated_phases(args, n, engine_tp=2)
+    actor = kvm.MODEL_SHAPES["llama-3-8b"]
+    critic_n = planner.scalar_head_params(actor)
+    # resident: actor + critic trained (16 B/param), reward + reference frozen (2 B/param), all over 8 GPUs
+    resident = (actor.num_params * 16 + critic_n * 16 + critic_n * 2 + actor.num_params * 2) / n
+    for p in planner.PHASES:
+        states = phases[p]["weights"] + phases[p]["grads"] + phases[p]["optimizer"]
+        assert states == pytest.approx(resident)
+    assert phases["generation"]["engine weights"] == actor.num_params * 2 / 2
+    assert phases["generation"]["KV cache"] == 131072 * (64 / 8) * 1024
+    assert phases["training"]["activations"] == pytest.approx(
+        planner.train_activation_bytes(actor, 1, 1024, "full", lm_head=True))
+
+
+def test_recommendation_is_the_smallest_fit(planner) -> None:
+    args = settings(planner)
+    result = planner.plan(args)
+    budget = 80 * GIB * 0.9
+    n = result["colocated_gpus"]
+    assert planner.colocated_peak(args, n, budget)[0] <= budget < planner.colocated_peak(args, n // 2, budget)[0]
+    t = result["trainer_gpus"]
+    assert planner.trainer_peak(args, t) <= budget < planner.trainer_peak(args, t // 2)
+    pool = result["rollout"]
+    assert pool["weights"] + pool["KV cache"] <= budget
+    assert result["disaggregated_gpus"] == t + pool["gpus"]
+    assert str(min(n, t + pool["gpus"])) in result["pick"] or str(t + pool["gpus"]) in result["pick"]
+
+
+def test_planner_script_runs_and_writes_json(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "r.json"
+    proc = run([CH14 / "memory_planner.py", "--actor", "llama-3-70b", "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert res["kv_total_bytes"] == 327680 * 256 * 2048  # Llama-3-70B: 2 x 80 x 8 x 128 x 2 B per token
+    assert (tmp_path / "memory_phases.png").exists()
+
+
+# ------------------------------------------------------------------------------------------ placements
+@pytest.fixture(scope="module")
+def placement_json(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("placement") / "r.json"
+    proc = run([CH14 / "placement.py", "--smoke", "--json", out, "--plot-dir", out.parent], timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_colocated_equals_disaggregated_and_one_process(placement_json: dict) -> None:
+    """The oracle: one process runs the same shards and micro-batches with chapter 13's functions."""
+    from mlsys import rlhf
+
+    res, s = placement_json["results"], placement_json["settings"]
+    assert res["weights_equal"] is True
+    co, dis = res["colocated"]["stats"], res["disaggregated"]["stats"]
+    assert [x["reward"] for x in co] == [x["reward"] for x in dis]
+
+    mod = load_script(CH14 / "placement.py")
+    args = mod.Settings(**{k: v for k, v in s.items() if k in mod.Settings.__dataclass_fields__})
+    torch.set_num_threads(1)  # as each rank ran
+    models, opts, kl_ctl, engine, cfg = mod.setup("all", args.seed)
+    for it in range(args.iterations):
+        batch = mod.merge([mod.generate_shard(engine, args, it, sh) for sh in range(args.shards)])
+        extras = [mod.score_micro_batch(models, batch, args, m) for m in range(args.shards)]
+        stats = mod.train_on(models, opts, kl_ctl, cfg, batch, extras)
+        engine.load_weights(models.actor.state_dict())
+        assert stats["reward"] == co[it]["reward"], f"iteration {it}"
+        assert stats["kl"] == co[it]["kl"]
+    del rlhf
+
+
+@pytest.mark.timeout(300)
+def test_async_is_one_step_off_policy(placement_json: dict) -> None:
+    res = placement_json["results"]
+    sync, asy = res["disaggregated"]["stats"], res["async"]["stats"]
+    # iteration 0 is on-policy for both (nothing has been trained yet): same batch, same result
+    assert asy[0]["reward"] == sync[0]["reward"]
+    # sync: the engine sampled with the weights being trained (gap ~ float noise); async from iteration 1: stale
+    assert all(abs(x["off_policy_gap"]) < 1e-4 for x in sync)
+    assert all(abs(x["off_policy_gap"]) > 1e-4 for x in asy[1:])
+    for name in ("colocated", "disaggregated", "async"):
+        ranks = res[name]["ranks"]
+        for r in ranks:  # idle = wall - compute, never negative, and phases add up within the wall time
+            assert r["idle"] >= -1e-9
+            assert r["generate"] + r["score"] + r["train"] + r["idle"] == pytest.approx(res[name]["wall_s"])
+        if name != "colocated":
+            assert ranks[0]["generate"] == 0 and ranks[1]["train"] == 0 and ranks[1]["score"] == 0

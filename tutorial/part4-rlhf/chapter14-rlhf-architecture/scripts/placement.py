@@ -1,0 +1,366 @@
+"""Placement: the chapter-13 RLHF loop run co-located, disaggregated (synchronous) and disaggregated (asynchronous).
+
+What it shows
+    The same task (mlsys/rlhf.py: actor, critic, reward model, reference on the `draft` GPT; rollouts from the
+    inference engine; PPO) run three ways on real processes started by the launcher:
+      co-located     every rank holds all four models and an engine; the phases take turns on every rank:
+                     generate a shard of the batch, all-gather, score a micro-batch, all-gather, train, reload
+                     the engine from the local actor (no weight transfer between processes)
+      disaggregated  rank 0 trains (actor, critic, reward, reference); ranks 1.. hold only an engine; each
+                     iteration the rollout ranks generate, send the batch, wait; the trainer scores and trains
+                     and broadcasts the new weights (mlsys.weight_sync, bucketed) to the rollout ranks
+      async          the same two roles, but the rollout ranks generate batch k+1 with the weights of step k-1
+                     while the trainer trains on batch k (one step off-policy), overlapping the two phases
+    Every placement generates the batch in the same seeded shards and scores it in the same micro-batches, so
+    co-located and disaggregated (sync) compute the same numbers: the script checks that their per-iteration
+    rewards and their final actor weights are bitwise equal. It measures time per phase and idle time per rank,
+    rollouts per second, and for async the off-policy gap (how far the policy that sampled has drifted from the one
+    being trained). Figures: placement/timeline.png (who does what when), placement/learning.png.
+
+How to run
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py                # 2 ranks
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 6
+    torchrun --nproc-per-node 2 tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py
+
+The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/rlhf.py).
+Prints one table per placement (seconds per phase and idle per rank), the equality check and the async effect.
+Runtime on 2 cores: about 30 s; --smoke about 10 s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, plot, report, rlhf
+from mlsys.launch import RankContext, launch
+from mlsys.weight_sync import broadcast_bucketed, named_meta, plan_buckets, unique_parameters
+
+PLACEMENTS = ("colocated", "disaggregated", "async")
+COMPUTE = ("generate", "score", "train")  # everything else a rank does is communication or waiting
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    placements: list[str] = field(default_factory=lambda: list(PLACEMENTS))
+    """Which to run: colocated, disaggregated, async."""
+    iterations: int = 6
+    """RLHF iterations (generate -> score -> train -> sync) per placement."""
+    num_rollouts: int = 16
+    """Responses per iteration (a multiple of 4 * --shards: groups of 4 per prompt)."""
+    shards: int = 2
+    """The batch is generated in this many seeded shards and scored in as many micro-batches, wherever it runs."""
+    max_tokens: int = 32
+    """Response length limit."""
+    bucket_mb: float = 1.0
+    """Bucket size for the trainer -> rollout weight broadcast."""
+
+    def validate(self) -> None:
+        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
+            raise cli.UsageError(f"--placements must name some of {PLACEMENTS}, got {self.placements}")
+        if self.iterations < 2 or self.shards < 1 or self.max_tokens < 1 or not self.bucket_mb > 0:
+            raise cli.UsageError("--iterations >= 2, --shards >= 1, --max-tokens >= 1, --bucket-mb > 0 required")
+        if self.num_rollouts < 1 or self.num_rollouts % (4 * self.shards):
+            raise cli.UsageError(f"--num-rollouts must be a positive multiple of 4 * --shards, got {self.num_rollouts}")
+
+
+class Timeline:
+    """(phase, start, end) of one rank, in seconds since a start all ranks share (after a barrier)."""
+
+    def __init__(self) -> None:
+        dist.barrier()
+        self.t0, self.events = time.perf_counter(), []
+
+    def span(self, phase: str):
+        timeline = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter() - timeline.t0
+
+            def __exit__(self, *exc):
+                timeline.events.append((phase, self.start, time.perf_counter() - timeline.t0))
+
+        return _Span()
+
+
+# ------------------------------------------------------------------------------------------- the shared work
+def setup(role: str, seed: int):
+    """Models for a rank: 'all' (co-located), 'trainer' (four models, no engine) or 'rollout' (an engine only)."""
+    from mlsys.engine import Engine, EngineConfig
+    from mlsys.weights import load_pretrained
+
+    torch.manual_seed(seed)
+    sft = load_pretrained("draft")
+    models = opts = kl_ctl = engine = None
+    cfg = rlhf.PPOConfig()
+    if role in ("all", "trainer"):
+        models = rlhf.build_models(sft, rlhf.load_reward_model("draft"))
+        opts = rlhf.make_optimizers(models, cfg)
+        kl_ctl = rlhf.AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.k_beta)
+    if role in ("all", "rollout"):
+        engine = Engine(models.actor if models else sft, config=EngineConfig(max_num_seqs=64))
+    return models, opts, kl_ctl, engine, cfg
+
+
+# --8<-- [start:shards]
+def shard_prompts(args: Settings, it: int) -> list[list[str]]:
+    """Iteration it's prompts, cut into args.shards contiguous shards."""
+    prompts = rlhf.grouped_prompts(args.num_rollouts, 4, seed=args.seed * 1000 + it)
+    n = len(prompts) // args.shards
+    return [prompts[i * n:(i + 1) * n] for i in range(args.shards)]
+
+
+def generate_shard(engine, args: Settings, it: int, s: int) -> rlhf.RolloutBatch:
+    """Shard s of iteration it, with a seed of its own: the same tokens on whichever rank generates it."""
+    return rlhf.generate_rollouts(engine, shard_prompts(args, it)[s], args.max_tokens, temperature=1.0,
+                                  seed=(args.seed * 1000 + it) * 64 + s)
+
+
+def merge(batches: list[rlhf.RolloutBatch]) -> rlhf.RolloutBatch:
+    """Shards -> one right-padded batch (token lists re-packed with rlhf.make_batch)."""
+    prompts, responses, logps = [], [], []
+    for b in batches:
+        for i in range(b.ids.size(0)):
+            p, n = int(b.prompt_lens[i]), int(b.mask[i].sum())
+            prompts.append(b.ids[i, :p].tolist())
+            responses.append(b.ids[i, p:p + n].tolist())
+            logps.append(b.engine_logprobs[i, :n].tolist())
+    return rlhf.make_batch(prompts, responses, logps, sum(b.generate_seconds for b in batches))
+
+
+def rows(batch: rlhf.RolloutBatch, idx: list[int]) -> rlhf.RolloutBatch:
+    return rlhf.RolloutBatch(batch.ids[idx], batch.prompt_lens[idx], batch.mask[idx],
+                             [batch.texts[i] for i in idx], batch.engine_logprobs[idx])
+
+
+def score_micro_batch(models, batch: rlhf.RolloutBatch, args: Settings, m: int) -> dict:
+    """The three scoring forwards on micro-batch m (rows m*B/shards ...): the same shapes on every placement."""
+    n = batch.ids.size(0) // args.shards
+    return rlhf.score_rollouts(models, rows(batch, list(range(m * n, (m + 1) * n)))).extra
+
+
+def train_on(models, opts, kl_ctl, cfg, batch: rlhf.RolloutBatch, extras: list[dict]) -> dict:
+    """Concatenate the micro-batches' scores, then advantages and PPO on the whole batch (chapter 13's code)."""
+    batch.extra = {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
+    rlhf.compute_advantages(batch, kl_ctl.beta, cfg)
+    losses = rlhf.ppo_update(models, opts, batch, cfg, kl_ctl.beta)
+    x = batch.extra
+    kl = x["kl"]["k1"].sum(1).mean().item()
+    gap = ((batch.engine_logprobs - x["logprobs"]) * batch.mask).sum() / batch.mask.sum()  # behaviour vs current
+    kl_ctl.update(kl)
+    return {"reward": x["scores"].mean().item(), "rule_score": x["rule_scores"].mean().item(), "kl": kl,
+            "off_policy_gap": gap.item(), "clip_frac": losses.get("clip_frac", 0.0)}
+# --8<-- [end:shards]
+
+
+# ------------------------------------------------------------------------------------------- co-located
+# --8<-- [start:colocated]
+def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
+    """Every rank: all four models + an engine. Phases take turns; training is replicated on every rank (so all
+    ranks keep identical weights without a gradient all-reduce; a real system shards it, chapter 5)."""
+    models, opts, kl_ctl, engine, cfg = setup("all", args.seed)
+    tl, stats = Timeline(), []
+    mine = range(ctx.rank, args.shards, ctx.world_size)  # shards (and micro-batches) this rank owns
+    for it in range(args.iterations):
+        with tl.span("generate"):
+            shards = [(s, generate_shard(engine, args, it, s)) for s in mine]
+        with tl.span("comm"):
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, shards)  # every rank gets every shard
+            batch = merge([b for _, b in sorted((x for part in everyone for x in part), key=lambda x: x[0])])
+        with tl.span("score"):
+            scored = [(m, score_micro_batch(models, batch, args, m)) for m in mine]
+        with tl.span("comm"):
+            dist.all_gather_object(everyone, scored)
+            extras = [e for _, e in sorted((x for part in everyone for x in part), key=lambda x: x[0])]
+        with tl.span("train"):
+            stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
+            engine.load_weights(models.actor.state_dict())  # same process: a memory copy, no network
+    return tl.events, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}
+# --8<-- [end:colocated]
+
+
+# ------------------------------------------------------------------------------------------- disaggregated
+# --8<-- [start:disaggregated]
+def send_weights(tl: Timeline, params: dict, plan: list) -> None:
+    """Trainer and rollout ranks both call it: a barrier (the wait) then the bucketed broadcast (the transfer)."""
+    with tl.span("comm"):
+        dist.barrier()
+    with tl.span("weight sync"):
+        broadcast_bucketed(params, plan, src=0)  # rollout ranks: straight into the engine's model, in place
+
+
+def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
+    """Rank 0: receive batch k, score it, train, broadcast the new weights. The same code for sync and async."""
+    models, opts, kl_ctl, _, cfg = setup("trainer", args.seed)
+    params = unique_parameters(models.actor)
+    plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
+    tl, stats = Timeline(), []
+    for it in range(args.iterations):
+        with tl.span("comm"):  # mostly waiting for the rollout ranks
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, [])
+            batch = merge([b for _, b in sorted((x for part in everyone for x in part), key=lambda x: x[0])])
+        with tl.span("score"):
+            extras = [score_micro_batch(models, batch, args, m) for m in range(args.shards)]
+        with tl.span("train"):
+            stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
+        if it < args.iterations - 1:
+            send_weights(tl, params, plan)
+    return tl.events, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}
+
+
+def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
+    """Ranks 1..: generate their shards, hand them over, receive weights. Synchronous: receive the weights of
+    step k before generating batch k. Asynchronous: generate batch k with the weights of step k-1 first, then
+    receive step k's weights (so generation overlaps the trainer's step)."""
+    _, _, _, engine, _ = setup("rollout", args.seed)
+    params = unique_parameters(engine.model)
+    plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
+    mine = range(ctx.rank - 1, args.shards, ctx.world_size - 1)
+    tl = Timeline()
+
+    def receive_weights() -> None:
+        send_weights(tl, params, plan)
+        engine.reset_prefix_cache()  # what Engine.load_weights does after loading
+
+    for it in range(args.iterations):
+        if it > 0 and not off_policy:
+            receive_weights()
+        with tl.span("generate"):
+            shards = [(s, generate_shard(engine, args, it, s)) for s in mine]
+        if it > 0 and off_policy:
+            receive_weights()
+        with tl.span("comm"):
+            dist.all_gather_object([None] * ctx.world_size, shards)
+    return tl.events
+# --8<-- [end:disaggregated]
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    out, final = {}, {}
+    for placement in args.placements:
+        if placement == "colocated":
+            events, stats, weights = colocated(ctx, args)
+        elif ctx.rank == 0:
+            events, stats, weights = trainer(ctx, args)
+        else:
+            events, stats, weights = rollout(ctx, args, placement == "async"), [], None
+        timelines = [None] * ctx.world_size
+        dist.all_gather_object(timelines, events)
+        out[placement] = {"timelines": timelines, "stats": stats}
+        if weights is not None:
+            final[placement] = weights
+    if ctx.rank == 0 and "colocated" in final and "disaggregated" in final:  # tensors stay in this process
+        a, b = final["colocated"], final["disaggregated"]
+        out["weight_diff"] = max((a[k] - b[k]).abs().max().item() for k in a)
+        out["weights_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def summarize(name: str, res: dict, args: Settings) -> tuple[list[dict], float]:
+    """Per rank: seconds in each phase, idle (comm + waiting), and the wall time of the run."""
+    wall = max(end for events in res["timelines"] for _, _, end in events)
+    table = []
+    for rank, events in enumerate(res["timelines"]):
+        row = {"placement": name, "rank": rank}
+        for phase in (*COMPUTE, "weight sync", "comm"):
+            row[phase] = sum(e - s for p, s, e in events if p == phase)
+        busy = sum(row[p] for p in COMPUTE)
+        row["idle"] = wall - busy
+        row["idle %"] = 100 * row["idle"] / wall
+        table.append(row)
+    return table, wall
+
+
+def draw_timeline(results: dict, args: Settings) -> None:
+    plt = plot.pyplot()
+    names = list(results)
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
+                             sharex=True, squeeze=False)
+    colors = {"generate": "C0", "score": "C1", "train": "C2", "weight sync": "C3", "comm": "0.85"}
+    for ax, name in zip(axes[:, 0], names):
+        for rank, events in enumerate(results[name]["timelines"]):
+            for phase, s, e in events:
+                ax.barh(rank, e - s, left=s, color=colors[phase], edgecolor="none", height=0.7)
+        ax.set_yticks(range(args.world_size))
+        ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=10, loc="left")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, [("comm / wait" if k == "comm" else k) for k in colors], loc="lower center", ncol=5,
+               fontsize=8, bbox_to_anchor=(0.5, -0.04))
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.tight_layout()
+    plot.save(fig, args, "timeline")
+
+
+def draw_learning(results: dict, args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for name, res in results.items():
+        its = range(1, len(res["stats"]) + 1)
+        ax1.plot(its, [s["reward"] for s in res["stats"]], "o-", label=name, alpha=0.8)
+        ax2.plot(its, [s["off_policy_gap"] for s in res["stats"]], "o-", label=name, alpha=0.8)
+    ax1.set_xlabel("iteration"), ax1.set_ylabel("mean reward-model score"), ax1.legend(fontsize=8)
+    ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
+    plot.save(fig, args, "learning")
+
+
+def warm_cache() -> None:
+    """Train-and-cache the draft GPT and the reward model here, once, before any rank starts: otherwise every
+    rank would find the cache empty and train its own copy at the same time."""
+    from mlsys.weights import load_pretrained
+
+    load_pretrained("draft")
+    rlhf.load_reward_model("draft")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 12},
+                     world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (disaggregated: 1 trainer + rollouts)")
+    print(f"RLHF placements on {args.world_size} ranks ({args.backend}): {args.iterations} iterations of "
+          f"{args.num_rollouts} rollouts x {args.max_tokens} tokens, draft GPT actor/critic/reward/reference")
+    warm_cache()
+    results = launch(worker, args)
+    tables, summary = [], {}
+    placements = {n: r for n, r in results.items() if n in PLACEMENTS}
+    for name, res in placements.items():
+        table, wall = summarize(name, res, args)
+        tables += table
+        rollouts_per_s = args.iterations * args.num_rollouts / wall
+        summary[name] = {"wall_s": wall, "rollouts_per_s": rollouts_per_s, "stats": res["stats"],
+                         "ranks": table}
+    print("\nSeconds per phase and idle time per rank (idle = wall - generate - score - train):")
+    print(report.table(tables, floatfmt=".2f"))
+    print("\n" + report.table([{"placement": n, "wall s": s["wall_s"], "rollouts/s": s["rollouts_per_s"],
+                                "final reward": s["stats"][-1]["reward"],
+                                "mean off-policy gap": sum(x["off_policy_gap"] for x in s["stats"]) / args.iterations}
+                               for n, s in summary.items()], floatfmt=".3f"))
+    if "colocated" in results and "disaggregated" in results:
+        a, b = results["colocated"], results["disaggregated"]
+        report.expect_equal("per-iteration rewards, co-located vs disaggregated",
+                            [s["reward"] for s in a["stats"]], [s["reward"] for s in b["stats"]])
+        report.expect_equal("final actor weights, co-located vs disaggregated (max abs difference)",
+                            results["weight_diff"], 0.0)
+        summary["weights_equal"] = results["weights_equal"]
+        print("\nco-located and disaggregated (sync): identical rewards every iteration, final actor weights "
+              "bitwise equal  OK")
+    if "async" in results and "disaggregated" in results:
+        s, a = summary["disaggregated"], summary["async"]
+        print(f"async vs sync: {a['rollouts_per_s'] / s['rollouts_per_s']:.2f}x the rollouts per second; "
+              f"final reward {a['stats'][-1]['reward']:.3f} vs {s['stats'][-1]['reward']:.3f}")
+    draw_timeline(placements, args)
+    draw_learning(placements, args)
+    if args.json:
+        report.write_json(args.json, summary, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
