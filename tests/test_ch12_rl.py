@@ -202,3 +202,58 @@ def test_ppo_solves_cartpole_default_seed(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (res,) = json.loads(out.read_text())["results"]["runs"]
     assert res["solved"] and res["eval_return"] >= 475 and res["steps"] <= 150_000
+
+
+# ------------------------------------------------------------------------------- GAE lambda and REINFORCE
+def test_batched_rollouts_start_from_the_given_state_and_action() -> None:
+    """gae_lambda.rollouts_from sets gymnasium's vectorized CartPole to given states; its first step must equal
+    the single-env CartPoleEnv stepped from the same state with the same action."""
+    import gymnasium as gym
+
+    gl = load_script(CH12 / "gae_lambda.py")
+    torch.manual_seed(0)
+    agent = gl.ppo.ActorCritic()
+    states = np.array([[0.01, 0.2, -0.03, 0.1], [-0.5, -0.3, 0.1, 0.4], [0.0, 0.0, 0.19, 1.5]], np.float32)
+    actions = np.array([1, 0, 1])
+    out = gl.rollouts_from(agent, states, actions, repeats=4, horizon=30, seed=0)
+    env = gym.make("CartPole-v1").unwrapped
+    env.reset(seed=0)
+    for k in range(3):
+        env.state = states[k].astype(np.float64)
+        obs1, r, term, _, _ = env.step(int(actions[k]))
+        for m in range(4):
+            np.testing.assert_allclose(out["obs"][1, 4 * k + m].numpy(), obs1, rtol=1e-6, atol=1e-6)
+            assert out["dones"][0, 4 * k + m] == float(term)
+    assert out["dones"][0, 8] == 1.0 and out["rewards"][1:, 8].sum() == 0  # pole past 12 degrees: ends at once
+    # after an episode ends nothing more is counted: each column has at most one done, rewards stop after it
+    assert torch.all(out["dones"].sum(0) <= 1)
+    for b in range(12):
+        ends = torch.nonzero(out["dones"][:, b]).flatten()
+        if len(ends):
+            assert out["rewards"][ends[0] + 1:, b].sum() == 0
+
+
+def test_discounted_return_and_crossing() -> None:
+    gl = load_script(CH12 / "gae_lambda.py")
+    r = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    torch.testing.assert_close(gl.discounted_return(r, 0.5), torch.tensor([1.75, 1.0]))
+    rv = load_script(CH12 / "reinforce_vs_ppo.py")
+    curve = [(100 * i, float(i)) for i in range(1, 50)]  # mean of 20 consecutive i's reaches 30 at i = 40
+    assert rv.running_mean_crossing(curve, 30.5) == 4000 and rv.running_mean_crossing(curve, 1e9) is None
+
+
+def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
+    """reinforce_vs_ppo.actor_gradient: -mean(A * grad log pi(a|s)); check against per-sample autograd sums."""
+    rv = load_script(CH12 / "reinforce_vs_ppo.py")
+    torch.manual_seed(0)
+    agent = rv.ppo.ActorCritic(hidden=8)
+    buf = {"obs": torch.randn(3, 2, 4), "actions": torch.randint(0, 2, (3, 2)).float()}
+    adv = torch.randn(3, 2)
+    got = rv.actor_gradient(agent, buf, adv)
+    want = torch.zeros_like(got)
+    for t in range(3):
+        for n in range(2):
+            logp = agent.dist(buf["obs"][t, n][None]).log_prob(buf["actions"][t, n][None]).sum()
+            g = torch.autograd.grad(logp, list(agent.actor.parameters()))
+            want -= adv[t, n] * torch.cat([x.flatten() for x in g]) / 6
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
