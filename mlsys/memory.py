@@ -1,0 +1,233 @@
+"""Memory and communication arithmetic for training layouts (chapters 5 and 7).
+
+`zero_bytes_per_rank` is the per-parameter accounting of "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (Rajbhandari et al., https://arxiv.org/abs/1910.02054): with mixed precision and Adam each
+parameter costs 2 B (bf16 weights) + 2 B (bf16 gradients) + 12 B (fp32 master copy, Adam m and v) = 16 B; stage 1
+shards the optimizer state over the data-parallel ranks, stage 2 the gradients too, stage 3 the weights too.
+"""
+
+from __future__ import annotations
+
+import math
+
+# bytes per parameter: (params, grads, optimizer state)
+PRECISIONS: dict[str, tuple[float, float, float]] = {
+    "mixed": (2.0, 2.0, 12.0),  # bf16 weights + bf16 grads + fp32 master, Adam m, Adam v
+    "fp32": (4.0, 4.0, 8.0),  # fp32 weights + fp32 grads + Adam m, Adam v (the weights are the master copy)
+}
+
+
+def zero_bytes_per_rank(num_params: int, world_size: int, stage: int, precision: str = "mixed") -> dict[str, float]:
+    """Bytes one data-parallel rank holds for weights, gradients and optimizer state under ZeRO stage 0..3.
+
+    Stage 0 replicates everything; stage >= 1 divides the optimizer state by `world_size`, stage >= 2 also the
+    gradients, stage 3 also the weights. Returns {"params", "grads", "optimizer", "total"} in bytes.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+    p_b, g_b, o_b = PRECISIONS[precision]
+    params = num_params * p_b / (world_size if stage >= 3 else 1)
+    grads = num_params * g_b / (world_size if stage >= 2 else 1)
+    optimizer = num_params * o_b / (world_size if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+# ----------------------------------------------------------------------------------------------- the planner's formulas
+# Chapter 7's parallel-strategy calculator (scripts/parallel_planner.py) is built from the functions below. Sizes are
+# in bytes, 16-bit activations and gradients unless `dtype_bytes` says otherwise; "per GPU" means one rank of a
+# (dp, tp, pp, ep) layout with world size dp * tp * pp and ep dividing dp.
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _pos_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _pos(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def transformer_params(num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       intermediate: int, vocab: int, num_experts: int = 1, gated_mlp: bool = True,
+                       tied_embeddings: bool = False) -> dict[str, int]:
+    """Parameter count of a Llama-style decoder (no biases, RMSNorm), split into dense and expert parameters.
+
+    per layer: q and o (hidden x heads*head_dim each), k and v (hidden x kv_heads*head_dim each), an MLP of
+    3 (gated: gate, up, down) or 2 matrices hidden x intermediate per expert, a router hidden x E when E > 1, and
+    two norms of `hidden`. Plus the embedding, the output head (unless tied) and the final norm.
+    Returns {"dense", "expert", "total"}; "expert" holds the MLPs when num_experts > 1 (else 0).
+    """
+    for name, v in (("num_layers", num_layers), ("hidden", hidden), ("num_heads", num_heads),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("intermediate", intermediate),
+                    ("vocab", vocab), ("num_experts", num_experts)):
+        _pos_int(name, v)
+    attn = 2 * hidden * num_heads * head_dim + 2 * hidden * num_kv_heads * head_dim
+    mlp = (3 if gated_mlp else 2) * hidden * intermediate
+    router = hidden * num_experts if num_experts > 1 else 0
+    dense_layer = attn + router + 2 * hidden + (mlp if num_experts == 1 else 0)
+    expert_layer = mlp * num_experts if num_experts > 1 else 0
+    dense = num_layers * dense_layer + vocab * hidden * (1 if tied_embeddings else 2) + hidden
+    expert = num_layers * expert_layer
+    return {"dense": dense, "expert": expert, "total": dense + expert}
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, num_heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
+
+    From "Reducing Activation Recomputation in Large Transformer Models" (Korthikanti et al.,
+    https://arxiv.org/abs/2205.05198), Table 2, with s = seq, b = micro_batch, h = hidden, a = heads, t = tp:
+        none:       s*b*h * (10 + 24/t + 5*a*s/(h*t))     (sequence parallel: s*b*h/t * (34 + 5*a*s/h))
+        selective:  s*b*h * (10 + 24/t)                   (sequence parallel: s*b*h/t * 34)  attention scores
+                                                           are recomputed (or never stored, as with FlashAttention)
+        full:       2*s*b*h                                only the layer's input is kept; everything is recomputed
+    The paper derives it for a GPT-3-shaped layer (MLP 4h, multi-head attention, dropout masks of 1 byte); for
+    other shapes it is an estimate. t = 1 gives the unsharded s*b*h*(34 + 5*a*s/h).
+    """
+    s, b, h, a, t = (_pos_int(n, v) for n, v in (("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden),
+                                                  ("num_heads", num_heads), ("tp", tp)))
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh
+    attention_scores = 5 * a * s / h if recompute == "none" else 0.0
+    if sequence_parallel:
+        return sbh / t * (34 + attention_scores)
+    return sbh * (10 + 24 / t + attention_scores / t)
+
+
+def in_flight_micro_batches(pp: int, num_micro: int, schedule: str = "1f1b") -> int:
+    """Micro-batches whose activations the FIRST pipeline stage (the worst one) holds at once.
+
+    GPipe runs all m forwards before any backward: m. 1F1B starts backwards after p forwards: min(p, m).
+    """
+    _pos_int("pp", pp)
+    _pos_int("num_micro", num_micro)
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    return num_micro if schedule == "gpipe" else min(pp, num_micro)
+
+
+def activation_bytes_per_gpu(per_layer: float, num_layers: int, pp: int, num_micro: int,
+                             schedule: str = "1f1b") -> float:
+    """Layers on a stage (ceil(L/p)) times in-flight micro-batches times bytes per layer per micro-batch.
+
+    With 1F1B and m >= p the first stage holds p micro-batches of L/p layers: L layers' worth, whatever p is
+    (Korthikanti et al., section 4.2.3).
+    """
+    _pos_int("num_layers", num_layers)
+    return per_layer * math.ceil(num_layers / pp) * in_flight_micro_batches(pp, num_micro, schedule)
+
+
+def kv_cache_bytes_per_gpu(bytes_per_token: float, batch: int, seq: int, tp: int, pp: int, num_kv_heads: int) -> float:
+    """K and V of `batch` sequences of `seq` tokens when serving with this layout.
+
+    Layers are split over pp; KV heads over tp, but only as far as there are heads: with tp > num_kv_heads the
+    heads are replicated, so the divisor is min(tp, num_kv_heads).
+    """
+    _pos("bytes_per_token", bytes_per_token)
+    for name, v in (("batch", batch), ("seq", seq), ("tp", tp), ("pp", pp), ("num_kv_heads", num_kv_heads)):
+        _pos_int(name, v)
+    return bytes_per_token * batch * seq / (min(tp, num_kv_heads) * pp)
+
+
+def model_state_bytes_per_gpu(dense_params: int, expert_params: int, dp: int, tp: int, pp: int, ep: int,
+                              zero_stage: int, precision: str = "mixed") -> dict[str, float]:
+    """Weights, gradients and optimizer state on one GPU.
+
+    Dense parameters are split over tp * pp and ZeRO-sharded over the dp data-parallel replicas. Expert
+    parameters are split over tp * pp * ep (each ep rank owns E/ep experts) and ZeRO-sharded over the dp/ep
+    replicas of each expert. Assumes the layers (and embeddings) spread evenly over the pipeline stages.
+    """
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
+        _pos_int(name, v)
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp} (expert-parallel groups are carved out of data parallelism)")
+    if dense_params < 0 or expert_params < 0:
+        raise ValueError("parameter counts must be >= 0")
+    dense = zero_bytes_per_rank(dense_params / (tp * pp), dp, zero_stage, precision)  # type: ignore[arg-type]
+    expert = zero_bytes_per_rank(expert_params / (tp * pp * ep), dp // ep, zero_stage, precision)  # type: ignore[arg-type]
+    return {k: dense[k] + expert[k] for k in dense}
+
+
+def ring_factor(n: int) -> float:
+    """(n - 1) / n: the fraction of a buffer each rank sends per ring pass (reduce-scatter or all-gather)."""
+    return (_pos_int("group size", n) - 1) / n
+
+
+def dp_comm_bytes(param_bytes_per_gpu: float, dp: int, zero_stage: int) -> float:
+    """Bytes one GPU sends per step for data parallelism (ring algorithms).
+
+    Stages 0-2: all-reduce of the gradients (or reduce-scatter + all-gather of the updated weights), 2(d-1)/d * G.
+    Stage 3 also all-gathers the weights for the forward and again for the backward: 3(d-1)/d * G.
+    (ZeRO paper, https://arxiv.org/abs/1910.02054, section 7.) G = bytes of this GPU's gradient before sharding.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0..3, got {zero_stage!r}")
+    return (3 if zero_stage == 3 else 2) * ring_factor(dp) * param_bytes_per_gpu
+
+
+def tp_comm_bytes(micro_batch: int, seq: int, hidden: int, tp: int, layers_per_stage: int, num_micro: int,
+                  dtype_bytes: float = 2) -> float:
+    """Bytes one GPU sends per step for tensor parallelism (Megatron, ring all-reduce).
+
+    Each layer all-reduces a (b, s, h) activation twice in the forward (after attention and after the MLP) and
+    twice in the backward: 4 all-reduces of b*s*h*bytes, each sending 2(t-1)/t of it. Sequence parallelism
+    replaces each by an all-gather + reduce-scatter of the same total volume.
+    """
+    return (4 * 2 * ring_factor(tp) * micro_batch * seq * hidden * dtype_bytes
+            * _pos_int("layers_per_stage", layers_per_stage) * _pos_int("num_micro", num_micro))
+
+
+def pp_comm_bytes(micro_batch: int, seq: int, hidden: int, pp: int, num_micro: int, dtype_bytes: float = 2) -> float:
+    """Bytes an interior pipeline stage sends per step: one activation forward and one gradient backward per
+    micro-batch, b*s*h*bytes each (0 without pipelining). Every tensor-parallel rank sends its full copy."""
+    return 0.0 if _pos_int("pp", pp) == 1 else 2.0 * micro_batch * seq * hidden * dtype_bytes * num_micro
+
+
+def ep_comm_bytes(micro_batch: int, seq: int, hidden: int, top_k: int, ep: int, moe_layers_per_stage: int,
+                  num_micro: int, capacity_factor: float = 1.0, dtype_bytes: float = 2) -> float:
+    """Bytes one GPU sends per step for expert parallelism: per MoE layer and micro-batch, dispatch and combine
+    in the forward and both again in the backward: 4 all-to-alls of the b*s*k*capacity_factor routed token
+    copies, of which the fraction (ep-1)/ep leaves the GPU under uniform routing."""
+    _pos("capacity_factor", capacity_factor)
+    return (4 * ring_factor(ep) * micro_batch * seq * _pos_int("top_k", top_k) * capacity_factor * hidden
+            * dtype_bytes * moe_layers_per_stage * num_micro)
+
+
+def train_flops(active_params: float, tokens: float) -> float:
+    """6 * N * D: forward (2 N D) plus backward (4 N D) multiply-adds counted as 2 flops ("Scaling Laws for Neural
+    Language Models", https://arxiv.org/abs/2001.08361). Attention's own s^2 term is left out."""
+    return 6.0 * _pos("active_params", active_params) * _pos("tokens", tokens)
+
+
+def step_time_estimate(flops: float, num_gpus: int, peak_flops: float, mfu: float, pp: int, num_micro: int,
+                       comm: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """A rough step time: compute at `mfu` of peak, stretched by the pipeline bubble, plus communication.
+
+    compute = flops / (num_gpus * peak_flops * mfu) * (m + p - 1) / m    (1F1B or GPipe: p - 1 extra slots)
+    comm    = sum of bytes / bandwidth over the parallel dimensions, with no overlap (a pessimistic bound)
+    `comm` maps a dimension name to (bytes sent per GPU, bytes per second of the link it uses).
+    """
+    _pos_int("num_gpus", num_gpus)
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    compute = flops / (num_gpus * _pos("peak_flops", peak_flops) * mfu)
+    stretched = compute * (num_micro + _pos_int("pp", pp) - 1) / _pos_int("num_micro", num_micro)
+    out = {"compute": compute, "bubble": stretched - compute}
+    for name, (nbytes, bandwidth) in comm.items():
+        out[name] = 0.0 if nbytes == 0 else nbytes / _pos(f"{name} bandwidth", bandwidth)
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,212 @@
+"""Chapter 5 (data parallel, DDP half) oracles.
+
+- the gradient-averaging identity: the mean of per-shard gradients is the full-batch gradient (equal shards), the
+  n_r/N-weighted mean is (unequal shards), the plain mean is not -- all in one process, no communication;
+- bucket assignment against torch's own DDP helper;
+- the three hand-written DDP versions (mlsys.ddp) on real ranks against single-process training on the global batch
+  AND against torch.nn.parallel.DistributedDataParallel, after several SGD steps, with and without no_sync
+  gradient accumulation; their all-reduce counts and bytes; the comm-volume formula 2(W-1)/W x bytes;
+- the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run
+from mlsys.collectives import comm_volume
+from mlsys.data import load_splits
+from mlsys.ddp import BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
+from mlsys.model import GPT, GPTConfig, num_params
+
+CH05 = ROOT / "tutorial" / "part2-parallelism" / "chapter05-data-parallel" / "scripts"
+STEPS, BATCH, LR = 4, 2, 0.5
+
+
+# ----------------------------------------------------------------------------------------------- the identity
+def _grads(model: GPT) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _grad_of(model: GPT, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x, y)[1].backward()
+    return _grads(model)
+
+
+def test_mean_of_shard_gradients_is_the_full_batch_gradient() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    x = torch.randint(0, model.config.vocab_size, (12, 16))
+    y = torch.randint(0, model.config.vocab_size, (12, 16))
+    full = _grad_of(model, x, y)
+    # equal shards (W = 3, n = 4): (1/W) sum_r g_r == g
+    shards = [_grad_of(model, x[i:i + 4], y[i:i + 4]) for i in (0, 4, 8)]
+    for k, g in enumerate(full):
+        torch.testing.assert_close(sum(s[k] for s in shards) / 3, g, rtol=1e-4, atol=1e-7)
+    # unequal shards 2, 3, 7: sum_r (n_r / N) g_r == g, while the plain mean is off
+    bounds = [(0, 2), (2, 5), (5, 12)]
+    uneven = [_grad_of(model, x[a:b], y[a:b]) for a, b in bounds]
+    plain_err = 0.0
+    for k, g in enumerate(full):
+        weighted = sum((b - a) / 12 * s[k] for (a, b), s in zip(bounds, uneven))
+        torch.testing.assert_close(weighted, g, rtol=1e-4, atol=1e-7)
+        plain_err = max(plain_err, (sum(s[k] for s in uneven) / 3 - g).abs().max().item())
+    assert plain_err > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------- buckets
+@pytest.mark.parametrize("numels,cap", [([10, 300, 5, 700, 20], 1000), ([250] * 4, 1000), ([5000, 1, 1], 1000),
+                                        ([3, 7, 11, 13, 17, 19, 23, 29], 64), ([1], 1 << 20)])
+def test_assign_buckets_matches_torch_ddp(numels: list[int], cap: int) -> None:
+    import torch.distributed as dist
+
+    want, _ = dist._compute_bucket_assignment_by_size([torch.empty(n) for n in numels], [cap], [False] * len(numels))
+    assert assign_buckets(numels, 4, cap) == [list(b) for b in want]
+    with pytest.raises(ValueError):
+        assign_buckets(numels, 4, 0)
+
+
+@pytest.fixture
+def one_rank_group():  # noqa: ANN201
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_buckets_follow_reverse_parameter_order_and_cover_every_parameter(one_rank_group) -> None:  # noqa: ANN001
+    model = GPT(GPTConfig.preset("tiny"))
+    ddp = BucketedDDP(model, bucket_mb=0.02)
+    flat = [p for bucket in ddp.buckets for p in bucket]
+    assert [id(p) for p in flat] == [id(p) for p in list(model.parameters())[::-1]]
+    assert len(ddp.buckets) > 2
+    assert sum(b.numel() for b in ddp.buffers) == num_params(model)
+
+
+def test_overlapped_ddp_reports_a_parameter_without_gradient(one_rank_group) -> None:  # noqa: ANN001
+    model = GPT(GPTConfig.preset("tiny"))
+    model.extra = torch.nn.Linear(3, 3)  # never used in forward: the bucket holding it never fills
+    ddp = OverlappedDDP(model, bucket_mb=0.02)
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    ddp(x, x)[1].backward()
+    with pytest.raises(RuntimeError, match="extra"):
+        ddp.finish_gradient_synchronization()
+
+
+# ----------------------------------------------------------------------------------------------- DDP on real ranks
+def ddp_worker(ctx, bucket_mb: float) -> dict:  # noqa: ANN001 - module level: the launcher pickles it
+    import contextlib
+
+    import torch.distributed as dist
+
+    tokens, _ = load_splits(300, 0)
+    out = {}
+    for kind, accum in [("naive", 1), ("bucketed", 1), ("overlapped", 1), ("torch", 1), ("overlapped", 2),
+                        ("torch", 2), ("bucketed", 2)]:
+        torch.manual_seed(100 + ctx.rank)  # a different init per rank: the wrapper must broadcast rank 0's
+        model = GPT(GPTConfig.preset("tiny"))
+        ddp = wrap(kind, model, bucket_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        batches = rank_batches(tokens, ctx.rank, ctx.world_size, BATCH, 64, 0, STEPS * accum)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            for m in range(accum):
+                skip = m < accum - 1 and hasattr(ddp, "no_sync")
+                with ddp.no_sync() if skip else contextlib.nullcontext():
+                    (ddp(*batches[step * accum + m])[1] / accum).backward()
+            ddp.finish_gradient_synchronization()
+            opt.step()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, flat)
+        out[f"{kind}/{accum}"] = {
+            "params": flat.numpy().copy(),
+            "rank_spread": max((e - flat).abs().max().item() for e in everyone),
+            "calls": getattr(ddp, "allreduce_calls", None), "bytes": getattr(ddp, "allreduce_bytes", None),
+            "buckets": len(getattr(ddp, "buckets", [])),
+        }
+    return out
+
+
+def reference(world_size: int, accum: int) -> np.ndarray:
+    """One process on the global batch: all ranks' micro-batches of a step concatenated."""
+    tokens, _ = load_splits(300, 0)
+    torch.manual_seed(100)  # rank 0's init
+    model = GPT(GPTConfig.preset("tiny"))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    per_rank = [rank_batches(tokens, r, world_size, BATCH, 64, 0, STEPS * accum) for r in range(world_size)]
+    for step in range(STEPS):
+        micro = [per_rank[r][step * accum + m] for r in range(world_size) for m in range(accum)]
+        opt.zero_grad(set_to_none=True)
+        model(torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro]))[1].backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -> None:
+    from mlsys.launch import launch
+
+    results = launch(ddp_worker, 0.03, world_size=world_size, backend="gloo", timeout=60)
+    n = num_params(GPT(GPTConfig.preset("tiny")))
+    for accum in (1, 2):
+        want = reference(world_size, accum)
+        torch_ddp = results[f"torch/{accum}"]["params"]
+        for key, res in results.items():
+            if not key.endswith(f"/{accum}"):
+                continue
+            assert res["rank_spread"] == 0.0, f"{key}: ranks disagree"
+            np.testing.assert_allclose(res["params"], want, rtol=0, atol=2e-6, err_msg=f"{key} vs global batch")
+            np.testing.assert_allclose(res["params"], torch_ddp, rtol=0, atol=2e-6, err_msg=f"{key} vs torch DDP")
+    # what each version hands to all_reduce: every gradient byte once per step, in 1 call/param or 1 call/bucket
+    assert results["naive/1"]["calls"] == STEPS * len(list(GPT(GPTConfig.preset("tiny")).parameters()))
+    for key in ("bucketed/1", "overlapped/1", "overlapped/2"):
+        assert results[key]["calls"] == STEPS * results[key]["buckets"] and results[key]["buckets"] >= 3
+    for key in ("naive/1", "bucketed/1", "overlapped/1", "overlapped/2", "bucketed/2"):
+        assert results[key]["bytes"] == STEPS * 4 * n
+    # and what the ring all-reduce then puts on each rank's link: 2(W-1)/W of those bytes
+    assert comm_volume("all_reduce", 4 * n, world_size)["sent"] == pytest.approx(2 * (world_size - 1) / world_size
+                                                                                  * 4 * n)
+
+
+# ----------------------------------------------------------------------------------------------- the scripts
+@pytest.fixture(scope="module")
+def grad_sync_json(tmp_path_factory) -> dict:  # noqa: ANN001
+    out = tmp_path_factory.mktemp("ch05") / "grad_sync.json"
+    proc = run([CH05 / "grad_sync.py", "-w", "3", "--smoke", "--json", out, "--plot-dir", out.parent], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.timeout(120)
+def test_grad_sync_average_equals_full_batch(grad_sync_json: dict) -> None:
+    r = grad_sync_json
+    assert r["world_size"] == 3 and r["unequal_sizes"] == [4, 5, 6]
+    assert r["max_err_equal"] < 1e-6 and r["max_err_weighted_unequal"] < 1e-6
+    assert r["max_err_plain_unequal"] > 100 * r["max_err_weighted_unequal"]
+    before, after, full = np.array(r["before"]), np.array(r["after"]), np.array(r["full_batch"])
+    np.testing.assert_allclose(before.mean(0), after, rtol=1e-4, atol=1e-7)  # the figure's data: mean of ranks
+    np.testing.assert_allclose(after, full, rtol=1e-4, atol=1e-7)
+    assert np.abs(before[0] - before[1]).max() > 1e-5  # ranks really had different gradients
+
+
+@pytest.mark.timeout(120)
+def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "dp.json"
+    proc = run([CH05 / "dp_training.py", "-w", "2", "--smoke", "--ddp", "overlapped", "--json", out,
+                "--plot-dir", tmp_path], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["results"]
+    assert r["replica_max_diff"] == 0.0
+    assert r["final_val_loss"] < 0.6 * r["initial_val_loss"]
+    assert r["initial_val_loss"] == pytest.approx(np.log(GPTConfig().vocab_size), abs=0.1)  # uniform at init
+    shards = r["shards"]
+    assert shards[0]["first token"] == 0 and shards[1]["first token"] == shards[0]["last token"] + 1
+    assert r["rank_loss_last"][0] != r["rank_loss_last"][1]  # different data on each rank

@@ -1,0 +1,168 @@
+"""Chapter 5, ZeRO: stages 1-3 from scratch against AdamW in one process, measured memory against the 16-bytes-per-
+parameter accounting, the bytes sent per step against the ring formulas, and PyTorch's ZeroRedundancyOptimizer and
+fully_shard against our stage 1 and stage 3."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+from mlsys.collectives import comm_volume
+from mlsys.memory import zero_bytes_per_rank
+from mlsys.model import GPT, GPTConfig, num_params
+
+CH05 = ROOT / "tutorial" / "part2-parallelism" / "chapter05-data-parallel" / "scripts"
+zero = load_script(CH05 / "zero.py")
+W, LAYERS = 3, 2  # 3 does not divide the unit sizes: the padding is exercised
+
+
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zero") / "zero.json"
+    proc = run([CH05 / "zero.py", "-w", str(W), "--layers", str(LAYERS), "--steps", "2", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zero_torch") / "zero_torch.json"
+    proc = run([CH05 / "zero_torch.py", "--smoke", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())["results"]
+
+
+def sizes() -> tuple[int, int, int]:
+    """(Psi, root numel, block numel) of the tiny GPT the runs train."""
+    model = GPT(GPTConfig.preset("tiny", n_layer=LAYERS))
+    root = model.wte.weight.numel() + model.wpe.weight.numel() + sum(p.numel() for p in model.ln_f.parameters())
+    return num_params(model), root, sum(p.numel() for p in model.h[0].parameters())
+
+
+def padded(n: int, w: int = W) -> int:
+    return math.ceil(n / w) * w
+
+
+# ----------------------------------------------------------------------------------------------- pure functions
+@pytest.mark.parametrize("numel", [1, 2, 7, 12, 29024])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_shard_bounds_tile_the_padded_buffer(numel: int, world_size: int) -> None:
+    bounds = [zero.shard_bounds(numel, world_size, r) for r in range(world_size)]
+    total = bounds[0][0]
+    assert total % world_size == 0 and numel <= total < numel + world_size
+    assert [lo for _, lo, _ in bounds] == [r * total // world_size for r in range(world_size)]
+    assert all(hi - lo == total // world_size for _, lo, hi in bounds)
+    assert bounds[-1][2] == total
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_zero_bytes_per_rank_is_16_bytes_per_param_split_by_stage(precision: str) -> None:
+    psi, w = 1000, 4
+    per = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}[precision]
+    expected = {0: (1, 1, 1), 1: (1, 1, 1 / w), 2: (1, 1 / w, 1 / w), 3: (1 / w, 1 / w, 1 / w)}
+    for stage, shares in expected.items():
+        got = zero_bytes_per_rank(psi, w, stage, precision)
+        want = [b * s * psi for b, s in zip(per, shares)]
+        assert [got["params"], got["grads"], got["optimizer"]] == pytest.approx(want)
+        assert got["total"] == pytest.approx(sum(want))
+    assert zero_bytes_per_rank(psi, 1, 0, precision)["total"] == 16 * psi
+
+
+def test_flat_unit_views_and_held_bytes_in_process() -> None:
+    """FlatUnit re-points the parameters into one padded buffer without changing the model; held_bytes counts a
+    view once and a freed buffer as zero (stage 3 keeps only its shard)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=1))
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    before, _ = model(x)
+    params = list(model.parameters())
+    unit = zero.FlatUnit(params, stage=1, world_size=3, rank=2, dtype=torch.float32)
+    after, _ = model(x)
+    assert torch.equal(before, after)
+    assert all(p.untyped_storage().data_ptr() == unit.full.untyped_storage().data_ptr() for p in params)
+    opt = torch.optim.AdamW([unit.master])
+    held = zero.held_bytes([unit], opt)
+    assert held["params"] == 4 * padded(num_params(model)) and held["grads"] == held["params"]
+    assert held["optimizer"] == 0  # the fp32 master IS the shard of the flat buffer; no Adam state before a step
+
+    model3 = GPT(GPTConfig.preset("tiny", n_layer=1))
+    unit3 = zero.FlatUnit(list(model3.parameters()), stage=3, world_size=3, rank=1, dtype=torch.bfloat16)
+    held3 = zero.held_bytes([unit3], torch.optim.AdamW([unit3.master]))
+    s = padded(num_params(model3)) // 3
+    assert held3 == {"params": 2 * s, "grads": 2 * s, "optimizer": 4 * s, "total": 8 * s}
+
+
+# ----------------------------------------------------------------------------------------------- the script
+@pytest.mark.timeout(120)
+def test_every_fp32_stage_equals_adamw_in_one_process(zero_run: dict) -> None:
+    runs = zero_run["runs"]
+    assert set(runs) == {f"stage{s}_{p}" for s in range(4) for p in ("fp32", "mixed")}
+    for s in range(4):
+        assert runs[f"stage{s}_fp32"]["max_abs_diff_vs_adamw"] <= zero.ORACLE_STEP_FRACTION * 1e-3
+        assert runs[f"stage{s}_mixed"]["max_abs_diff_vs_adamw"] <= zero.MIXED_ATOL
+        assert runs[f"stage{s}_fp32"]["losses"] == pytest.approx(zero_run["reference_losses"], abs=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_measured_memory_matches_the_formula_within_10_percent(zero_run: dict) -> None:
+    psi, root, block = sizes()
+    assert zero_run["num_params"] == psi
+    rows = zero_run["memory"]
+    assert len(rows) == 4 * 2 * 4  # 4 stages x 2 precisions x (params, grads, optimizer, total)
+    for row in rows:
+        formula = zero_bytes_per_rank(psi, W, row["stage"], row["precision"])[row["kind"]]
+        assert row["formula_B"] == round(formula)
+        assert row["measured_B"] / formula == pytest.approx(1.0, abs=0.10), row
+    # exact expectations from the padded sizes (W=3 divides none of the units)
+    by = {(r["stage"], r["precision"], r["kind"]): r for r in rows}
+    flat = padded(psi)
+    assert by[(1, "fp32", "optimizer")]["measured_B"] == 8 * flat // W + 4  # m, v of the shard + AdamW's step
+    assert by[(2, "mixed", "grads")]["measured_B"] == 2 * flat // W
+    shards = padded(root) // W + LAYERS * padded(block) // W
+    assert by[(3, "fp32", "params")]["measured_B"] == 4 * shards
+    # stage 3's transient peak: the shards, the gathered root, and one gathered block at a time
+    assert by[(3, "fp32", "params")]["peak_B"] == 4 * (shards + padded(root) + padded(block))
+    # stage 2's peak gradient: the full gradient exists until its reduce-scatter, beside the persistent shard
+    assert by[(2, "fp32", "grads")]["peak_B"] == 4 * (flat + flat // W)
+
+
+@pytest.mark.timeout(120)
+def test_bytes_sent_per_step_follow_the_ring_formulas(zero_run: dict) -> None:
+    psi, root, block = sizes()
+    runs = zero_run["runs"]
+    for precision, b in (("fp32", 4), ("mixed", 2)):
+        flat = padded(psi) * b  # stages 1-3 pad to a multiple of W; stage 0 shards nothing and does not pad
+        ddp = comm_volume("all_reduce", psi * b, W)["sent"]
+        assert runs[f"stage0_{precision}"]["sent_bytes_per_step"] == pytest.approx(ddp)
+        for s in (1, 2):  # reduce-scatter + all-gather: the all-reduce's volume (up to the padding)
+            rs_ag = comm_volume("reduce_scatter", flat, W)["sent"] + comm_volume("all_gather", flat, W)["sent"]
+            assert runs[f"stage{s}_{precision}"]["sent_bytes_per_step"] == pytest.approx(rs_ag)
+            assert rs_ag == pytest.approx(ddp, rel=1e-3)
+        units = [padded(root) * b] + [padded(block) * b] * LAYERS
+        blocks_only = units[1:]
+        stage3 = (sum(comm_volume("all_gather", n, W)["sent"] for n in units)  # forward
+                  + sum(comm_volume("all_gather", n, W)["sent"] for n in blocks_only)  # backward (root stays)
+                  + sum(comm_volume("reduce_scatter", n, W)["sent"] for n in units))
+        assert runs[f"stage3_{precision}"]["sent_bytes_per_step"] == pytest.approx(stage3)
+        assert 1.3 < stage3 / ddp <= 1.5
+
+
+# ----------------------------------------------------------------------------------------------- PyTorch's own
+@pytest.mark.timeout(120)
+def test_pytorch_zero_optimizer_and_fully_shard_match_ours(torch_run: dict) -> None:
+    psi, w = torch_run["num_params"], torch_run["world_size"]
+    for name, stage in (("ZeroRedundancyOptimizer", 1), ("fully_shard", 3)):
+        out = torch_run[name]
+        assert out["ran"], out.get("error")
+        assert out["compared_with_stage"] == stage
+        assert max(out["max_abs_diff_vs_ours"], out["max_abs_diff_vs_adamw"]) <= zero.ORACLE_STEP_FRACTION * 1e-3
+        formula = zero_bytes_per_rank(psi, w, stage, "fp32")
+        assert len(out["per_rank"]) == w
+        assert sum(r["optimizer"] for r in out["per_rank"]) == pytest.approx(w * formula["optimizer"], rel=0.02)
+        for r in out["per_rank"]:
+            assert r["params"] == pytest.approx(formula["params"], rel=0.10)
+            assert r["grads"] == pytest.approx(formula["grads"], rel=0.10)

@@ -1,0 +1,182 @@
+"""Step time of the hand-written DDP versions against torch's DistributedDataParallel, as the bucket size changes.
+
+What it shows
+    One data-parallel training step (forward, backward, gradient averaging, SGD update) of a GPT big enough that
+    its gradients take a while to all-reduce (default 4 layers x 256 wide: 3.2M parameters, 12 MiB of float32
+    gradients), timed for:
+        local        no communication at all (each rank steps on its own: the floor)
+        naive        one all-reduce per parameter, after backward                      (mlsys.ddp.NaiveDDP)
+        bucketed     one all-reduce per bucket, after backward, per --bucket-mb         (mlsys.ddp.BucketedDDP)
+        overlapped   buckets all-reduced from gradient hooks during backward, per size  (mlsys.ddp.OverlappedDDP)
+        torch        torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=size)
+    All versions live in the same job and are measured side by side: each repeat runs every version in turn (a
+    barrier before each), so a noisy neighbour slows them all alike. A version's time is the slowest rank's, and
+    the table reports the median over --repeats. The headline is overlapped / torch, each at its best bucket
+    size (goal: <= 1.25x); it is reported, not enforced, because timings on a shared CPU are noisy.
+    Writes bench_ddp.png (step time against bucket size) to --plot-dir and everything to --json.
+
+How to run (2 to 8 ranks)
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py -w 2
+    torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py
+    ... --n-embd 512 --bucket-mb 1 4 16 64     # a 4x bigger model, other bucket sizes
+
+On gloo the all-reduce runs on the same CPU cores as the backward pass, so overlap gains less than on GPUs,
+where NCCL runs on its own stream. Runtime on 2 cores: about 20 s at -w 2, 4 s with --smoke.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, plot, report
+from mlsys.collectives import comm_volume
+from mlsys.ddp import wrap
+from mlsys.launch import RankContext, launch
+from mlsys.model import GPT, GPTConfig, num_params
+
+GOAL = 1.25  # overlapped hand-written DDP within 25% of torch's DDP
+WARMUP = 2  # untimed steps per version (torch's DDP rebuilds its buckets after its first step)
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    n_layer: int = 4
+    """Transformer blocks of the benchmarked GPT."""
+    n_embd: int = 256
+    """Width of the benchmarked GPT (4 heads); parameters grow as n_layer x 12 x n_embd^2."""
+    batch_size: int = 2
+    """Sequences of 64 tokens per rank per step."""
+    bucket_mb: list[float] = field(default_factory=lambda: [0.25, 2.0, 16.0])
+    """Bucket sizes in MiB to measure (bucketed, overlapped and torch's bucket_cap_mb)."""
+    repeats: int = 7
+    """Timed rounds over all versions; each version's median over the rounds is reported."""
+    steps: int = 1
+    """Training steps per version per round (the time is their mean)."""
+
+    def validate(self) -> None:
+        if self.n_layer < 1 or self.n_embd < 4 or self.n_embd % 4:
+            raise cli.UsageError(f"--n-embd must be a positive multiple of 4 and --n-layer >= 1, got "
+                                 f"{self.n_embd}, {self.n_layer}")
+        if self.batch_size < 1 or self.repeats < 1 or self.steps < 1:
+            raise cli.UsageError("--batch-size, --repeats and --steps must be at least 1")
+        if not self.bucket_mb or min(self.bucket_mb) <= 0:
+            raise cli.UsageError(f"--bucket-mb needs positive sizes, got {self.bucket_mb}")
+
+
+def build(base: GPT, kind: str, bucket_mb: float) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """A copy of `base` (the same init on every rank), wrapped in one DDP version, with its own plain SGD."""
+    model = copy.deepcopy(base)
+    wrapped = model if kind == "local" else wrap(kind, model, bucket_mb)
+    return model, wrapped, torch.optim.SGD(model.parameters(), lr=1e-4)
+
+
+# --8<-- [start:step]
+def train_steps(model, wrapped, opt, x, y, steps: int) -> float:  # noqa: ANN001
+    """Seconds per step on the SLOWEST rank, for `steps` steps started together after a barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        _, loss = wrapped(x, y)
+        loss.backward()  # overlapped and torch: all-reduces start in here
+        if wrapped is not model:
+            wrapped.finish_gradient_synchronization()  # wait for (or run) the all-reduces
+        opt.step()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is done when the last rank is done
+    return elapsed.item() / steps
+# --8<-- [end:step]
+
+
+def versions(args: Settings) -> list[tuple[str, float]]:
+    sizes = sorted(set(args.bucket_mb))
+    return [("local", 0.0), ("naive", 0.0)] + [(k, mb) for k in ("bucketed", "overlapped", "torch") for mb in sizes]
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    torch.manual_seed(args.seed)
+    base = GPT(GPTConfig.preset("small", n_layer=args.n_layer, n_embd=args.n_embd, block_size=64))
+    built = {v: build(base, *v) for v in versions(args)}
+    model = built[("local", 0.0)][0]
+    grad_bytes = num_params(model) * 4
+    gen = torch.Generator().manual_seed(args.seed + ctx.rank)  # each rank its own batch
+    x = torch.randint(0, model.config.vocab_size, (args.batch_size, 64), generator=gen)  # (B, T)
+    y = torch.randint(0, model.config.vocab_size, (args.batch_size, 64), generator=gen)  # (B, T)
+    ctx.print(f"GPT {args.n_layer} layers x {args.n_embd}: {num_params(model):,} parameters, "
+              f"{grad_bytes / 2**20:.1f} MiB of gradients; {len(built)} versions x {args.repeats} rounds "
+              f"on {ctx.world_size} ranks ({ctx.backend})")
+    for v, (m, w, opt) in built.items():  # warm-up: torch's DDP also rebuilds its buckets on its first steps
+        train_steps(m, w, opt, x, y, WARMUP)
+    times: dict[tuple[str, float], list[float]] = {v: [] for v in built}
+    order = list(built)
+    for r in range(args.repeats):  # interleaved: round r runs every version once, starting at a rotating place
+        for v in order[r % len(order):] + order[:r % len(order)]:
+            m, w, opt = built[v]
+            times[v].append(train_steps(m, w, opt, x, y, args.steps))
+    med = {v: statistics.median(t) for v, t in times.items()}
+
+    rows = [{"version": k, "bucket MiB": "" if k in ("local", "naive") else f"{mb:g}",
+             "allreduce/step": _calls(built[(k, mb)][1], args), "step ms": 1e3 * med[(k, mb)],
+             "x local": med[(k, mb)] / med[("local", 0.0)]} for k, mb in built]
+    ctx.print(report.table(rows, ".3g"))
+
+    best = {k: min((mb for kk, mb in med if kk == k), key=lambda mb: med[(k, mb)])
+            for k in ("bucketed", "overlapped", "torch")}
+    ratio = med[("overlapped", best["overlapped"])] / med[("torch", best["torch"])]
+    per_size = {f"{mb:g}": med[("overlapped", mb)] / med[("torch", mb)] for mb in sorted(set(args.bucket_mb))}
+    volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)["sent"]
+    ctx.print(f"\neach rank sends 2(W-1)/W x {grad_bytes / 2**20:.1f} MiB = {volume / 2**20:.1f} MiB per step")
+    ctx.print("overlapped / torch at the same bucket size: " + ", ".join(f"{k} MiB {v:.2f}x" for k, v in
+                                                                         per_size.items()))
+    ctx.print(f"HEADLINE: hand-written overlapped DDP ({best['overlapped']:g} MiB buckets) / torch DDP "
+              f"({best['torch']:g} MiB) step time = {ratio:.2f}x (goal <= {GOAL}x: "
+              f"{'goal met' if ratio <= GOAL else 'not met'})")
+    if ctx.is_main:
+        draw(args, med)
+    return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
+            "step_ms": {f"{k}@{mb:g}": 1e3 * t for (k, mb), t in med.items()},
+            "samples_ms": {f"{k}@{mb:g}": [1e3 * s for s in t] for (k, mb), t in times.items()},
+            "best_bucket_mb": best, "overlapped_over_torch": ratio, "overlapped_over_torch_per_size": per_size,
+            "goal": GOAL, "goal_met": ratio <= GOAL, "allreduce_sent_bytes_per_rank": volume,
+            "world_size": ctx.world_size, "backend": ctx.backend}
+
+
+def _calls(wrapped, args: Settings) -> str:  # noqa: ANN001
+    calls = getattr(wrapped, "allreduce_calls", None)
+    if calls is None:
+        return "0" if not hasattr(wrapped, "finish_gradient_synchronization") else "(torch)"
+    return str(calls // (args.repeats * args.steps + WARMUP))
+
+
+def draw(args: Settings, med: dict) -> None:
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sizes = sorted(set(args.bucket_mb))
+    for kind, marker in (("bucketed", "s"), ("overlapped", "o"), ("torch", "^")):
+        ax.plot(sizes, [1e3 * med[(kind, mb)] for mb in sizes], marker=marker, label=kind)
+    for kind, style, what in (("naive", "--", "one all-reduce per parameter"), ("local", ":", "no communication")):
+        ax.axhline(1e3 * med[(kind, 0.0)], linestyle=style, color="gray", label=f"{kind} ({what})")
+    ax.set(xscale="log", xlabel="bucket size (MiB)", ylabel="step time (ms, median)",
+           title="Data-parallel step time against bucket size")
+    ax.legend(fontsize="small")
+    plot.save(fig, args, "bench_ddp")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"n_layer": 1, "n_embd": 64, "repeats": 2, "steps": 1,
+                                               "bucket_mb": [0.05, 1.0]},
+                     world_sizes=range(2, 9), world_sizes_text="2 to 8")
+    results = launch(worker, args)
+    if results is not None and args.json:
+        report.write_json(args.json, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
