@@ -1,0 +1,158 @@
+"""Column- and row-parallel linear layers, and the Megatron MLP built from them, checked against the dense layers.
+
+What it shows
+    1. ColumnParallelLinear: rank r holds rows r of the weight (out/t of them); its output is split along the
+       features. Gathered, it equals nn.Linear; the input gradient needs f's all-reduce in backward.
+    2. RowParallelLinear: rank r holds columns r of the weight and reads only its slice of the input features;
+       g's all-reduce in forward sums the partial products.
+    3. The Megatron MLP (column, GELU, row) against mlsys.model.MLP: output, input gradient and every weight
+       gradient equal, with exactly ONE all-reduce forward and ONE backward, each of batch*seq*hidden*4 bytes.
+    Every rank rebuilds the dense layers from the seed and compares; t = world size (any divisor of the sizes).
+
+How to run
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py -w 2
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py
+
+Prints one line per check with its max abs error, and the collectives counted in the MLP.
+Runtime on 2 cores: about 3 s (mostly process start-up); --smoke the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, report
+from mlsys.launch import RankContext, launch
+from mlsys.model import MLP, GPTConfig
+from mlsys.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPMLP, comm_log
+
+
+@dataclass
+class Settings(cli.DistArgs):
+    batch: int = 4
+    """Sequences in the batch."""
+    seq: int = 16
+    """Tokens per sequence."""
+    hidden: int = 64
+    """Model width C; the MLP's inner width is 4C. Must be divisible by the world size."""
+
+    def validate(self) -> None:
+        for name in ("batch", "seq", "hidden"):
+            if getattr(self, name) < 1:
+                raise cli.UsageError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.hidden % self.world_size:
+            raise cli.UsageError(f"--hidden {self.hidden} is not divisible by the tensor-parallel size "
+                                 f"{self.world_size}")
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, rows: list[dict]) -> None:
+    got, want = got.detach(), want.detach()
+    report.expect_close(name, got, want, rtol=1e-5, atol=1e-5)
+    rows.append({"check": name, "shape": "x".join(map(str, got.shape)),
+                 "max_abs_err": float((got - want).abs().max())})
+
+
+# ----------------------------------------------------------------------------------------------- the two linears
+# --8<-- [start:linears]
+def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> None:
+    group, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(args.seed)
+    dense = torch.nn.Linear(args.hidden, 2 * args.hidden).to(device)  # the same on every rank: from the seed
+    x = torch.randn(args.batch, args.seq, args.hidden).to(device)
+
+    # column-parallel: output features split; gather_output=True all-gathers them for the comparison
+    col = ColumnParallelLinear.from_dense(dense, group, gather_output=True)  # weight (2C/t, C)
+    x_col = x.clone().requires_grad_(True)
+    col(x_col).square().sum().backward()
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = dense(x_ref)
+    y_ref.square().sum().backward()
+    check("column: output (gathered)", col(x).detach(), y_ref, rows)
+    check("column: input grad", x_col.grad, x_ref.grad, rows)
+    check("column: weight grad rows", col.weight.grad, dense.weight.grad.chunk(t, 0)[r], rows)
+
+    # row-parallel: input features split, rank r reads x[..., its C/t slice of 2C]
+    ref = torch.nn.Linear(2 * args.hidden, args.hidden).to(device)
+    row = RowParallelLinear.from_dense(ref, group)  # weight (C, 2C/t), bias (C,) replicated
+    h = torch.randn(args.batch, args.seq, 2 * args.hidden).to(device)
+    h_mine = h.chunk(t, -1)[r].clone().requires_grad_(True)  # (B, T, 2C/t)
+    out = row(h_mine)
+    out.square().sum().backward()
+    h_ref = h.clone().requires_grad_(True)
+    out_ref = ref(h_ref)
+    out_ref.square().sum().backward()
+    check("row: output (after all-reduce)", out, out_ref, rows)
+    check("row: input grad slice", h_mine.grad, h_ref.grad.chunk(t, -1)[r], rows)
+    check("row: weight grad columns", row.weight.grad, ref.weight.grad.chunk(t, 1)[r], rows)
+    check("row: bias grad (replicated)", row.bias.grad, ref.bias.grad, rows)
+# --8<-- [end:linears]
+
+
+# ----------------------------------------------------------------------------------------------- the MLP
+# --8<-- [start:mlp_check]
+def megatron_mlp(args: Settings, rows: list[dict], device: torch.device) -> dict:
+    t, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(args.seed + 1)
+    dense = MLP(GPTConfig(n_embd=args.hidden, n_head=1, vocab_size=8)).to(device)  # c_fc (4C, C), c_proj (C, 4C)
+    x = torch.randn(args.batch, args.seq, args.hidden).to(device)
+    tp = TPMLP(dense, dist.group.WORLD)
+
+    x_tp = x.clone().requires_grad_(True)
+    with comm_log() as log:
+        y = tp(x_tp)  # (B, T, C) on every rank
+        y.square().sum().backward()
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = dense(x_ref)
+    y_ref.square().sum().backward()
+
+    check("MLP: output", y, y_ref, rows)
+    check("MLP: input grad", x_tp.grad, x_ref.grad, rows)
+    check("MLP: c_fc weight grad", tp.c_fc.weight.grad, dense.c_fc.weight.grad.chunk(t, 0)[r], rows)
+    check("MLP: c_fc bias grad", tp.c_fc.bias.grad, dense.c_fc.bias.grad.chunk(t, 0)[r], rows)
+    check("MLP: c_proj weight grad", tp.c_proj.weight.grad, dense.c_proj.weight.grad.chunk(t, 1)[r], rows)
+    check("MLP: c_proj bias grad", tp.c_proj.bias.grad, dense.c_proj.bias.grad, rows)
+
+    n_bytes = args.batch * args.seq * args.hidden * 4  # one (B, T, C) float32 activation
+    counted = {phase: [e for e in log if e.phase == phase] for phase in ("forward", "backward")}
+    want = 0 if t == 1 else 1
+    for phase, events in counted.items():
+        report.expect_equal(f"MLP all-reduces in {phase}", len(events), want)
+        if events:
+            report.expect_equal(f"MLP {phase} all-reduce op", events[0].op, "all_reduce")
+            report.expect_equal(f"MLP {phase} all-reduce bytes", events[0].nbytes, n_bytes)
+    return {"forward_all_reduces": len(counted["forward"]), "backward_all_reduces": len(counted["backward"]),
+            "all_reduce_bytes": n_bytes if t > 1 else 0}
+# --8<-- [end:mlp_check]
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    rows: list[dict] = []
+    column_and_row(args, rows, ctx.device)
+    counts = megatron_mlp(args, rows, ctx.device)
+    ctx.print(f"tensor-parallel size t={ctx.world_size}; activations (B, T, C) = "
+              f"({args.batch}, {args.seq}, {args.hidden}), float32")
+    ctx.print(report.table(rows, floatfmt=".2e"))
+    ctx.print(f"MLP collectives: forward {counts['forward_all_reduces']} all-reduce, backward "
+              f"{counts['backward_all_reduces']} all-reduce, {counts['all_reduce_bytes']:,} bytes each "
+              f"(= batch*seq*hidden*4)")
+    return {"tp": ctx.world_size, "checks": rows, **counts,
+            "max_abs_err": max(row["max_abs_err"] for row in rows)}
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "batch": 2, "seq": 4, "hidden": 16},
+                     world_sizes=range(1, 9), world_sizes_text="1..8 (dividing --hidden)")
+    result = launch(worker, args)
+    if result is None:
+        return 0
+    print(f"OK: column, row and MLP layers equal the dense ones (outputs and gradients) at t={args.world_size}")
+    if args.json:
+        report.write_json(args.json, result, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
