@@ -1,0 +1,224 @@
+"""Chapter 7, expert parallelism and the planner: routing, capacity and the aux loss on hand cases; the dense MoE
+against a plain per-token loop; the expert-parallel run against the dense MoE (its own self-checks, plus the drop
+counts recomputed here); and the parallel-strategy calculator against mlsys.memory by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, load_script, run
+
+CH07 = ROOT / "tutorial" / "part2-parallelism" / "chapter07-pipeline-expert" / "scripts"
+moe = load_script(CH07 / "moe_expert_parallel.py")
+planner = load_script(CH07 / "parallel_planner.py")
+GIB = 1024**3
+
+
+# ----------------------------------------------------------------------------------------------- routing, by hand
+def test_route_topk_and_renormalize():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    probs, w, e = moe.route(logits, 2, renormalize=True)
+    assert torch.allclose(probs, torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    assert e.tolist() == [[3, 2]]
+    assert torch.allclose(w, torch.tensor([[4 / 7, 3 / 7]]))
+    _, w_raw, _ = moe.route(logits, 2, renormalize=False)
+    assert torch.allclose(w_raw, torch.tensor([[0.4, 0.3]]))
+    _, w1, _ = moe.route(logits, 1, renormalize=True)  # k=1 renormalized: always 1, no task gradient to the router
+    assert w1.tolist() == [[1.0]]
+
+
+def test_capacity_and_keep_mask():
+    assert moe.expert_capacity(10, 4, 2, 1.0) == 5
+    assert moe.expert_capacity(10, 4, 2, 1.25) == 7  # ceil(6.25)
+    assert moe.expert_capacity(3, 4, 1, 1.0) == 1
+    # first choices in token order, then second choices: expert 0 gets t0, t1 (t2 and t3's second choice dropped),
+    # expert 1 gets t3 then t0 (t2's second choice dropped), expert 2 gets t1
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    keep = moe.keep_mask(experts, 3, capacity=2)
+    assert keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
+
+
+def test_load_balancing_loss_hand_cases():
+    E, N = 4, 8
+    uniform = torch.full((N, E), 1 / E)
+    balanced = torch.arange(N).remainder(E)[:, None]  # two tokens per expert
+    assert moe.load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
+    # E=2, all on expert 0 with probability 0.75: f = (1, 0), P = (0.75, 0.25) -> 2 * 0.75
+    probs = torch.tensor([[0.75, 0.25]]).repeat(5, 1)
+    assert moe.load_balancing_loss(probs, torch.zeros(5, 1, dtype=torch.long)).item() == pytest.approx(1.5)
+    # top-2 of 2 experts: f = (1/2, 1/2) whatever P is -> exactly 1
+    assert moe.load_balancing_loss(probs, torch.tensor([[0, 1]] * 5)).item() == pytest.approx(1.0)
+    # the gradient flows only through P: d/dP_i = E * f_i
+    p = probs.clone().requires_grad_(True)
+    moe.load_balancing_loss(p, torch.zeros(5, 1, dtype=torch.long)).backward()
+    assert torch.allclose(p.grad, torch.tensor([[2 / 5, 0.0]]).repeat(5, 1))
+
+
+def naive_moe(layer, x, groups, factor):
+    """A per-token Python loop with explicit slot counters: the oracle for dense_forward."""
+    a = layer.args
+    out = torch.zeros_like(x)
+    for xg, start in zip(x.chunk(groups), range(0, len(x), len(x) // groups)):
+        cap = math.ceil(factor * len(xg) * a.top_k / a.num_experts)
+        probs = torch.softmax(xg @ layer.gate.weight.t(), dim=-1)
+        top = [sorted(range(a.num_experts), key=lambda e: -probs[t, e].item())[:a.top_k] for t in range(len(xg))]
+        used = [0] * a.num_experts
+        for j in range(a.top_k):  # choice-major priority
+            for t in range(len(xg)):
+                e = top[t][j]
+                if used[e] < cap:
+                    used[e] += 1
+                    w = probs[t, e] / sum(probs[t, c] for c in top[t]) if a.renormalize else probs[t, e]
+                    out[start + t] += w * layer.experts.expert(e, xg[t:t + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("top_k, renormalize, factor", [(2, True, 0.75), (1, False, 1.0), (2, False, 8.0)])
+def test_dense_moe_matches_per_token_loop(top_k, renormalize, factor):
+    args = moe.Settings(num_experts=4, top_k=top_k, renormalize=renormalize, tokens=12, hidden=8, skew=1.0)
+    layer = moe.MoE(args)
+    x = torch.cat([moe.make_data(args, r)[0] for r in range(2)])
+    with torch.no_grad():
+        y, info = moe.dense_forward(layer, x, 2, factor)
+        assert torch.allclose(y, naive_moe(layer, x, 2, factor), atol=1e-5)
+    if factor >= 4 / top_k:  # capacity >= every token: nothing dropped
+        assert bool(info["keep"].all())
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("moe") / "moe.json"
+    proc = run([CH07 / "moe_expert_parallel.py", "-w", "4", "--top-k", "1", "--no-renormalize", "--tokens", "48",
+                "--hidden", "16", "--train-steps", "0", "--factors", "0.5", "1.0", "2.0",
+                "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: expert-parallel output" in proc.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_equals_dense(ep_run):
+    r = ep_run["results"]
+    c = r["check"]
+    assert c["loss"] == pytest.approx(c["loss_dense"], rel=1e-5)
+    assert sum(c["tokens_per_expert"]) == 4 * 48 * 1 == c["assignments"]
+    assert sum(c["kept_per_expert"]) == c["assignments"] - c["dropped"]
+    assert sum(c["received_rows"]) == c["kept_per_expert"][0]  # rank 0 owns expert 0 alone (E=4 on 4 ranks)
+
+
+@pytest.mark.timeout(120)
+def test_drop_table_recomputed_in_process(ep_run):
+    settings = ep_run["settings"]
+    args = moe.Settings(**{k: v for k, v in settings.items()})
+    layer = moe.MoE(args)
+    x = torch.cat([moe.make_data(args, r)[0] for r in range(args.world_size)])
+    rates = []
+    for row in ep_run["results"]["drop_table"]:
+        with torch.no_grad():
+            _, info = moe.dense_forward(layer, x, args.world_size, row["capacity_factor"])
+        assert row["dropped_assignments"] == int((~info["keep"]).sum())
+        assert row["capacity"] == math.ceil(row["capacity_factor"] * 48 / 4)
+        rates.append(row["drop_rate"])
+    assert rates == sorted(rates, reverse=True)  # more capacity never drops more
+
+
+# ----------------------------------------------------------------------------------------------- the planner
+def test_planner_cost_by_hand():
+    args = planner.Settings(model="llama-3-70b", gpus=64, global_batch=512, seq=4096, zero_stage=1)
+    model = planner.load_model(args)
+    assert model.dense_params == 70_553_706_496 and model.expert_params == 0
+    row = planner.cost(model, args, dp=8, tp=8, pp=1, ep=1)
+    P = 70_553_706_496 / 8  # parameters per GPU after tp = 8
+    assert row["params_GiB"] * GIB == pytest.approx(2 * P)
+    assert row["optimizer_GiB"] * GIB == pytest.approx(12 * P / 8)  # ZeRO-1 over dp = 8
+    assert row["micro"] == 512 // 8
+    # selective recompute + sequence parallelism: 34 s b h / t per layer, 80 layers, 1F1B with p = 1 -> 1 in flight
+    assert row["act_GiB"] * GIB == pytest.approx(34 * 4096 * 8192 / 8 * 80)
+    assert row["tp_GB_sent"] * 1e9 == pytest.approx(8 * 7 / 8 * 4096 * 8192 * 2 * 80 * 64)
+    assert row["dp_GB_sent"] * 1e9 == pytest.approx(2 * 7 / 8 * 2 * P)
+    assert row["pp_GB_sent"] == 0 and row["ep_GB_sent"] == 0
+    assert row["total_GiB"] == pytest.approx(row["params_GiB"] + row["grads_GiB"] + row["optimizer_GiB"]
+                                             + row["act_GiB"])
+    assert row["t_compute"] == pytest.approx(6 * 70_553_706_496 * 512 * 4096 / (64 * 989e12 * 0.4))
+    # tp = 8 stays in a node (NVLink); dp spans 64 ranks -> network
+    assert row["t_tp"] == pytest.approx(row["tp_GB_sent"] / 450) and row["t_dp"] == pytest.approx(row["dp_GB_sent"] / 50)
+    with pytest.raises(ValueError):
+        planner.cost(model, args, dp=4, tp=16, pp=1, ep=1)  # tp beyond a node
+
+
+@pytest.fixture
+def planner_run(tmp_path, monkeypatch, capsys) -> dict:
+    out = tmp_path / "plan.json"
+    monkeypatch.setattr("sys.argv", ["parallel_planner.py", "--model", "mixtral-8x7b", "--json", str(out)])
+    assert planner.main() == 0
+    assert "recommended:" in capsys.readouterr().out
+    return json.loads(out.read_text())["results"]
+
+
+def test_planner_recommendation_is_the_fastest_fitting_layout(planner_run):
+    best, rows = planner_run["recommended"], planner_run["candidates"]
+    assert best is not None and best["fits"] and best["total_GiB"] <= 80 * 0.9
+    assert best["dp"] * best["tp"] * best["pp"] == 64
+    assert all(best["t_total"] <= r["t_total"] for r in rows if r["fits"])
+    assert planner_run["params"] == 46_702_792_704
+    assert any(r["ep"] > 1 and r["ep_GB_sent"] > 0 for r in rows)  # expert parallelism was considered and costed
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpus", "0"], ["--model", "gpt-5"], ["--layout", "3", "3", "3", "3"], ["--model", "custom"],
+    ["--mfu", "0"], ["--gpus", "7", "--model", "llama-3-8b"], ["--model", "custom", "--layers", "2", "--hidden", "10",
+                                                               "--heads", "3", "--ffn", "8"],
+])
+def test_planner_bad_inputs_are_usage_errors(argv, monkeypatch, capsys):
+    """Bad flags and impossible clusters (7 GPUs: no valid layout) end as usage errors, never a ZeroDivisionError."""
+    monkeypatch.setattr("sys.argv", ["parallel_planner.py", *argv])
+    with pytest.raises((SystemExit, planner.cli.UsageError)) as err:
+        planner.main()
+    if err.type is SystemExit:
+        assert err.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------------------- the 3-D mesh
+@pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (3, 1, 2), (1, 4, 1), (2, 3, 4)])
+def test_mesh_coordinates_match_a_numpy_array_of_ranks(dp, tp, pp):
+    """The oracle: np.arange(world).reshape(pp, dp, tp); a group along a dim is a 1-D slice through it."""
+    import numpy as np
+
+    from mlsys.mesh import ParallelMesh
+
+    grid = np.arange(dp * tp * pp).reshape(pp, dp, tp)
+    mesh = ParallelMesh(dp, tp, pp)
+    for (i, j, k), rank in np.ndenumerate(grid):
+        assert mesh.coords(int(rank)) == {"pp": i, "dp": j, "tp": k}
+        assert mesh.rank_of(i, j, k) == rank
+        assert mesh.group_ranks("pp", int(rank)) == grid[:, j, k].tolist()
+        assert mesh.group_ranks("dp", int(rank)) == grid[i, :, k].tolist()
+        assert mesh.group_ranks("tp", int(rank)) == grid[i, j, :].tolist()
+    for dim, axis in (("pp", 0), ("dp", 1), ("tp", 2)):
+        slices = sorted(np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis]).tolist())
+        assert sorted(mesh.all_groups(dim)) == slices
+    with pytest.raises(ValueError):
+        ParallelMesh(0, 1, 1)
+    with pytest.raises(ValueError):
+        mesh.coords(dp * tp * pp)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_3d_run_equals_single_process(tmp_path):
+    """4 ranks as dp=1 x tp=2 x pp=2 (the suite's smoke run covers 2x2x2): groups checked against
+    init_device_mesh inside the run, loss and every gradient/parameter shard against one process."""
+    out = tmp_path / "mesh.json"
+    proc = run([CH07 / "mesh_3d.py", "-w", "4", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "1",
+                "--seq-len", "8", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["results"]
+    assert r["groups"]["tp"] == [[0, 1], [2, 3]] and r["groups"]["pp"] == [[0, 2], [1, 3]]
+    step = r["steps"][0]
+    assert step["loss_3d"] == pytest.approx(step["loss_single"], rel=1e-5)
+    assert step["max_grad_diff"] < 1e-5 and step["max_param_diff"] < 1e-5

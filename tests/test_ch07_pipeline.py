@@ -1,0 +1,206 @@
+"""Chapter 7, pipeline half: schedules, the bubble formula, stage splitting, and real runs against one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TUTORIAL, run
+from mlsys.model import GPT, GPTConfig
+from mlsys.pipeline import (bubble_fraction, check_actions, max_in_flight, measured_bubble, schedule_actions,
+                            simulate, split_gpt)
+
+CHAPTER = TUTORIAL / "part2-parallelism" / "chapter07-pipeline-expert"
+SCRIPTS = CHAPTER / "scripts"
+
+
+# ----------------------------------------------------------------------------------------------- formulas
+def test_bubble_formula_values() -> None:
+    assert bubble_fraction(1, 5) == 0.0
+    assert bubble_fraction(2, 1) == 0.5
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError):
+        bubble_fraction(0, 4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ideal_timeline_has_exactly_the_formula_bubble(schedule: str) -> None:
+    """The lesson's (p-1)/(m+p-1): equal stages, any forward/backward ratio, both schedules, every stage."""
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for t_f, t_b in [(1.0, 2.0), (1.0, 1.0), (0.3, 1.7)]:
+                bubble = measured_bubble(simulate(schedule, p, m, t_f, t_b))
+                assert bubble["per_stage"] == pytest.approx([bubble_fraction(p, m)] * p, abs=1e-12)
+                assert bubble["span"] == pytest.approx((m + p - 1) * (t_f + t_b))
+
+
+def test_one_f_one_b_order_and_memory_bound() -> None:
+    assert schedule_actions("1f1b", 0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert schedule_actions("1f1b", 1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for s in range(p):
+                gpipe, ofob = schedule_actions("gpipe", s, p, m), schedule_actions("1f1b", s, p, m)
+                check_actions(gpipe, m)
+                check_actions(ofob, m)
+                assert max_in_flight(gpipe) == m  # GPipe keeps every micro-batch's activations
+                assert max_in_flight(ofob) == min(p - s, m)  # 1F1B: at most p - s, whatever m is
+
+
+def test_bad_orders_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        check_actions([("B", 0), ("F", 0)], 1)  # backward before forward
+    with pytest.raises(ValueError):
+        check_actions([("F", 1), ("F", 0), ("B", 0), ("B", 1)], 2)  # out of order
+    with pytest.raises(ValueError):
+        schedule_actions("interleaved", 0, 2, 2)
+    with pytest.raises(ValueError):  # stage 0 waits for B0 that stage 1 only runs after F1, which needs stage 0's F1
+        simulate(lambda s, p, m: [("F", 0), ("B", 0), ("F", 1), ("B", 1)] if s == 0 else
+                 [("F", 0), ("F", 1), ("B", 0), ("B", 1)], 2, 2)
+
+
+def test_measured_bubble_by_hand() -> None:
+    events = [[{"start": 0.0, "end": 1.0}, {"start": 3.0, "end": 4.0}], [{"start": 1.0, "end": 3.0}]]
+    out = measured_bubble(events)
+    assert out["span"] == 4.0
+    assert out["per_stage"] == [0.5, 0.5]
+
+
+# ----------------------------------------------------------------------------------------------- splitting
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_split_stages_compose_to_the_whole_model(p: int) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=4))
+    x = torch.randint(0, model.config.vocab_size, (2, 10))
+    stages = split_gpt(model, p)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, model(x)[0], rtol=0, atol=0)
+    assert [st.layer_range for st in stages][0][0] == 0 and stages[-1].layer_range[1] == 4
+    assert sum(sum(p_.numel() for p_ in st.parameters()) for st in stages) == \
+        sum(p_.numel() for p_ in model.parameters()) + (model.wte.weight.numel() if p > 1 else 0)  # one extra copy
+    names = {st.global_name(n) for st in stages for n, _ in st.named_parameters()}
+    assert {n for n, _ in model.named_parameters()} <= names
+
+
+def test_split_rejects_impossible_cuts() -> None:
+    model = GPT(GPTConfig.preset("tiny", n_layer=2))
+    with pytest.raises(ValueError):
+        split_gpt(model, 3)
+    with pytest.raises(ValueError):
+        split_gpt(model, 2, boundaries=[0, 2, 2])
+    assert [s.layer_range for s in split_gpt(model, 2, boundaries=[0, 1, 2])] == [(0, 1), (1, 2)]
+
+
+# ----------------------------------------------------------------------------------------------- real runs
+def subgroup_worker(ctx, m: int) -> dict:  # noqa: ANN001 - module level: the launcher pickles it
+    """Two pipelines inside a 4-rank job, on rank lists [3, 1] and [0, 2], each in its own process group."""
+    import torch.distributed as dist
+
+    from mlsys.pipeline import run_pipeline_step
+
+    pipelines = [[3, 1], [0, 2]]
+    groups = [dist.new_group(r) for r in pipelines]  # every rank creates every group, in the same order
+    which = next(i for i, r in enumerate(pipelines) if ctx.rank in r)
+    ranks = pipelines[which]
+    torch.manual_seed(which)  # each pipeline trains its own model on its own data
+    model = GPT(GPTConfig.preset("tiny", n_layer=2))
+    x = torch.randint(0, model.config.vocab_size, (2 * m, 12), generator=torch.Generator().manual_seed(which))
+    y = torch.roll(x, -1, dims=1)
+    stage = split_gpt(model, 2)[ranks.index(ctx.rank)]
+    out = run_pipeline_step(stage, ranks, list(x.chunk(m)), list(y.chunk(m)), "1f1b", group=groups[which])
+    _, loss = model(x, y)
+    loss.backward()
+    diff = 0.0
+    for name, param in stage.named_parameters():
+        full = stage.global_name(name)
+        want = model.wte.weight.grad if full == "lm_head.weight" else model.get_parameter(full).grad
+        diff = max(diff, float((param.grad - want).abs().max()))
+    return {"rank": ctx.rank, "diff": diff, "loss": out["loss"], "ref_loss": float(loss.detach()),
+            "stage": out["stage"], "in_flight": out["peak_in_flight"]}
+
+
+@pytest.mark.timeout(120)
+def test_pipelines_over_arbitrary_rank_lists_and_subgroups() -> None:
+    from mlsys.launch import launch
+
+    results = launch(_gather_subgroup, 3, world_size=4, backend="gloo", timeout=60)
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[3]["stage"] == 0 and by_rank[1]["stage"] == 1  # position in the list, not rank order
+    for r in results:
+        assert r["diff"] < 1e-6, r
+        assert r["in_flight"] == (2 if r["stage"] == 0 else 1)
+    for last in (1, 2):
+        assert by_rank[last]["loss"] == pytest.approx(by_rank[last]["ref_loss"], rel=1e-5)
+
+
+def _gather_subgroup(ctx, m: int) -> list[dict]:  # noqa: ANN001
+    import torch.distributed as dist
+
+    mine = subgroup_worker(ctx, m)
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+@pytest.fixture(scope="module")
+def schedules_run(tmp_path_factory) -> dict:  # noqa: ANN001
+    out = tmp_path_factory.mktemp("ch07") / "schedules.json"
+    proc = run([SCRIPTS / "pipeline_schedules.py", "-w", "3", "--micro-batches", "5", "--layers", "3", "--double",
+                "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.timeout(120)
+def test_schedules_match_one_process_in_float64(schedules_run: dict) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        stages = schedules_run["schedules"][schedule]
+        assert [s["stage"] for s in stages] == [0, 1, 2]
+        for s in stages:
+            assert s["max_grad_diff"] < 1e-12, (schedule, s)
+            assert s["max_param_diff"] < 1e-12, (schedule, s)
+        assert stages[-1]["loss"] == pytest.approx(schedules_run["reference_loss"], rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_activation_memory_gpipe_holds_m_1f1b_at_most_p_minus_s(schedules_run: dict) -> None:
+    gpipe, ofob = schedules_run["schedules"]["gpipe"], schedules_run["schedules"]["1f1b"]
+    for s in range(3):
+        assert gpipe[s]["peak_in_flight"] == 5
+        assert ofob[s]["peak_in_flight"] == 3 - s
+        per_mb = gpipe[s]["peak_activation_bytes"] / 5  # every micro-batch saves the same bytes
+        assert ofob[s]["peak_activation_bytes"] == pytest.approx(per_mb * (3 - s), rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_torch_pipelining_gives_the_same_gradients(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "torch.json"
+    proc = run([SCRIPTS / "pipelining_torch.py", "-w", "2", "--layers", "2", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert res["problems"] == {}, res["problems"]  # both of torch's schedules ran on gloo/CPU
+    assert set(res["losses"]) == {"gpipe", "1f1b", "torch GPipe", "torch 1F1B"}
+    for name, diff in res["max_grad_diff_vs_ours"].items():
+        assert diff <= 1e-6, (name, diff)
+    for name, loss in res["losses"].items():
+        assert loss == pytest.approx(res["reference_loss"], rel=1e-5), name
+
+
+@pytest.mark.timeout(120)
+def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "bubble.json"
+    proc = run([SCRIPTS / "bubble.py", "--smoke", "-w", "2", "--json", out, "--plot-dir", tmp_path], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())["results"]
+    assert {(r["schedule"], r["m"]) for r in res["runs"]} == {(s, m) for s in ("gpipe", "1f1b") for m in (1, 2)}
+    for r in res["runs"]:
+        assert r["predicted"] == pytest.approx(bubble_fraction(2, r["m"]))
+        assert 0.0 < r["measured"] < 1.0 and len(r["per_stage"]) == 2
+        assert r["rel_error"] == pytest.approx((r["measured"] - r["predicted"]) / r["predicted"])
+        want = [r["m"]] * 2 if r["schedule"] == "gpipe" else [min(2 - s, r["m"]) for s in range(2)]
+        assert [n for n, _ in r["memory"]] == want
+    assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()

@@ -1,0 +1,200 @@
+"""The pipeline bubble, measured: idle time per stage from timestamps, against (p - 1) / (m + p - 1).
+
+What it shows
+    BUBBLE    W ranks run the tiny GPT (--layers-per-stage blocks on every stage, so every stage does the same
+              work) with GPipe and with 1F1B, for several numbers of micro-batches m. Every forward and backward
+              is timed (time.perf_counter, one clock for all processes of a machine). A step lasts from the first
+              compute start on any stage to the last compute end on any stage; a stage's bubble is the part of
+              that span it did not compute. The measured fraction (of the fastest of --steps steps, mean over stages)
+              is printed next to the formula with its relative error; the goal is within 15 %. Timing is
+              reported, never a reason to fail.
+    MEMORY    the peak number of micro-batches in flight and the bytes of saved activations on each stage, for
+              both schedules: the same bubble, very different memory.
+    FIGURES   bubble_vs_m.png (measured points, formula curve) and timeline.png (both schedules' measured
+              timelines for --timeline-m micro-batches), into --plot-dir.
+
+Honest caveats, printed with the results: each rank gets one thread, so with more ranks than cores the stages
+compete for the CPU, and busy steady-state phases run slower than the lone warm-up and cool-down phases; the
+first and last stages also carry the embeddings and the head; other programs on the machine add noise.
+
+How to run (world size 2..8; use no more ranks than cores for a clean measurement)
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 2
+    torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py
+
+Runtime on 2 cores: about 10 s with -w 2, 3 s with --smoke.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, plot, report
+from mlsys.data import Tokenizer, get_batch, make_corpus
+from mlsys.launch import RankContext, launch
+from mlsys.model import GPT, GPTConfig
+from mlsys.pipeline import bubble_fraction, measured_bubble, run_pipeline_step, split_gpt
+
+GOAL = 0.15  # relative error the measurement should stay within
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    world_size: int = 2
+    """Number of ranks = pipeline stages p. Under torchrun it is taken from WORLD_SIZE."""
+    micro_batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """The values of m to measure."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    layers_per_stage: int = 2
+    """Transformer blocks on every stage (equal work per stage)."""
+    width: int = 128
+    """Model width n_embd (4 heads)."""
+    steps: int = 5
+    """Timed steps per (schedule, m); the fastest one is reported. One untimed warm-up step comes first."""
+    timeline_m: int = 4
+    """m of the timeline figure (must be one of --micro-batches)."""
+
+    def validate(self) -> None:
+        if self.world_size < 2:
+            raise cli.UsageError("a pipeline needs at least 2 stages: use -w 2 or more")
+        if min(self.micro_batches) < 1 or min(self.micro_batch_size, self.layers_per_stage, self.steps) < 1:
+            raise cli.UsageError("--micro-batches, --micro-batch-size, --layers-per-stage, --steps must be >= 1")
+        if not 1 <= self.seq_len <= 256 or self.width % 4:
+            raise cli.UsageError("--seq-len must be 1..256 and --width a multiple of 4")
+        if self.timeline_m not in self.micro_batches:
+            raise cli.UsageError(f"--timeline-m {self.timeline_m} is not among --micro-batches {self.micro_batches}")
+
+
+def build(args: Settings, m: int) -> tuple[torch.nn.Module, list, list]:
+    """This rank's stage and m micro-batches of real tokens (the same on every rank)."""
+    torch.manual_seed(args.seed)
+    p = dist.get_world_size()
+    config = GPTConfig.preset("small", n_layer=p * args.layers_per_stage, n_embd=args.width, n_head=4)
+    stage = split_gpt(GPT(config), p)[dist.get_rank()]
+    tokens = Tokenizer().encode_corpus(make_corpus(200, args.seed))
+    x, y = get_batch(tokens, m * args.micro_batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+    return stage, list(x.chunk(m)), list(y.chunk(m))
+
+
+# --8<-- [start:measure]
+def measure(args: Settings, schedule: str, m: int) -> dict:
+    """Run warm-up + timed steps; rank 0 gets every stage's events and the median bubble."""
+    stage, xs, ys = build(args, m)
+    ranks = list(range(dist.get_world_size()))
+    steps = []
+    for step in range(args.steps + 1):
+        stage.zero_grad(set_to_none=True)
+        dist.barrier()  # every stage starts the step together
+        out = run_pipeline_step(stage, ranks, xs, ys, schedule=schedule)
+        timeline: list = [None] * len(ranks)
+        dist.all_gather_object(timeline, out["events"])  # timeline[s]: stage s's [{kind, mb, start, end}]
+        if step > 0:  # step 0 warms up allocators and connections
+            steps.append({"timeline": timeline, **measured_bubble(timeline)})
+    best = min(steps, key=lambda s: s["span"])  # the fastest step: the one other programs disturbed least
+    memory: list = [None] * len(ranks)
+    dist.all_gather_object(memory, (out["peak_in_flight"], out["peak_activation_bytes"]))
+    ops = {k: [e["end"] - e["start"] for stage in best["timeline"] for e in stage if e["kind"] == k] for k in "FB"}
+    return {"measured": best["mean"], "forward_ms": 1000 * statistics.mean(ops["F"]),
+            "backward_ms": 1000 * statistics.mean(ops["B"]), "per_stage": best["per_stage"], "span_s": best["span"],
+            "all_steps": [s["mean"] for s in steps], "timeline": best["timeline"], "memory": memory}
+# --8<-- [end:measure]
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    torch.set_num_threads(1)  # equal, predictable compute per stage; p ranks share the cores
+    p, rows, results = ctx.world_size, [], {"world_size": ctx.world_size, "runs": []}
+    for m in args.micro_batches:
+        for schedule in ("gpipe", "1f1b"):
+            res = measure(args, schedule, m)
+            predicted = bubble_fraction(p, m)
+            rel = (res["measured"] - predicted) / predicted if predicted else 0.0
+            res.update(schedule=schedule, m=m, predicted=predicted, rel_error=rel, goal_met=abs(rel) <= GOAL)
+            results["runs"].append(res)
+            rows.append({"schedule": schedule, "m": m, "predicted": round(predicted, 3),
+                         "measured": round(res["measured"], 3),
+                         "per stage": " ".join(f"{b:.3f}" for b in res["per_stage"]),
+                         "rel. error": f"{100 * rel:+.1f}%", "goal (15%)": "met" if abs(rel) <= GOAL else "not met",
+                         "step ms": round(1000 * res["span_s"], 1), "F ms": round(res["forward_ms"], 1),
+                         "B ms": round(res["backward_ms"], 1)})
+    if ctx.is_main:
+        print_report(args, p, rows, results)
+        draw(args, p, results)
+    for run in results["runs"]:  # keep the JSON small: only the timeline that was drawn
+        if run["m"] != args.timeline_m:
+            del run["timeline"]
+    return results
+
+
+def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
+    print(f"p={p} stages x {args.layers_per_stage} blocks (width {args.width}), micro-batches of "
+          f"{args.micro_batch_size} x {args.seq_len} tokens, 1 thread per rank, "
+          f"fastest of {args.steps} steps")
+    print("bubble = idle fraction of a stage; predicted (p - 1) / (m + p - 1)\n")
+    print(report.table(rows))
+    met = sum(r["goal_met"] for r in results["runs"])
+    print(f"\nwithin {GOAL:.0%} of the formula: {met} of {len(results['runs'])} measurements")
+    print("\npeak micro-batches in flight (saved activations, KiB) per stage:")
+    for run in results["runs"]:
+        if run["m"] == max(args.micro_batches):
+            held = "  ".join(f"s{s}: {n} ({b / 1024:.0f} KiB)" for s, (n, b) in enumerate(run["memory"]))
+            print(f"  {run['schedule']:5s} m={run['m']}: {held}")
+    cores = len(os.sched_getaffinity(0))
+    print("\nF ms / B ms: mean time of one forward / backward. The formula assumes they do not depend on m; when\n"
+          "they grow with m, stages that compute at the same time are slowing each other down (shared cores).")
+    print(f"\nload average during the run: {os.getloadavg()[0]:.1f} on {cores} cores (other programs running "
+          "at the same time stretch some operations and not others, which shows up as extra bubble)")
+    if p > cores:
+        print(f"\nnote: {p} ranks share {cores} cores, so stages that run at the same time slow each other "
+              "down; expect the measured bubble to differ from the formula.")
+
+
+def draw(args: Settings, p: int, results: dict) -> None:
+    plt = plot.pyplot()
+    ms = sorted(args.micro_batches)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    grid = [m / 4 for m in range(4, 4 * max(ms) + 1)]
+    ax.plot(grid, [bubble_fraction(p, m) for m in grid], color="gray", label="(p-1)/(m+p-1)")
+    for schedule, marker in (("gpipe", "o"), ("1f1b", "x")):
+        runs = [r for r in results["runs"] if r["schedule"] == schedule]
+        ax.scatter([r["m"] for r in runs], [r["measured"] for r in runs], marker=marker, s=60,
+                   label=f"{schedule}, measured")
+    ax.set(xlabel="micro-batches m", ylabel="bubble (idle fraction)", title=f"Pipeline bubble, p = {p}")
+    ax.legend()
+    plot.save(fig, args, "bubble_vs_m")
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 1.0 + 0.55 * p * 2), sharex=True)
+    runs = [r for r in results["runs"] if r["m"] == args.timeline_m]
+    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    for ax, run in zip(axes, runs):
+        start = min(e["start"] for stage in run["timeline"] for e in stage)
+        for s, events in enumerate(run["timeline"]):
+            for e in events:
+                x0, w = 1000 * (e["start"] - start), 1000 * (e["end"] - e["start"])
+                ax.broken_barh([(x0, w)], (s - 0.4, 0.8), facecolors=colors[e["kind"]], edgecolor="white")
+                ax.text(x0 + w / 2, s, f"{e['kind']}{e['mb']}", ha="center", va="center", fontsize=7, color="white")
+        ax.set(yticks=range(p), yticklabels=[f"stage {s}" for s in range(p)], ylim=(p - 0.5, -0.5),
+               title=f"{run['schedule']}: m={run['m']}, bubble measured {run['measured']:.2f}, "
+                     f"predicted {run['predicted']:.2f}")
+    axes[-1].set_xlabel("time since the step started (ms)")
+    plot.save(fig, args, "timeline")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"micro_batches": [1, 2], "timeline_m": 2, "steps": 2,
+                                               "seq_len": 16, "width": 32, "layers_per_stage": 1},
+                     world_sizes=range(2, 9), world_sizes_text="2..8")
+    results = launch(worker, args)
+    if args.json:
+        report.write_json(args.json, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,321 @@
+"""Parallel-strategy calculator: memory per GPU and bytes per step of every (dp, tp, pp, ep) layout, and a pick.
+
+What it shows
+    For a published model shape (mlsys.kv_memory.MODEL_SHAPES, plus Mixtral-8x7B for expert parallelism) or one
+    given by flags, and a cluster (GPUs, GPUs per node, memory per GPU, global batch, sequence length), every
+    layout dp * tp * pp = GPUs (ep dividing dp and the number of experts) is costed with the formulas of
+    mlsys.memory:
+      memory per GPU  weights, gradients, optimizer state (ZeRO stage), activations (Korthikanti et al., with the
+                      1F1B in-flight count), and the KV cache the same layout would need to serve batch x seq;
+      bytes per step  sent by one GPU for DP (gradient all-reduce), TP (4 all-reduces per layer and micro-batch),
+                      PP (activations and gradients between stages) and EP (4 all-to-alls per MoE layer);
+      step time       a rough model: 6*N*D flops at --mfu of peak, stretched by the pipeline bubble, plus each
+                      dimension's bytes over NVLink (group inside one node) or the network (group spans nodes).
+    Layouts that do not fit in memory, or break a divisibility rule, are dropped with their reason counted. The
+    recommendation is the fastest layout that fits, followed by why it beats the best layout that differs from
+    it in each dimension. Everything is arithmetic: no GPU is needed, and none is used.
+
+How to run
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py
+    ... --model llama-3-8b --gpus 8 --global-batch 64       # one node
+    ... --model mixtral-8x7b --gpus 64                       # with expert parallelism
+    ... --model custom --layers 48 --hidden 6144 --heads 48 --kv-heads 8 --ffn 16384 --vocab 50000
+    ... --layout 8 8 1 1                                     # cost one layout (dp tp pp ep) and explain it
+
+Runtime: well under a second (the suite runs the same with --smoke).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mlsys import cli, report
+from mlsys import memory as mem
+from mlsys.kv_memory import MODEL_SHAPES, ModelShape, kv_bytes_per_token
+
+GIB = 1024**3
+MOE_SHAPES: dict[str, tuple[ModelShape, int, int]] = {  # name -> (shape, experts, experts per token)
+    # 46,702,792,704 parameters: Llama-style layers whose MLP is 8 experts, 2 active per token
+    "mixtral-8x7b": (ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 46_702_792_704,
+                                "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json"), 8, 2),
+}
+MODELS = sorted([*MODEL_SHAPES, *MOE_SHAPES, "custom"])
+
+
+@dataclass
+class Settings(cli.Args):
+    model: str = "llama-3-70b"
+    """A published shape (llama-3-8b, llama-3-70b, mistral-7b, llama-2-7b, mixtral-8x7b, mlsys-small) or custom."""
+    layers: int = 0
+    """custom: number of layers."""
+    hidden: int = 0
+    """custom: hidden size."""
+    heads: int = 0
+    """custom: attention heads."""
+    kv_heads: int = 0
+    """custom: key/value heads (default: --heads)."""
+    ffn: int = 0
+    """custom: MLP intermediate size (gated, three matrices)."""
+    vocab: int = 32000
+    """custom: vocabulary size."""
+    experts: int = 1
+    """custom: experts per MoE layer (1: dense)."""
+    top_k: int = 2
+    """custom: experts per token when --experts > 1."""
+    gpus: int = 64
+    """GPUs in the job."""
+    gpus_per_node: int = 8
+    """GPUs per node: tensor parallelism stays inside a node."""
+    gpu_mem_gib: float = 80.0
+    """Memory per GPU in GiB."""
+    reserve: float = 0.1
+    """Fraction of each GPU's memory kept free (CUDA context, allocator fragmentation, temporary buffers)."""
+    global_batch: int = 512
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    micro_batch: int = 1
+    """Sequences per micro-batch on one pipeline."""
+    seq: int = 4096
+    """Sequence length in tokens."""
+    zero_stage: int = 1
+    """ZeRO stage of the data-parallel dimension (0-3)."""
+    recompute: str = "selective"
+    """Activation recomputation: none, selective (attention scores) or full."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism in the TP group (--no-sequence-parallel to turn off)."""
+    capacity_factor: float = 1.25
+    """MoE capacity factor (sizes the all-to-all)."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU in TFLOP/s (989: H100 SXM)."""
+    mfu: float = 0.4
+    """Fraction of peak the compute reaches."""
+    intra_gbps: float = 450.0
+    """GB/s one GPU sends inside a node (450: NVLink 4, one direction)."""
+    inter_gbps: float = 50.0
+    """GB/s one GPU sends across nodes (50: one 400 Gb/s NIC per GPU)."""
+    layout: list[int] = field(default_factory=list)
+    """Cost only this layout: four numbers dp tp pp ep."""
+    top: int = 8
+    """Candidate layouts to print."""
+
+    def validate(self) -> None:
+        if self.model not in MODELS:
+            raise cli.UsageError(f"--model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.model == "custom":
+            for name in ("layers", "hidden", "heads", "ffn", "vocab"):
+                if getattr(self, name) < 1:
+                    raise cli.UsageError(f"--model custom needs --{name} >= 1")
+            if self.hidden % self.heads:
+                raise cli.UsageError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+            kv = self.kv_heads or self.heads
+            if kv < 1 or self.heads % kv:
+                raise cli.UsageError(f"--kv-heads must divide --heads, got {kv} and {self.heads}")
+            if self.experts < 1 or not 1 <= self.top_k <= max(1, self.experts):
+                raise cli.UsageError("--experts must be >= 1 and --top-k in 1..experts")
+        for name in ("gpus", "gpus_per_node", "global_batch", "micro_batch", "seq", "top"):
+            if getattr(self, name) < 1:
+                raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("gpu_mem_gib", "capacity_factor", "peak_tflops", "intra_gbps", "inter_gbps"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise cli.UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        if not 0 <= self.reserve < 1 or not 0 < self.mfu <= 1:
+            raise cli.UsageError("--reserve must be in [0, 1) and --mfu in (0, 1]")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise cli.UsageError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.recompute not in mem.RECOMPUTE:
+            raise cli.UsageError(f"--recompute must be one of {', '.join(mem.RECOMPUTE)}, got {self.recompute!r}")
+        if self.layout and (len(self.layout) != 4 or min(self.layout) < 1):
+            raise cli.UsageError(f"--layout takes four numbers >= 1 (dp tp pp ep), got {self.layout}")
+
+
+@dataclass(frozen=True)
+class Model:
+    shape: ModelShape
+    experts: int
+    top_k: int
+    dense_params: int
+    expert_params: int
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token goes through: the dense part and k of the E experts."""
+        return self.dense_params + self.expert_params * self.top_k / self.experts
+
+
+def load_model(args: Settings) -> Model:
+    if args.model == "custom":
+        kv = args.kv_heads or args.heads
+        shape = ModelShape("custom", args.layers, args.hidden, args.heads, kv, args.hidden // args.heads, args.ffn,
+                           args.vocab, 0, "command-line flags")
+        experts, top_k = args.experts, args.top_k if args.experts > 1 else 1
+    elif args.model in MOE_SHAPES:
+        shape, experts, top_k = MOE_SHAPES[args.model]
+    else:
+        shape, experts, top_k = MODEL_SHAPES[args.model], 1, 1
+    tied = shape.name.startswith("mlsys")  # the book's GPT ties its head to the embedding
+    counts = mem.transformer_params(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                                    shape.head_dim, shape.intermediate_size, shape.vocab_size, experts,
+                                    gated_mlp=not tied, tied_embeddings=tied)
+    return Model(shape, experts, top_k, counts["dense"], counts["expert"])
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def inside_node(span: int, args: Settings) -> bool:
+    """Do groups of `span` consecutive ranks stay inside nodes? (Whole job in one node, or span tiles a node.)"""
+    return args.gpus <= args.gpus_per_node or (span <= args.gpus_per_node and args.gpus_per_node % span == 0)
+
+
+# --8<-- [start:cost]
+def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> dict:
+    """Memory per GPU, bytes per step and the step-time estimate of one layout (raises ValueError if invalid)."""
+    s = model.shape
+    if dp * tp * pp != args.gpus:
+        raise ValueError(f"dp*tp*pp = {dp * tp * pp} != {args.gpus} GPUs")
+    if not inside_node(tp, args) or s.num_heads % tp:
+        raise ValueError("tp must divide the heads and its group must fit in one node")
+    if s.num_layers % pp or dp % ep or model.experts % ep:
+        raise ValueError("pp must divide the layers, ep must divide dp and the experts")
+    if args.global_batch % (dp * args.micro_batch):
+        raise ValueError("dp * micro_batch must divide the global batch")
+    m = args.global_batch // (dp * args.micro_batch)  # micro-batches per pipeline per step
+    b, L = args.micro_batch, s.num_layers
+
+    state = mem.model_state_bytes_per_gpu(model.dense_params, model.expert_params, dp, tp, pp, ep, args.zero_stage)
+    per_layer = mem.activation_bytes_per_layer(args.seq, b, s.hidden_size, s.num_heads, tp, args.sequence_parallel,
+                                               args.recompute)
+    act = mem.activation_bytes_per_gpu(per_layer, L, pp, m, "1f1b")
+    kv = mem.kv_cache_bytes_per_gpu(kv_bytes_per_token(L, s.num_kv_heads, s.head_dim, 2), args.global_batch,
+                                    args.seq, tp, pp, s.num_kv_heads)
+    params_here = model.dense_params / (tp * pp) + model.expert_params / (tp * pp * ep)
+    sent = {"dp": mem.dp_comm_bytes(2 * params_here, dp, args.zero_stage),
+            "tp": mem.tp_comm_bytes(b, args.seq, s.hidden_size, tp, L // pp, m),
+            "pp": mem.pp_comm_bytes(b, args.seq, s.hidden_size, pp, m),
+            "ep": 0.0 if model.experts == 1 else mem.ep_comm_bytes(b, args.seq, s.hidden_size, model.top_k, ep,
+                                                                    L // pp, m, args.capacity_factor)}
+    # ranks are laid out pp-major, tp fastest: a group spans (its stride * its size) consecutive ranks
+    span = {"tp": tp, "dp": tp * dp, "ep": tp * ep, "pp": tp * dp * pp}
+    links = {k: (sent[k], 1e9 * (args.intra_gbps if inside_node(span[k], args) else args.inter_gbps))
+             for k in sent}
+    flops = mem.train_flops(model.active_params, args.global_batch * args.seq)
+    time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links)
+    total = state["total"] + act
+    return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "micro": m, **{f"{k}_GiB": v / GIB for k, v in state.items()
+            if k != "total"}, "act_GiB": act / GIB, "total_GiB": total / GIB, "kv_serve_GiB": kv / GIB,
+            **{f"{k}_GB_sent": v / 1e9 for k, v in sent.items()}, **{f"t_{k}": v for k, v in time.items()},
+            "fits": total <= args.gpu_mem_gib * GIB * (1 - args.reserve),
+            "inside_node": [k for k in ("tp", "dp", "pp", "ep") if inside_node(span[k], args)]}
+# --8<-- [end:cost]
+
+
+def candidates(model: Model, args: Settings) -> tuple[list[dict], dict[str, int]]:
+    """Every valid layout, costed; and how many were rejected for each reason."""
+    rows, rejected = [], {"breaks a divisibility rule": 0, "does not fit in memory": 0}
+    for tp in divisors(args.gpus):
+        for pp in divisors(args.gpus // tp):
+            dp = args.gpus // (tp * pp)
+            for ep in divisors(dp):
+                if ep > 1 and model.experts == 1:
+                    continue
+                try:
+                    row = cost(model, args, dp, tp, pp, ep)
+                except ValueError:
+                    rejected["breaks a divisibility rule"] += 1
+                    continue
+                rows.append(row)
+                rejected["does not fit in memory"] += not row["fits"]
+    return sorted(rows, key=lambda r: (not r["fits"], r["t_total"])), rejected
+
+
+# --8<-- [start:reasons]
+def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
+    """Why `best` wins: against the best layout that differs from it in each dimension."""
+    lines = []
+    usable = args.gpu_mem_gib * (1 - args.reserve)
+    for dim in ("tp", "pp", "dp", "ep"):
+        others = [r for r in rows if r[dim] != best[dim]]
+        if not others:
+            continue
+        alt = min(others, key=lambda r: (not r["fits"], r["t_total"]))
+        name = f"dp={alt['dp']} tp={alt['tp']} pp={alt['pp']} ep={alt['ep']}"
+        if not alt["fits"]:
+            lines.append(f"{dim}={best[dim]}: every layout with another {dim} needs more memory; the closest, {name}, "
+                         f"needs {alt['total_GiB']:.1f} GiB > {usable:.1f} GiB usable")
+            continue
+        diff = {k: alt[f"t_{k}"] - best[f"t_{k}"] for k in ("compute", "bubble", "tp", "dp", "pp", "ep")}
+        worst = max(diff, key=diff.get)
+        lines.append(f"{dim}={best[dim]}: the best layout with another {dim}, {name}, takes {alt['t_total']:.2f} s "
+                     f"vs {best['t_total']:.2f} s per step, mostly from {worst} time (+{diff[worst]:.2f} s)"
+                     + (f"; it would also use {alt['total_GiB']:.1f} GiB vs {best['total_GiB']:.1f} GiB"
+                        if abs(alt["total_GiB"] - best["total_GiB"]) > 0.05 else ""))
+    return lines
+# --8<-- [end:reasons]
+
+
+def describe(row: dict) -> str:
+    return (f"dp={row['dp']} tp={row['tp']} pp={row['pp']} ep={row['ep']} ({row['micro']} micro-batches per step)\n"
+            f"  memory per GPU: weights {row['params_GiB']:.2f} + grads {row['grads_GiB']:.2f} + optimizer "
+            f"{row['optimizer_GiB']:.2f} + activations {row['act_GiB']:.2f} = {row['total_GiB']:.2f} GiB "
+            f"(serving batch x seq would need {row['kv_serve_GiB']:.2f} GiB of KV cache per GPU)\n"
+            f"  sent per GPU per step: DP {row['dp_GB_sent']:.2f} GB, TP {row['tp_GB_sent']:.2f} GB, "
+            f"PP {row['pp_GB_sent']:.2f} GB, EP {row['ep_GB_sent']:.2f} GB "
+            f"(inside a node: {', '.join(row['inside_node'])})\n"
+            f"  step estimate: compute {row['t_compute']:.2f} s + bubble {row['t_bubble']:.2f} s + comm TP "
+            f"{row['t_tp']:.2f} / DP {row['t_dp']:.2f} / PP {row['t_pp']:.2f} / EP {row['t_ep']:.2f} s = "
+            f"{row['t_total']:.2f} s")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"top": 3})
+    model = load_model(args)
+    s = model.shape
+    usable = args.gpu_mem_gib * (1 - args.reserve)
+    published = f", published {s.num_params / 1e9:.2f} B" if s.num_params else ""
+    print(f"model {s.name}: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV), "
+          f"MLP {s.intermediate_size}, vocab {s.vocab_size}" + (f", {model.experts} experts, top-{model.top_k}"
+                                                                  if model.experts > 1 else ""))
+    print(f"  parameters from the shape: {(model.dense_params + model.expert_params) / 1e9:.2f} B{published} "
+          f"({model.active_params / 1e9:.2f} B active per token); source: {s.source}")
+    floor = mem.zero_bytes_per_rank(model.dense_params + model.expert_params, 1, 0)["total"] / GIB
+    print(f"cluster: {args.gpus} GPUs, {args.gpus_per_node} per node, {args.gpu_mem_gib:g} GiB each "
+          f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, micro-batch {args.micro_batch}, "
+          f"ZeRO-{args.zero_stage}, recompute {args.recompute}")
+    print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth\n")
+
+    if args.layout:
+        try:
+            rows = [cost(model, args, *args.layout)]
+        except ValueError as err:
+            raise cli.UsageError(f"--layout {' '.join(map(str, args.layout))}: {err}") from None
+        rejected: dict[str, int] = {}
+    else:
+        rows, rejected = candidates(model, args)
+    if not rows:
+        raise cli.UsageError("no layout satisfies the divisibility rules for these sizes")
+    table = [{k: r[k] for k in ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent",
+                                "pp_GB_sent", "ep_GB_sent", "t_bubble", "t_total")} | {"fits": "yes" if r["fits"] else "no"}
+             for r in rows[:args.top]]
+    print(f"{len(rows)} layouts costed" + "".join(f"; {n} {why}" for why, n in rejected.items() if n) + ":")
+    print(report.table(table, floatfmt=".2f"))
+    best = rows[0]
+    print()
+    if best["fits"]:
+        print("recommended: " + describe(best))
+        for line in reasons(best, rows, args):
+            print("  - " + line)
+    else:
+        print(f"no layout fits in {usable:.1f} GiB per GPU; the smallest need is shown first. Try a higher "
+              "--zero-stage, --recompute full, a smaller --micro-batch, or more GPUs.\nclosest: " +
+              describe(min(rows, key=lambda r: r["total_GiB"])))
+    if args.json:
+        report.write_json(args.json, {"model": s.name, "params": model.dense_params + model.expert_params,
+                                      "active_params": model.active_params, "recommended": best if best["fits"] else None,
+                                      "candidates": rows[:args.top], "rejected": rejected}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,176 @@
+"""GPipe and 1F1B, run for real: the tiny GPT cut into W stages, micro-batches over send/recv, one AdamW step.
+
+What it shows
+    ORACLE    every rank builds the same GPT from the seed and keeps one stage (mlsys.pipeline.split_gpt). The
+              batch of B = m x b sequences is cut into m micro-batches; each schedule runs forward and backward
+              over them, activations forward with isend/recv and their gradients backward the same way, then
+              every stage takes one AdamW step. Each rank also trains the whole model in one process on the
+              whole batch, and checks that its stage's gradients and updated parameters match (rtol 1e-4,
+              atol 1e-6 in float32; --double for float64 and a 1e-10 tolerance).
+    ORDER     the order of operations of every stage, e.g. F0 F1 B0 F2 B1 ... for 1F1B.
+    MEMORY    how many micro-batches each stage holds between their forward and their backward (their saved
+              activations), counted while the schedule runs, and the bytes autograd kept for them (saved-tensor
+              hooks, parameters excluded). GPipe holds all m; 1F1B holds at most p - s on stage s.
+
+How to run (world size 1..8, at most --layers)
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py -w 4 --micro-batches 8
+    torchrun --nproc-per-node 4 \
+        tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 8
+
+Runtime on 2 cores: about 5 s with -w 4 --micro-batches 8, 3 s with --smoke.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mlsys import cli, report
+from mlsys.data import Tokenizer, get_batch, make_corpus
+from mlsys.launch import RankContext, launch
+from mlsys.model import GPT, GPTConfig
+from mlsys.pipeline import max_in_flight, run_pipeline_step, split_gpt
+from mlsys.train import configure_optimizer
+
+
+@dataclass
+class Settings(cli.DistArgs):
+    world_size: int = 4
+    """Number of ranks = pipeline stages p. Under torchrun it is taken from WORLD_SIZE."""
+    micro_batches: int = 8
+    """m, micro-batches per step."""
+    micro_batch_size: int = 2
+    """b, sequences per micro-batch."""
+    layers: int = 4
+    """Transformer blocks in the GPT (spread as evenly as possible over the stages)."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    lr: float = 1e-3
+    """AdamW learning rate for the one optimizer step."""
+    double: bool = False
+    """Run in float64, where pipeline and one process agree to ~1e-12."""
+
+    def validate(self) -> None:
+        if self.world_size > self.layers:
+            raise cli.UsageError(f"-w {self.world_size} stages need at least as many --layers, got {self.layers}")
+        if min(self.micro_batches, self.micro_batch_size, self.seq_len) < 1:
+            raise cli.UsageError("--micro-batches, --micro-batch-size and --seq-len must be at least 1")
+        if self.seq_len > 64:
+            raise cli.UsageError(f"--seq-len must be <= 64 (the tiny GPT's block size), got {self.seq_len}")
+
+
+def build(args: Settings) -> tuple[GPT, list[torch.Tensor], list[torch.Tensor]]:
+    """The seeded model and the m micro-batches (b, T) of inputs and targets, identical on every rank."""
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig.preset("tiny", n_layer=args.layers))
+    if args.double:
+        model = model.double()
+    tokens = Tokenizer().encode_corpus(make_corpus(200, args.seed))
+    gen = torch.Generator().manual_seed(args.seed)
+    x, y = get_batch(tokens, args.micro_batches * args.micro_batch_size, args.seq_len, gen)  # (B, T) each
+    return model, list(x.chunk(args.micro_batches)), list(y.chunk(args.micro_batches))
+
+
+# --8<-- [start:reference]
+def reference_step(model: GPT, xs: list, ys: list, lr: float) -> tuple[GPT, float]:
+    """The oracle: the whole model, the whole batch, one process, one backward, one AdamW step."""
+    opt = configure_optimizer(model, lr=lr, weight_decay=0.1)
+    _, loss = model(torch.cat(xs), torch.cat(ys))  # mean over all B*T tokens
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads["lm_head.weight"] = grads["wte.weight"]  # tied: one matrix, one gradient
+    opt.step()
+    model.grads = grads  # kept for the comparison below
+    return model, float(loss.detach())
+# --8<-- [end:reference]
+
+
+def pipeline_step(model: GPT, xs: list, ys: list, schedule: str, lr: float) -> tuple[torch.nn.Module, dict]:
+    """This rank's stage after one pipelined step; its gradients are kept in stage.grads."""
+    stages = split_gpt(model, dist.get_world_size())
+    stage = stages[dist.get_rank()]
+    opt = configure_optimizer(stage, lr=lr, weight_decay=0.1)
+    ranks = list(range(dist.get_world_size()))  # stage s on global rank s
+    out = run_pipeline_step(stage, ranks, xs, ys, schedule=schedule)
+    stage.grads = {name: p.grad.clone() for name, p in stage.named_parameters()}
+    opt.step()
+    return stage, out
+
+
+def compare(stage, ref: GPT) -> tuple[float, float]:
+    """Largest |difference| of gradients and of updated parameters between a stage and the same layers of ref."""
+    dgrad = dparam = 0.0
+    for name, p in stage.named_parameters():
+        full = stage.global_name(name)
+        dgrad = max(dgrad, float((stage.grads[name] - ref.grads[full]).abs().max()))
+        dparam = max(dparam, float((p.detach() - ref.get_parameter(full).detach()).abs().max()))
+    return dgrad, dparam
+
+
+def check(stage, ref: GPT, tol: tuple[float, float], what: str) -> None:
+    rtol, atol = tol
+    for name, p in stage.named_parameters():
+        full = stage.global_name(name)
+        report.expect_close(f"{what}: grad of {full}", stage.grads[name], ref.grads[full], rtol, atol)
+        report.expect_close(f"{what}: {full} after the step", p, ref.get_parameter(full), rtol, atol)
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    model, xs, ys = build(args)
+    ref, ref_loss = reference_step(build(args)[0], xs, ys, args.lr)
+    tol = (1e-10, 1e-12) if args.double else (1e-4, 1e-6)
+    rows, results = [], {"reference_loss": ref_loss, "schedules": {}}
+    for schedule in ("gpipe", "1f1b"):
+        stage, out = pipeline_step(model, xs, ys, schedule, args.lr)
+        check(stage, ref, tol, f"{schedule} stage {out['stage']}")
+        if out["peak_in_flight"] != max_in_flight(out["actions"]):
+            raise cli.SelfCheckFailed(f"{schedule}: counted {out['peak_in_flight']} in flight, "
+                                      f"the order of operations allows {max_in_flight(out['actions'])}")
+        dgrad, dparam = compare(stage, ref)
+        mine = {"stage": out["stage"], "layers": list(stage.layer_range), "loss": out["loss"],
+                "order": " ".join(f"{k}{i}" for k, i in out["actions"]),
+                "peak_in_flight": out["peak_in_flight"], "peak_activation_bytes": out["peak_activation_bytes"],
+                "max_grad_diff": dgrad, "max_param_diff": dparam}
+        gathered: list = [None] * ctx.world_size
+        dist.all_gather_object(gathered, mine)
+        results["schedules"][schedule] = gathered
+        last_loss = gathered[-1]["loss"]
+        report.expect_close(f"{schedule}: loss", last_loss, ref_loss, *tol)
+        for row in gathered:
+            first, end = row["layers"]
+            rows.append({"schedule": schedule, "stage": row["stage"], "layers": f"{first}-{end - 1}",
+                         "in flight": row["peak_in_flight"], "act KiB": round(row["peak_activation_bytes"] / 1024, 1),
+                         "max|dgrad|": row["max_grad_diff"], "max|dparam|": row["max_param_diff"]})
+    if ctx.is_main:
+        print_report(args, rows, results)
+    return results
+
+
+def print_report(args: Settings, rows: list, results: dict) -> None:
+    p, m = args.world_size, args.micro_batches
+    dtype = "float64" if args.double else "float32"
+    print(f"p={p} stages, m={m} micro-batches of {args.micro_batch_size} x {args.seq_len} tokens, "
+          f"tiny GPT with {args.layers} blocks, {dtype}")
+    print(f"one process on the whole batch: loss {results['reference_loss']:.6f}")
+    for schedule, gathered in results["schedules"].items():
+        print(f"\n{schedule}: loss on the last stage {gathered[-1]['loss']:.6f}; order of operations per stage:")
+        for row in gathered:
+            print(f"  stage {row['stage']}: {row['order']}")
+    print()
+    print(report.table(rows))
+    print("\ngradients and parameters after one AdamW step match one process on every stage: OK")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "micro_batches": 3},
+                     world_sizes=range(1, 9), world_sizes_text="1..8")
+    results = launch(worker, args)
+    if args.json:
+        report.write_json(args.json, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
