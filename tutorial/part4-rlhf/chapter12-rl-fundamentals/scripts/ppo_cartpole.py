@@ -228,7 +228,8 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
     running = np.zeros(args.num_envs)
     curve, evals, updates = [], [], []
     start, solved_at = time.perf_counter(), None
-    bar = tqdm(range(1, num_updates + 1), desc=f"{name} seed {seed}", disable=not progress, leave=False)
+    bar = tqdm(range(1, num_updates + 1), desc=f"{name} seed {seed}", leave=False,
+               disable=None if progress else True)  # None: shown only when stderr is a terminal
     for update in bar:
         opt.param_groups[0]["lr"] = args.lr * (1.0 - (update - 1) / num_updates)  # linear annealing
         n_before = len(episodes)
@@ -290,6 +291,9 @@ def main() -> int:
     seeds = args.seeds or [args.seed]
     runs = [train(args, s) for s in seeds]
     if not args.seeds:
+        kl, clip = ([u[k] for u in runs[0]["updates"]] for k in ("approx_kl", "clip_frac"))
+        print(f"diagnostics over {len(kl)} updates: approx KL median {np.median(kl):.2g} (max {max(kl):.2g}), "
+              f"clip fraction median {np.median(clip):.2g} (max {max(clip):.2g})")
         print(report.table([{k: round(v, 1) if isinstance(v, float) else v for k, v in e.items()}
                             for e in runs[0]["evals"]]))
         plot_run(runs[0], args)
