@@ -4,7 +4,7 @@ After every policy update, the ranks that generate rollouts must serve the new w
 rollout engine in different processes, that is a broadcast from one trainer rank (`src`) to every rollout rank:
 
     trainer (src)                          rollout ranks (same architecture, so they know every name and shape)
-    named tensors ── pack into buckets ──> broadcast(flat bucket) ──> unpack: copy each slice into its tensor
+    named tensors ── pack into buckets ──> broadcast(flat bucket) ──> unpack: each slice into its tensor
 
 Two ways to send, both exact (the receivers end up bit-for-bit equal to the sender):
 

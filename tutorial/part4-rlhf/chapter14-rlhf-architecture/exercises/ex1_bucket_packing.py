@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 def assign_buckets(nbytes: list[int], dtypes: list[str], bucket_bytes: int) -> list[list[int]]:
     """Indices of the tensors in each bucket, by the rules above. nbytes[i], dtypes[i] describe tensor i."""
-    raise NotImplementedError("TODO: walk the tensors in order, one open bucket per dtype, close when it would overflow")
+    raise NotImplementedError("TODO: in order, one open bucket per dtype, closed when it would overflow")
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:

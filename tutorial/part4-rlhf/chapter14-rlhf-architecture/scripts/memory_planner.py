@@ -215,7 +215,8 @@ def plan(args: Settings) -> dict:
     else:
         pick = f"disaggregated: {n_tr} trainer + {pool['gpus']} rollout GPUs = {n_dis}"
     return {"budget_bytes": budget, "colocated_gpus": n_co,
-            "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None, "trainer_gpus": n_tr, "rollout": pool,
+            "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
+            "trainer_gpus": n_tr, "rollout": pool,
             "disaggregated_gpus": n_dis, "pick": pick}
 
 

@@ -323,7 +323,7 @@ def warm_cache() -> None:
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 12},
-                     world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (disaggregated: 1 trainer + rollouts)")
+                     world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (1 trainer + rollouts)")
     print(f"RLHF placements on {args.world_size} ranks ({args.backend}): {args.iterations} iterations of "
           f"{args.num_rollouts} rollouts x {args.max_tokens} tokens, draft GPT actor/critic/reward/reference")
     warm_cache()
