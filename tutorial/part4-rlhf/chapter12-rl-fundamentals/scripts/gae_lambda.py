@@ -70,21 +70,26 @@ class Settings(cli.Args, cli.PlotArgs):
 
 
 # --8<-- [start:fit_critic]
-def fit_critic(agent: ppo.ActorCritic, seed: int, gamma: float, num_steps: int = 1024, iters: int = 300) -> float:
+def fit_critic(agent: ppo.ActorCritic, seed: int, gamma: float, num_steps: int = 512, iters: int = 1000,
+               batch: int = 1024) -> float:
     """Policy evaluation: regress the critic on Monte-Carlo returns (GAE with lambda = 1) of fresh rollouts of the
-    fixed policy, so that V is a decent but imperfect fit -- as in the middle of a PPO run. Returns the final MSE."""
+    fixed policy (16 envs x num_steps), iters Adam steps on random minibatches, so that V is a decent but imperfect
+    fit -- as in the middle of a PPO run. Returns the final MSE over all the samples."""
     envs = ppo.make_envs(16, seed)
     obs, _ = envs.reset(seed=seed)
     buf, _ = ppo.collect_rollout(envs, agent, obs, num_steps, gamma, [], np.zeros(16))
     _, returns = rl.compute_gae(buf["rewards"], buf["values"], buf["dones"], buf["last_value"], gamma, 1.0)
     obs, target = buf["obs"].flatten(0, 1), returns.flatten()     # (T*N, 4), (T*N,)
     opt = torch.optim.Adam(agent.critic.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
     for _ in range(iters):
-        loss = rl.ppo_value_loss(agent.value(obs), None, target)  # 0.5 * MSE, no clipping
+        mb = torch.randint(0, len(target), (batch,), generator=g)
+        loss = rl.ppo_value_loss(agent.value(obs[mb]), None, target[mb])  # 0.5 * MSE, no clipping
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return 2 * loss.item()
+    with torch.no_grad():
+        return 2 * rl.ppo_value_loss(agent.value(obs), None, target).item()
 # --8<-- [end:fit_critic]
 
 
@@ -220,7 +225,7 @@ def main() -> int:
     agent = run["agent"]
     print(f"policy under study: PPO after {run['steps']:,} env steps, mean return {run['eval_return']:.1f} "
           f"(of 500) over {policy_args.eval_episodes} episodes")
-    mse = fit_critic(agent, args.seed + 3, args.gamma)
+    mse = fit_critic(agent, args.seed + 3, args.gamma, *((64, 20) if args.smoke else ()))
     print(f"critic refit on the fixed policy's Monte-Carlo returns: MSE {mse:.3g}\n")
     states, actions = start_states(agent, args.num_states, args.seed)
     rows = measure(agent, states, actions, args)
