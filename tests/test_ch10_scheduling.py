@@ -1,0 +1,221 @@
+"""Chapter 10 oracles: the step breakdown adds up, the overlapped engine and chunked prefill change no token,
+the padded static (CUDA-graph) decode step equals the eager runner, Gumbel-max sampling follows softmax,
+and, on a GPU, graph replay equals eager decoding.
+
+Fast tests use the `tiny` preset with random weights (no training); the GPU ones use the trained `small`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, load_script
+from mlsys.data import Tokenizer, make_corpus
+from mlsys.engine import Engine, EngineConfig, SamplingParams
+from mlsys.engine.cuda_graphs import CUDAGraphRunner, default_capture_sizes, gumbel_sample, pick_graph_size
+from mlsys.engine.overlap import OverlapEngine
+from mlsys.engine.step_profile import STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown, time_decode_steps
+from mlsys.model import GPT, GPTConfig
+
+CH10 = ROOT / "tutorial" / "part3-inference" / "chapter10-scheduling-cuda-graphs" / "scripts"
+LINES = make_corpus(24, seed=5).splitlines()
+PROMPTS = [LINES[i][: 3 + (i * 7) % 50] for i in range(12)]  # 3..52 characters
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny", block_size=128)).eval()
+
+
+def tokens(engine: Engine, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+# ------------------------------------------------------------------------------------------ step breakdown
+def test_breakdown_sums_to_step_total(tiny: GPT) -> None:
+    engine = decode_engine(tiny, 4, prompt_len=10, max_tokens=12)
+    rows = time_decode_steps(engine, 8)
+    for r in rows:  # every step: the stages cover the step, up to the counter updates after them
+        assert r["num_seqs"] == 4 and r["num_batched_tokens"] == 4
+        assert sum(r[s] for s in STAGES) <= r["total"] <= sum(r[s] for s in STAGES) + 1e-3
+    mean = mean_breakdown(rows)
+    assert mean["other"] == pytest.approx(mean["total"] - sum(mean[s] for s in STAGES))
+    assert 0 <= mean["other"] < 0.05 * mean["total"] + 1e-4
+
+
+def test_op_count_does_not_depend_on_batch_size(tiny: GPT) -> None:
+    counts = []
+    for B in (1, 6):
+        engine = decode_engine(tiny, B, prompt_len=10, max_tokens=4)
+        batch = engine.runner.prepare(*decode_step_inputs(engine))
+        counts.append(count_ops(lambda: engine.runner.execute(batch)))
+    assert counts[0]["python_ops"] == counts[1]["python_ops"] > 10 * tiny.config.n_layer
+    assert counts[0]["aten_ops"] == counts[1]["aten_ops"] > counts[0]["python_ops"]
+    assert dict(counts[0]["by_name"])["aten::linear"] == 4 * tiny.config.n_layer + 1  # qkv, proj, fc, proj; head
+
+
+def test_dispatch_overhead_share_formula(tiny: GPT) -> None:
+    mod = load_script(CH10 / "cuda_graphs.py")
+    args = mod.Settings(sizes=[1, 2], iters=3)
+    d = mod.dispatch_overhead(tiny, args, "cpu")
+    assert d["overhead_share"] == pytest.approx(min(1.0, d["python_ops"] * d["tiny_op_us"] / 1e3 / d["forward_ms"]))
+    assert d["python_ops"] < d["aten_ops"] and (d["kernels"] is None) == (not torch.cuda.is_available())
+
+
+# ------------------------------------------------------------------------------------------ overlap
+@pytest.mark.parametrize("case", ["greedy_stops_chunked", "seeded_sampling", "tight_pool_prefix_cache"])
+def test_overlapped_engine_equals_plain(tiny: GPT, case: str) -> None:
+    stop = (Tokenizer().encode(",")[0],)
+    if case == "greedy_stops_chunked":  # early stops force re-preparing the next step; prompts chunked by 16
+        config = EngineConfig(block_size=4, max_num_seqs=5, max_num_batched_tokens=16)
+        params = [SamplingParams(max_tokens=30, stop_token_ids=stop if i % 3 else ()) for i in range(12)]
+    elif case == "seeded_sampling":  # per-request generators: the same draws whatever the schedule
+        config = EngineConfig(block_size=4, max_num_seqs=6)
+        params = [SamplingParams(max_tokens=25, temperature=0.9, top_k=20, seed=i) for i in range(12)]
+    else:  # preemption by recompute while the next step is already scheduled; prefix hits
+        config = EngineConfig(block_size=4, max_num_seqs=8, num_blocks=24, max_num_batched_tokens=24, max_model_len=96,
+                              enable_prefix_caching=True)  # fmt: skip
+        params = [SamplingParams(max_tokens=60, stop_token_ids=stop) for _ in range(12)]
+    plain = Engine(tiny, config=config)
+    overlap = OverlapEngine(tiny, config=config)
+    assert tokens(overlap, PROMPTS, params) == tokens(plain, PROMPTS, params)
+    overlap.check_invariants()
+    assert overlap.stats()["num_used_blocks"] == 0 and not overlap.requests
+    if case == "greedy_stops_chunked":
+        assert overlap.overlap_stats["num_reprepared"] > 0  # the eos/stop path was exercised
+    if case == "tight_pool_prefix_cache":
+        assert overlap.stats()["num_preemptions"] > 0 and overlap.stats()["prefix_hit_tokens"] > 0
+    overlap.close()
+
+
+def test_overlap_forward_runs_while_next_step_is_prepared(tiny: GPT) -> None:
+    engine = decode_engine(tiny, 4, prompt_len=10, max_tokens=10, engine_cls=OverlapEngine)
+    engine.step()
+    t = engine.last_step_timing
+    assert t["overlapped"] > 0 and t["schedule"] == t["prepare"] == 0.0  # N+1's CPU work sits in "overlapped"
+    engine.close()
+
+
+# ------------------------------------------------------------------------------------------ chunked prefill
+def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
+    long_prompts = [(LINES[i] + LINES[i + 1])[:110] for i in range(3)] + PROMPTS[:4]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    whole = Engine(tiny, config=EngineConfig(max_num_batched_tokens=512))
+    chunked = Engine(tiny, config=EngineConfig(max_num_batched_tokens=16, block_size=8))
+    assert tokens(chunked, long_prompts, params) == tokens(whole, long_prompts, params)
+    assert chunked.counters["num_steps"] > whole.counters["num_steps"]
+
+
+def test_itl_percentiles() -> None:
+    mod = load_script(CH10 / "chunked_prefill.py")
+    times = [[0.0, 0.01, 0.03, 0.5], [1.0, 1.002], [2.0]]  # a one-token request has no gap
+    gaps = np.array([0.01, 0.02, 0.47, 0.002]) * 1e3
+    got = mod.itl_percentiles(times)
+    assert got["itl_p99_ms"] == pytest.approx(np.percentile(gaps, 99))
+    assert got["itl_p50_ms"] == pytest.approx(15.0) and got["itl_max_ms"] == pytest.approx(470.0)
+
+
+# ------------------------------------------------------------------------------------------ graphs: padding
+def test_capture_sizes_and_pick() -> None:
+    assert default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_capture_sizes(12) == [1, 2, 4, 8, 12] and default_capture_sizes(1) == [1]
+    sizes = [1, 2, 4, 8, 16]
+    assert [pick_graph_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert pick_graph_size(17, sizes) is None  # more than the largest graph: eager
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_padded_static_step_equals_eager(tiny: GPT, n: int) -> None:
+    """The graph's step run uncaptured on a CPU: same logits as the eager runner, and the padding rows
+    write only into the scratch block (the real blocks end up exactly as an eager step leaves them)."""
+    eager_engine, graph_engine = (decode_engine(tiny, n, prompt_len=9, max_tokens=6, block_size=4) for _ in "ab")
+    inputs = decode_step_inputs(eager_engine)
+    assert decode_step_inputs(graph_engine) == inputs  # two engines in the same state
+    eager = eager_engine.runner.execute(eager_engine.runner.prepare(*inputs))
+    g = CUDAGraphRunner(graph_engine.runner, graph_engine.config.max_model_len, [1, 2, 4, 8]).capture()
+    assert not g.use_graphs and g.scratch_block == graph_engine.config.num_blocks
+    batch = g.prepare(*inputs)
+    assert batch.buffers.input_ids.numel() == pick_graph_size(n, [1, 2, 4, 8])
+    graph = g.execute(batch)
+    torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(graph.argmax(-1), eager.argmax(-1))
+    torch.testing.assert_close(g.runner.k_cache, eager_engine.runner.k_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g.runner.v_cache, eager_engine.runner.v_cache, rtol=1e-6, atol=1e-6)
+
+
+def test_engine_with_graph_sizes_equals_eager(tiny: GPT) -> None:
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    eager = Engine(tiny, config=EngineConfig(block_size=4, max_num_seqs=8))
+    graphs = Engine(tiny, config=EngineConfig(block_size=4, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4]))
+    assert tokens(graphs, PROMPTS, params) == tokens(eager, PROMPTS, params)  # 8 running > 4: eager fallback too
+    assert graphs.runner.num_graph_steps > 0
+    graphs.check_invariants()
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        Engine(tiny, config=EngineConfig(cuda_graph_sizes=[0, 2]))
+
+
+# ------------------------------------------------------------------------------------------ graphs: sampling
+def test_gumbel_sample_follows_softmax() -> None:
+    gen = torch.Generator().manual_seed(0)
+    V, draws, T = 12, 40_000, 0.7
+    logits = torch.randn(1, V, generator=gen) * 2
+    ids = gumbel_sample(logits.expand(draws, V), torch.full((draws, 1), T), torch.rand(draws, V, generator=gen))
+    freq = torch.bincount(ids, minlength=V).double() / draws
+    p = F.softmax(logits[0].double() / T, dim=-1)
+    assert (freq - p).abs().max() < 4 * float((p * (1 - p) / draws).sqrt().max()) + 1e-3
+    noise = torch.rand(3, V, generator=gen)  # same noise, same tokens; temperature 0 is the argmax
+    rows = torch.randn(3, V, generator=gen)
+    temps = torch.tensor([[0.0], [1.0], [0.5]])
+    assert torch.equal(gumbel_sample(rows, temps, noise), gumbel_sample(rows.clone(), temps, noise.clone()))
+    assert gumbel_sample(rows, temps, noise)[0] == rows[0].argmax()
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+@pytest.fixture(scope="module")
+def small_cuda():
+    from mlsys.weights import load_pretrained
+
+    return load_pretrained("small")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3, 8, 16])
+def test_cuda_graph_replay_equals_eager(small_cuda: GPT, n: int) -> None:
+    engine = decode_engine(small_cuda, n, prompt_len=24, max_tokens=6, device="cuda", cuda_graph_sizes=[1, 2, 4, 8, 16])
+    g = engine.runner
+    assert g.use_graphs and all(b.graph is not None for b in g.buffers.values())
+    inputs = decode_step_inputs(engine)
+    eager = g.runner.execute(g.runner.prepare(*inputs))
+    replay = g.execute(g.prepare(*inputs))
+    torch.testing.assert_close(replay, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(replay.argmax(-1), eager.argmax(-1)) and g.num_graph_steps == 1
+    # sampling inside the graph: noise from per-request generators in the static buffer
+    V = small_cuda.config.vocab_size
+    noise = torch.stack([torch.rand(V, generator=torch.Generator().manual_seed(i)) for i in range(n)]).cuda()
+    starts, chunks, tables, _ = inputs
+    logits, ids = g.run([c[0] for c in chunks], starts, tables, [0.8] * n, noise)
+    assert torch.equal(ids, gumbel_sample(logits.clone(), torch.full((n, 1), 0.8, device="cuda"), noise))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_engine_equals_eager(small_cuda: GPT) -> None:
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    eager = Engine(small_cuda, config=EngineConfig(max_num_seqs=8, device="cuda"))
+    graphs = Engine(small_cuda, config=EngineConfig(max_num_seqs=8, device="cuda", cuda_graph_sizes=[1, 2, 4, 8]))
+    assert tokens(graphs, PROMPTS, params) == tokens(eager, PROMPTS, params)
+    assert graphs.runner.num_graph_steps > 0
+    overlap = OverlapEngine(small_cuda, config=EngineConfig(max_num_seqs=8, device="cuda", cuda_graph_sizes=[1, 2, 4, 8]))
+    assert tokens(overlap, PROMPTS, params) == tokens(eager, PROMPTS, params)
+    overlap.close()

@@ -1,0 +1,140 @@
+"""Where a decode step's time goes: scheduling, batch preparation, forward, sampling, detokenization.
+
+What it shows
+    1. For each batch size B: B requests past their prefill, decoding one token each per step on the real
+       engine (mlsys.engine, the trained `small` GPT). Every stage of every step is timed by the engine itself
+       (Engine.last_step_timing); the script prints the mean milliseconds per stage, the share of the step
+       that is NOT the model's forward, and draws them as stacked bars (step_breakdown/breakdown.png).
+       Self-check: the stages add up to the step's total (what they leave out is a few counter updates).
+    2. What a forward is made of, from the PyTorch profiler: how many aten ops one decode step's forward
+       dispatches, how many of them are called from Python (each pays the full dispatch), which, and on a GPU
+       how many kernels it launches. The count does not depend on B:
+       a bigger batch makes each op bigger, not more numerous. That is why small batches are overhead-bound.
+
+How to run
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
+    python .../step_breakdown.py --batch-sizes 1 8 64 --steps 30 --device cuda
+
+Runtime on 2 cores: about 10 s, 3 s with --smoke. Timings move with the machine's load: compare shares,
+not absolute milliseconds, across runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mlsys import cli, plot, report
+from mlsys.engine.step_profile import STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown, time_decode_steps
+from mlsys.weights import load_pretrained
+
+
+
+@dataclass
+class Settings(cli.Args, cli.PlotArgs):
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """Sequences decoding together in each measured step."""
+    prompt_len: int = 32
+    """Prompt tokens of every request (its KV cache length when the timed steps start)."""
+    steps: int = 20
+    """Timed decode steps per batch size (after one warm-up step)."""
+    threads: int = 1
+    """torch intra-op threads (1: the tiny model's ops are too small to split)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu or cuda."""
+
+    def validate(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or max(self.batch_sizes) > 256:
+            raise cli.UsageError("--batch-sizes must be in 1..256")
+        if not 2 <= self.prompt_len <= 200 or not 1 <= self.steps <= 50:
+            raise cli.UsageError("--prompt-len must be in 2..200 and --steps in 1..50")
+        if self.threads < 1:
+            raise cli.UsageError("--threads must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise cli.UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise cli.UsageError("--device cuda: no GPU on this machine")
+
+
+# --8<-- [start:breakdown]
+def breakdown(model, batch_size: int, args: Settings, device: str) -> dict:
+    """Mean seconds per stage of `args.steps` pure decode steps with batch_size sequences."""
+    engine = decode_engine(model, batch_size, args.prompt_len, max_tokens=args.steps + 2, device=device)
+    engine.step()  # warm-up: the first decode step
+    rows = time_decode_steps(engine, args.steps)
+    assert all(r["num_seqs"] == batch_size and r["num_batched_tokens"] == batch_size for r in rows)
+    out = mean_breakdown(rows)
+    out["non_forward_share"] = 1 - out["forward"] / out["total"]
+    return out
+# --8<-- [end:breakdown]
+
+
+# --8<-- [start:profile]
+def forward_ops(model, batch_size: int, args: Settings, device: str) -> dict:
+    """Profile the forward of one decode step (the batch prepared beforehand, so only the model is seen)."""
+    engine = decode_engine(model, batch_size, args.prompt_len, max_tokens=4, device=device)
+    batch = engine.runner.prepare(*decode_step_inputs(engine))
+    engine.runner.execute(batch)  # warm-up
+    ops = count_ops(lambda: engine.runner.execute(batch))
+    out = {"batch_size": batch_size, "aten_ops": ops["aten_ops"], "python_ops": ops["python_ops"]}
+    if ops["kernels"] is not None:
+        out["cuda_kernels"] = ops["kernels"]
+    return {**out, "top": ops["by_name"][:8]}
+# --8<-- [end:profile]
+
+
+def draw(rows: list[dict], args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    labels = [str(r["batch_size"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    for stage in STAGES:
+        ms = [r[stage] * 1e3 for r in rows]
+        axes[0].bar(labels, ms, bottom=bottom, label=stage)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    axes[0].set(xlabel="batch size (sequences decoding)", ylabel="ms per decode step", title="one decode step")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(labels, [100 * r["non_forward_share"] for r in rows], "o-")
+    axes[1].set(xlabel="batch size", ylabel="% of the step", ylim=(0, 100),
+                title="time outside the model's forward")  # fmt: skip
+    plot.save(fig, args, "breakdown")
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"batch_sizes": [1, 8], "steps": 4})
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model = load_pretrained("small")
+    print(f"device {device}, {args.threads} thread(s); every request has a {args.prompt_len}-token prompt; "
+          f"mean of {args.steps} decode steps per batch size\n")
+    rows = []
+    for B in args.batch_sizes:
+        r = {"batch_size": B, **breakdown(model, B, args, device)}
+        report.expect_close(f"B={B}: stages sum to the step total", sum(r[s] for s in STAGES), r["total"],
+                            rtol=0.02, atol=20e-6)  # fmt: skip
+        rows.append(r)
+    table = [{"B": r["batch_size"], **{f"{s} ms": r[s] * 1e3 for s in STAGES}, "total ms": r["total"] * 1e3,
+              "ms/token": r["total"] * 1e3 / r["batch_size"], "not forward %": 100 * r["non_forward_share"]}
+             for r in rows]  # fmt: skip
+    print("1. Mean time per stage of one decode step (Engine.last_step_timing)")
+    print(report.table(table, floatfmt=".3f"))
+    print("   every row's stages sum to its total within 2% (the rest: counter updates)\n")
+    draw(rows, args)
+
+    profiles = [forward_ops(model, B, args, device) for B in sorted({min(args.batch_sizes), max(args.batch_sizes)})]
+    print("2. One decode step's forward under the PyTorch profiler")
+    print(report.table([{k: v for k, v in p.items() if k != "top"} for p in profiles]))
+    top = ", ".join(f"{name.removeprefix('aten::')} x{n}" for name, n in profiles[0]["top"])
+    print(f"   ops called from Python, most frequent: {top}")
+    p0, p1 = profiles[0], profiles[-1]
+    print(f"   B={p0['batch_size']}: {p0['python_ops']} ops called from Python per step; B={p1['batch_size']}: "
+          f"{p1['python_ops']}. The op count is set by the model's depth, not by the batch.")
+    if args.json:
+        report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
