@@ -35,7 +35,8 @@ def random_rollout(T: int = 9, N: int = 5, p_done: float = 0.25, seed: int = 0):
 
 # ------------------------------------------------------------------------------------------------------ GAE
 def test_gae_hand_case_no_episode_end() -> None:
-    r, v, d, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.zeros(3, 1), torch.tensor([2.0])
+    r, v, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.tensor([2.0])
+    d = torch.zeros(3, 1)
     adv, ret = rl.compute_gae(r, v, d, lv, gamma=0.5, lam=0.5)
     # deltas: 1 + .5*1 - .5 = 1,  2 + .5*1.5 - 1 = 1.75,  3 + .5*2 - 1.5 = 2.5;  gamma*lam = 0.25
     # A2 = 2.5, A1 = 1.75 + .25*2.5 = 2.375, A0 = 1 + .25*2.375 = 1.59375

@@ -1,4 +1,5 @@
-"""Checker for ch12.1 — your GAE against hand-worked cases and the plain-loop reference (mlsys.rl.compute_gae_loop)."""
+"""Checker for ch12.1 — your GAE against hand-worked cases and the plain-loop reference
+(mlsys.rl.compute_gae_loop)."""
 
 from __future__ import annotations
 

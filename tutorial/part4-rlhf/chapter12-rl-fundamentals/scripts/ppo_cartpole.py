@@ -21,10 +21,11 @@ How to run
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --smoke
 
 What it prints
-    The settings, the evaluations (env steps, seconds, mean greedy return), and the verdict: solved after how
-    many env steps and seconds, or "NOT SOLVED" and exit 1. Figure: learning_curve.png in --plot-dir.
+    The settings, the median and max approx-KL and clip fraction over the updates, the evaluations (env steps,
+    seconds, mean return with sampled actions, mean greedy return), and the verdict: solved after how many env
+    steps and seconds, or "NOT SOLVED" and exit 1. Figure: learning_curve.png in --plot-dir.
 
-Runtime on 2 cores: about 20-40 s to solve with the default seed (the tqdm bar shows progress); --seeds 0 1 2
+Runtime on 2 cores: about 15 s of CPU to solve with the default seed (a tqdm bar on a terminal); --seeds 0 1 2
 about three times that; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
 """
 

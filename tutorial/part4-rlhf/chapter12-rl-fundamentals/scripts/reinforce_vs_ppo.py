@@ -22,7 +22,7 @@ What it prints
     A table per method (mean return of the last 20 training episodes, env steps to first reach a running mean of
     195 and 475) and the gradient-variance table. Figures: return_curves.png, grad_variance.png.
 
-Runtime on 2 cores: about 30 s (two training runs with a tqdm bar, then 16 batches); --smoke about 4 s.
+Runtime on 2 cores: about 25 s (two training runs, a tqdm bar on a terminal, then 16 batches); --smoke 4 s.
 """
 
 from __future__ import annotations
