@@ -63,7 +63,8 @@ def rule_score(text: str) -> int:
 
 def _truncate(text: str, rng: random.Random) -> str:
     """A malformed record: cut short somewhere after the name, as a response that ran out of tokens is."""
-    return text[: rng.randrange(len('{"name": "x", '), len(text) - 1)]
+    prompt_end = text.index(", ") + 2  # '{"name": "ada", ' is the prompt: cut after it
+    return text[: rng.randrange(prompt_end + 1, len(text) - 1)]
 
 
 def sample_candidate(name: str, rng: random.Random) -> str:
@@ -126,7 +127,7 @@ class Models:
     """The four models of PPO-based RLHF. Only actor and critic are trained; the other two are frozen."""
 
     actor: GPT  # the policy pi_theta, initialised from the SFT model
-    critic: ScalarHeadModel  # V(s_t) per token, trunk from the SFT model, head from zero
+    critic: ScalarHeadModel | None  # V(s_t) per token, trunk from the SFT model, head from zero; None for GRPO
     reward_model: ScalarHeadModel  # r(prompt, response), trained once on preference pairs, then frozen
     reference: GPT  # pi_ref: a frozen copy of the SFT model, the anchor of the KL penalty
 
@@ -134,6 +135,8 @@ class Models:
         rows = []
         for name, m in (("actor", self.actor), ("critic", self.critic), ("reward model", self.reward_model),
                         ("reference", self.reference)):  # fmt: skip
+            if m is None:
+                continue
             trainable = any(p.requires_grad for p in m.parameters())
             rows.append({"model": name, "params": sum(p.numel() for p in m.parameters()),
                          "output": "logits (B,T,V)" if isinstance(m, GPT) else "scalar (B,T)",
@@ -141,12 +144,12 @@ class Models:
         return rows
 
 
-def build_models(sft: GPT, reward_model: ScalarHeadModel) -> Models:
+def build_models(sft: GPT, reward_model: ScalarHeadModel, with_critic: bool = True) -> Models:
     """Actor and reference are copies of the SFT model; the critic gets its trunk and a fresh head."""
     reference = copy.deepcopy(sft).eval().requires_grad_(False)
     reward_model = reward_model.eval().requires_grad_(False)
     actor = copy.deepcopy(sft).train().requires_grad_(True)
-    critic = ScalarHeadModel(copy.deepcopy(sft)).train().requires_grad_(True)
+    critic = ScalarHeadModel(copy.deepcopy(sft)).train().requires_grad_(True) if with_critic else None
     return Models(actor, critic, reward_model, reference)
 
 
@@ -197,7 +200,7 @@ class RewardRecipe:
     batch_size: int = 32
     lr: float = 1e-3
     seed: int = 0
-    data_version: int = 3  # bump when make_preference_pairs changes: the cached model is then retrained
+    data_version: int = 4  # bump when make_preference_pairs changes: the cached model is then retrained
 
 
 def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress: bool = False):
@@ -418,7 +421,8 @@ def score_rollouts(models: Models, batch: RolloutBatch) -> RolloutBatch:
     pos = batch.positions  # (B, L)
     batch.extra["logprobs"] = gather_response(token_logprobs(models.actor, batch.ids), pos)  # (B, L) old logp
     batch.extra["ref_logprobs"] = gather_response(token_logprobs(models.reference, batch.ids), pos)  # (B, L)
-    batch.extra["values"] = gather_response(models.critic(batch.ids)[:, :-1], pos) * batch.mask  # (B, L)
+    if models.critic is not None:  # GRPO has none
+        batch.extra["values"] = gather_response(models.critic(batch.ids)[:, :-1], pos) * batch.mask  # (B, L)
     batch.extra["scores"] = models.reward_model.score(batch.ids, batch.lengths)  # (B,) at the last token
     batch.extra["rule_scores"] = torch.tensor([float(rule_score(t)) for t in batch.texts])  # the "human", for plots
     return batch
@@ -433,7 +437,7 @@ class PPOConfig:
     """The knobs of one RLHF iteration (defaults suit the tiny task; see chapter 13)."""
 
     beta: float = 0.1  # initial KL coefficient
-    kl_target: float | None = 2.0  # nats per response; None = fixed beta
+    kl_target: float | None = 1.0  # nats per response; None = fixed beta
     k_beta: float = 0.5  # adaptive controller gain per iteration
     gamma: float = 1.0  # no discount inside one response
     lam: float = 0.95  # GAE lambda
@@ -526,8 +530,10 @@ def _step(opt: torch.optim.Optimizer, model: nn.Module, loss: torch.Tensor, max_
 
 
 def make_optimizers(models: Models, cfg: PPOConfig) -> dict:
-    return {"actor": torch.optim.Adam(models.actor.parameters(), lr=cfg.actor_lr),
-            "critic": torch.optim.Adam(models.critic.parameters(), lr=cfg.critic_lr)}  # fmt: skip
+    opts = {"actor": torch.optim.Adam(models.actor.parameters(), lr=cfg.actor_lr)}
+    if models.critic is not None:
+        opts["critic"] = torch.optim.Adam(models.critic.parameters(), lr=cfg.critic_lr)
+    return opts
 
 
 def grouped_prompts(num_rollouts: int, group_size: int, seed: int) -> list[str]:
@@ -563,3 +569,14 @@ def rlhf_iteration(engine, models: Models, opts: dict, kl_ctl: AdaptiveKLControl
     kl_ctl.update(kl_seq)  # the controller reacts to the KL this batch measured
     return stats, batch
 # --8<-- [end:iteration]
+
+
+def setup_rlhf(cfg: PPOConfig, max_num_seqs: int, name: str = "draft", algo: str = "ppo"):
+    """Everything one RLHF run holds: (models, optimizers, KL controller, an Engine serving the actor).
+    The SFT model is `load_pretrained(name)`; the reward model `load_reward_model(name)`; GRPO gets no critic."""
+    from mlsys.engine import Engine, EngineConfig
+    from mlsys.weights import load_pretrained
+
+    models = build_models(load_pretrained(name), load_reward_model(name), with_critic=algo == "ppo")
+    engine = Engine(models.actor, config=EngineConfig(max_num_seqs=max_num_seqs))
+    return models, make_optimizers(models, cfg), AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.k_beta), engine
