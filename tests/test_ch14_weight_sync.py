@@ -131,30 +131,39 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None: 
 
 
 # ------------------------------------------------------------------------------------------------ GPU only
-def _ipc_child(handles, conn) -> None:  # noqa: ANN001 - runs in a spawned process
+def _ipc_child(handles, reference: bytes, conn) -> None:  # noqa: ANN001 - runs in a spawned process
+    """Open the trainer's CUDA memory through the handles and compare it with a reference sent as plain bytes."""
+    import io
+
     from mlsys.weight_sync import open_cuda_ipc_handles
 
     opened = open_cuda_ipc_handles(handles)
-    conn.send({n: t.cpu() for n, t in opened.items()})  # what this process sees in the trainer's memory
+    expected = torch.load(io.BytesIO(reference), weights_only=True)
+    same_memory = all(opened[n].is_cuda for n in opened)
+    conn.send((tensors_equal({n: t.cpu() for n, t in opened.items()}, expected), same_memory))  # plain Python
     conn.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_cuda_ipc_handles_show_the_trainers_memory_in_another_process() -> None:
+    import io
+
     import torch.multiprocessing as tmp
 
     from mlsys.weight_sync import cuda_ipc_handles
 
     tensors = {n: t.cuda() for n, t in mixed_tensors(3).items()}
+    buf = io.BytesIO()
+    torch.save({n: t.cpu() for n, t in tensors.items()}, buf)
     ctx = tmp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_ipc_child, args=(cuda_ipc_handles(tensors), theirs))
+    child = ctx.Process(target=_ipc_child, args=(cuda_ipc_handles(tensors), buf.getvalue(), theirs))
     child.start()
-    seen = ours.recv()
+    bad, on_gpu = ours.recv()
     child.join(60)
     assert child.exitcode == 0
-    assert tensors_equal(seen, {n: t.cpu() for n, t in tensors.items()}) == []
+    assert bad == [] and on_gpu
 
 
 @pytest.mark.gpu
