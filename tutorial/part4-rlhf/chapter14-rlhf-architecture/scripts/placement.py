@@ -29,6 +29,7 @@ Runtime on 2 cores: about 30 s; --smoke about 10 s.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -327,6 +328,7 @@ def main() -> int:
     print(f"RLHF placements on {args.world_size} ranks ({args.backend}): {args.iterations} iterations of "
           f"{args.num_rollouts} rollouts x {args.max_tokens} tokens, draft GPT actor/critic/reward/reference")
     warm_cache()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = launch(worker, args)
     tables, summary = [], {}
     placements = {n: r for n, r in results.items() if n in PLACEMENTS}
@@ -336,7 +338,8 @@ def main() -> int:
         rollouts_per_s = args.iterations * args.num_rollouts / wall
         summary[name] = {"wall_s": wall, "rollouts_per_s": rollouts_per_s, "stats": res["stats"],
                          "ranks": table}
-    print("\nSeconds per phase and idle time per rank (idle = wall - generate - score - train):")
+    print(f"\nMachine: {os.cpu_count()} cores, load average {load:.1f} before the run (other jobs share the cores)")
+    print("Seconds per phase and idle time per rank (idle = wall - generate - score - train):")
     print(report.table(tables, floatfmt=".2f"))
     print("\n" + report.table([{"placement": n, "wall s": s["wall_s"], "rollouts/s": s["rollouts_per_s"],
                                 "final reward": s["stats"][-1]["reward"],
