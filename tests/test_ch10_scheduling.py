@@ -17,7 +17,8 @@ from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.cuda_graphs import CUDAGraphRunner, default_capture_sizes, gumbel_sample, pick_graph_size
 from mlsys.engine.overlap import OverlapEngine
-from mlsys.engine.step_profile import STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown, time_decode_steps
+from mlsys.engine.step_profile import (STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown,
+                                       time_decode_steps)  # fmt: skip
 from mlsys.model import GPT, GPTConfig
 
 CH10 = ROOT / "tutorial" / "part3-inference" / "chapter10-scheduling-cuda-graphs" / "scripts"
@@ -216,6 +217,7 @@ def test_cuda_graph_engine_equals_eager(small_cuda: GPT) -> None:
     graphs = Engine(small_cuda, config=EngineConfig(max_num_seqs=8, device="cuda", cuda_graph_sizes=[1, 2, 4, 8]))
     assert tokens(graphs, PROMPTS, params) == tokens(eager, PROMPTS, params)
     assert graphs.runner.num_graph_steps > 0
-    overlap = OverlapEngine(small_cuda, config=EngineConfig(max_num_seqs=8, device="cuda", cuda_graph_sizes=[1, 2, 4, 8]))
+    config = EngineConfig(max_num_seqs=8, device="cuda", cuda_graph_sizes=[1, 2, 4, 8])
+    overlap = OverlapEngine(small_cuda, config=config)
     assert tokens(overlap, PROMPTS, params) == tokens(eager, PROMPTS, params)
     overlap.close()

@@ -205,10 +205,10 @@ def main() -> int:
     print("1. Padded static step vs eager runner (same sequences, same KV cache)")
     print(report.table(results["padding"], floatfmt=".2g"))
     results["sampling"] = s = check_sampling(model, args, device)
-    print(f"\n2. Sampling in the step (Gumbel-max, noise from per-request generators): replay == eager on the same "
-          f"noise.\n   {s['draws']} draws for one sequence (T={args.temperature:g}: {s['p_support']} tokens above 0.1%, the "
-          f"likeliest at {s['p_max']:.2f}) are {s['tv_gumbel']:.4f} from softmax(logits / T) in total variation; "
-          f"torch.multinomial's draws: {s['tv_multinomial']:.4f}")
+    print("\n2. Sampling in the step (Gumbel-max, noise from per-request generators): replay == eager on the same "
+          f"noise.\n   {s['draws']} draws for one sequence (T={args.temperature:g}: {s['p_support']} tokens above "
+          f"0.1%, the likeliest at {s['p_max']:.2f}) are {s['tv_gumbel']:.4f} from softmax(logits / T) in total "
+          f"variation; torch.multinomial's draws: {s['tv_multinomial']:.4f}")
     if device == "cuda":
         results["speedups"] = graph_speedups(model, args)
         print("\n3. Eager vs CUDA graph, median of", args.iters, "steps (step = host preparation + forward)")

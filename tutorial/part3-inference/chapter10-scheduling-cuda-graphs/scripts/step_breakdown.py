@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mlsys import cli, plot, report
-from mlsys.engine.step_profile import STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown, time_decode_steps
+from mlsys.engine.step_profile import (STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown,
+                                       time_decode_steps)  # fmt: skip
 from mlsys.weights import load_pretrained
 
 
