@@ -232,19 +232,38 @@ def model_rows(args: Settings) -> list[dict]:
     return rows
 
 
-def draw(phases: dict[str, dict[str, float]], budget: float, n: int, args: Settings) -> None:
-    plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(6.6, 4.2))
-    parts = ["weights", "grads", "optimizer", "engine weights", "KV cache", "activations"]
-    bottom = [0.0] * len(PHASES)
-    for part in parts:
-        vals = [phases[p].get(part, 0.0) / GIB for p in PHASES]
-        ax.bar(PHASES, vals, bottom=bottom, label=part)
+PARTS = ["weights", "grads", "optimizer", "engine weights", "KV cache", "activations"]
+
+
+def stacked(ax, bars: dict[str, dict[str, float]], budget: float, args: Settings) -> None:
+    """One stacked bar per entry of `bars` (label -> component -> bytes), with the usable memory as a line."""
+    labels, bottom = list(bars), [0.0] * len(bars)
+    for i, part in enumerate(PARTS):
+        vals = [bars[k].get(part, 0.0) / GIB for k in labels]
+        ax.bar(labels, vals, bottom=bottom, label=part, color=f"C{i}")
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(budget / GIB, color="black", ls="--", lw=1, label=f"{args.gpu} usable")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(f"Co-located on {n} GPUs: actor {args.actor}, critic {args.critic}")
-    ax.legend(fontsize=8, loc="upper right")
+
+
+def draw(result: dict, args: Settings) -> None:
+    """Left: co-located, per phase. Right: disaggregated, the trainer pool's two phases and a rollout GPU."""
+    plt = plot.pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    n, budget = result["colocated_gpus"], result["budget_bytes"]
+    if n is not None:
+        stacked(left, colocated_phases(args, n, result["colocated_engine_tp"]), budget, args)
+        left.set_title(f"co-located, {n} GPUs", fontsize=10)
+    pool, n_tr = result["rollout"], result["trainer_gpus"]
+    if pool is not None and n_tr is not None:
+        trainer = colocated_phases(args, n_tr)
+        bars = {"trainer\nscoring": trainer["scoring"], "trainer\ntraining": trainer["training"],
+                "rollout\ngeneration": {"engine weights": pool["weights"], "KV cache": pool["KV cache"]}}
+        stacked(right, bars, budget, args)
+        right.set_title(f"disaggregated, {n_tr} trainer + {pool['gpus']} rollout GPUs", fontsize=10)
+    left.set_ylabel("GiB per GPU")
+    handles, labels = (left if n is not None else right).get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=7, fontsize=8, bbox_to_anchor=(0.5, -0.13))
+    fig.suptitle(f"actor/reference {args.actor}, critic/reward {args.critic}", fontsize=11)
     plot.save(fig, args, "memory_phases")
 
 
@@ -271,7 +290,6 @@ def main() -> int:
         print(report.table([{k: r.get(k, 0.0) for k in ["phase", "weights", "grads", "optimizer", "engine weights",
                                                          "KV cache", "activations", "total"]} for r in rows],
                            floatfmt=".1f"))
-        draw(phases, result["budget_bytes"], n, args)
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "
@@ -279,6 +297,7 @@ def main() -> int:
               f"engine(s) x TP {pool['tp']} = {pool['gpus']} GPUs ({pool['weights'] / GIB:.1f} GiB weights + "
               f"{pool['KV cache'] / GIB:.1f} GiB KV each)")
     print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}.")
+    draw(result, args)
     if args.json:
         report.write_json(args.json, {**result, "models": model_rows(args), "kv_total_bytes": kv_total}, args)
     return 0
