@@ -51,7 +51,7 @@ class Settings(cli.Args, cli.PlotArgs):
     kl_target: float = 1.0
     """Target KL per response in nats for the adaptive controller; 0 keeps beta fixed."""
     k_beta: float = 0.5
-    """Controller gain: beta moves by at most k_beta * 20% per iteration."""
+    """Controller gain: beta changes by at most k_beta x 20 percent per iteration."""
     group_size: int = 4
     """Responses per prompt (GRPO's group; PPO gets the same prompts)."""
 
