@@ -1,0 +1,32 @@
+"""A small LLM inference engine for the tiny GPT: paged KV cache, prefix cache,
+continuous batching, preemption by recompute, seeded sampling, streaming text.
+
+    from mlsys.engine import Engine, EngineConfig, SamplingParams
+    engine = Engine(load_pretrained("small"), config=EngineConfig(enable_prefix_caching=True))
+    outs = engine.generate(['{"name": "ada", ', '{"name": "ken", '], SamplingParams(max_tokens=40))
+
+The parts, each a file (vLLM's and SGLang's names for them):
+
+    request.py       SamplingParams, Sequence (states, num_computed_tokens), RequestOutput, RequestMetrics
+    block_manager.py BlockPool (refcounted fixed-size blocks), BlockManager (block tables)
+    radix_cache.py   RadixCache: prefix tree over token ids owning cached blocks, LRU eviction
+    scheduler.py     Scheduler: continuous or static batching, token budget, preemption by recompute
+    model_runner.py  ModelRunner: the GPT's weights over a packed batch, attention through block tables
+    sampler.py       sample: greedy / temperature / top-k, one seeded generator per request
+    tokenizer.py     encode_prompt, IncrementalDetokenizer
+    engine.py        Engine, EngineConfig: the step loop tying them together
+"""
+
+from mlsys.engine.block_manager import BlockManager, BlockPool
+from mlsys.engine.engine import Engine, EngineConfig
+from mlsys.engine.model_runner import ModelInput, ModelRunner
+from mlsys.engine.radix_cache import RadixCache
+from mlsys.engine.request import RequestMetrics, RequestOutput, SamplingParams, Sequence, SequenceStatus
+from mlsys.engine.scheduler import Scheduler, SchedulerOutput
+from mlsys.engine.tokenizer import IncrementalDetokenizer
+
+__all__ = [
+    "BlockManager", "BlockPool", "Engine", "EngineConfig", "IncrementalDetokenizer", "ModelInput", "ModelRunner",
+    "RadixCache", "RequestMetrics", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
+    "SequenceStatus",
+]  # fmt: skip

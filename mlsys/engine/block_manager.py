@@ -1,0 +1,190 @@
+"""Paged KV memory: a pool of fixed-size blocks and one block table per sequence.
+
+PagedAttention ("Efficient Memory Management for Large Language Model Serving
+with PagedAttention", https://arxiv.org/abs/2309.06180) stores keys and values
+the way an OS stores a process's memory: in fixed-size pages (blocks of
+`block_size` token positions) that need not be contiguous. A sequence's block
+table maps its logical block i (positions i*bs .. i*bs+bs-1) to a physical
+block id; memory is taken one block at a time as the sequence grows, so the
+only waste is the unfilled tail of each sequence's last block.
+
+    sequence A  positions 0..9, bs=4   block table [5, 2, 7]     pool: |0|1|2|3|4|5|6|7|...
+    sequence B  positions 0..5         block table [0, 3]              B B A B . A . A
+
+Every physical block is in exactly one of three states, so
+free + used + cached == num_blocks always holds:
+
+* free:   on the free list, reference count 0;
+* used:   reference count > 0 (how many running sequences' tables hold it);
+* cached: reference count 0 but kept by the prefix cache (radix_cache.py) for a
+          later request with the same prefix; evicted (LRU) only when the free
+          list runs dry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlsys.engine.radix_cache import RadixCache
+    from mlsys.engine.request import Sequence
+
+
+# --8<-- [start:pool]
+class BlockPool:
+    """Reference-counted physical blocks: ids 0..num_blocks-1; the tensors live in the model runner."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref_counts = [0] * num_blocks
+        self.in_cache = [False] * num_blocks  # held by the prefix cache
+        self.free_list: deque[int] = deque(range(num_blocks))
+        self.num_cached_unused = 0  # in_cache and ref_count == 0: evictable
+        self.evictor: RadixCache | None = None  # set when prefix caching is on
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_list)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free - self.num_cached_unused
+
+    @property
+    def num_available(self) -> int:  # what an allocation may take: free now, or after eviction
+        return self.num_free + self.num_cached_unused
+
+    def allocate(self) -> int:
+        if not self.free_list and self.evictor is not None:
+            self.evictor.evict(1)
+        if not self.free_list:
+            raise RuntimeError("out of KV blocks (the scheduler should have checked)")
+        block = self.free_list.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:  # another sequence shares a cached block
+        if self.ref_counts[block] == 0 and self.in_cache[block]:
+            self.num_cached_unused -= 1  # no longer evictable
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"block {block} freed twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.in_cache[block]:
+                self.num_cached_unused += 1  # keep its K/V for a later prefix hit
+            else:
+                self.free_list.append(block)
+# --8<-- [end:pool]
+
+    def mark_cached(self, block: int) -> None:
+        """The prefix cache now indexes this (full, in-use) block."""
+        assert self.ref_counts[block] > 0 and not self.in_cache[block]
+        self.in_cache[block] = True
+
+    def release_cached(self, block: int) -> None:
+        """The prefix cache evicts this unreferenced block: back to the free list."""
+        assert self.in_cache[block] and self.ref_counts[block] == 0, f"evicting block {block} in use"
+        self.in_cache[block] = False
+        self.num_cached_unused -= 1
+        self.free_list.append(block)
+
+
+class BlockManager:
+    """Grows, shares and frees the block tables of sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.prefix_cache = None
+        if enable_prefix_caching:
+            from mlsys.engine.radix_cache import RadixCache
+
+            self.prefix_cache = RadixCache(self.pool)
+            self.pool.evictor = self.prefix_cache
+        self.prefix_hit_tokens = 0  # tokens served from the cache at admission (counted by the scheduler)
+        self.prefix_query_tokens = 0  # tokens looked up at admission
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so that positions up to num_computed + num_new - 1 have a home."""
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # --8<-- [start:allocate]
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` room for `num_new_tokens` more K/V rows; False (nothing taken) if the pool is short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.pool.num_available:
+            return False
+        if need > self.pool.num_free:  # take the shortfall from the prefix cache in one LRU pass
+            self.pool.evictor.evict(need - self.pool.num_free)
+        seq.block_table += [self.pool.allocate() for _ in range(need)]
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; cached blocks stay for reuse, the rest go back."""
+        for block in reversed(seq.block_table):
+            self.pool.decref(block)
+        seq.block_table = []
+        seq.num_inserted_blocks = 0
+    # --8<-- [end:allocate]
+
+    # --8<-- [start:prefix]
+    def match_prefix(self, seq: Sequence) -> int:
+        """At admission: adopt cached blocks for the prompt's prefix; returns tokens reused.
+
+        A full hit still leaves the last token (its whole block) to compute: the
+        step needs that position's logits to sample the first new token, and a
+        shared cached block must never be written.
+        """
+        if self.prefix_cache is None:
+            return 0
+        tokens = seq.token_ids
+        usable = (len(tokens) - 1) // self.block_size * self.block_size  # keep >= 1 token to compute
+        blocks = self.prefix_cache.match_prefix(tokens[:usable])
+        for b in blocks:
+            self.pool.incref(b)
+        seq.block_table = list(blocks)
+        seq.num_inserted_blocks = len(blocks)
+        return len(blocks) * self.block_size
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """After a step: index the sequence's newly completed blocks in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_inserted_blocks:
+            return
+        tree_blocks = self.prefix_cache.insert(seq.token_ids[: num_full * self.block_size], seq.block_table[:num_full])
+        for i, (ours, theirs) in enumerate(zip(seq.block_table[:num_full], tree_blocks)):
+            if ours != theirs:  # someone cached the same tokens first: share theirs, free ours
+                self.pool.incref(theirs)
+                self.pool.decref(ours)
+                seq.block_table[i] = theirs
+        seq.num_inserted_blocks = num_full
+    # --8<-- [end:prefix]
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Refcounts equal table occurrences; free + used + cached == total; nothing leaked."""
+        pool = self.pool
+        expected = [0] * pool.num_blocks
+        for seq in live:
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"short table {seq}"
+            for b in seq.block_table:
+                expected[b] += 1
+        assert expected == pool.ref_counts, "refcounts differ from the block tables"
+        free = set(pool.free_list)
+        assert len(free) == len(pool.free_list), "a block is on the free list twice"
+        for b in range(pool.num_blocks):
+            in_free = b in free
+            assert not (in_free and (pool.ref_counts[b] or pool.in_cache[b])), f"free block {b} is in use/cached"
+            assert in_free or pool.ref_counts[b] or pool.in_cache[b], f"block {b} leaked"
+        cached_unused = sum(1 for b in range(pool.num_blocks) if pool.in_cache[b] and pool.ref_counts[b] == 0)
+        assert cached_unused == pool.num_cached_unused, "evictable count drifted"
+        assert pool.num_free + pool.num_used + pool.num_cached_unused == pool.num_blocks
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+        else:
+            assert not any(pool.in_cache)

@@ -1,0 +1,268 @@
+"""The engine: requests in, one scheduler iteration per `step()`, token streams out.
+
+    from mlsys.engine import Engine, EngineConfig, SamplingParams
+    engine = Engine(load_pretrained("small"), config=EngineConfig(block_size=16))
+    engine.add_request('{"name": "ada", ', SamplingParams(max_tokens=40))
+    while engine.has_unfinished():
+        for out in engine.step():             # prefill and/or decode for everyone scheduled
+            print(out.request_id, out.new_text, out.finished)
+
+One step is the loop every serving engine runs (vLLM's `LLMEngine.step`):
+
+    schedule ──> prepare (pack tokens, block tables) ──> forward ──> sample ──> update + detokenize
+       │                                                                           │
+       └──────────────── who runs, how many tokens, which blocks ◄─────────────────┘
+
+`last_step_timing` holds the seconds each stage took in the last step, so a
+benchmark can show where time goes besides the model. The engine is
+thread-safe in the simple way: one lock around add_request, abort and step, so
+a server may add requests from its handlers while a background loop steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+from mlsys.data import Tokenizer
+from mlsys.engine.block_manager import BlockManager
+from mlsys.engine.model_runner import ModelRunner
+from mlsys.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
+from mlsys.engine.sampler import sample
+from mlsys.engine.scheduler import Scheduler
+from mlsys.engine.tokenizer import IncrementalDetokenizer, encode_prompt
+from mlsys.model import GPT
+
+
+# --8<-- [start:config]
+@dataclass
+class EngineConfig:
+    block_size: int = 16  # token positions per KV block
+    num_blocks: int | None = None  # KV pool size; None: max_num_seqs full-length sequences fit
+    max_num_seqs: int = 32  # at most this many sequences in one step
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output limit; None: the model's block_size
+    scheduling: str = "continuous"  # or "static": a batch runs until all its requests finish
+    enable_prefix_caching: bool = False  # radix-tree reuse of full prompt blocks
+    preemption: str = "recompute"  # the only mode: free the blocks, recompute later
+    device: str = "cpu"
+# --8<-- [end:config]
+    cuda_graph_sizes: list[int] | None = None  # decode-only steps replay a CUDA graph of these batch sizes
+    # (Chapter 10, mlsys/engine/cuda_graphs.py); None: eager. On a CPU the padded static path runs uncaptured.
+
+    def resolve(self, model: GPT) -> EngineConfig:
+        """Fill the None defaults from the model and check the settings against each other."""
+        c = copy.copy(self)
+        c.max_model_len = c.max_model_len or model.config.block_size
+        if c.max_model_len > model.config.block_size:
+            raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's "
+                             f"block_size={model.config.block_size}")  # fmt: skip
+        if c.block_size < 1 or c.max_num_seqs < 1 or c.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        blocks_per_seq = -(-c.max_model_len // c.block_size)
+        c.num_blocks = c.num_blocks or c.max_num_seqs * blocks_per_seq
+        if c.num_blocks < blocks_per_seq:  # else one long request could never run, even alone
+            raise ValueError(f"num_blocks={c.num_blocks} cannot hold one {c.max_model_len}-token sequence "
+                             f"({blocks_per_seq} blocks of {c.block_size})")  # fmt: skip
+        if c.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {c.scheduling!r}")
+        if c.cuda_graph_sizes is not None and (not c.cuda_graph_sizes or min(c.cuda_graph_sizes) < 1):
+            raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {c.cuda_graph_sizes!r}")
+        if c.preemption != "recompute":
+            raise ValueError(f"only preemption='recompute' is implemented, got {c.preemption!r}")
+        return c
+
+
+class Engine:
+    def __init__(self, model: GPT, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+        self.config = (config or EngineConfig()).resolve(model)
+        c = self.config
+        # The engine serves its own copy of the weights: a trainer may keep updating (or .train()-ing)
+        # the caller's model; new weights reach the engine only through load_weights().
+        self.model = copy.deepcopy(model).to(c.device).eval().requires_grad_(False)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer()
+        if self.tokenizer.vocab_size != model.config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, the model {model.config.vocab_size}")
+        self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.scheduling)
+        self.runner = ModelRunner(self.model, c.num_blocks, c.block_size, c.device)
+        if c.cuda_graph_sizes:
+            from mlsys.engine.cuda_graphs import CUDAGraphRunner
+
+            self.runner = CUDAGraphRunner(self.runner, c.max_model_len, c.cuda_graph_sizes).capture()
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.last_step_timing: dict[str, float] = {}
+        self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0)
+
+    # ------------------------------------------------------------ requests
+
+    # --8<-- [start:add_request]
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:  # fmt: skip
+        """Queue a request; a text prompt is encoded with a leading <bos>. Returns its id."""
+        params = params or SamplingParams()
+        ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate under "
+                             f"max_model_len={self.config.max_model_len}")  # fmt: skip
+        if not all(0 <= t < self.model.config.vocab_size for t in ids):
+            raise ValueError("prompt token id out of the vocabulary")
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, arrival_time, eos_token_id=self.tokenizer.eos_id)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            self.requests[rid] = seq
+            self.scheduler.add(seq)
+        return rid
+    # --8<-- [end:add_request]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; the next step() reports it (finish_reason "abort")."""
+        with self._lock:
+            seq = self.requests.pop(request_id, None)
+            if seq is None:
+                return  # unknown or already finished: nothing to do
+            self.scheduler.finish(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.metrics.finish_time = time.perf_counter()
+            self._aborted.append(self._output(seq, [], ""))
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests) or bool(self._aborted)
+
+    # ---------------------------------------------------------------- step
+
+    # --8<-- [start:step]
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration; returns an output for every request that changed."""
+        with self._lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            outputs, self._aborted = self._aborted, []
+            timing = dict(schedule=t1 - t0, prepare=0.0, forward=0.0, sample=0.0, detokenize=0.0)
+            if sched.scheduled:
+                seqs = [s for s, _ in sched.scheduled]
+                done = [s.num_computed_tokens + n == s.num_tokens for s, n in sched.scheduled]  # sample after?
+                batch = self.runner.prepare(
+                    [s.num_computed_tokens for s in seqs],
+                    [s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n] for s, n in sched.scheduled],
+                    [s.block_table for s in seqs], done)
+                t2 = time.perf_counter()
+                logits = self.runner.execute(batch)  # (R, V): one row per sequence that samples
+                t3 = time.perf_counter()
+                to_sample = [s for s, d in zip(seqs, done) if d]
+                new_ids = sample(logits, to_sample) if to_sample else []
+                t4 = time.perf_counter()
+                outputs += self._update(sched, new_ids, t4)
+                t5 = time.perf_counter()
+                timing.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, detokenize=t5 - t4)
+            self.counters["num_steps"] += 1
+            self.counters["num_prefill_tokens"] += sched.num_prefill_tokens
+            self.counters["num_decode_tokens"] += sched.num_batched_tokens - sched.num_prefill_tokens
+            timing["total"] = time.perf_counter() - t0
+            timing["num_batched_tokens"] = sched.num_batched_tokens
+            timing["num_seqs"] = len(sched.scheduled)
+            self.last_step_timing = timing
+            return outputs
+    # --8<-- [end:step]
+
+    def _update(self, sched, new_ids: list[int], now: float) -> list[RequestOutput]:
+        """Advance the counters, append sampled tokens, finish, free, detokenize."""
+        outputs, it = [], iter(new_ids)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                self.block_manager.cache_full_blocks(seq)
+                continue  # a prefill chunk: nothing to sample yet
+            token = next(it)
+            seq.append_token(token, now, self.config.max_model_len)
+            self.counters["num_generated_tokens"] += 1
+            self.block_manager.cache_full_blocks(seq)
+            if seq.is_finished:
+                seq.metrics.finish_time = now
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+            outputs.append(self._output(seq, [token], seq.detokenizer.step([token])))
+        return outputs
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        finished = seq.is_finished
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), new_token_ids=list(new_ids),
+            text=seq.detokenizer.text, new_text=new_text, finished=finished,
+            finish_reason=seq.status.value if finished else None, metrics=seq.metrics,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ helpers
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run `prompts` (texts or id lists) to completion; final outputs in input order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            if not self.has_unfinished():
+                raise RuntimeError("engine idle with requests unfinished")  # a bug, not a user error
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def load_weights(self, state_dict: dict) -> None:
+        """Serve new weights (RLHF: the policy after a training step). Cached prefixes were
+        computed with the old weights, so the prefix cache is emptied; no request may be in flight."""
+        with self._lock:
+            if self.requests:
+                raise RuntimeError(f"load_weights with {len(self.requests)} requests in flight")
+            self.model.load_state_dict(state_dict)
+            self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached, unreferenced block; returns how many were freed."""
+        with self._lock:
+            cache = self.block_manager.prefix_cache
+            return cache.evict(self.config.num_blocks) if cache is not None else 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            pool, bm = self.block_manager.pool, self.block_manager
+            hit, query = bm.prefix_hit_tokens, bm.prefix_query_tokens
+            return dict(
+                num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free, num_used_blocks=pool.num_used,
+                num_cached_blocks=pool.num_cached_unused, block_size=self.config.block_size,
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                prefix_hit_tokens=hit, prefix_miss_tokens=query - hit,
+                prefix_hit_rate=hit / query if query else 0.0,
+                num_evicted_blocks=bm.prefix_cache.num_evicted_blocks if bm.prefix_cache else 0,
+                num_preemptions=self.scheduler.num_preemptions, kv_cache_bytes=self.runner.kv_cache_bytes,
+                **self.counters,
+            )  # fmt: skip
+
+    def check_invariants(self) -> None:
+        """AssertionError on a leaked block, a wrong refcount, or a request in the wrong place."""
+        with self._lock:
+            sch = self.scheduler
+            live = sch.running + list(sch.waiting)
+            assert len(sch.running) <= self.config.max_num_seqs
+            assert {s.request_id for s in live} == set(self.requests), "a request is lost or duplicated"
+            assert len(live) == len(self.requests)
+            for s in sch.running:
+                assert s.status is SequenceStatus.RUNNING, s
+            for s in sch.waiting:
+                assert s.status is SequenceStatus.WAITING and s.num_computed_tokens == 0 and not s.block_table, s
+            self.block_manager.check_invariants(live)

@@ -1,0 +1,144 @@
+"""What a request is inside the engine: its sampling settings, its state, its metrics, its output.
+
+One request holds one sequence (no beam search, no n > 1), so `Sequence` is the
+request. Its life, in the states vLLM uses:
+
+    add_request ──> WAITING ──schedule──> RUNNING ──stop/length──> FINISHED_STOPPED / FINISHED_LENGTH
+                       ^                     │
+                       └────── preempt ──────┘      abort (any time) ──> FINISHED_ABORTED
+
+The one counter that drives everything is `num_computed_tokens`: how many of
+the sequence's tokens (prompt + generated) already have their keys and values
+in the KV cache. Each step the scheduler asks for the rest,
+`num_tokens - num_computed_tokens`: a whole prompt at first (prefill), a chunk
+of it when the token budget is tight (chunked prefill), then exactly one token
+(decode). A prefix-cache hit starts the counter above zero; preemption by
+recompute resets it to zero. Prefill and decode are the same operation seen at
+different counter values.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+# --8<-- [start:sampling_params]
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop."""
+
+    max_tokens: int = 32  # generate at most this many tokens
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int | None = None  # keep the k most likely tokens before sampling
+    seed: int | None = None  # a private torch.Generator per request: same seed, same tokens
+    stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept)
+    ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+# --8<-- [end:sampling_params]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.perf_counter seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None  # time to first token = first_token_time - arrival_time
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per generated token (ITL = diffs)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """What `Engine.step` reports for a request that changed in that step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    new_token_ids: list[int]  # generated in this step
+    text: str  # detokenized token_ids (specials skipped)
+    new_text: str  # the part of `text` that is new in this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    metrics: RequestMetrics
+
+
+# --8<-- [start:sequence]
+class Sequence:
+    """One request's tokens, KV-cache bookkeeping and state."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, eos_token_id: int | None = None):  # fmt: skip
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
+        self.block_table: list[int] = []  # logical block i -> physical block id in the pool
+        self.num_inserted_blocks = 0  # full blocks already handed to the prefix cache
+        self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time)
+        self.generator = None  # None: the global RNG; a seed gives a private, reproducible stream
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.detokenizer = None  # set by the engine when it has a tokenizer
+
+    @property
+    def token_ids(self) -> list[int]:  # prompt + generated: what the KV cache holds, in order
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:  # what the next step must compute
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, now: float, max_model_len: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        self.metrics.token_times.append(now)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        p = self.params
+        if token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos):
+            self.status = SequenceStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.status = SequenceStatus.FINISHED_LENGTH
+# --8<-- [end:sequence]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")  # fmt: skip

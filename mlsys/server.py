@@ -1,0 +1,460 @@
+"""An OpenAI-compatible HTTP server over `mlsys.engine`, and the serving metrics of its benchmarks.
+
+    from mlsys.engine import Engine
+    from mlsys.server import ServerThread, create_app
+    app = create_app(Engine(load_pretrained("small")), model_name="mlsys-small")
+    with ServerThread(app, port=0) as server:          # uvicorn in a thread; port 0 picks a free port
+        print(server.url)                               # http://127.0.0.1:PORT/v1 for openai.OpenAI(base_url=...)
+
+Endpoints: POST /v1/completions (stream true or false; streaming sends Server-Sent Events, one
+`data: {json}` chunk per step that produced text and a final `data: [DONE]`), GET /v1/models, GET /health.
+
+How a request travels (the front-end/engine split of vLLM's AsyncLLMEngine):
+
+    HTTP handler ── validate ──> AsyncEngine.generate() ── add_request ──> Engine (waiting queue)
+         ▲                              │ awaits its own asyncio.Queue
+         │ SSE chunks                   ▼
+         └──────────────────── engine loop: one asyncio task that awaits engine.step() in a worker
+                               thread, then routes every RequestOutput to its request's queue
+
+One engine loop serves every connection, so requests that arrive while others decode join the next step
+(continuous batching across HTTP clients). The step runs in a worker thread so that the event loop keeps
+accepting connections and writing chunks while the model computes. A client that goes away (a closed stream, a
+dropped connection) cancels its handler; the handler's `finally` calls `engine.abort`, which frees the
+request's KV blocks at once.
+
+The second half of the file is the arithmetic of a serving benchmark (TTFT, TPOT, ITL, throughput) and its
+report in the layout of vLLM's `benchmarks/benchmark_serving.py`, shared by the chapter's benchmark scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mlsys.engine import Engine, RequestOutput, SamplingParams
+from mlsys.engine.tokenizer import encode_prompt
+
+DEFAULT_MODEL_NAME = "mlsys-small"
+
+
+# ===================================================================================== request validation
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and a message for the client (OpenAI's error shape)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionRequest:
+    """A validated POST /v1/completions body."""
+
+    prompt_ids: list[int]  # <bos> + the prompt's characters (or the ids the client sent)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+
+
+# Fields we accept and fields OpenAI defines that we refuse unless they hold their neutral value.
+_ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
+             "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
+             "frequency_penalty", "logit_bias"}  # fmt: skip
+_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,), "stop": (None, [], ""),
+            "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+            "logit_bias": (None, {})}  # fmt: skip
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# --8<-- [start:validate]
+def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> CompletionRequest:
+    """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    for key in body:
+        if key not in _ACCEPTED:
+            raise RequestError(f"unrecognized request argument {key!r}", param=key)
+        if key in _NEUTRAL and body[key] not in _NEUTRAL[key]:
+            raise RequestError(f"{key}={body[key]!r} is not supported by this server", param=key)
+    for key in ("model", "prompt"):
+        if key not in body:
+            raise RequestError(f"missing required argument {key!r}", param=key)
+    if not isinstance(body["model"], str):
+        raise RequestError("'model' must be a string", param="model")
+    if body["model"] != model_name:
+        raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
+                           status=404, param="model", code="model_not_found")  # fmt: skip
+    ids = _prompt_ids(body["prompt"], engine)
+    max_len = engine.config.max_model_len
+    max_tokens = body.get("max_tokens", 16)  # OpenAI's default
+    if not _is_int(max_tokens):
+        raise RequestError(f"'max_tokens' must be an integer, got {max_tokens!r}", param="max_tokens")
+    if max_tokens < 1 or len(ids) + max_tokens > max_len:
+        raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
+                           f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
+                           param="max_tokens")  # fmt: skip
+    temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling, not greedy
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
+    top_p = body.get("top_p", 1.0)
+    if top_p not in (1, 1.0, None):
+        raise RequestError("top_p other than 1 is not supported by this server; use top_k", param="top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
+        raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise RequestError(f"{key!r} must be true or false, got {value!r}", param=key)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
+                           param="stream_options")  # fmt: skip
+    if options and not flags["stream"]:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
+                            top_k=None if top_k in (None, -1) else top_k, seed=seed,
+                            ignore_eos=flags["ignore_eos"])  # fmt: skip
+    return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
+# --8<-- [end:validate]
+
+
+def _prompt_ids(prompt: Any, engine: Engine) -> list[int]:
+    """A text prompt (or a one-element list of one) -> <bos> + characters; a list of ints is taken as ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("'prompt' is empty", param="prompt")
+        try:
+            return encode_prompt(engine.tokenizer, prompt)
+        except ValueError as err:  # a character outside the model's alphabet
+            raise RequestError(f"'prompt' cannot be tokenized: {err}", param="prompt") from None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        vocab = engine.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"'prompt' token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise RequestError("'prompt' is empty", param="prompt")
+    raise RequestError(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
+                       param="prompt")  # fmt: skip
+
+
+# ======================================================================================== response bodies
+# --8<-- [start:sse]
+def sse_event(payload: dict | str) -> bytes:
+    """One Server-Sent Event: `data: <json>` and a blank line (the [DONE] sentinel is sent as plain text)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                    usage: dict | None = None, with_choice: bool = True) -> dict:  # fmt: skip
+    """An OpenAI `text_completion` object: the whole answer, or one streamed chunk of it."""
+    choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+# --8<-- [end:sse]
+
+
+def usage_of(out: RequestOutput) -> dict:
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def finish_reason_of(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+# =========================================================================================== the front-end
+# --8<-- [start:async_engine]
+class AsyncEngine:
+    """Many concurrent requests over one Engine: one loop steps the engine, each request awaits its queue."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> outputs not yet taken by its handler
+        self.num_aborted = 0  # requests whose client went away before they finished
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for rid in list(self.queues):
+            self.engine.abort(rid)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()  # idle: nothing to compute until a request arrives
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)  # the forward pass, off the event loop
+            except Exception as err:  # a bug in a step: fail the requests in flight, keep serving
+                for rid, queue in list(self.queues.items()):
+                    self.engine.abort(rid)
+                    queue.put_nowait(err)
+                continue
+            for out in outputs:
+                queue = self.queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id)
+            self._wake.set()
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:  # runs on normal exit, on an exception, and when the client's task is cancelled
+            self.queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)  # synchronous on purpose: a cancelled task cannot await
+                self.num_aborted += 1
+# --8<-- [end:async_engine]
+
+
+# ================================================================================================ the app
+def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
+    """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine)."""
+    front = AsyncEngine(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):  # noqa: ANN001, ANN202
+        await front.start()
+        yield
+        await front.stop()
+
+    app = FastAPI(title="mlsys inference server", lifespan=lifespan)
+    app.state.async_engine = front
+    started = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.get("/health")
+    async def health() -> dict:
+        s = engine.stats()
+        return {"status": "ok", "num_running": s["num_running"], "num_waiting": s["num_waiting"],
+                "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": started, "owned_by": "mlsys",
+                "max_model_len": engine.config.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    # --8<-- [start:completions]
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # noqa: ANN202
+        req = parse_completion_request(await request.body(), engine, model_name)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = front.generate(req.prompt_ids, req.params, rid)
+        if req.stream:
+            return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage),
+                                     media_type="text/event-stream")  # fmt: skip
+        final = await _collect(outputs, request)
+        if final is None:  # the client left; nobody reads this
+            return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+        body = completion_body(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final))
+        return JSONResponse(body)
+    # --8<-- [end:completions]
+
+    return app
+
+
+# --8<-- [start:stream]
+async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, created: int,
+                  include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+    """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE]."""
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            if out.new_text or out.finished:
+                yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out)))
+    except Exception as err:  # the engine failed mid-stream: tell the client in-band, then end the stream
+        yield sse_event(RequestError(f"generation failed: {err}", status=500).body())
+    finally:
+        await outputs.aclose()  # a cancelled stream (client gone) closes the generator: engine.abort runs
+    if include_usage and last is not None:
+        yield sse_event(completion_body(rid, model, created, "", None, usage_of(last), with_choice=False))
+    yield sse_event("[DONE]")
+# --8<-- [end:stream]
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
+    """The final output of a non-streaming request, or None if the client disconnects first (then aborted)."""
+
+    async def last() -> RequestOutput:
+        final = None
+        async for out in outputs:
+            final = out
+        return final
+
+    task = asyncio.ensure_future(last())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.2)  # idle wait; the engine loop does the work
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+
+
+# ============================================================================= a server in a thread
+class ServerThread:
+    """uvicorn serving `app` from a background thread: for tests, scripts and notebooks.
+
+    `port=0` asks the OS for a free port; `.port` and `.url` tell which one it got once `start()` returns.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:  # uvicorn sets it once the socket listens
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)  # waiting for the server thread, not standing in for work
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError("the server thread did not stop")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ================================================================================= serving metrics
+# --8<-- [start:metrics]
+def request_latencies(arrival: float, token_times: list[float]) -> dict[str, Any]:
+    """One request's latencies (seconds) from its arrival time and the time each output token was produced.
+
+    TTFT = first token - arrival. ITL = the gaps between consecutive tokens (n - 1 of them).
+    TPOT = (last token - first token) / (n - 1): the mean ITL of this request; undefined for n = 1.
+    """
+    ttft = token_times[0] - arrival
+    itl = list(np.diff(token_times)) if len(token_times) > 1 else []
+    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2e": token_times[-1] - arrival}
+
+
+def serving_summary(requests: list[dict[str, Any]], duration: float,
+                    percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:  # fmt: skip
+    """vLLM benchmark_serving's numbers from finished requests, each {"arrival", "token_times",
+    "prompt_len"}, over a run of `duration` seconds. Times in the result are in milliseconds."""
+    lat = [request_latencies(r["arrival"], r["token_times"]) for r in requests]
+    ttft = [x["ttft"] for x in lat]
+    tpot = [x["tpot"] for x in lat if x["tpot"] is not None]
+    itl = [gap for x in lat for gap in x["itl"]]  # every gap of every request, pooled
+    n_in = sum(r["prompt_len"] for r in requests)
+    n_out = sum(len(r["token_times"]) for r in requests)
+    out = {"completed": len(requests), "duration_s": duration, "total_input_tokens": n_in,
+           "total_output_tokens": n_out, "request_throughput": len(requests) / duration,
+           "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration}  # fmt: skip
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        ms = np.asarray(values, dtype=np.float64) * 1e3
+        out[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else 0.0
+        out[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else 0.0
+        for p in percentiles:
+            out[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p)) if ms.size else 0.0
+    return out
+# --8<-- [end:metrics]
+
+
+def format_summary(s: dict[str, float], title: str = "Serving Benchmark Result",
+                   percentiles: tuple[float, ...] = (99,)) -> str:  # fmt: skip
+    """The summary block in the layout vLLM's benchmark_serving prints."""
+    lines = [f"{' ' + title + ' ':=^50}"]
+    row = lambda label, value, fmt: lines.append(f"{label:<40}{value:<10{fmt}}")  # noqa: E731
+    row("Successful requests:", s["completed"], "")
+    row("Benchmark duration (s):", s["duration_s"], ".2f")
+    row("Total input tokens:", s["total_input_tokens"], "")
+    row("Total generated tokens:", s["total_output_tokens"], "")
+    row("Request throughput (req/s):", s["request_throughput"], ".2f")
+    row("Output token throughput (tok/s):", s["output_throughput"], ".2f")
+    row("Total Token throughput (tok/s):", s["total_token_throughput"], ".2f")
+    for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                         ("itl", "Inter-token Latency")):  # fmt: skip
+        lines.append(f"{header:-^50}")
+        row(f"Mean {name.upper()} (ms):", s[f"mean_{name}_ms"], ".2f")
+        row(f"Median {name.upper()} (ms):", s[f"median_{name}_ms"], ".2f")
+        for p in percentiles:
+            row(f"P{p:g} {name.upper()} (ms):", s[f"p{p:g}_{name}_ms"], ".2f")
+    lines.append("=" * 50)
+    return "\n".join(lines)

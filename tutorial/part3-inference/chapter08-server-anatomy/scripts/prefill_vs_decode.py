@@ -1,0 +1,226 @@
+"""Prefill vs decode: time, FLOPs, bytes moved and arithmetic intensity of each kind of engine step.
+
+What it shows
+    1. Prefill: one request's prompt of L tokens in one step. Measured forward time for several L, and the
+       FLOPs and bytes that step needs: FLOPs grow with L, the weights are read once whatever L is.
+    2. Decode: B requests generating one token each per step. Measured step time for several B: the weights
+       are read once per step and shared by the B tokens, and every sequence reads its whole KV cache.
+    3. Arithmetic intensity (FLOPs per byte moved) of every step next to this machine's measured ridge point
+       (peak matmul FLOP/s divided by copy bandwidth): above it a step is compute-bound, below memory-bound.
+    The FLOP formula (2 per weight per token, plus attention and the logits rows) is checked against
+    torch.utils.flop_counter on the model's own forward before anything is printed, and the tests check the
+    byte formula against the sizes of the real weight and KV tensors.
+
+How to run
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py
+    python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
+
+Runtime on 2 cores: about 8 s, 3 s with --smoke.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from mlsys import cli, plot, report
+from mlsys.data import Tokenizer, make_corpus
+from mlsys.engine import Engine, EngineConfig, SamplingParams
+from mlsys.model import GPT, GPTConfig
+from mlsys.weights import load_pretrained
+
+
+@dataclass
+class Settings(cli.Args, cli.PlotArgs):
+    prompt_lens: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 192, 240])
+    """Prompt lengths (tokens, <bos> included) for the prefill sweep."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """Concurrent sequences for the decode sweep."""
+    context: int = 64
+    """Prompt length of every decoding sequence (its KV cache length when the timed steps start)."""
+    reps: int = 5
+    """Timed repetitions per point; the fastest is reported (the least disturbed by other processes)."""
+    threads: int = 1
+    """torch intra-op threads. 1: the tiny model's matrices are too small to split, extra threads only wait."""
+
+    def validate(self) -> None:
+        if not self.prompt_lens or not self.batch_sizes or min(self.prompt_lens + self.batch_sizes) < 1:
+            raise cli.UsageError("--prompt-lens and --batch-sizes need positive values")
+        if max(self.prompt_lens) > 255 or not 1 <= self.context <= 255 - self.reps - 2:
+            raise cli.UsageError("prompt lengths and --context must leave room in the model's 256 positions")
+        if self.reps < 1 or self.threads < 1:
+            raise cli.UsageError("--reps and --threads must be at least 1")
+
+
+# --8<-- [start:flops]
+def step_flops(cfg: GPTConfig, q_lens: list[int], kv_lens: list[int], num_logits: int) -> int:
+    """Matmul FLOPs of one forward over S sequences: sequence s computes q_lens[s] new tokens that attend to
+    kv_lens[s] keys (its cache plus themselves); num_logits rows go through the (C, V) head.
+
+    Per token, every Linear weight is used in one multiply and one add: 2 * 12 * n_layer * C^2 FLOPs
+    (qkv 3C^2, attention output C^2, MLP 8C^2), i.e. ~2 FLOPs per parameter. Attention adds q.k and p.v:
+    4 * C FLOPs per (query, key) pair per layer, counted densely as SDPA computes them.
+    """
+    L, C = cfg.n_layer, cfg.n_embd
+    linear = 2 * 12 * L * C * C * sum(q_lens)
+    attention = 4 * L * C * sum(q * k for q, k in zip(q_lens, kv_lens))
+    head = 2 * C * cfg.vocab_size * num_logits
+    return linear + attention + head
+
+
+def step_bytes(num_params: int, cfg: GPTConfig, q_lens: list[int], kv_lens: list[int], dtype_bytes: int = 4) -> int:
+    """Bytes a step must move at least: every weight read once (shared by all tokens of the step), each
+    sequence's K and V read for all its kv_lens positions, and K, V written for the new tokens.
+    Activations are left out: for these shapes they are small next to the weights and the cache."""
+    per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes  # K and V, every layer
+    return num_params * dtype_bytes + per_position * (sum(kv_lens) + sum(q_lens))
+# --8<-- [end:flops]
+
+
+def counted_flops(model: GPT, batch: int, prompt_len: int, decode: bool) -> int:
+    """FLOPs torch's flop counter sees in GPT.forward: a prefill of (batch, prompt_len), or one decode step.
+    Attention runs on SDPA's math backend, whose matmuls the counter sees (it skips the fused CPU kernel)."""
+    cache = model.new_kv_cache(batch, prompt_len + 1)
+    idx = torch.randint(0, model.config.vocab_size, (batch, prompt_len))
+    with torch.no_grad():
+        if decode:
+            model(idx, kv_cache=cache)
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+            if decode:
+                model(idx[:, :1], kv_cache=cache, start_pos=prompt_len)
+            else:
+                model(idx, kv_cache=cache)
+    return counter.get_total_flops()
+
+
+def check_flop_formula(model: GPT) -> None:
+    cfg = model.config
+    for batch, length, decode in [(1, 37, False), (3, 20, False), (4, 50, True)]:
+        q = [1 if decode else length] * batch
+        kv = [length + 1 if decode else length] * batch
+        logits = batch * (1 if decode else length)  # GPT.forward computes the head for every position
+        report.expect_equal(f"FLOPs of {'decode' if decode else 'prefill'} B={batch} T={length}",
+                            step_flops(cfg, q, kv, logits), counted_flops(model, batch, length, decode))  # fmt: skip
+
+
+# --8<-- [start:measure]
+def fastest_forward(engine: Engine, reps: int, make_step) -> float:  # noqa: ANN001
+    """Seconds of the forward pass of the step that `make_step()` sets up and runs: the fastest of reps."""
+    times = []
+    for _ in range(reps + 1):  # the first repetition warms up and is dropped
+        make_step()
+        times.append(engine.last_step_timing["forward"])
+    return min(times[1:])
+
+
+def prefill_time(engine: Engine, ids: list[int], reps: int) -> float:
+    def one() -> None:  # a fresh one-token request: its first step is the whole prompt's prefill
+        engine.add_request(ids, SamplingParams(max_tokens=1))
+        engine.step()
+
+    return fastest_forward(engine, reps, one)
+
+
+def decode_time(engine: Engine, prompts: list[list[int]], reps: int) -> float:
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=reps + 3, ignore_eos=True))
+    engine.step()  # prefill everybody (and sample their first tokens)
+    t = fastest_forward(engine, reps, engine.step)  # then pure decode steps: one token per sequence
+    while engine.has_unfinished():
+        engine.step()
+    return t
+# --8<-- [end:measure]
+
+
+def machine_peaks(n: int = 1024, mib: int = 256) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of this CPU in float32: the two ends of its roofline."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    big = torch.empty(mib * 2**20 // 4)
+    a @ b, big.clone()  # warm-up: allocations and first-call costs
+    t_mm = min(_timed(lambda: a @ b) for _ in range(3))
+    t_copy = min(_timed(big.clone) for _ in range(3))
+    return 2 * n**3 / t_mm, 2 * big.numel() * 4 / t_copy  # a copy reads and writes every byte
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) -> None:
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot([r["prompt_len"] for r in prefill], [r["ms"] for r in prefill], "o-")
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time (ms)", title="prefill: one request")
+    axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1")
+    axes[1].set(xlabel="sequences in the step", ylabel="forward time (ms)", title=f"decode: context {args.context}",
+                xscale="log")  # fmt: skip
+    axes[2].loglog([r["tokens"] for r in prefill], [r["intensity"] for r in prefill], "o-", label="prefill")
+    axes[2].loglog([r["tokens"] for r in decode], [r["intensity"] for r in decode], "o-", label="decode")
+    axes[2].axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of this CPU ({ridge:.1f})")
+    axes[2].set(xlabel="tokens in the step", ylabel="FLOPs per byte moved", title="arithmetic intensity")
+    axes[2].legend()
+    plot.save(fig, args, "prefill_vs_decode")
+
+
+def main() -> None:
+    args = cli.parse(Settings, __doc__, smoke={"prompt_lens": [8, 64], "batch_sizes": [1, 8], "reps": 2})
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    model = load_pretrained("small")
+    cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
+    check_flop_formula(model)
+    print(f"model: {n_params:,} parameters ({n_params * 4 / 2**20:.2f} MiB in float32), {cfg.n_layer} layers, "
+          f"C={cfg.n_embd}; FLOP formula agrees with torch.utils.flop_counter\n")  # fmt: skip
+    flops_peak, bw_peak = machine_peaks(*((256, 16) if args.smoke else (1024, 256)))
+    ridge = flops_peak / bw_peak
+    print(f"this CPU ({args.threads} thread): matmul {flops_peak / 1e9:.1f} GFLOP/s, copy {bw_peak / 1e9:.1f} GB/s "
+          f"-> ridge point {ridge:.1f} FLOPs/byte\n")  # fmt: skip
+    engine = Engine(model, config=EngineConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=512))
+    stream = Tokenizer().encode_corpus(make_corpus(60, seed=args.seed)).tolist()  # real records as prompts
+
+    prefill = []
+    for n in args.prompt_lens:
+        sec = prefill_time(engine, stream[:n], args.reps)
+        fl, by = step_flops(cfg, [n], [n], 1), step_bytes(n_params, cfg, [n], [0])
+        prefill.append(dict(prompt_len=n, tokens=n, ms=sec * 1e3, tokens_per_s=n / sec, gflop=fl / 1e9,
+                            mib=by / 2**20, intensity=fl / by, gflop_per_s=fl / sec / 1e9))  # fmt: skip
+    print("prefill (one request, the whole prompt in one step)")
+    print(report.table(prefill, floatfmt=".3g") + "\n")
+
+    decode, c = [], args.context
+    for b in args.batch_sizes:
+        prompts = [stream[i * 7 : i * 7 + c] for i in range(b)]
+        sec = decode_time(engine, prompts, args.reps)
+        kv = [c + 2] * b  # the cache a typical timed step reads (context, first token, a step or so)
+        fl, by = step_flops(cfg, [1] * b, kv, b), step_bytes(n_params, cfg, [1] * b, kv)
+        decode.append(dict(batch=b, tokens=b, ms=sec * 1e3, tokens_per_s=b / sec, gflop=fl / 1e9,
+                           mib=by / 2**20, intensity=fl / by, gb_per_s=by / sec / 1e9))  # fmt: skip
+    print(f"decode (B sequences, one new token each, {c}-token context)")
+    print(report.table(decode, floatfmt=".3g") + "\n")
+    engine.check_invariants()
+
+    p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
+    bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"  # noqa: E731
+    print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, {bound(p_last['intensity'])}")
+    print(f"decode at B=1: {d_first['intensity']:.2f} FLOPs/byte, {bound(d_first['intensity'])}; "
+          f"B={d_last['batch']}: {d_last['intensity']:.1f}, {bound(d_last['intensity'])}")
+    print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
+          f"({d_last['tokens_per_s'] / d_first['tokens_per_s']:.1f}x from batching)")
+    print("note: this model's weights (3 MiB) fit in the CPU's caches and each step is dozens of small kernel calls,"
+          " so the measured times show per-step overhead more than DRAM traffic; the intensities are the"
+          " arithmetic that decides the bound on a GPU-sized model")
+    draw(prefill, decode, ridge, args)
+    if args.json:
+        report.write_json(args.json, {"num_params": n_params, "peak_gflop_per_s": flops_peak / 1e9,
+                                      "copy_gb_per_s": bw_peak / 1e9, "ridge_flops_per_byte": ridge,
+                                      "prefill": prefill, "decode": decode}, args)  # fmt: skip
+
+
+if __name__ == "__main__":
+    cli.run(main)
