@@ -1,0 +1,137 @@
+"""KV-cache calculator: bytes per token and per request, and how many sequences fit on a GPU after the weights.
+
+What it shows
+    1. For each published model shape (mlsys.kv_memory.MODEL_SHAPES, numbers from each model's config.json):
+       bytes per token = 2 * layers * kv_heads * head_dim * dtype_bytes, beside what full multi-head attention
+       (one KV head per query head) would cost. Grouped-query attention is where the 4x comes from.
+    2. Per request: a prompt of --prompt-len tokens plus --max-new-tokens generated tokens.
+    3. Capacity on --gpu (or --gpu-mem-gib): budget = memory * (1 - reserve) - weights; how many tokens, and how
+       many requests of that length, fit in blocks of --block-size tokens. Weights that do not fit give 0.
+    4. A self-check against real tensors: the engine's KV pool for the mlsys `small` model (fp32) is allocated and
+       its bytes divided by its token slots must equal the formula.
+
+How to run
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-70b --gpu h200 \
+        --prompt-len 4000 --max-new-tokens 1000
+
+Runtime on 2 cores: about 2 s (importing torch dominates), the same with --smoke.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlsys import cli, report
+from mlsys import kv_memory as kvm
+
+
+@dataclass
+class Settings(cli.Args):
+    model: str = "all"
+    """A name from mlsys.kv_memory.MODEL_SHAPES, or 'all'."""
+    dtype: str = "bf16"
+    """KV-cache and weight dtype: fp32, bf16, fp16, fp8, int8 or int4."""
+    gpu: str = "h100-80gb"
+    """GPU preset (nominal GiB): l4, rtx4090, a100-40gb, a100-80gb, h100-80gb, h200."""
+    gpu_mem_gib: float = 0.0
+    """GPU memory in GiB; overrides --gpu when > 0."""
+    reserve_fraction: float = 0.1
+    """Fraction of GPU memory kept back for activations, the CUDA context and fragmentation (0 <= f < 1)."""
+    prompt_len: int = 1024
+    """Prompt tokens per request."""
+    max_new_tokens: int = 1024
+    """Generated tokens per request."""
+    block_size: int = 16
+    """Tokens per KV block: capacity is counted in whole blocks."""
+    kv_heads: int = 0
+    """Override the number of KV heads (e.g. 1 for a multi-query variant); 0 keeps the model's."""
+
+    def validate(self) -> None:
+        if self.model != "all" and self.model not in kvm.MODEL_SHAPES:
+            raise cli.UsageError(f"--model must be 'all' or one of {sorted(kvm.MODEL_SHAPES)}, got {self.model!r}")
+        if self.dtype not in kvm.DTYPE_BYTES:
+            raise cli.UsageError(f"--dtype must be one of {sorted(kvm.DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.gpu not in kvm.GPU_MEMORY_GIB:
+            raise cli.UsageError(f"--gpu must be one of {sorted(kvm.GPU_MEMORY_GIB)}, got {self.gpu!r}")
+        if not self.gpu_mem_gib >= 0 or self.gpu_mem_gib == float("inf"):
+            raise cli.UsageError(f"--gpu-mem-gib must be a finite number >= 0, got {self.gpu_mem_gib}")
+        if not 0 <= self.reserve_fraction < 1:
+            raise cli.UsageError(f"--reserve-fraction must be in [0, 1), got {self.reserve_fraction}")
+        if self.prompt_len < 1 or self.max_new_tokens < 0:
+            raise cli.UsageError("--prompt-len must be >= 1 and --max-new-tokens >= 0")
+        if self.block_size < 1 or self.kv_heads < 0:
+            raise cli.UsageError("--block-size must be >= 1 and --kv-heads >= 0")
+
+
+# --8<-- [start:row]
+def model_row(shape: kvm.ModelShape, args: Settings, gpu_bytes: float) -> dict:
+    """One model's KV arithmetic on one GPU (sizes in MiB/GiB for printing, bytes in the JSON)."""
+    kv_heads = args.kv_heads or shape.num_kv_heads
+    per_token = kvm.kv_bytes_per_token(shape.num_layers, kv_heads, shape.head_dim, args.dtype)
+    mha_per_token = kvm.shape_kv_bytes_per_token(shape, args.dtype, mha=True)
+    seq_len = args.prompt_len + args.max_new_tokens
+    per_request = kvm.kv_bytes_per_request(per_token, args.prompt_len, args.max_new_tokens)
+    weights = kvm.weight_bytes(shape.num_params, args.dtype)
+    cap = kvm.kv_capacity(gpu_bytes, weights, per_token, args.reserve_fraction, seq_len, args.block_size)
+    return {
+        "model": shape.name, "attn": f"{shape.num_heads}q/{kv_heads}kv",
+        "KiB/token": per_token / kvm.KIB, "KiB/token MHA": mha_per_token / kvm.KIB,
+        "MiB/request": per_request / kvm.MIB, "weights GiB": weights / kvm.GIB,
+        "KV budget GiB": cap["kv_budget_bytes"] / kvm.GIB, "max tokens": cap["max_tokens"],
+        "max requests": cap["max_sequences"],
+        "_bytes": {"per_token": per_token, "per_token_mha": mha_per_token, "per_request": per_request,
+                   "weights": weights, "kv_budget": cap["kv_budget_bytes"], "seq_len": seq_len},
+    }
+# --8<-- [end:row]
+
+
+# --8<-- [start:selfcheck]
+def check_against_real_pool(block_size: int = 16, num_blocks: int = 8) -> dict:
+    """Allocate the engine's KV pool for the real `small` GPT and compare its size with the formula."""
+    from mlsys.engine import ModelRunner
+    from mlsys.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("small")).eval()
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)  # real zeros, fp32
+    measured = runner.kv_cache_bytes / (num_blocks * block_size)  # bytes per token slot
+    shape = kvm.MODEL_SHAPES["mlsys-small"]
+    formula = kvm.shape_kv_bytes_per_token(shape, "fp32")
+    report.expect_equal("engine KV pool bytes per token vs formula", measured, formula)
+    return {"pool_bytes": runner.kv_cache_bytes, "bytes_per_token_measured": measured, "formula": formula}
+# --8<-- [end:selfcheck]
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={})
+    gpu_gib = args.gpu_mem_gib or kvm.GPU_MEMORY_GIB[args.gpu]
+    gpu_name = f"{gpu_gib:g} GiB" if args.gpu_mem_gib else f"{args.gpu} ({gpu_gib:g} GiB nominal)"
+    names = list(kvm.MODEL_SHAPES) if args.model == "all" else [args.model]
+    rows = [model_row(kvm.MODEL_SHAPES[n], args, gpu_gib * kvm.GIB) for n in names]
+    print(f"KV cache in {args.dtype} on {gpu_name}, {args.reserve_fraction:.0%} reserved, requests of "
+          f"{args.prompt_len} + {args.max_new_tokens} tokens, blocks of {args.block_size}\n")
+    print(report.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], floatfmt=".4g"))
+    for r in rows:
+        if r["KV budget GiB"] == 0:
+            print(f"\n{r['model']}: the weights ({r['weights GiB']:.1f} GiB) do not fit in "
+                  f"{gpu_gib * (1 - args.reserve_fraction):.1f} GiB: no room for any KV cache "
+                  "(shard it over more GPUs, chapter 6, or quantize the weights).")
+    for s in (kvm.MODEL_SHAPES[n] for n in names):
+        if s.num_kv_heads != s.num_heads and not args.kv_heads:
+            print(f"\n{s.name}: GQA, {s.num_heads // s.num_kv_heads} query heads share each KV head, so its cache "
+                  f"is {s.num_heads // s.num_kv_heads}x smaller than the same model with full multi-head attention.")
+            break
+    real = check_against_real_pool()
+    print(f"\nself-check: the engine's fp32 KV pool for mlsys-small holds {real['pool_bytes']} bytes for "
+          f"{8 * 16} token slots = {real['bytes_per_token_measured']:.0f} B/token = formula "
+          f"2 * 4 layers * 4 heads * 32 dims * 4 B = {real['formula']} B  OK")
+    if args.json:
+        results = {"models": {r["model"]: {**{k: v for k, v in r.items() if not k.startswith("_")}, **r["_bytes"]}
+                              for r in rows},
+                   "gpu_gib": gpu_gib, "self_check": real}
+        report.write_json(args.json, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
