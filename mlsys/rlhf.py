@@ -200,7 +200,7 @@ class RewardRecipe:
     batch_size: int = 32
     lr: float = 1e-3
     seed: int = 0
-    data_version: int = 4  # bump when make_preference_pairs changes: the cached model is then retrained
+    data_version: int = 5  # bump when make_preference_pairs changes: the cached model is then retrained
 
 
 def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress: bool = False):
@@ -225,7 +225,7 @@ def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress
         loss.backward()
         opt.step()
         history.append({"step": step, "loss": loss.item(), "batch_accuracy": (chosen > rejected).float().mean().item()})
-    normalize_reward_model(rm.eval(), [t for pair in make_preference_pairs(500, seed=recipe.seed + 1) for t in pair])
+    normalize_reward_model(rm.eval(), [t for pair in make_preference_pairs(250, seed=recipe.seed + 1) for t in pair])
     return rm, history
 
 

@@ -94,7 +94,7 @@ def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict]]:
 
 
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 72})
+    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48})
     torch.set_num_threads(1)
     histories, models = run_both(args)
     keys = ["reward", "rule_score", "valid", "kl", "response_len"]

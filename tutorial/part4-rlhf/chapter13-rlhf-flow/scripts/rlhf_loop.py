@@ -142,7 +142,7 @@ def plot_history(history: list[dict], args: Settings) -> None:
 
 
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 72})
+    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48})
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # tiny model: one thread beats two fighting over small matmuls
     cfg = ppo_config(args)
