@@ -3,13 +3,14 @@
 What it shows
     1. For each batch size B: B requests past their prefill, decoding one token each per step on the real
        engine (mlsys.engine, the trained `small` GPT). Every stage of every step is timed by the engine itself
-       (Engine.last_step_timing); the script prints the mean milliseconds per stage, the share of the step
+       (Engine.last_step_timing); the script prints the mean milliseconds per stage over the faster half of
+       the steps (on a shared machine the slower ones are those the OS interrupted), the share of the step
        that is NOT the model's forward, and draws them as stacked bars (step_breakdown/breakdown.png).
        Self-check: the stages add up to the step's total (what they leave out is a few counter updates).
     2. What a forward is made of, from the PyTorch profiler: how many aten ops one decode step's forward
        dispatches, how many of them are called from Python (each pays the full dispatch), which, and on a GPU
-       how many kernels it launches. The count does not depend on B:
-       a bigger batch makes each op bigger, not more numerous. That is why small batches are overhead-bound.
+       how many kernels it launches. The count does not depend on B: a bigger batch makes each op bigger,
+       not more numerous. That is why small batches are overhead-bound.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
@@ -65,7 +66,7 @@ def breakdown(model, batch_size: int, args: Settings, device: str) -> dict:
     engine.step()  # warm-up: the first decode step
     rows = time_decode_steps(engine, args.steps)
     assert all(r["num_seqs"] == batch_size and r["num_batched_tokens"] == batch_size for r in rows)
-    out = mean_breakdown(rows)
+    out = mean_breakdown(rows, fastest=0.5)  # the faster half: steps the busy machine did not interrupt
     out["non_forward_share"] = 1 - out["forward"] / out["total"]
     return out
 # --8<-- [end:breakdown]
@@ -103,25 +104,29 @@ def draw(rows: list[dict], args: Settings) -> None:
 
 
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"batch_sizes": [1, 8], "steps": 4})
+    args = cli.parse(Settings, __doc__, smoke={"batch_sizes": [1, 4], "steps": 3})
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model = load_pretrained("small")
     print(f"device {device}, {args.threads} thread(s); every request has a {args.prompt_len}-token prompt; "
-          f"mean of {args.steps} decode steps per batch size\n")
+          f"mean of the faster half of {args.steps} decode steps per batch size\n")
     rows = []
     for B in args.batch_sizes:
         r = {"batch_size": B, **breakdown(model, B, args, device)}
-        report.expect_close(f"B={B}: stages sum to the step total", sum(r[s] for s in STAGES), r["total"],
-                            rtol=0.02, atol=20e-6)  # fmt: skip
+        # the stages tile the step: in the median step they leave out only a few counter updates
+        if not 0 <= r["median_other"] <= 0.02 * r["total"] + 20e-6:
+            raise cli.SelfCheckFailed(f"B={B}: stages do not add up to the step: {r['median_other'] * 1e3:.3f} ms "
+                                      f"of {r['total'] * 1e3:.3f} ms uncovered")  # fmt: skip
         rows.append(r)
     table = [{"B": r["batch_size"], **{f"{s} ms": r[s] * 1e3 for s in STAGES}, "total ms": r["total"] * 1e3,
-              "ms/token": r["total"] * 1e3 / r["batch_size"], "not forward %": 100 * r["non_forward_share"]}
+              "other ms": r["other"] * 1e3, "ms/token": r["total"] * 1e3 / r["batch_size"],
+              "not forward %": 100 * r["non_forward_share"]}
              for r in rows]  # fmt: skip
     print("1. Mean time per stage of one decode step (Engine.last_step_timing)")
     print(report.table(table, floatfmt=".3f"))
-    print("   every row's stages sum to its total within 2% (the rest: counter updates)\n")
+    print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
+          "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)
 
     profiles = [forward_ops(model, B, args, device) for B in sorted({min(args.batch_sizes), max(args.batch_sizes)})]
