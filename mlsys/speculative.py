@@ -50,8 +50,9 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
 def chi_square(counts, probs, significance: float = 1e-3) -> tuple[float, float]:
     """Pearson's statistic of observed counts against probabilities, and its critical value at `significance`.
 
-    Cells expected to hold fewer than 5 are pooled (into one cell, or into the last if still under 5). The quantile of chi2(df) uses the Wilson-Hilferty
-    approximation df * (1 - 2/(9 df) + z sqrt(2/(9 df)))^3 (accurate to ~1% for df >= 3), so no scipy needed."""
+    Cells expected to hold fewer than 5 are pooled (into one cell, or into the last if still under 5). The
+    quantile of chi2(df) uses the Wilson-Hilferty approximation df * (1 - 2/(9 df) + z sqrt(2/(9 df)))^3
+    (accurate to about 1% for df >= 3), so no scipy is needed."""
     counts, probs = [float(c) for c in counts], [float(p) for p in probs]
     n = sum(counts)
     cells, rest_o, rest_e = [], 0.0, 0.0
@@ -121,8 +122,15 @@ class SpecStats:
     reached: list[int] = field(default_factory=list)  # reached[i]: steps whose draft i was checked at all
 
     @property
+    def checked(self) -> int:
+        """Drafts the target actually judged: a step stops judging at its first rejection."""
+        return sum(self.reached)
+
+    @property
     def acceptance_rate(self) -> float:
-        return self.accepted / max(self.drafted, 1)
+        """alpha: accepted / checked, the estimate of P(a draft is accepted) under the i.i.d. model of the
+        expected-tokens formula (accepted / drafted would count drafts after a rejection as failures)."""
+        return self.accepted / max(self.checked, 1)
 
     @property
     def tokens_per_step(self) -> float:

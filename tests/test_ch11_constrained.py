@@ -28,6 +28,15 @@ SCHEMAS = {"record": RECORD_SCHEMA, "small": SMALL_SCHEMA, "any": {},
            "enum-array": {"type": "array", "items": {"enum": ["a", 7, None, True]}, "minItems": 2, "maxItems": 4}}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models decode token by token: one thread is faster, and two fight badly on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def record_fsm() -> SchemaFSM:
     return compile_schema(RECORD_SCHEMA)
@@ -75,7 +84,8 @@ def test_min_length_hand_cases(schema: dict, shortest: str) -> None:
     ({"type": "string", "maxLength": 2}, ['""', '"a"', '"a "'], ['"abc"', "a"]),
     ({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, ["[]", "[true]", "[true, false]"],
      ["[true, true, true]", "[true,false]", "[, true]", "[true, ]"]),
-    ({}, ['{}', '[]', '{"a": [1, null]}', '[[], "x"]', '[{"b": true}]'], ['{"a"}', "[1,]", "{1: 2}", "[[[1]]]", '{"a": [{"b": 1}]}']),
+    ({}, ['{}', '[]', '{"a": [1, null]}', '[[], "x"]', '[{"b": true}]'],
+     ['{"a"}', "[1,]", "{1: 2}", "[[[1]]]", '{"a": [{"b": 1}]}']),  # depth 3 is past ANY_DEPTH = 2
 ])
 def test_language_hand_cases(schema: dict, good: list[str], bad: list[str]) -> None:
     fsm = compile_schema(schema)
@@ -162,13 +172,12 @@ def test_untrained_model_every_budget_valid(name: str) -> None:
     model = GPT(GPTConfig.preset("small")).eval()
     fsm = compile_schema(SCHEMAS[name])
     lo = fsm.min_length
-    budgets = sorted({lo, lo + 1, lo + 2, lo + 5, lo + 17, 90})
-    assert check_all_valid(model, fsm, budgets, range(8), temperature=2.0) == 8 * len(budgets)
+    budgets = [lo, lo + 1, lo + 4, lo + 17]
+    assert check_all_valid(model, fsm, budgets, range(5), temperature=2.0) == 5 * len(budgets)
 
 
 @pytest.mark.timeout(150)
 def test_trained_model_many_seeds_and_budgets(record_fsm: SchemaFSM) -> None:
-    torch.set_num_threads(1)
     model = load_pretrained("small")
     lo = record_fsm.min_length
     check_all_valid(model, record_fsm, [lo, lo + 1, lo + 4, 70, 100], range(10))

@@ -46,4 +46,5 @@ def check_distribution(ex) -> None:  # noqa: ANN001
     for name, counts, p in [("first token", first, P[0]), ("second token", second, P[1]), ("bonus", bonus, P[2])]:
         stat, critical = chi_square(counts, p)
         freq = [round(x, 3) for x in (counts / counts.sum()).tolist()]
-        assert stat < critical, f"{name}: frequencies {freq}, target {P.tolist()}: chi2 {stat:.1f} > {critical:.1f}"
+        want = [round(x, 3) for x in p.tolist()]
+        assert stat < critical, f"{name}: frequencies {freq}, target {want}: chi2 {stat:.1f} > {critical:.1f}"

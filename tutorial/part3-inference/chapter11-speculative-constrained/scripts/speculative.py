@@ -38,7 +38,7 @@ from mlsys.weights import load_pretrained
 
 @dataclass
 class Settings(cli.Args):
-    num_prompts: int = 6
+    num_prompts: int = 4
     """Prompts: <bos> and the first few characters of a record drawn from the data grammar."""
     max_new_tokens: int = 72
     """Tokens generated per prompt (greedy decoding stops earlier at <eos>)."""
@@ -92,7 +92,7 @@ def greedy_vs_target(target, draft, prompts, ks, max_new: int) -> list[dict]:
         for p, out, ref in zip(prompts, outs, refs):
             report.expect_equal(f"k={k} prompt {Tokenizer().decode(p)!r}", out.token_ids, ref)
         steps = sum(o.stats.steps for o in outs)
-        alpha = sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs)
+        alpha = sum(o.stats.accepted for o in outs) / sum(o.stats.checked for o in outs)
         emitted = sum(o.stats.emitted for o in outs)
         rows.append({"k": k, "tokens": emitted, "target forwards": steps, "alpha": alpha,
                      "tokens/step": emitted / steps, "formula": expected_tokens_per_step(alpha, k),
@@ -201,9 +201,10 @@ def main() -> int:
     print(f"5. transformers assisted generation (assistant_model=draft, {args.k} tokens, greedy): same tokens on "
           f"all {len(prompts)} prompts, e.g. {tok.decode(prompts[-1])!r} -> {tok.decode(hf[-1])!r}")
 
-    report.write_json(args.json, {"trace": step, "greedy": rows, "alpha_per_position_greedy": alphas,
-                                  "alpha_per_position_sampled": sampled, "rule_empirical": emp.tolist(),
-                                  "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
+    if args.json:
+        report.write_json(args.json, {"trace": step, "greedy": rows, "alpha_per_position_greedy": alphas,
+                                      "alpha_per_position_sampled": sampled, "rule_empirical": emp.tolist(),
+                                      "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
     return 0
 
 
