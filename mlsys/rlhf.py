@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -257,14 +257,14 @@ def load_reward_model(name: str = "draft", recipe: RewardRecipe = RewardRecipe()
     path = reward_model_path(name)
     if path.exists():
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        if payload["meta"].get("recipe") == vars(recipe) | {}:
+        if payload["meta"].get("recipe") == asdict(recipe):
             rm = ScalarHeadModel(GPT(GPTConfig(**payload["config"])))
             rm.load_state_dict(payload["state_dict"])
             return rm.eval().requires_grad_(False)
     print(f"mlsys: no {path} for this recipe; training the reward model ({recipe.steps} steps), saving it there",
           file=sys.stderr)  # fmt: skip
     rm, history = train_reward_model(load_pretrained(name), recipe, progress=True)
-    save_checkpoint(path, rm, {"recipe": dict(vars(recipe)), "final_loss": history[-1]["loss"]})
+    save_checkpoint(path, rm, {"recipe": asdict(recipe), "final_loss": history[-1]["loss"]})
     return rm.requires_grad_(False)
 
 
@@ -493,13 +493,13 @@ def compute_advantages(batch: RolloutBatch, beta: float, cfg: PPOConfig, algo: s
 
 # --8<-- [start:ppo_update]
 def ppo_update(models: Models, opts: dict, batch: RolloutBatch, cfg: PPOConfig, beta: float,
-               algo: str = "ppo") -> dict:  # fmt: skip
+               algo: str = "ppo", seed: int = 0) -> dict:  # fmt: skip
     """Some epochs of clipped PPO over minibatches of the rollout batch; returns mean loss statistics."""
     from mlsys import rl
 
     x, B = batch.extra, batch.ids.size(0)
     stats: dict[str, list[float]] = {"policy_loss": [], "value_loss": [], "clip_frac": []}
-    gen = torch.Generator().manual_seed(int(x["scores"].sum().item() * 1e3) % (2**31))
+    gen = torch.Generator().manual_seed(seed)  # minibatch order
     for _ in range(cfg.ppo_epochs):
         for mb in torch.randperm(B, generator=gen).chunk(cfg.num_minibatches):
             ids, pos, mask = batch.ids[mb], batch.positions[mb], batch.mask[mb]
@@ -511,11 +511,10 @@ def ppo_update(models: Models, opts: dict, batch: RolloutBatch, cfg: PPOConfig, 
                 loss = loss + beta * rl.masked_mean(k3, mask)
             _step(opts["actor"], models.actor, loss, cfg.max_grad_norm)
             stats["policy_loss"].append(loss.item())
-            stats["clip_frac"].append(float(pstats.get("clip_frac", float("nan"))))
+            stats["clip_frac"].append(pstats["clip_frac"])
             if algo == "ppo":
                 values = gather_response(models.critic(ids)[:, :-1], pos)  # (b, L) with grad
                 vloss = rl.ppo_value_loss(values, x["values"][mb], x["returns"][mb], cfg.vf_clip, mask)
-                vloss = vloss[0] if isinstance(vloss, tuple) else vloss
                 _step(opts["critic"], models.critic, vloss, cfg.max_grad_norm)
                 stats["value_loss"].append(vloss.item())
     return {k: sum(v) / len(v) for k, v in stats.items() if v}
@@ -552,7 +551,7 @@ def rlhf_iteration(engine, models: Models, opts: dict, kl_ctl: AdaptiveKLControl
     score_rollouts(models, batch)
     compute_advantages(batch, kl_ctl.beta, cfg, algo)
     t["score"] = time.perf_counter()
-    losses = ppo_update(models, opts, batch, cfg, kl_ctl.beta, algo)
+    losses = ppo_update(models, opts, batch, cfg, kl_ctl.beta, algo, seed)
     t["train"] = time.perf_counter()
     engine.load_weights(models.actor.state_dict())  # the next rollouts come from the new policy
     t["sync"] = time.perf_counter()

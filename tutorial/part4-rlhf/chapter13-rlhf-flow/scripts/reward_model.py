@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -144,7 +144,7 @@ def main() -> int:
     print("\n4. The four models of PPO-based RLHF:")
     print("   " + report.table(models.table()).replace("\n", "\n   "))
     if not args.smoke and args.seed == 0 and recipe == RewardRecipe():
-        save_checkpoint(reward_model_path("draft"), rm, {"recipe": dict(vars(recipe)), "accuracy": accuracy,
+        save_checkpoint(reward_model_path("draft"), rm, {"recipe": asdict(recipe), "accuracy": accuracy,
                                                          "final_loss": history[-1]["loss"]})  # fmt: skip
         print(f"\n   saved to {reward_model_path('draft')} (mlsys.rlhf.load_reward_model reads it)")
     if args.json:
