@@ -184,3 +184,10 @@ def test_spec_vs_k_script_numbers(tmp_path) -> None:
         want = row["formula"] * res["c_target_1"] / (row["k"] * res["c_draft_1"] + res["c_target_k1"][k])
         assert row["predicted"] == pytest.approx(want)
     assert (tmp_path / "spec_vs_k.png").exists()
+
+
+def test_speedup_cap_with_every_draft_accepted() -> None:
+    """The lesson's bound: alpha = 1 and free verification give (k + 1) / (k * c_draft / c_target + 1)."""
+    mod = load_script(CH11 / "spec_vs_k.py")
+    for k, c_t, c_d in [(1, 1.0, 0.5), (4, 1.3, 0.55), (8, 2.0, 0.1)]:
+        assert mod.predicted_speedup(1.0, k, c_t, c_t, c_d) == pytest.approx((k + 1) / (k * c_d / c_t + 1))
