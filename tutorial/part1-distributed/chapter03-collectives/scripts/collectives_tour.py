@@ -72,20 +72,20 @@ def broadcast(ctx, x, X, k, root):
 
 
 def scatter(ctx, x, X, k, root):
-    out = torch.empty(k)  # (k,): piece r of the root's (W*k,) input
+    out = x.new_empty(k)  # (k,): piece r of the root's (W*k,) input
     dist.scatter(out, list(x.chunk(ctx.world_size)) if ctx.rank == root else None, src=root)
     return x, out, X[root].reshape(ctx.world_size, k)[ctx.rank]
 
 
 def gather(ctx, x, X, k, root):
-    pieces = [torch.empty(k) for _ in range(ctx.world_size)] if ctx.rank == root else None
+    pieces = [x.new_empty(k) for _ in range(ctx.world_size)] if ctx.rank == root else None
     dist.gather(x[:k].clone(), pieces, dst=root)  # only the root receives: (W, k)
     got = torch.cat(pieces) if pieces else None
     return x[:k], got, X[:, :k].ravel() if ctx.rank == root else None
 
 
 def all_gather(ctx, x, X, k, root):
-    pieces = [torch.empty(k) for _ in range(ctx.world_size)]
+    pieces = [x.new_empty(k) for _ in range(ctx.world_size)]
     dist.all_gather(pieces, x[:k].clone())  # every rank receives (W, k)
     return x[:k], torch.cat(pieces), X[:, :k].ravel()
 
@@ -106,7 +106,7 @@ def all_reduce(op_name: str, reference: Callable) -> Case:
 
 
 def reduce_scatter(ctx, x, X, k, root):
-    out = torch.empty(k)  # (k,): piece r of the sum over ranks of the (W*k,) inputs
+    out = x.new_empty(k)  # (k,): piece r of the sum over ranks of the (W*k,) inputs
     dist.reduce_scatter(out, list(x.clone().chunk(ctx.world_size)))
     return x, out, X.sum(0).reshape(ctx.world_size, k)[ctx.rank]
 
@@ -116,13 +116,13 @@ REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 def reduce_scatter_flat(ctx, x, X, k, root):
-    out = torch.empty(k)  # same result, from one flat (W*k,) input buffer instead of a list
+    out = x.new_empty(k)  # same result, from one flat (W*k,) input buffer instead of a list
     REDUCE_SCATTER_FLAT(out, x.clone())
     return x, out, X.sum(0).reshape(ctx.world_size, k)[ctx.rank]
 
 
 def all_to_all(ctx, x, X, k, root):
-    outs = [torch.empty(k) for _ in range(ctx.world_size)]  # out[j] = piece r of rank j's input
+    outs = [x.new_empty(k) for _ in range(ctx.world_size)]  # out[j] = piece r of rank j's input
     dist.all_to_all(outs, list(x.clone().chunk(ctx.world_size)))
     return x, torch.cat(outs), X.reshape(ctx.world_size, ctx.world_size, k)[:, ctx.rank].ravel()
 
@@ -168,7 +168,7 @@ def run_case(ctx: RankContext, name: str, case: Case, x, X, args: Settings) -> d
 
 
 def worker(ctx: RankContext, args: Settings) -> list[dict]:
-    x = rank_input(args.seed, ctx.rank, ctx.world_size, args.per_rank)  # (W*k,) this rank's data
+    x = rank_input(args.seed, ctx.rank, ctx.world_size, args.per_rank).to(ctx.device)  # (W*k,) this rank's data
     X = all_inputs(args.seed, ctx.world_size, args.per_rank)  # (W, W*k) everyone's, for the reference
     ctx.print(f"world_size={ctx.world_size} backend={ctx.backend} root={args.root} k={args.per_rank}")
     rows = [run_case(ctx, name, case, x, X, args) for name, case in CASES.items()]
