@@ -10,6 +10,9 @@ already exists is only evaluated, unless `--force` (also needed for
     python scripts/train_weights.py                  # both presets
     python scripts/train_weights.py --only draft --force
     MLSYS_CACHE=/tmp/c python scripts/train_weights.py --steps 5   # smoke run, seconds
+    python scripts/train_weights.py --if-missing     # build what is absent, evaluate nothing (make test/book)
+
+`--if-missing` also builds chapter 13's reward model (`mlsys.rlhf.load_reward_model`, on the draft trunk).
 
 Runtime on a 2-core CPU (torch 2.13, no other load): `small` (0.83 M params,
 700 steps of 8 x 256 tokens) about 100-110 s, `draft` (0.12 M params, 800
@@ -38,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, help="override the recipe's seed (default: 0)")
     parser.add_argument("--force", action="store_true", help="retrain even if the checkpoint exists")
     parser.add_argument("--num-samples", type=int, default=64, help="sampled lines scored (default: 64)")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="build only what is missing (both presets and chapter 13's reward model), no evaluation: "
+                             "what `make test` and `make book` run first, so no test trains a model under its timeout")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -83,8 +89,23 @@ def report(name: str, model: GPT, meta: dict, num_samples: int) -> None:
           f"sampled {fraction(sampled, is_consistent_record)}")  # fmt: skip
 
 
+def build_missing() -> None:
+    """Every checkpoint the book loads, trained only if absent (or, for the reward model, made by another recipe)."""
+    for name in RECIPES:
+        if not checkpoint_path(name).exists():
+            start = time.perf_counter()
+            build_weights(name)
+            print(f"{name}: built in {time.perf_counter() - start:.1f} s")
+    from mlsys.rlhf import load_reward_model  # chapter 13's reward model, on the draft trunk
+
+    load_reward_model()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.if_missing:
+        build_missing()
+        return
     for name in [args.only] if args.only else list(RECIPES):
         path = checkpoint_path(name)
         if args.force or not path.exists():
