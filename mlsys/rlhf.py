@@ -216,7 +216,7 @@ def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress
     if progress:
         from tqdm import tqdm
 
-        steps = tqdm(steps, desc="reward model", unit="step", leave=False)
+        steps = tqdm(steps, desc="reward model", unit="step", leave=False, disable=None)  # None: on a terminal only
     for step in steps:
         batch = rng.sample(pairs, recipe.batch_size)
         chosen, rejected = pair_scores(rm, batch)  # (P,), (P,)

@@ -23,7 +23,7 @@ def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate, same shape as the inputs; must be >= 0 and exactly 0 where the log-probs agree."""
-    raise NotImplementedError("TODO: log_r = ref_logp - logp; k3 = (exp(log_r) - 1) - log_r (torch.expm1 is exact near 0)")
+    raise NotImplementedError("TODO: log_r = ref_logp - logp; k3 = (exp(log_r) - 1) - log_r (torch.expm1 helps)")
 
 
 def shape_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:

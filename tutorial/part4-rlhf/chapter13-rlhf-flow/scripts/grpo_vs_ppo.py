@@ -14,7 +14,7 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40 --group-size 8
 
-Runtime on 2 cores: about 40-60 s (tqdm bar), 6 s with --smoke. Times on a shared machine are noisy; the
+Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a shared machine are noisy; the
 interleaving keeps the comparison fair, not the absolute numbers.
 """
 
@@ -31,7 +31,7 @@ from mlsys.rlhf import PPOConfig, rlhf_iteration, setup_rlhf
 
 @dataclass
 class Settings(cli.Args, cli.PlotArgs):
-    iterations: int = 24
+    iterations: int = 20
     """RLHF iterations per algorithm."""
     num_rollouts: int = 32
     """Responses per iteration: num_rollouts / group_size prompts, group_size responses each."""
@@ -82,9 +82,10 @@ def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict]]:
         torch.manual_seed(args.seed)  # identical initial critic heads, identical minibatch order
         cfg = PPOConfig(beta=args.beta, kl_target=args.kl_target or None, actor_lr=args.actor_lr,
                         group_size=args.group_size)  # fmt: skip
-        runs[algo] = (*setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=algo), cfg)  # models, opts, kl_ctl, engine, cfg
+        # (models, opts, kl_ctl, engine, cfg)
+        runs[algo] = (*setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=algo), cfg)
     histories: dict[str, list[dict]] = {"ppo": [], "grpo": []}
-    for i in tqdm(range(args.iterations), desc="ppo + grpo", unit="it", leave=False):
+    for i in tqdm(range(args.iterations), desc="ppo + grpo", unit="it", leave=False, disable=None):  # on a tty
         for algo, (models, opts, kl_ctl, engine, cfg) in runs.items():
             stats, _ = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
                                       seed=args.seed * 10_000 + i, algo=algo)  # same prompts and seeds  # fmt: skip
@@ -104,7 +105,8 @@ def main() -> int:
         held = [row["model"] for row in models[algo].table()]
         row = {"algo": algo, **{k: statistics.mean(h[k] for h in tail) for k in keys},
                **{f"{p} s": statistics.median(h[f"{p}_s"] for h in history) for p in ("generate", "score", "train")},
-               "s/iter": statistics.median(h["generate_s"] + h["score_s"] + h["train_s"] + h["sync_s"] for h in history),
+               "s/iter": statistics.median(sum(h[f"{p}_s"] for p in ("generate", "score", "train", "sync"))
+                                           for h in history),
                "models": len(held)}  # fmt: skip
         rows.append(row)
         results[algo] = {"summary": row, "history": history, "models_held": held}

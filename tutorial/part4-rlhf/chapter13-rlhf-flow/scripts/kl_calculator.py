@@ -16,7 +16,7 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --num-samples 100000 --beta 0.1
 
-Runtime on 2 cores: about 4 s (2 s with --smoke). --seed changes the samples.
+Runtime on 2 cores: about 4 s (3 s with --smoke). --seed changes the samples.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def main() -> int:
     # 3. per-token shaping on response 0
     n = int(mask[0].sum())
     pt = {k: v[0, :n] for k, v in kl["per_token"].items()}
-    rewards = shape_rewards(torch.tensor([args.score], dtype=torch.float64), pt["k1"][None], mask[0:1, :n], args.beta)[0]
+    score = torch.tensor([args.score], dtype=torch.float64)
+    rewards = shape_rewards(score, pt["k1"][None], mask[0:1, :n], args.beta)[0]  # (n,)
     tok = Tokenizer()
     rows = [{"t": t, "token": repr(tok.decode([int(ids[0, prompt_len + t])], skip_special=False)),
              "log pi": pt["logp"][t].item(), "log pi_ref": pt["ref_logp"][t].item(), "k1": pt["k1"][t].item(),
