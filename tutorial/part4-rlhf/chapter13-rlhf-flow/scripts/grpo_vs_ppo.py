@@ -14,8 +14,8 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40 --group-size 8
 
-Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a shared machine are noisy; the
-interleaving keeps the comparison fair, not the absolute numbers.
+Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
+shared machine are noisy; the interleaving keeps the comparison fair, not the absolute numbers.
 """
 
 from __future__ import annotations
