@@ -71,6 +71,7 @@ def test_rule_exact_enumeration() -> None:
     """Sum over the draft token: q(d) min(1, p/q) accepted + P(reject) * residual = p, exactly."""
     for p, q in [(P[0], Q[0]), (P[1], Q[1]), (P[0], P[0]), (torch.tensor([0.0, 0.0, 1.0, 0.0]), Q[0])]:
         accept = q * torch.clamp(p / q, max=1.0)  # P(draft = x and accepted)
+        assert float(accept.sum()) == pytest.approx(float(torch.minimum(p, q).sum()))  # P(accept) = sum min(p, q)
         out = accept + (1 - accept.sum()) * residual(p, q)
         assert torch.allclose(out, p, atol=1e-6)
 
