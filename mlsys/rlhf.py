@@ -3,14 +3,17 @@
 Chapter 13 teaches these pieces one at a time; chapter 14 places the same pieces on different processes
 (co-located vs disaggregated), so everything a placement needs lives here:
 
-    policy  = load_pretrained("draft")                  # the SFT model both actor and reference start from
-    models  = build_models(policy, load_reward_model())  # actor, critic, reward model, frozen reference
-    engine  = Engine(models.actor, config=EngineConfig(max_num_seqs=64))
-    prompts = make_prompts(64, seed=0)
-    batch   = generate_rollouts(engine, prompts, max_tokens=72, temperature=1.0, seed=0)   # generate
-    batch   = score_rollouts(models, batch)             # reward model + reference + critic forwards
-    stats   = ppo_update(models, opt, batch, ...)       # shaped rewards, GAE, PPO on actor and critic
-    engine.load_weights(models.actor.state_dict())      # the new policy serves the next rollouts
+    cfg = PPOConfig()                                                  # beta, KL target, lr, clip, ...
+    models, opts, kl_ctl, engine = setup_rlhf(cfg, max_num_seqs=32)     # actor, critic, reward model, reference
+    stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, num_rollouts=32, max_tokens=72, seed=0)
+
+or phase by phase, as a placement that splits them needs:
+
+    batch = generate_rollouts(engine, grouped_prompts(32, cfg.group_size, seed=0), max_tokens=72)  # generate
+    score_rollouts(models, batch)                                # actor, reference, critic, reward model forwards
+    compute_advantages(batch, kl_ctl.beta, cfg)                  # KL-shaped rewards, GAE over tokens
+    ppo_update(models, opts, batch, cfg, kl_ctl.beta)            # PPO epochs on actor and critic
+    engine.load_weights(models.actor.state_dict())               # the new policy serves the next rollouts
 
 The task. A prompt is the start of a record, '{"name": "ada", '; the policy writes the rest. The "human"
 preference is a rule anyone can read (`rule_score`): a malformed record loses to any well-formed one, and among
