@@ -14,6 +14,9 @@ CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.installed
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): most tests wait on process start-up and rendezvous, so two at once keep two
+# cores busy. PYTEST_WORKERS=0 runs in one process (pytest's -n 0).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup book serve test check weights browser clean
 
@@ -36,7 +39,7 @@ serve: book
 
 test: $(STAMP)
 	$(PYTHON) scripts/train_weights.py --if-missing
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 check: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }

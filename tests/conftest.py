@@ -44,11 +44,23 @@ def run(args: list[str | os.PathLike], timeout: float = 120, env: dict | None = 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)
 
 
-def timed_run(name: str, args: list, **kw) -> subprocess.CompletedProcess:
+def timed_run(name: str, args: list, record_property=None, **kw) -> subprocess.CompletedProcess:  # noqa: ANN001
+    """`run`, timed. Pass the test's `record_property` fixture: the time then travels with the test's report, so
+    the summary below lists it under pytest-xdist too (workers' module globals never reach the controller)."""
     start = time.perf_counter()
     proc = run(args, **kw)
-    SMOKE_TIMES[name] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    SMOKE_TIMES[name] = seconds
+    if record_property is not None:
+        record_property("smoke_seconds", (name, seconds))
     return proc
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest hook signature
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "smoke_seconds" and report.when == "call":
+            name, seconds = value
+            SMOKE_TIMES[name] = seconds
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook signature
