@@ -70,6 +70,18 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest 
             terminalreporter.write_line(f"{seconds:6.1f}  {name}")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():  # noqa: ANN201
+    """For modules that decode tiny models token by token: one intra-op thread is faster there, and two fight
+    badly on a loaded machine. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
     import torch
 

@@ -26,12 +26,7 @@ LINES = make_corpus(24, seed=5).splitlines()
 PROMPTS = [LINES[i][: 3 + (i * 7) % 50] for i in range(12)]  # 3..52 characters
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

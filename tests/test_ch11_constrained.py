@@ -28,13 +28,7 @@ SCHEMAS = {"record": RECORD_SCHEMA, "small": SMALL_SCHEMA, "any": {},
            "enum-array": {"type": "array", "items": {"enum": ["a", 7, None, True]}, "minItems": 2, "maxItems": 4}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode token by token: one thread is faster, and two fight badly on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

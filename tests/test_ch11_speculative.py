@@ -23,13 +23,7 @@ TOK = Tokenizer()
 PROMPTS = ['', '{"name": "', '{"name": "grace", "a', '{"name": "ken", "age": 5', '{"na']
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models decode token by token: one thread is faster, and two fight badly on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
