@@ -359,18 +359,6 @@ class RolloutBatch:
         return response_positions(self.prompt_lens, self.mask.size(1))
 
 
-class _LogitsTap:
-    """Wraps an engine's ModelRunner.execute to keep the logits of the last step: (R, V), one row per
-    sequence that samples, in the order the step reports its outputs. The engine samples from exactly these."""
-
-    def __init__(self, execute):
-        self.execute, self.last = execute, None
-
-    def __call__(self, batch):
-        self.last = self.execute(batch)
-        return self.last
-
-
 # --8<-- [start:generate]
 @torch.no_grad()
 def generate_rollouts(engine, prompts: list[str], max_tokens: int, temperature: float = 1.0,
@@ -379,25 +367,12 @@ def generate_rollouts(engine, prompts: list[str], max_tokens: int, temperature: 
     recording the log-prob of every sampled token under the distribution the engine sampled from."""
     from mlsys.engine import SamplingParams
 
-    tap = _LogitsTap(engine.runner.execute)
-    engine.runner.execute = tap
     t0 = time.perf_counter()
-    try:
-        rids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                                     seed=seed * 1_000_003 + i)) for i, p in enumerate(prompts)]
-        logprobs: dict[str, list[float]] = {r: [] for r in rids}
-        final = {}
-        while engine.has_unfinished():
-            for row, out in enumerate(engine.step()):  # one output per sampled row of tap.last
-                logits = tap.last[row].float() / (temperature or 1.0)
-                logprobs[out.request_id].append(F.log_softmax(logits, -1)[out.new_token_ids[0]].item())
-                if out.finished:
-                    final[out.request_id] = out
-    finally:
-        engine.runner.execute = tap.execute
-    outs = [final[r] for r in rids]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed * 1_000_003 + i,
+                             logprobs=True) for i in range(len(prompts))]  # fmt: skip
+    outs = engine.generate(prompts, params)  # final outputs in prompt order; out.logprobs aligns with token_ids
     return make_batch([o.prompt_token_ids for o in outs], [o.token_ids for o in outs],
-                      [logprobs[r] for r in rids], time.perf_counter() - t0)
+                      [o.logprobs for o in outs], time.perf_counter() - t0)
 # --8<-- [end:generate]
 
 

@@ -6,7 +6,8 @@ Oracles: mlsys.model.generate (one prompt at a time, contiguous cache) and
 Hugging Face GPT2LMHeadModel.generate with the same weights for greedy output;
 GPT.forward without a cache for paged attention; a cold engine for prefix-cache
 hits; an unconstrained engine for preemption; mlsys.model.generate with a
-seeded generator for sampling. Block accounting is checked after every step.
+seeded generator for sampling; log_softmax of a plain GPT forward over prompt +
+output for the sampled tokens' log-probs. Block accounting is checked after every step.
 """
 
 import random
@@ -366,6 +367,81 @@ def test_bad_settings_and_prompts_are_rejected(small):
         eng.add_request("b", request_id="dup")
     out = eng.generate(['{"name": "'], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 32
+
+
+# ------------------------------------------------------------------ log-probs
+
+
+def forward_logprobs(model, out, temperature: float = 0.0, top_k: int | None = None) -> list[float]:
+    """Oracle: one plain forward (no KV cache) over prompt + output; row t predicts token t + 1. The log-prob of
+    each output token under the distribution sample_next draws from, recomputed in float64."""
+    p, o = out.prompt_token_ids, out.token_ids
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([p + o]))  # (1, T, V)
+    rows = logits[0, len(p) - 1 : -1].double()  # (n, V): row j predicts o[j]
+    if temperature > 0:
+        rows = rows / temperature
+        if top_k is not None:
+            rows = rows.masked_fill(rows < torch.topk(rows, top_k).values[:, -1:], float("-inf"))
+    return torch.log_softmax(rows, -1)[torch.arange(len(o)), torch.tensor(o)].tolist()
+
+
+LOGPROB_CASES = {"greedy": (0.0, None), "temperature_0.7": (0.7, None), "top_k_5": (1.0, 5)}
+
+
+@pytest.mark.parametrize("case", list(LOGPROB_CASES))
+def test_logprobs_equal_log_softmax_of_a_plain_forward(small, case):
+    temperature, top_k = LOGPROB_CASES[case]
+    prompts = PROMPTS[:6]  # 4..58 tokens; a budget of 24 chunks the long prefills
+    params = [SamplingParams(max_tokens=12 + 4 * i, temperature=temperature, top_k=top_k, seed=i, logprobs=True,
+                             ignore_eos=True) for i in range(6)]  # fmt: skip
+    params[4] = SamplingParams(max_tokens=20, temperature=temperature, top_k=top_k, seed=4)  # did not ask
+    eng = Engine(small, config=EngineConfig(block_size=4, max_num_batched_tokens=24))
+    outs = run_all(eng, prompts, params)
+    assert outs[4].logprobs is None and len(outs[4].token_ids) == 20
+    for i, out in enumerate(outs):
+        if i == 4:
+            continue
+        assert len(out.logprobs) == len(out.token_ids) == 12 + 4 * i
+        want = forward_logprobs(small, out, temperature, top_k)
+        assert out.logprobs == pytest.approx(want, abs=1e-5), (case, i)
+        assert all(lp <= 0 for lp in out.logprobs)
+        if top_k is not None:  # renormalised over the k kept tokens: above the unfiltered log-prob
+            unfiltered = forward_logprobs(small, out, temperature)
+            assert all(a >= b - 1e-6 for a, b in zip(out.logprobs, unfiltered)) and out.logprobs != unfiltered
+
+
+def test_logprobs_survive_preemption(small):
+    prompts = PROMPTS[:6]
+    params = [SamplingParams(max_tokens=50, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
+                             logprobs=True) for i in range(6)]  # fmt: skip
+    ref = Engine(small).generate(prompts, params)
+    eng = Engine(small, config=EngineConfig(block_size=4, num_blocks=26, max_model_len=100))  # tight: preempts
+    outs = run_all(eng, prompts, params)
+    assert eng.stats()["num_preemptions"] > 0
+    for out, r in zip(outs, ref):
+        assert out.token_ids == r.token_ids and len(out.logprobs) == len(out.token_ids) == 50
+        # tokens sampled before a preemption keep their log-probs; later ones come from recomputed K/V
+        assert out.logprobs == pytest.approx(r.logprobs, abs=1e-5)
+    for out, sp in zip(outs, params):
+        assert out.logprobs == pytest.approx(forward_logprobs(small, out, sp.temperature), abs=1e-5)
+
+
+def test_overlap_engine_gives_the_plain_engines_logprobs(small):
+    from mlsys.engine.overlap import OverlapEngine
+
+    params = [SamplingParams(max_tokens=10 + 5 * i, temperature=(0.0, 0.7, 1.0)[i % 3], top_k=5 if i % 3 == 2 else None,
+                             seed=i, logprobs=i != 3) for i in range(6)]  # fmt: skip
+    config = EngineConfig(block_size=4, max_num_batched_tokens=24)
+    plain = Engine(small, config=config).generate(PROMPTS[:6], params)
+    overlap = OverlapEngine(small, config=config)
+    try:
+        outs = overlap.generate(PROMPTS[:6], params)
+    finally:
+        overlap.close()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in plain]  # same logits, same ops: bitwise
+    assert outs[3].logprobs is None and all(len(o.logprobs) == len(o.token_ids) for o in outs if o.logprobs)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from mlsys.data import Tokenizer
 from mlsys.engine.block_manager import BlockManager
 from mlsys.engine.model_runner import ModelRunner
 from mlsys.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from mlsys.engine.sampler import sample
+from mlsys.engine.sampler import sample, sampled_logprobs
 from mlsys.engine.scheduler import Scheduler
 from mlsys.engine.tokenizer import IncrementalDetokenizer, encode_prompt
 from mlsys.model import GPT
@@ -164,8 +164,9 @@ class Engine:
                 t3 = time.perf_counter()
                 to_sample = [s for s, d in zip(seqs, done) if d]
                 new_ids = sample(logits, to_sample) if to_sample else []
+                logprobs = sampled_logprobs(logits, to_sample, new_ids)  # None where not asked for
                 t4 = time.perf_counter()
-                outputs += self._update(sched, new_ids, t4)
+                outputs += self._update(sched, new_ids, logprobs, t4)
                 t5 = time.perf_counter()
                 timing.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, detokenize=t5 - t4)
             self.counters["num_steps"] += 1
@@ -178,16 +179,16 @@ class Engine:
             return outputs
     # --8<-- [end:step]
 
-    def _update(self, sched, new_ids: list[int], now: float) -> list[RequestOutput]:
-        """Advance the counters, append sampled tokens, finish, free, detokenize."""
-        outputs, it = [], iter(new_ids)
+    def _update(self, sched, new_ids: list[int], logprobs: list[float | None], now: float) -> list[RequestOutput]:
+        """Advance the counters, append sampled tokens (and log-probs), finish, free, detokenize."""
+        outputs, it = [], iter(zip(new_ids, logprobs))
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
                 self.block_manager.cache_full_blocks(seq)
                 continue  # a prefill chunk: nothing to sample yet
-            token = next(it)
-            seq.append_token(token, now, self.config.max_model_len)
+            token, logprob = next(it)
+            seq.append_token(token, now, self.config.max_model_len, logprob)
             self.counters["num_generated_tokens"] += 1
             self.block_manager.cache_full_blocks(seq)
             if seq.is_finished:
@@ -204,6 +205,7 @@ class Engine:
             token_ids=list(seq.output_token_ids), new_token_ids=list(new_ids),
             text=seq.detokenizer.text, new_text=new_text, finished=finished,
             finish_reason=seq.status.value if finished else None, metrics=seq.metrics,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
         )  # fmt: skip
 
     # ------------------------------------------------------------ helpers

@@ -42,7 +42,7 @@ import torch
 
 from mlsys.engine.engine import Engine
 from mlsys.engine.request import RequestOutput, SequenceStatus
-from mlsys.engine.sampler import sample
+from mlsys.engine.sampler import sample, sampled_logprobs
 
 PLACEHOLDER = -1  # a token id that is not known yet (step N still running)
 
@@ -80,8 +80,9 @@ class OverlapEngine(Engine):
             logits = pending.result()  # wait for step N: (R, V), one row per sequence in seqs
             t3 = time.perf_counter()
             new_ids = sample(logits, seqs) if seqs else []
+            logprobs = sampled_logprobs(logits, seqs, new_ids)  # None where not asked for
             t4 = time.perf_counter()
-            outputs += self._commit(seqs, new_ids, t4)
+            outputs += self._commit(seqs, new_ids, logprobs, t4)
             self._fix_next(dict(zip(seqs, new_ids)))
             t5 = time.perf_counter()
             timing.update(overlapped=t2 - t1, forward=t3 - t2, sample=t4 - t3, detokenize=t5 - t4, launch=t1 - t0)
@@ -126,12 +127,12 @@ class OverlapEngine(Engine):
                     finishing.append(seq)
         return sampling, finishing
 
-    def _commit(self, seqs, new_ids, now) -> list[RequestOutput]:
+    def _commit(self, seqs, new_ids, logprobs, now) -> list[RequestOutput]:
         """Step N's tokens arrive: replace the placeholders, finish, free, detokenize (the plain _update's work)."""
         outputs = []
-        for seq, token in zip(seqs, new_ids):
+        for seq, token, logprob in zip(seqs, new_ids, logprobs):
             assert seq.output_token_ids.pop() == PLACEHOLDER
-            seq.append_token(token, now, self.config.max_model_len)  # the plain engine's finish rules
+            seq.append_token(token, now, self.config.max_model_len, logprob)  # the plain engine's finish rules
             self.counters["num_generated_tokens"] += 1
             if seq.is_finished:
                 seq.metrics.finish_time = now

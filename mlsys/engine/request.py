@@ -37,6 +37,8 @@ class SamplingParams:
     seed: int | None = None  # a private torch.Generator per request: same seed, same tokens
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept)
     ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
+    logprobs: bool = False  # also return log p(token) of each sampled token, under the distribution it was
+    # drawn from: softmax(logits / temperature) after the top-k filter when sampling, the raw softmax when greedy
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -87,6 +89,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     metrics: RequestMetrics
+    logprobs: list[float] | None = None  # one per token_ids entry; None unless SamplingParams.logprobs
 
 
 # --8<-- [start:sequence]
@@ -98,6 +101,7 @@ class Sequence:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []  # with params.logprobs: one per output token, kept on preemption
         self.params = params
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
@@ -126,9 +130,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, now: float, max_model_len: int) -> None:
-        """Record a sampled token and decide whether the request is done."""
+    def append_token(self, token_id: int, now: float, max_model_len: int, logprob: float | None = None) -> None:
+        """Record a sampled token (and its log-prob, if asked for) and decide whether the request is done."""
         self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         self.metrics.token_times.append(now)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now

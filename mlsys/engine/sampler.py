@@ -7,6 +7,12 @@ batch, nor on the order they sit in. That costs one small loop over the
 sampling rows (a generator cannot be shared across rows without coupling
 them); each row runs exactly `mlsys.model.sample_next`, the function
 `mlsys.model.generate` uses, which makes generate the test's oracle.
+
+A request with `SamplingParams(logprobs=True)` also gets the log-probability
+of each token it sampled, under the distribution it was drawn from
+(`sampled_logprobs`), as vLLM returns them: RLHF needs log pi_old(token) of
+every rollout token, and computing it here, from the very logits the token was
+drawn from, costs one log_softmax per row instead of another forward pass.
 """
 
 from __future__ import annotations
@@ -31,3 +37,28 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             next_ids[i] = sample_next(row, p.temperature, p.top_k, gen)[0]
     return next_ids.tolist()
 # --8<-- [end:sample]
+
+
+# --8<-- [start:logprobs]
+def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[float | None]:
+    """log p(token) of each row's sampled token, for the rows whose request asked (SamplingParams.logprobs);
+    None for the others. The distribution is the one `sample` drew from: the raw softmax for a greedy row,
+    softmax(logits / temperature) with everything below the k-th largest masked to -inf for a sampling row
+    (the same ops as `sample_next`, so a top-k token's log-prob is renormalised over the k kept tokens)."""
+    out: list[float | None] = [None] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.logprobs and s.params.temperature == 0]
+    if greedy:  # one batched log_softmax over all greedy rows: (G, V) -> (G,)
+        rows, ids = torch.tensor(greedy, device=logits.device), torch.tensor(token_ids, device=logits.device)
+        logp = torch.log_softmax(logits[rows].float(), dim=-1).gather(1, ids[rows][:, None]).squeeze(1)
+        for i, lp in zip(greedy, logp.tolist()):
+            out[i] = lp
+    for i, seq in enumerate(seqs):  # sampling rows: each has its own temperature and top_k
+        p = seq.params
+        if p.logprobs and p.temperature > 0:
+            row = logits[i : i + 1].float() / p.temperature  # (1, V), exactly as sample_next scales it
+            if p.top_k is not None:
+                kth = torch.topk(row, min(p.top_k, row.size(-1))).values[:, -1:]  # (1, 1)
+                row = row.masked_fill(row < kth, float("-inf"))
+            out[i] = torch.log_softmax(row, dim=-1)[0, token_ids[i]].item()
+    return out
+# --8<-- [end:logprobs]
