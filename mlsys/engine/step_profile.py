@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
@@ -77,6 +78,7 @@ def count_ops(fn) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch 2.13's profiler logs every start/stop to stderr otherwise
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
