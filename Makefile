@@ -4,7 +4,7 @@
 #   make test     the whole test suite
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
 #   make weights  train the tiny GPT checkpoints into .cache/weights/ and evaluate them (test and book build
-#                 what is missing first: about 3 min on 2 cores, once)
+#                 what is missing first: 3 to 5 min on 2 cores, once)
 # GPU users: make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128  (see README.md)
 
 PY ?= python3
