@@ -333,6 +333,26 @@ def check_divisible(config: GPTConfig, tp: int) -> None:
                          f"are not divisible by tensor-parallel size {tp}")
 
 
+def check_tp_run(config: GPTConfig, world_size: int, tp_sizes, batch: int, seq: int,
+                 sequence_parallel: bool = False) -> None:  # fmt: skip
+    """ValueError (one line) unless a job of `world_size` ranks can run every size in `tp_sizes` on this GPT with
+    batches of (batch, seq) tokens; with sequence parallelism the sequence is split over the tp ranks too."""
+    for name, value in (("n_layer", config.n_layer), ("n_head", config.n_head), ("n_embd", config.n_embd),
+                        ("batch", batch), ("seq", seq)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if seq > config.block_size:
+        raise ValueError(f"--seq {seq} exceeds the model's block_size {config.block_size}")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"--n-embd {config.n_embd} is not divisible by --n-head {config.n_head}")
+    for t in tp_sizes:
+        if t < 1 or world_size % t:
+            raise ValueError(f"tensor-parallel size {t} does not divide the world size {world_size}")
+        if sequence_parallel and seq % t:
+            raise ValueError(f"--seq {seq} is not divisible by tensor-parallel size {t}")
+        check_divisible(config, t)
+
+
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     w = replicated_param(ln.weight, group, sequence_parallel)
     b = replicated_param(ln.bias, group, sequence_parallel)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mlsys import cli, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
-from mlsys.tensor_parallel import TPBlock, block_activation_bytes, check_divisible, comm_log, grads_as_model, \
+from mlsys.tensor_parallel import TPBlock, block_activation_bytes, check_tp_run, comm_log, grads_as_model, \
     layer_comm_volume, saved_activation_bytes, shard_gpt, tp_groups
 
 
@@ -50,22 +50,11 @@ class Settings(cli.DistArgs):
     """Tokens per sequence (s); must be divisible by every tensor-parallel size."""
 
     def validate(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "batch", "seq"):
-            if getattr(self, name) < 1:
-                raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.seq > 256:
-            raise cli.UsageError(f"--seq {self.seq} exceeds the model's block_size 256")
-        if self.n_embd % self.n_head:
-            raise cli.UsageError(f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
-        for t in self.tp_sizes:
-            if t < 1 or self.world_size % t:
-                raise cli.UsageError(f"tensor-parallel size {t} does not divide the world size {self.world_size}")
-            if self.seq % t:
-                raise cli.UsageError(f"--seq {self.seq} is not divisible by tensor-parallel size {t}")
-            try:
-                check_divisible(GPTConfig(n_head=self.n_head, n_embd=self.n_embd), t)
-            except ValueError as err:
-                raise cli.UsageError(str(err)) from None
+        try:
+            config = GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=256)
+            check_tp_run(config, self.world_size, self.tp_sizes, self.batch, self.seq, sequence_parallel=True)
+        except ValueError as err:
+            raise cli.UsageError(str(err)) from None
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
