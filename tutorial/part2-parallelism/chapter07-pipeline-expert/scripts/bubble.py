@@ -66,8 +66,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError("a pipeline needs at least 2 stages: use -w 2 or more")
         if min(self.micro_batches) < 1 or min(self.micro_batch_size, self.layers_per_stage, self.steps) < 1:
             raise cli.UsageError("--micro-batches, --micro-batch-size, --layers-per-stage, --steps must be >= 1")
-        if not 1 <= self.seq_len <= 256 or self.width % 4:
-            raise cli.UsageError("--seq-len must be 1..256 and --width a multiple of 4")
+        if not 1 <= self.seq_len <= 256 or self.width < 4 or self.width % 4:
+            raise cli.UsageError("--seq-len must be 1..256 and --width a positive multiple of 4")
         if self.timeline_m not in self.micro_batches:
             raise cli.UsageError(f"--timeline-m {self.timeline_m} is not among --micro-batches {self.micro_batches}")
 
