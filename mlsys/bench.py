@@ -7,6 +7,10 @@ https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import statistics
 import time
 import typing
 
@@ -55,3 +59,39 @@ def time_collective(call: typing.Callable[[], None], warmup: int, iters: int, de
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # nccl-tests reports the max over ranks
     return elapsed.item() / iters
 # --8<-- [end:timing]
+
+
+# --8<-- [start:steady]
+@contextlib.contextmanager
+def steady_timing() -> typing.Iterator[None]:
+    """Time with the garbage collector out of the way: collect once, freeze what survives (so no generation-2 pass
+    lands inside a timed region, as vLLM does before serving), and turn automatic collection off until the end."""
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+
+
+def best_of(fn: typing.Callable[[], float], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Run `fn` (which returns a duration in seconds) `warmup` times untimed, then `repeats` times; return the best
+    and the median. The best is the least disturbed by other work on a shared machine; the median shows the spread."""
+    for _ in range(warmup):
+        fn()
+    times = sorted(fn() for _ in range(max(1, repeats)))
+    return {"best_s": times[0], "median_s": statistics.median(times), "repeats": len(times)}
+
+
+def load_average() -> str:
+    """The 1-minute load average and the core count, printed beside every timing so a reader can judge the noise."""
+    try:
+        one, _, _ = os.getloadavg()
+    except OSError:  # not available on this platform
+        return f"load average n/a on {os.cpu_count()} cores"
+    return f"load average {one:.2f} on {os.cpu_count()} cores"
+# --8<-- [end:steady]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,26 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = ROOT / "tutorial"
 SMOKE_TIMES: dict[str, float] = {}
+
+
+def chapter_dir(number: int) -> Path:
+    """The folder of chapter `number` (e.g. 5 -> tutorial/part2-parallelism/chapter05-data-parallel)."""
+    (path,) = TUTORIAL.glob(f"part*/chapter{number:02d}-*")
+    return path
+
+
+def scripts_dir(number: int) -> Path:
+    """The scripts/ folder of chapter `number`: `scripts_dir(9) / "paged_kv.py"`."""
+    return chapter_dir(number) / "scripts"
+
+
+def run_json(tmp_path_factory, script: Path, *flags: str | os.PathLike, timeout: float = 170) -> dict:  # noqa: ANN001
+    """Run `script --json OUT *flags`, require exit 0, return the JSON's "results" (the whole JSON if it has none)."""
+    out = tmp_path_factory.mktemp(Path(script).stem) / "r.json"
+    proc = run([script, "--json", out, *flags], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-2500:]
+    data = json.loads(out.read_text())
+    return data.get("results", data) if isinstance(data, dict) else data
 
 
 def chapter_scripts() -> list[Path]:
@@ -80,6 +101,30 @@ def one_torch_thread():  # noqa: ANN201
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_model():  # noqa: ANN201
+    """The book's trained `small` GPT (built once by scripts/train_weights.py), in eval mode, on one thread."""
+    import torch
+
+    from mlsys.weights import load_pretrained
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_pretrained("small")
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():  # noqa: ANN201
+    """A random-init `tiny` GPT (seed 0), eval mode: for tests of mechanisms, not of trained behaviour."""
+    import torch
+
+    from mlsys.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny")).eval()
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
