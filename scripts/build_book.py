@@ -7,12 +7,20 @@ Each chapter's README.md becomes a page. Markers in it are HTML comments (GitHub
     <!-- run: scripts/x.py --world-size 0 expect=2 -->     a run that must exit 2 (any other code fails)
     <!-- figure: hello_distributed/placement.png "Caption" -->  a PNG that scripts/hello_distributed.py wrote
                                                            into its --plot-dir during its default run
+    <!-- figure: x/name.png "Caption" run="-w 8" -->       ... during its run with these arguments
+    <!-- value: x results.path .2f -->                     a value from the --json of x.py's default run
+    <!-- value: x rows[size=1024].busbw .1f run="-w 8" -->  ... of its run with these arguments
     <!-- contents -->                                      (book/pages/*.md only) the parts and chapters
 
 Code is included from the real files by pymdownx.snippets (`--8<-- "tutorial/.../x.py:section"`, from the repo
-root). Every script gets a page: docstring, full source, the output of a default run (`--json`, and
-`--plot-dir` when its --help offers it), its JSON results and figures. Runs are cached in .cache/book-runs/,
-keyed by the command and the sources of the chapter and of mlsys/.
+root). Every script gets a page: docstring, full source, the output of a default run, its JSON results and
+figures.
+
+One run per configuration: every run (expect=0) gets `--json` and, when the script draws, `--plot-dir`, so a
+lesson's `run:` marker, its `figure:` and `value:` markers and the script page all read the same run of a given
+(script, arguments): the text, the numbers in it and the figure beneath cannot come from different runs. Runs
+are cached in .cache/book-runs/<key>/, keyed by the command, the sources of the chapter and of mlsys/, the
+trained weights and requirements/constraints.txt; each configuration's figures go to their own folder.
 
     make book                                # = python scripts/build_book.py  (full sizes)
     python scripts/build_book.py --smoke     # every script with --smoke: the fast build the tests use
@@ -34,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 PART_TITLES = {1: "Part I — Distributed foundations", 2: "Part II — Parallelism",
                3: "Part III — Inference", 4: "Part IV — RLHF"}
 RUN_RE = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
-FIGURE_RE = re.compile(r'<!--\s*figure:\s*(\S+)\s+"([^"]*)"\s*-->')
+FIGURE_RE = re.compile(r'<!--\s*figure:\s*(\S+)\s+"([^"]*)"(?:\s+run="([^"]*)")?\s*-->')
+VALUE_RE = re.compile(r'<!--\s*value:\s*(.*?)(?:\s+run="([^"]*)")?\s*-->')
 CONTENTS_RE = re.compile(r"<!--\s*contents\s*-->")
 LINK_RE = re.compile(r"(\]\()([^)\s]+)(\))")
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -73,6 +82,7 @@ class Run:
     output: str
     seconds: float
     rc: int
+    cached: bool = False
 
 
 def number(path: Path) -> int:
@@ -96,6 +106,30 @@ def discover(root: Path) -> list[tuple[Path, list[Chapter]]]:
 
 def part_title(part: Path) -> str:
     return PART_TITLES.get(number(part), f"Part {number(part)} — " + part.name.split("-", 1)[-1])
+
+
+SELECT_RE = re.compile(r"^([^\[\]]*)\[([^=\]]+)=([^\]]*)\]$")
+
+
+def lookup(data, path: str):  # noqa: ANN001, ANN201 - JSON values
+    """The value at `path` in JSON data: dotted keys, integer indexes (rows.0, rows.-1) and `rows[size=1024]`,
+    the first dict of a list whose field prints as that value."""
+    for part in path.split("."):
+        m = SELECT_RE.match(part)
+        if m:
+            key, field, want = m.groups()
+            rows = data[key] if key else data
+            match = [r for r in rows if isinstance(r, dict) and field in r and str(r[field]) == want]
+            if not match:
+                raise KeyError(f"no row with {field}={want} in `{key or path}`")
+            data = match[0]
+        elif isinstance(data, list):
+            data = data[int(part)]
+        else:
+            if part not in data:
+                raise KeyError(f"no key `{part}` (have: {', '.join(list(data)[:12])})")
+            data = data[part]
+    return data
 
 
 def fence(lang: str, body: str) -> str:
@@ -125,6 +159,8 @@ class Builder:
         self.cache = s.root / ".cache" / "book-runs"
         self.digests: dict[Path, str] = {}
         self.counts = {"fresh": 0, "cached": 0}
+        self.timings: dict[str, tuple[float, bool]] = {}   # shown command -> (seconds, served from cache)
+        self.inputs = self.inputs_digest()
 
     # ---- runs ---------------------------------------------------------------------------------------------
     def sources_digest(self, ch: Chapter) -> str:
@@ -135,12 +171,44 @@ class Builder:
             self.digests[ch.path] = h.hexdigest()
         return self.digests[ch.path]
 
+    def inputs_digest(self) -> str:
+        """What every run depends on besides the sources: the trained weights and the pinned versions."""
+        h = hashlib.sha256()
+        files = [*sorted((self.root / ".cache" / "weights").glob("*")), self.root / "requirements/constraints.txt"]
+        for f in files:
+            if f.is_file():
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()
+
+    def book_flags(self, ch: Chapter, tokens: list[str]) -> list[str]:
+        """--json (and --plot-dir for a script that draws) for the script named in `tokens`: every run of a
+        configuration writes its results, so the lesson and the script page can share it."""
+        script = next((ch.path / t for t in tokens if t.endswith(".py") and (ch.path / t).is_file()), None)
+        if script is None or "--json" in tokens:
+            return []
+        flags = ["--json", f"{{OUT}}/{script.stem}.json"]
+        source = script.read_text(encoding="utf-8")
+        if "PlotArgs" in source or "--plot-dir" in source:
+            flags += ["--plot-dir", f"{{OUT}}/{script.stem}_figures"]
+        return flags
+
+    def configuration(self, ch: Chapter, stem: str, spec: str | None) -> list[str]:
+        """The tokens of a run named by a figure or value marker: x.py's default run, x.py with `spec`'s
+        arguments, or the full command in `spec` when it names the script itself (e.g. a torchrun launch)."""
+        stem = stem.removesuffix(".py")
+        if not (ch.path / "scripts" / f"{stem}.py").is_file():
+            raise BuildError(f"{ch.slug}/README.md: no script scripts/{stem}.py for a figure or value marker")
+        args = shlex.split(spec or "")
+        return args if any(a.endswith(".py") for a in args) else [f"scripts/{stem}.py", *args]
+
     def execute(self, ch: Chapter, tokens: list[str], expect: int = 0, quiet: bool = False) -> Run | None:
-        """Run `tokens` (paths relative to the chapter, {OUT} a scratch dir) at the repo root, or reuse its cache."""
+        """Run `tokens` (paths relative to the chapter, {OUT} a scratch dir) at the repo root, or reuse its cache.
+        A run expected to succeed also writes its --json (and figures): one run per configuration."""
+        tokens = [*tokens, *(self.book_flags(ch, tokens) if expect == 0 else [])]
         tokens = [self.repo_path(ch, t) for t in tokens] + (["--smoke"] if self.s.smoke else [])
         launcher, args = (tokens[0], tokens[1:]) if tokens[0] in LAUNCHERS else ("python", tokens)
         shown = shlex.join([launcher] + [a.replace("{OUT}", "/tmp") for a in args])
-        key = hashlib.sha256(f"{shown}\0{expect}\0{self.sources_digest(ch)}".encode()).hexdigest()[:24]
+        key = hashlib.sha256(f"{shown}\0{expect}\0{self.sources_digest(ch)}\0{self.inputs}".encode()).hexdigest()[:24]
         entry = self.cache / key
         cached = (entry / "run.json").exists()
         if not cached and self.runs_off(ch):
@@ -148,12 +216,14 @@ class Builder:
         if not cached:
             self.fresh_run(launcher, args, shown, expect, entry)
         meta = json.loads((entry / "run.json").read_text(encoding="utf-8"))
-        if not quiet:
+        if shown not in self.timings:
             self.counts["cached" if cached else "fresh"] += 1
-            what = shown.split(" ", 1)[1].replace(ch.path.relative_to(self.root).as_posix() + "/scripts/", "")
-            tag = " (cached)" if cached else ""
-            print(f"[run] ch{number(ch.path):02d} {what} ... {meta['seconds']:.1f} s{tag}", flush=True)
-        return Run(entry, shown, meta["output"], meta["seconds"], meta["rc"])
+            self.timings[shown] = (meta["seconds"], cached)
+            if not quiet or not cached:
+                what = shown.split(" ", 1)[1].replace(ch.path.relative_to(self.root).as_posix() + "/scripts/", "")
+                tag = " (cached)" if cached else ""
+                print(f"[run] ch{number(ch.path):02d} {what} ... {meta['seconds']:.1f} s{tag}", flush=True)
+        return Run(entry, shown, meta["output"], meta["seconds"], meta["rc"], cached)
 
     def fresh_run(self, launcher: str, args: list[str], shown: str, expect: int, entry: Path) -> None:
         self.cache.mkdir(parents=True, exist_ok=True)
@@ -207,21 +277,46 @@ class Builder:
         exit_note = f"\n[exit code {run.rc}]" if run.rc else ""
         return fence("text", f"$ {run.shown}\n{run.output}{exit_note}")
 
-    def figure_md(self, ch: Chapter, rel: str, caption: str) -> str:
-        if not (self.docs / ch.slug / "figures" / rel).is_file():
-            if self.runs_off(ch):
-                return f'!!! note "Figure not drawn yet"\n    `{rel}` appears once the book is built with its runs.'
-            raise BuildError(f"{ch.slug}/README.md: figure `{rel}` was not written by "
-                             f"scripts/{rel.split('/')[0]}.py into its --plot-dir")
-        return (f'<figure markdown="span">\n  ![{caption.replace("]", "")}](figures/{rel})\n'
+    def figure_md(self, ch: Chapter, rel: str, caption: str, spec: str | None = None) -> str:
+        """A figure from the run of a configuration (x.py's default run, or the one `spec` names), copied into
+        the chapter's figures/<stem>/ (default run) or figures/<stem>@<arguments>/ (any other configuration)."""
+        stem, _, name = rel.partition("/")
+        run = self.execute(ch, self.configuration(ch, stem, spec), quiet=True)
+        if run is None:
+            return f'!!! note "Figure not drawn yet"\n    `{rel}` appears once the book is built with its runs.'
+        png = run.dir / f"{stem}_figures" / name
+        if not png.is_file():
+            raise BuildError(f"{ch.slug}/README.md: figure `{rel}` was not written by `{run.shown}` into its "
+                             f"--plot-dir")
+        folder = stem if not spec else f"{stem}@" + re.sub(r"[^A-Za-z0-9._=-]+", "_", spec).strip("_")
+        target = self.docs / ch.slug / "figures" / folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(png, target)
+        return (f'<figure markdown="span">\n  ![{caption.replace("]", "")}](figures/{folder}/{name})\n'
                 f"  <figcaption>{html.escape(caption)}</figcaption>\n</figure>")
 
+    def value_md(self, ch: Chapter, spec: str, run_spec: str | None) -> str:
+        """`x PATH [FORMAT]`: the value at PATH in the --json results of x.py's run, formatted."""
+        words = shlex.split(spec)
+        if len(words) not in (2, 3):
+            raise BuildError(f"{ch.slug}/README.md: `<!-- value: {spec} -->` wants `script path [format]`")
+        stem, path, fmt = words[0], words[1], (words[2] if len(words) == 3 else "")
+        run = self.execute(ch, self.configuration(ch, stem, run_spec), quiet=True)
+        if run is None:
+            return "<abbr title=\"built with --no-run: this value appears once its run has run\">…</abbr>"
+        file = run.dir / f"{stem.removesuffix('.py')}.json"
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            value = lookup(data.get("results", data) if isinstance(data, dict) else data, path)
+            return format(value, fmt)
+        except (OSError, KeyError, IndexError, ValueError, TypeError) as exc:
+            if self.s.smoke:   # smoke sizes may not have every row the full run has
+                return f"<abbr title=\"not in the --smoke run: {html.escape(str(exc))}\">…</abbr>"
+            raise BuildError(f"{ch.slug}/README.md: `<!-- value: {spec} -->` from `{run.shown}`: {exc}") from exc
+
     def script_page(self, ch: Chapter, script: Path) -> str:
-        help_run = self.execute(ch, [f"scripts/{script.name}", "--help"], quiet=True)
-        plots = "--plot-dir" in (help_run.output if help_run else script.read_text(encoding="utf-8"))
         stem, rel = script.stem, script.relative_to(self.root).as_posix()
-        flags = ["--json", f"{{OUT}}/{stem}.json"] + (["--plot-dir", f"{{OUT}}/{stem}_figures"] if plots else [])
-        run = self.execute(ch, [f"scripts/{script.name}", *flags])
+        run = self.execute(ch, [f"scripts/{script.name}"])   # the default run, shared with the lesson
         doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or "(no module docstring)"
         parts = [f"# {script.name}", fence("text", doc), "## Source", fence("python", f'--8<-- "{rel}"'),
                  "## Output", self.output_block(run, f"python {rel}")]
@@ -230,12 +325,9 @@ class Builder:
         return "\n\n".join(parts) + "\n"
 
     def figures_section(self, ch: Chapter, stem: str, run: Run) -> list[str]:
-        plots, shown = run.dir / f"{stem}_figures", []
-        for png in sorted(plots.rglob("*.png")):
-            rel = f"{stem}/{png.relative_to(plots).as_posix()}"
-            (self.docs / ch.slug / "figures" / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(png, self.docs / ch.slug / "figures" / rel)
-            shown.append(self.figure_md(ch, rel, png.name))
+        plots = run.dir / f"{stem}_figures"
+        shown = [self.figure_md(ch, f"{stem}/{png.relative_to(plots).as_posix()}", png.stem.replace("_", " "))
+                 for png in sorted(plots.rglob("*.png"))]
         return ["## Figures", *shown] if shown else []
 
     def results_section(self, run: Run, stem: str) -> list[str]:
@@ -247,7 +339,8 @@ class Builder:
 
     def chapter_page(self, ch: Chapter, chapters: list[Chapter]) -> str:
         text = RUN_RE.sub(lambda m: self.run_marker(ch, m.group(1)), ch.readme)
-        text = FIGURE_RE.sub(lambda m: self.figure_md(ch, m.group(1), m.group(2)), text)
+        text = FIGURE_RE.sub(lambda m: self.figure_md(ch, m.group(1), m.group(2), m.group(3)), text)
+        text = VALUE_RE.sub(lambda m: self.value_md(ch, m.group(1), m.group(2)), text)
         text = LINK_RE.sub(lambda m: m.group(1) + self.rewrite_link(ch, chapters, m.group(2)) + m.group(3), text)
         if any(f"]({s.stem}.md" not in text for s in ch.scripts):
             text = text.rstrip() + "\n\n## Scripts in this chapter\n\n" + "\n".join(
@@ -318,8 +411,13 @@ class Builder:
         self.mkdocs(nav + self.static_pages(parts))
         site = self.s.out / "index.html"
         site = site.relative_to(Path.cwd()) if site.is_relative_to(Path.cwd()) else site
+        slowest = sorted(self.timings.items(), key=lambda kv: -kv[1][0])[:5]
+        if slowest:
+            print("[book] the five slowest runs (seconds when run; cached ones cost nothing this time):")
+            for shown, (seconds, cached) in slowest:
+                print(f"  {seconds:7.1f} s  {shown}{'  (cached)' if cached else ''}")
         print(f"[book] {len(chapters)} chapters, {sum(len(c.scripts) for c in chapters)} scripts, "
-              f"{self.counts['fresh']} runs + {self.counts['cached']} cached, {time.perf_counter() - start:.1f} s")
+              f"{self.counts['fresh']} runs + {self.counts['cached']} cached, total {time.perf_counter() - start:.1f} s")
         print(f"Book built: {site}  (serve with: make serve)")
 
     def mkdocs(self, nav: list) -> None:

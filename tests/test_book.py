@@ -58,7 +58,9 @@ def main() -> int:
         ax.bar(range(args.world_size), [1] * args.world_size)
         fig.savefig(args.plot_dir / "ranks.png")
     if args.json:
-        args.json.write_text(json.dumps({"world_size": args.world_size, "smoke": args.smoke}))
+        rows = [{"rank": r, "square": r * r} for r in range(args.world_size)]
+        args.json.write_text(json.dumps({"results": {"world_size": args.world_size, "smoke": args.smoke,
+                                                     "rows": rows, "ratio": 2 / 3}}))
     return 0
 
 
@@ -76,6 +78,11 @@ DEMO_README = f'''\
 ```
 
 <!-- figure: demo/ranks.png "One bar per rank" -->
+
+Three ranks ran: <!-- value: demo world_size run="-w 3" -->, the last square is
+<!-- value: demo rows[rank=2].square run="-w 3" -->, a ratio of <!-- value: demo ratio .1% -->.
+
+<!-- figure: demo/ranks.png "Five bars" run="-w 5" -->
 
 <!-- run: scripts/demo.py --fail expect=3 -->
 
@@ -116,7 +123,9 @@ def test_lesson_shows_captured_output_and_figure(fixture_book):
     root, result = fixture_book
     assert result.returncode == 0, result.stderr
     lesson = (root / "book/docs/chapter01-demo/index.md").read_text()
-    assert f"$ python {CHAPTER}/scripts/demo.py -w 3 --smoke\n[rank 0] hello" in lesson
+    # the command as it ran: the build adds --json and --plot-dir, so the figure and values come from this run
+    assert (f"$ python {CHAPTER}/scripts/demo.py -w 3 --json /tmp/demo.json --plot-dir /tmp/demo_figures --smoke"
+            "\n[rank 0] hello") in lesson
     assert "[rank 2] hello from rank 2 of 3" in lesson
     assert "![One bar per rank](figures/demo/ranks.png)" in lesson
     assert "rank 1 gave up\n[exit code 3]" in lesson          # expect=3: shown, not fatal
@@ -127,6 +136,20 @@ def test_lesson_shows_captured_output_and_figure(fixture_book):
     page = page_text(root / "book/site/chapter01-demo/index.html")
     assert "for rank in range(args.world_size):" in page and "--8<--" not in page   # the snippet section
     assert "Book built:" in result.stdout
+    assert "Three ranks ran: 3, the last square is\n4, a ratio of 66.7%." in lesson
+    assert "![Five bars](figures/demo@-w_5/ranks.png)" in lesson
+    assert (root / "book/docs/chapter01-demo/figures/demo@-w_5/ranks.png").stat().st_size > 0
+    # one run per configuration: the lesson's -w 3 run, the default run (page), the -w 5 run, the failing run
+    runs = [line for line in result.stdout.splitlines() if line.startswith("[run]")]
+    assert len(runs) == len(set(runs)) == 4, result.stdout   # printed once each
+    assert "the five slowest runs" in result.stdout
+
+
+def test_value_marker_with_a_missing_path_fails_the_full_build(tmp_path):
+    root = make_repo(tmp_path, DEMO_README.replace("rows[rank=2].square", "rows[rank=9].square"))
+    result = build(root)
+    assert result.returncode == 1
+    assert "no row with rank=9" in result.stderr
 
 
 def test_script_page_has_docstring_source_output_results(fixture_book):
@@ -152,7 +175,8 @@ def test_failing_run_fails_the_build_and_names_the_command(tmp_path):
     root = make_repo(tmp_path, DEMO_README.replace("--fail expect=3", "--fail"))
     result = build(root, "--smoke")
     assert result.returncode == 1
-    assert f"`python {CHAPTER}/scripts/demo.py --fail --smoke` exited 3 (expected 0)" in result.stderr
+    assert (f"`python {CHAPTER}/scripts/demo.py --fail --json /tmp/demo.json --plot-dir /tmp/demo_figures --smoke`"
+            " exited 3 (expected 0)") in result.stderr
     assert "rank 1 gave up" in result.stderr
 
 
