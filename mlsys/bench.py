@@ -61,7 +61,6 @@ def time_collective(call: typing.Callable[[], None], warmup: int, iters: int, de
 # --8<-- [end:timing]
 
 
-# --8<-- [start:steady]
 @contextlib.contextmanager
 def steady_timing() -> typing.Iterator[None]:
     """Time with the garbage collector out of the way: collect once, freeze what survives (so no generation-2 pass
@@ -94,4 +93,3 @@ def load_average() -> str:
     except OSError:  # not available on this platform
         return f"load average n/a on {os.cpu_count()} cores"
     return f"load average {one:.2f} on {os.cpu_count()} cores"
-# --8<-- [end:steady]

@@ -280,3 +280,32 @@ def test_only_runs_the_chosen_chapter(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "[run]" not in result.stdout
     assert '!!! note "Not run"' in (root / "book/docs/chapter01-demo/index.md").read_text()
+
+
+def test_lessons_quote_no_hand_typed_measurement_and_every_snippet_section_is_included():
+    """Numbers that depend on the machine come from runs (value markers); no snippet section is dead."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_lessons.py")], cwd=REPO, text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import check_lessons
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    lesson = tmp_path / "tutorial/part1-x/chapter01-x/README.md"
+    lesson.parent.mkdir(parents=True)
+    lesson.write_text("The step took 12.5 ms and ran at 3.1 GB/s, 1.42x faster.\n"
+                      "NVLink gives 900 GB/s <!-- typed: H100 spec sheet -->\n"
+                      "`12.5 ms` in code, and <!-- value: x t .1f --> ms from a run.\n"
+                      "```text\n7.5 ms in an output block\n```\n")
+    monkeypatch.setattr(check_lessons, "REPO", tmp_path)
+    found = check_lessons.hand_typed(lesson)
+    assert [f.split("`")[1] for f in found] == ["12.5 ms", "3.1 GB/s", "1.42x"], found
+    script = tmp_path / "mlsys/m.py"
+    script.parent.mkdir()
+    script.write_text("# --8<-- [start:used]\n# --8<-- [end:used]\n# --8<-- [start:dead]\n# --8<-- [end:dead]\n")
+    lesson.write_text('--8<-- "mlsys/m.py:used"\n')
+    assert [o.split("`")[1] for o in check_lessons.orphan_sections(tmp_path)] == ["dead"]

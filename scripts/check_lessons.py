@@ -1,0 +1,97 @@
+"""Check the lessons for two things a reader cannot see but the book depends on.
+
+1. Hand-typed measurements: a number in a lesson's prose that looks machine-dependent (a time, a throughput, a
+   bandwidth, a measured ratio such as 1.42x) must come from the run shown beside it through a
+   `<!-- value: script path [format] -->` marker, not be typed. A line that legitimately quotes a fixed number
+   (a spec-sheet figure with its link, a paper's result with its citation, a recorded GPU run kept as data)
+   carries `<!-- typed: reason -->` on the same source line.
+2. Orphan snippets: every `# --8<-- [start:name]` section in tutorial/ and mlsys/ is included by some page
+   (`--8<-- "path:name"` in a lesson or in book/pages/); a section nobody includes is dead weight that drifts.
+
+    python scripts/check_lessons.py              # every chapter; exit 1 if anything is listed
+    python scripts/check_lessons.py chapter04    # the lessons whose folder contains "chapter04" (orphans: all)
+
+Exit 0 clean, 1 problems listed (one per line, file:line: what), 2 bad usage. Runs in well under a second;
+tests/test_book.py runs it, so `make test` fails on a hand-typed measurement or an orphan section.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+FENCE_RE = re.compile(r"^\s*(```+|~~~+)")
+COMMENT_RE = re.compile(r"<!--.*?-->", re.S)
+INLINE_CODE_RE = re.compile(r"`[^`\n]*`")
+MATH_RE = re.compile(r"\$[^$\n]+\$")
+LINK_TARGET_RE = re.compile(r"\]\([^)]*\)")
+TYPED_RE = re.compile(r"<!--\s*typed:\s*\S")
+NUMBER = r"(?<![\w.])\d[\d,]*(?:\.\d+)?"
+MEASURED = [  # a number with a unit that a run on some machine produced
+    (re.compile(NUMBER + r"\s?(?:ns|µs|us|ms)\b"), "a time"),
+    (re.compile(r"(?<![\w.])\d[\d,]*\.\d+\s?(?:s|seconds?)\b"), "a time"),
+    (re.compile(NUMBER + r"\s?(?:[GMKT]i?B/s|[GM]bit/s|tok/s|tokens/s|req/s|it/s|steps/s|samples/s|"
+                         r"[GT]FLOP/s|TFLOPS|GFLOPS)"), "a rate"),
+    (re.compile(r"(?<![\w.])\d+\.\d+\s?[x×](?![\w])"), "a measured ratio"),
+]
+SECTION_RE = re.compile(r"--8<--\s*\[start:([\w.-]+)\]")
+INCLUDE_RE = re.compile(r'--8<--\s*"([^":]+):([\w.-]+)"')
+
+
+def prose_lines(text: str) -> list[tuple[int, str, str]]:
+    """(line number, prose with code/comments/math removed, the raw line) for every line outside fences."""
+    out, fence = [], None
+    stripped = COMMENT_RE.sub(lambda m: "\n" * m.group().count("\n"), text)  # multi-line comments keep line numbers
+    for number, (line, raw) in enumerate(zip(stripped.split("\n"), text.split("\n")), 1):
+        m = FENCE_RE.match(line)
+        if m:
+            fence = None if fence and m.group(1).startswith(fence) else (fence or m.group(1))
+            continue
+        if fence:
+            continue
+        line = LINK_TARGET_RE.sub("]()", MATH_RE.sub("", INLINE_CODE_RE.sub("", line)))
+        out.append((number, line, raw))
+    return out
+
+
+def hand_typed(path: Path) -> list[str]:
+    problems = []
+    for number, line, raw in prose_lines(path.read_text(encoding="utf-8")):
+        if TYPED_RE.search(raw):
+            continue
+        for pattern, what in MEASURED:
+            for m in pattern.finditer(line):
+                problems.append(f"{path.relative_to(REPO)}:{number}: hand-typed {what} `{m.group().strip()}`: "
+                                "take it from the run with <!-- value: ... --> (or mark <!-- typed: reason -->)")
+    return problems
+
+
+def orphan_sections(root: Path) -> list[str]:
+    sections = {}
+    for src in sorted([*root.glob("tutorial/**/*.py"), *root.glob("mlsys/**/*.py")]):
+        for number, line in enumerate(src.read_text(encoding="utf-8").splitlines(), 1):
+            for name in SECTION_RE.findall(line):
+                sections[(src.relative_to(root).as_posix(), name)] = number
+    pages = [*root.glob("tutorial/part*/chapter*/README.md"), *root.glob("book/pages/*.md")]
+    included = {m for page in pages for m in INCLUDE_RE.findall(page.read_text(encoding="utf-8"))}
+    return [f"{path}:{line}: snippet section `{name}` is included by no page: include it or delete the marker"
+            for (path, name), line in sorted(sections.items()) if (path, name) not in included]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="check_lessons.py", description=__doc__.split("\n")[0])
+    p.add_argument("only", nargs="?", default="", help="check only lessons whose folder contains this text")
+    a = p.parse_args(argv)
+    lessons = sorted(q for q in REPO.glob("tutorial/part*/chapter*/README.md") if a.only in q.parent.name)
+    if not lessons:
+        p.error(f"no lesson folder contains {a.only!r}")
+    problems = [line for lesson in lessons for line in hand_typed(lesson)] + orphan_sections(REPO)
+    print("\n".join(problems) if problems else f"{len(lessons)} lessons: no hand-typed measurement, no orphan")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
