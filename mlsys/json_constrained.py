@@ -28,14 +28,22 @@ boolean, null, enum and const anywhere, and `{}` = any JSON value nested at most
 supported: uniqueItems, patterns, optional-property omission, whitespace other than json.dumps'. Arbitrarily
 deep JSON needs a stack (a pushdown automaton); a fixed schema has a fixed depth, so a finite automaton does.
 
+A schema is checked before it is compiled, and a `SchemaError` (a ValueError) says why when it is malformed
+(jsonschema's meta-schema check), uses a keyword outside the subset, or admits no document this subset can
+write: `required` naming a property that `properties` does not list, minLength > maxLength, minItems >
+maxItems, minimum > maximum, an enum or const that contradicts the node's other keywords (enum values that do
+are dropped: they could never validate), or any other node with no valid value (found as dist[start] = INF).
+
     python -m mlsys.json_constrained     # DFA size and min length of the record schema (< 1 s)
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 
+import jsonschema
 import torch
 
 from mlsys.data import ALPHABET, LANGS, PEOPLE, Tokenizer
@@ -58,6 +66,30 @@ RECORD_SCHEMA: dict = {  # mlsys.data's record format (its uniqueItems check is 
     },
     "required": ["name", "age", "city", "langs"],
 }
+
+
+class SchemaError(ValueError):
+    """The schema is malformed, outside the supported subset, or admits no document this subset can write."""
+
+
+def check_schema(schema) -> None:
+    """jsonschema's own meta-schema check (types of keywords, non-negative lengths, ...), as a SchemaError."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise SchemaError(f"not a valid JSON Schema: {e.message} (at {'/'.join(map(str, e.path)) or 'the root'})")
+
+
+def _satisfies(value, schema: dict) -> bool:
+    """Does `value` validate against `schema` (this node's keywords alone)? jsonschema decides."""
+    return jsonschema.validators.validator_for(schema)(schema).is_valid(value)
+
+
+def _bounds(lo, hi, what: str) -> tuple[int, int | None]:
+    """Integer bounds lo..hi (hi None: unbounded); a SchemaError if the range is empty."""
+    if hi is not None and lo > hi:
+        raise SchemaError(f"{what}: the lower bound {lo} is above the upper bound {hi}, so no value is valid")
+    return lo, hi
 
 
 # ------------------------------------------------------------------------------------ schema -> NFA
@@ -121,7 +153,7 @@ class NFA:
 def _check_alphabet(text: str) -> str:
     bad = set(text) - set(ALPHABET)
     if bad:
-        raise ValueError(f"{text!r} uses {sorted(bad)}, which the tokenizer cannot write")
+        raise SchemaError(f"{text!r} uses {sorted(bad)}, which the tokenizer cannot write")
     return text
 
 
@@ -140,44 +172,59 @@ def _repeat(nfa: NFA, make, lo: int, hi: int | None, sep: str = "") -> tuple[int
 
 
 # --8<-- [start:compile]
-def build(nfa: NFA, schema: dict, depth: int = ANY_DEPTH) -> tuple[int, int]:
+def build(nfa: NFA, schema: dict | bool, depth: int = ANY_DEPTH) -> tuple[int, int]:
     """The NFA fragment of one schema node (canonical json.dumps layout)."""
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise SchemaError("the schema `false` admits no value")
     if set(schema) - KEYWORDS:
-        raise ValueError(f"keywords outside the supported subset: {sorted(set(schema) - KEYWORDS)}")
+        raise SchemaError(f"keywords outside the supported subset: {sorted(set(schema) - KEYWORDS)}")
     if "const" in schema:
+        if not _satisfies(schema["const"], schema):
+            raise SchemaError(f"const {schema['const']!r} contradicts the other keywords of {schema}")
         return nfa.literal(_check_alphabet(json.dumps(schema["const"])))
     if "enum" in schema:  # alternation of literals; subset construction turns it into a trie
-        return nfa.alt(*(nfa.literal(_check_alphabet(json.dumps(v))) for v in schema["enum"]))
+        values = [v for v in schema["enum"] if _satisfies(v, schema)]  # e.g. strings under type: integer
+        if not values:
+            raise SchemaError(f"no value of the enum satisfies the other keywords of {schema}")
+        return nfa.alt(*(nfa.literal(_check_alphabet(json.dumps(v))) for v in values))
     kind = schema.get("type")
     if kind == "object":
         props = schema.get("properties", {})
+        unlisted = [k for k in schema.get("required", []) if k not in props]
+        if unlisted:
+            raise SchemaError(f"required names {unlisted}, which properties does not list (this subset writes "
+                              "exactly the listed properties)")
         parts = [nfa.literal("{")]
         for i, (key, sub) in enumerate(props.items()):  # '{"key": value, "key2": value}'
             parts += [nfa.literal(("," + " " if i else "") + _check_alphabet(json.dumps(key)) + ": "),
                       build(nfa, sub, depth - 1)]
         return nfa.seq(*parts, nfa.literal("}"))
     if kind == "array":
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        if hi == 0:
+        lo, hi = _bounds(schema.get("minItems", 0), schema.get("maxItems"), "minItems/maxItems")
+        if hi == 0 or (schema.get("items") is False and lo == 0):  # `items: false`: only the empty array
             return nfa.literal("[]")
         items = _repeat(nfa, lambda: build(nfa, schema.get("items", {}), depth - 1), max(lo, 1), hi, ", ")
         items = nfa.optional(items) if lo == 0 else items
         return nfa.seq(nfa.literal("["), items, nfa.literal("]"))
     if kind == "string":
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        lo, hi = _bounds(schema.get("minLength", 0), schema.get("maxLength"), "minLength/maxLength")
         if hi == 0:
             return nfa.literal('""')
         body = _repeat(nfa, lambda: nfa.chars(STRING_CHARS), max(lo, 1), hi)
         body = nfa.optional(body) if lo == 0 else body
         return nfa.seq(nfa.literal('"'), body, nfa.literal('"'))
-    if kind in ("integer", "number"):
-        lo, hi = schema.get("minimum", 0), schema.get("maximum")
+    if kind in ("integer", "number"):  # only integers are written: the alphabet has no "."
+        lo = math.ceil(schema.get("minimum", 0))
+        hi = math.floor(schema["maximum"]) if "maximum" in schema else None
         if lo < 0:
-            raise ValueError("negative numbers need '-', which is not in the tokenizer's alphabet")
+            raise SchemaError("negative numbers need '-', which is not in the tokenizer's alphabet")
+        lo, hi = _bounds(lo, hi, "minimum/maximum (integers)")
         if hi is not None and hi - lo <= 10_000:  # a small range: every value, as a trie
             return nfa.alt(*(nfa.literal(str(v)) for v in range(lo, hi + 1)))
         if lo > 0 or hi is not None:
-            raise ValueError("integer bounds are supported for ranges of at most 10,000 values")
+            raise SchemaError("integer bounds are supported for ranges of at most 10,000 values")
         return nfa.alt(nfa.literal("0"), nfa.seq(nfa.chars(NONZERO), nfa.optional(nfa.loop(nfa.chars(DIGITS)))))
     if kind == "boolean":
         return nfa.alt(nfa.literal("true"), nfa.literal("false"))
@@ -185,7 +232,7 @@ def build(nfa: NFA, schema: dict, depth: int = ANY_DEPTH) -> tuple[int, int]:
         return nfa.literal("null")
     if kind is None and not (set(schema) - {"title", "description"}):
         return _any(nfa, depth)
-    raise ValueError(f"schema node outside the supported subset: {schema}")
+    raise SchemaError(f"schema node outside the supported subset: {schema}")
 
 
 def _any(nfa: NFA, depth: int) -> tuple[int, int]:
@@ -244,11 +291,14 @@ class SchemaFSM:
 
     def __init__(self, schema: dict, tokenizer: Tokenizer | None = None):
         self.schema, self.tok = schema, tokenizer or Tokenizer()
+        check_schema(schema)
         self.nfa = NFA()
         start, self.nfa_accept = build(self.nfa, schema)
         self.nfa_start = closure(self.nfa, {start})
         self._determinize()
         self.dist = min_tokens_to_close(self.trans, self.accepting)
+        if self.dist[0] >= INF:  # e.g. an object whose property admits nothing: no document to steer towards
+            raise SchemaError(f"no document satisfies the schema within the supported subset: {schema}")
         self.nfa_dist = self._nfa_distances()
         self._tables()
 

@@ -13,14 +13,12 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import ROOT
 from mlsys.data import LANGS, PEOPLE, format_record, sample_record
-from mlsys.json_constrained import (INF, RECORD_SCHEMA, SchemaFSM, compile_schema, constrained_generate,
-                                    min_tokens_to_close, step_nfa)
+from mlsys.json_constrained import (INF, RECORD_SCHEMA, SchemaError, SchemaFSM, compile_schema,
+                                    constrained_generate, min_tokens_to_close, step_nfa)
 from mlsys.model import GPT, GPTConfig
 from mlsys.weights import load_pretrained
 
-CH11 = ROOT / "tutorial" / "part3-inference" / "chapter11-speculative-constrained" / "scripts"
 SMALL_SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer"},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}}
@@ -94,6 +92,112 @@ def test_unsupported_schemas_fail_loudly() -> None:
     for schema in ({"type": "integer", "minimum": -3}, {"type": "string", "pattern": "a+"}, {"enum": ["A"]}):
         with pytest.raises(ValueError):
             compile_schema(schema)
+
+
+@pytest.mark.parametrize("schema, why", [
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["a", "b"]}, "properties does not list"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength/maxLength"),
+    ({"type": "array", "items": {"type": "null"}, "minItems": 3, "maxItems": 1}, "minItems/maxItems"),
+    ({"type": "integer", "enum": ["a", "b"]}, "no value of the enum"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum/maximum"),
+    ({"type": "integer", "maximum": -1}, "minimum/maximum"),
+    ({"const": 3, "type": "string"}, "contradicts"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 4, "maxLength": 1}}}, "minLength"),
+    ({"type": "array", "items": False, "minItems": 1}, "admits no value"),
+    ({"type": "string", "minLength": -1}, "not a valid JSON Schema"),  # jsonschema's meta-schema check
+    ({"type": "strng"}, "not a valid JSON Schema"),
+    ({"type": "object", "required": "a"}, "not a valid JSON Schema"),
+])
+def test_schemas_without_a_valid_output_are_refused(schema: dict, why: str) -> None:
+    """Each of these compiled before and produced text that jsonschema rejects (or min_length 2^30)."""
+    with pytest.raises(SchemaError, match=why):
+        compile_schema(schema)
+
+
+def test_enum_values_that_contradict_the_type_are_dropped() -> None:
+    fsm = compile_schema({"type": "integer", "enum": ["a", 3, 17, True]})
+    assert fsm.accepts_text("3") and fsm.accepts_text("17")
+    assert not fsm.accepts_text('"a"') and not fsm.accepts_text("true")
+    assert compile_schema({"type": "array", "items": False}).accepts_text("[]")
+
+
+# ------------------------------------------------------------------------------------------ property test
+WORDS = ["a", "ok", "zed", "x1", "no way"]
+
+
+def random_schema(rng: random.Random, depth: int = 2) -> dict:
+    """A random schema of the supported subset that has at least one valid document."""
+    kinds = ["boolean", "null", "integer", "string", "enum", "const"] + (["array", "object"] if depth > 0 else [])
+    kind = rng.choice(kinds)
+    if kind == "integer":
+        lo = rng.choice([None, 0, 3, 95])  # a lower bound above 0 needs an upper one (a finite trie)
+        hi = None if not lo and rng.random() < 0.3 else (lo or 0) + rng.randint(0, 120)
+        return {"type": "integer", **({"minimum": lo} if lo is not None else {}),
+                **({"maximum": hi} if hi is not None else {})}
+    if kind == "string":
+        s: dict = {"type": "string"}
+        if rng.random() < 0.5:
+            s["minLength"] = rng.randint(0, 3)
+        if rng.random() < 0.5:
+            s["maxLength"] = s.get("minLength", 0) + rng.randint(0, 4)
+        if rng.random() < 0.3:  # an enum under string bounds: only the values that fit are kept
+            s["enum"] = rng.sample(WORDS, 3) + [7]
+            if not any(isinstance(w, str) and s.get("minLength", 0) <= len(w) <= s.get("maxLength", 99)
+                       for w in s["enum"]):
+                del s["enum"]
+        return s
+    if kind == "enum":
+        return {"enum": rng.sample([*WORDS, 0, 42, True, False, None, [1, "a"], {"k": 2}], 3)}
+    if kind == "const":
+        return {"const": rng.choice([*WORDS, 5, None, [True, 3]])}
+    if kind == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth - 1), "minItems": lo,
+                **({"maxItems": lo + rng.randint(0, 2)} if rng.random() < 0.7 else {})}
+    if kind == "object":
+        keys = rng.sample(["id", "tag", "n", "ok", "sub"], rng.randint(1, 3))
+        return {"type": "object", "properties": {k: random_schema(rng, depth - 1) for k in keys},
+                "required": rng.sample(keys, rng.randint(0, len(keys)))}
+    return {"type": kind}
+
+
+def random_documents(fsm: SchemaFSM, rng: random.Random, budget: int, n: int) -> list[str]:
+    """n documents written by choosing uniformly among the tokens the mask allows: every path the mask opens."""
+    docs = []
+    for _ in range(n):
+        state, out, remaining = fsm.start, [], budget
+        while True:
+            allowed = fsm.mask(state, remaining).nonzero().flatten().tolist()
+            assert allowed, "the mask left no token"
+            v = rng.choice(allowed)
+            if v == fsm.tok.eos_id:
+                break
+            out.append(v)
+            state, remaining = int(fsm.next_state[state, v]), remaining - 1
+        docs.append(fsm.tok.decode(out))
+    return docs
+
+
+def test_property_every_masked_output_validates(tiny_model: GPT) -> None:
+    """Random schemas of the subset; for each, random walks through the mask at several budgets and decoding
+    with a random model at temperature 2: every document parses and jsonschema accepts it."""
+    rng = random.Random(0)
+    checked = 0
+    for i in range(60):
+        schema = random_schema(rng)
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+        fsm = compile_schema(schema)
+        lo = fsm.min_length
+        for budget in (lo, lo + 3, lo + 15):
+            for text in random_documents(fsm, rng, budget, 8):
+                assert len(text) <= budget
+                jsonschema.validate(json.loads(text), schema)
+                checked += 1
+        if i % 4 == 0 and lo + 8 < tiny_model.config.block_size - 2:
+            g = torch.Generator().manual_seed(i)
+            text = constrained_generate(tiny_model, fsm, lo + 8, temperature=2.0, generator=g)
+            jsonschema.validate(json.loads(text), schema)
+    assert checked == 60 * 3 * 8
 
 
 # ------------------------------------------------------------------------------------------ min tokens to close

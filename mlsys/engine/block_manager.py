@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from mlsys.engine.radix_cache import RadixCache
+
 if TYPE_CHECKING:
-    from mlsys.engine.radix_cache import RadixCache
     from mlsys.engine.request import Sequence
 
 
@@ -100,8 +101,6 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, block_size)
         self.prefix_cache = None
         if enable_prefix_caching:
-            from mlsys.engine.radix_cache import RadixCache
-
             self.prefix_cache = RadixCache(self.pool)
             self.pool.evictor = self.prefix_cache
         self.prefix_hit_tokens = 0  # tokens served from the cache at admission (counted by the scheduler)

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import TYPE_CHECKING
 
-from mlsys.engine.block_manager import BlockPool
+if TYPE_CHECKING:  # only for annotations: block_manager imports this module, not the other way round
+    from mlsys.engine.block_manager import BlockPool
 
 
 class RadixNode:
