@@ -1,50 +1,42 @@
-"""Chapter 9 oracles: paged attention against the contiguous GPT, the engine's bookkeeping, preemption and prefix
-caching against uncached / unconstrained runs (each script's --json), and the calculator's arithmetic by hand."""
+"""Chapter 9 oracles: paged attention against the contiguous GPT, the engine's bookkeeping, admission and
+preemption against a brute-force simulation of the pool, prefix caching against the engine's own counters and
+the prompts' shared prefixes, preemption against an unconstrained run (each script's --json), and the
+calculator's arithmetic by hand."""
 
 from __future__ import annotations
 
 import json
+from collections import deque
 
 import pytest
-import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run_json, scripts_dir
 from mlsys import kv_memory as kvm
-from mlsys.model import GPT, GPTConfig
 
-CH09 = ROOT / "tutorial" / "part3-inference" / "chapter09-kv-cache" / "scripts"
-
-
-def run_json(tmp_path_factory, script: str, *flags: str) -> dict:
-    out = tmp_path_factory.mktemp(script.split(".")[0]) / "r.json"
-    proc = run([CH09 / script, "--json", out, *flags], timeout=170)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(out.read_text())["results"]
+CH09 = scripts_dir(9)
 
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory) -> dict:
-    return run_json(tmp_path_factory, "paged_kv.py", "--smoke")
+    return run_json(tmp_path_factory, CH09 / "paged_kv.py")  # the default run: 12 requests, preemptions
 
 
 @pytest.fixture(scope="module")
 def preempt(tmp_path_factory) -> dict:
-    return run_json(tmp_path_factory, "preemption.py", "--smoke")
+    return run_json(tmp_path_factory, CH09 / "preemption.py")  # the default run
 
 
 @pytest.fixture(scope="module")
 def prefix(tmp_path_factory) -> dict:
-    return run_json(tmp_path_factory, "prefix_cache.py", "--smoke")
+    return run_json(tmp_path_factory, CH09 / "prefix_cache.py", "--smoke", "--repeats", "1")
 
 
 # ------------------------------------------------------------------------------------------ paged attention
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_paged_attention_equals_contiguous_gpt(block_size: int) -> None:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny")).eval()
+def test_paged_attention_equals_contiguous_gpt(tiny_model, block_size: int) -> None:
     mod = load_script(CH09 / "paged_kv.py")
     # lengths ending before, on and after block boundaries; decode steps cross into new blocks
-    worst = mod.paged_vs_contiguous(model, [1, 2, 3, 4, 5, 15, 16, 17, 33], block_size, decode_steps=4, seed=1)
+    worst = mod.paged_vs_contiguous(tiny_model, [1, 2, 3, 4, 5, 15, 16, 17, 33], block_size, decode_steps=4, seed=1)
     assert worst < 1e-5
 
 
@@ -55,29 +47,119 @@ def test_bookkeeping_demo_counts_blocks() -> None:
     assert out == {"blocks_A": 4, "blocks_B": 2, "free_after": 8}
 
 
+def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int,
+                  max_model_len: int, budget: int = 512) -> dict:
+    """Brute force, tokens and block counts only: requests (prompt_len, max_tokens) served step by step from a
+    pool of num_blocks. Running sequences first, oldest first, each taking blocks for its next tokens; when the
+    pool is short the newest running one gives all its blocks back and waits at the front of the queue (it
+    recomputes everything later); then waiting ones are admitted in order while seats, token budget and blocks
+    last, but not in a step that preempted. Returns the running count after every step and the preemptions."""
+    prompt, max_tokens = [p for p, _ in work], [m for _, m in work]
+    done, gen, held = [0] * len(work), [0] * len(work), [0] * len(work)  # computed, generated, blocks held
+    waiting, running, free = deque(range(len(work))), [], num_blocks
+    counts, preemptions, per_request, prefill = [], 0, [0] * len(work), 0
+
+    def blocks_for(r: int, n: int) -> int:
+        return max(0, -(-(done[r] + n) // block_size) - held[r])
+
+    while waiting or running:
+        left, scheduled, preempted, i = budget, [], False, 0
+        while i < len(running) and left > 0:
+            r = running[i]
+            n = min(prompt[r] + gen[r] - done[r], left)
+            while blocks_for(r, n) > free:
+                victim = running.pop()
+                free, held[victim], done[victim] = free + held[victim], 0, 0
+                waiting.appendleft(victim)
+                preemptions, preempted = preemptions + 1, True
+                per_request[victim] += 1
+                if victim == r:
+                    break
+            else:
+                free -= blocks_for(r, n)
+                held[r] += blocks_for(r, n)
+                scheduled.append((r, n))
+                left -= n
+                i += 1
+        while not preempted and waiting and len(running) < max_num_seqs and left > 0:
+            r = waiting[0]
+            n = min(prompt[r] + gen[r], left)
+            if blocks_for(r, n) > free:
+                break
+            waiting.popleft()
+            free -= blocks_for(r, n)
+            held[r] += blocks_for(r, n)
+            running.append(r)
+            scheduled.append((r, n))
+            left -= n
+        for r, n in scheduled:
+            prefill += n if not (n == 1 and gen[r] and done[r] == prompt[r] + gen[r] - 1) else 0  # not a decode
+            done[r] += n
+            if done[r] == prompt[r] + gen[r]:  # all its tokens are in the cache: it samples one more
+                gen[r] += 1
+                if gen[r] == max_tokens[r] or prompt[r] + gen[r] >= max_model_len:
+                    free, held[r] = free + held[r], 0
+                    running.remove(r)
+        counts.append(len(running))
+    return {"steps": len(counts), "preemptions": preemptions, "peak_running": max(counts),
+            "mean_running": sum(counts) / len(counts), "preemptions_per_request": per_request,
+            "prefill_tokens": prefill}
+
+
 @pytest.mark.timeout(180)
 def test_paged_kv_script(paged: dict) -> None:
+    mod = load_script(CH09 / "paged_kv.py")
+    args = mod.Settings()  # the fixture ran the defaults
+    work = [(len(p), sp.max_tokens) for p, sp in mod.make_workload(args)]
     assert paged["paged_vs_contiguous_max_abs_diff"] < 1e-4
-    rows = {r["block_size"]: r for r in paged["computed_waste"]}
-    assert rows[1]["paged waste %"] == 0 and rows[1]["paged slots"] == rows[1]["tokens used"]
-    for r in rows.values():  # paged never holds more than a reservation of the longest, and waste grows with bs
-        assert r["paged slots"] <= r["reserved slots"] or r["block_size"] > 16
-    assert [rows[b]["paged waste %"] for b in sorted(rows)] == sorted(rows[b]["paged waste %"] for b in rows)
-    p, r = paged["runs"]["paged"], paged["runs"]["reserved"]
-    assert r["peak_running"] == paged["reserved_seats"] and p["peak_running"] > r["peak_running"]
-    assert paged["paged_waste"] < paged["reserved_waste"]
-    assert paged["concurrency_gain"] == pytest.approx(p["mean_running"] / r["mean_running"])
-    assert p["steps"] < r["steps"]
+    # the waste table, brute force: walk every token of every final sequence into blocks of bs
+    final = [p + m for p, m in work]
+    for row in paged["computed_waste"]:
+        bs, slots, block_fill = row["block_size"], 0, 0
+        for length in final:
+            for _ in range(length):
+                if block_fill == 0:
+                    slots += bs  # a new block
+                block_fill = (block_fill + 1) % bs
+            block_fill = 0  # the next sequence starts in a block of its own
+        assert row["tokens used"] == sum(final) and row["paged slots"] == slots
+        assert row["reserved slots"] == len(final) * args.max_model_len
+        assert row["paged waste %"] == pytest.approx(100 * (1 - sum(final) / slots))
+    # admission and preemption: the engine's runs against the brute-force pool simulation
+    pool = args.pool_seqs * args.max_model_len
+    for name, seats in (("paged", args.num_requests), ("reserved", paged["reserved_seats"])):
+        sim = simulate_pool(work, pool // args.block_size, args.block_size, seats, args.max_model_len)
+        got = paged["runs"][name]
+        assert (got["steps"], got["preemptions"], got["peak_running"]) == (sim["steps"], sim["preemptions"],
+                                                                          sim["peak_running"]), name
+        assert got["mean_running"] == pytest.approx(sim["mean_running"]), name
+    assert paged["runs"]["paged"]["preemptions"] > 0  # the default run exercises preemption
+    sims = [simulate_pool(work, pool // args.block_size, args.block_size, s, args.max_model_len)
+            for s in (args.num_requests, paged["reserved_seats"])]
+    assert paged["concurrency_gain"] == pytest.approx(sims[0]["mean_running"] / sims[1]["mean_running"])
+    assert paged["reserved_seats"] == pool // args.max_model_len
 
 
 # ------------------------------------------------------------------------------------------ preemption
 @pytest.mark.timeout(180)
 def test_preemption_script(preempt: dict) -> None:
+    """Both runs against the brute-force pool: steps, preemptions (per request) and the prefill tokens the
+    engine counted, recomputed tokens included."""
+    mod = load_script(CH09 / "preemption.py")
+    args = mod.Settings()  # the fixture ran the defaults
+    work = [(len(p), args.max_tokens) for p in mod.make_prompts(args.num_requests, args.seed)]
+    for name, blocks in (("tight", args.num_blocks), ("roomy", preempt["roomy"]["num_blocks"])):
+        sim = simulate_pool(work, blocks, args.block_size, args.num_requests, args.max_model_len)
+        got = preempt[name]
+        assert got["num_blocks"] == blocks and got["steps"] == sim["steps"], name
+        assert got["num_preemptions"] == sim["preemptions"], name
+        assert got["preemptions_per_request"] == sim["preemptions_per_request"], name
+        assert got["prefill_tokens"] == sim["prefill_tokens"], name
     tight, roomy = preempt["tight"], preempt["roomy"]
     assert roomy["num_preemptions"] == 0 and tight["num_preemptions"] > 0
-    assert sum(tight["preemptions_per_request"]) == tight["num_preemptions"]
+    assert roomy["prefill_tokens"] == sum(p for p, _ in work)  # without preemption every prompt once
     assert tight["reasons"] == ["length"] * len(tight["reasons"])  # outputs equal: checked by the script (exit 0)
-    assert preempt["recomputed_tokens"] == tight["prefill_tokens"] - roomy["prefill_tokens"] > 0
+    assert preempt["recomputed_tokens"] > 0
 
 
 def test_recompute_vs_swap_formulas() -> None:
@@ -94,25 +176,48 @@ def test_recompute_vs_swap_formulas() -> None:
     assert other["recompute_s"] / other["swap_s"] == pytest.approx(ratio)
 
 
-def test_measured_swap_restores_the_cache() -> None:
+def test_measured_swap_restores_the_cache(tiny_model) -> None:
     mod = load_script(CH09 / "preemption.py")
-    out = mod.measure_recompute_vs_swap(GPT(GPTConfig.preset("tiny")).eval(), 20, 8, "cpu", repeats=1)
+    out = mod.measure_recompute_vs_swap(tiny_model, 20, 8, "cpu", repeats=1)
     # 3 blocks of 8 x 2 layers x 2 heads x 16 dims x 4 B, for K and V
     assert out["kv_bytes"] == 2 * 2 * 3 * 8 * 2 * 16 * 4 and out["recompute_s"] > 0 and out["swap_s"] > 0
 
 
 # ------------------------------------------------------------------------------------------ prefix caching
+def full_block_prefix(a: list[int], b: list[int], block_size: int) -> int:
+    """Tokens of a's longest prefix that b shares, in whole blocks."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // block_size * block_size
+
+
 @pytest.mark.timeout(180)
 def test_prefix_cache_script(prefix: dict) -> None:
+    """Prefill work from the engine's own counter; cache hits from the prompts' shared prefixes (brute force)."""
+    mod = load_script(CH09 / "prefix_cache.py")
+    bs = mod.Settings().block_size
+    _, prompts = mod.make_prompts(4, 1, seed=0)  # the --smoke workload: 4 requests, 1 shot
     off, on = prefix["no cache"], prefix["prefix cache"]
+    assert on["prompt_tokens"] == off["prompt_tokens"] == sum(map(len, prompts))
     assert off["stats"]["prefix_hit_rate"] == 0 and off["prefilled_tokens"] == off["prompt_tokens"]
-    hits = on["stats"]["prefix_hit_tokens"]
-    assert hits > 0 and on["prefilled_tokens"] == on["prompt_tokens"] - hits
-    assert on["stats"]["prefix_hit_rate"] == pytest.approx(hits / on["prompt_tokens"])
-    assert prefix["prefill_tokens_saved"] == pytest.approx(hits / on["prompt_tokens"])
-    assert prefix["full_hit_cached_tokens"] % 16 == 0 and prefix["full_hit_cached_tokens"] > 0
-    assert prefix["freed_on_reset"] > 0
+    # the engine's num_prefill_tokens (counted in Engine.step from what was scheduled) against the requests'
+    # own record of their cached tokens (set at admission): two counts that must agree
+    cached = on["cached_per_request"]
+    assert on["prefilled_tokens"] == on["prompt_tokens"] - sum(cached) == on["stats"]["num_prefill_tokens"]
+    assert sum(cached) == on["stats"]["prefix_hit_tokens"] > 0
+    assert cached[0] == 0  # the first request finds an empty tree
+    for i in range(1, len(prompts)):  # request i arrives after every earlier prompt was prefilled and cached
+        cap = (len(prompts[i]) - 1) // bs * bs  # the last prompt token is always computed
+        shared = max(full_block_prefix(prompts[i], prompts[j], bs) for j in range(i))
+        assert min(shared, cap) <= cached[i] <= cap, i
+    assert prefix["full_hit_cached_tokens"] == (prefix["prompt0_tokens"] - 1) // bs * bs
+    tree = prefix["tree"]
+    common = min(full_block_prefix(prompts[0], p, 1) for p in prompts[1:])  # tokens every prompt shares
+    assert tree["shared_prompt_tokens"] == common and tree["first_edge_tokens"] >= common // bs * bs
+    assert prefix["freed_on_reset"] == tree["cached_blocks"] > 0
     assert on["stats"]["num_used_blocks"] == 0 and off["stats"]["num_used_blocks"] == 0
+    assert set(prefix["ttft_p50"]) == {"no cache", "prefix cache"}  # timings are reported, never asserted
 
 
 def test_prefix_workload_shares_the_system_prompt() -> None:

@@ -202,7 +202,7 @@ def main() -> int:
     for r in rows:
         r["KV MiB"] = r.pop("kv_bytes") / kvm.MIB
         r["recompute / swap"] = r["recompute_s"] / r["swap_s"]
-    print(f"\n2. Paying for a preempted sequence: recompute (prefill again) vs swap (K/V out and back in)"
+    print("\n2. Paying for a preempted sequence: recompute (prefill again) vs swap (K/V out and back in)"
           + ("  [CPU: 'swap' is a memory copy here, not a PCIe transfer]" if device == "cpu" else ""))
     print(report.table(rows, floatfmt=".3g"))
     print(f"   computed with {args.gpu_tflops:g} TFLOPS x {args.mfu:g} MFU and {args.pcie_gbps:g} GB/s per "
