@@ -127,6 +127,7 @@ class ModelRunner:
         identity = S == len(lens)  # everyone in one group: rows are 0..N-1 already
         to = self.to_device
         return AttnGroup(None if identity else to(rows), to(table), to(pad_index), to(mask[:, None]), S, Qmax)
+    # --8<-- [end:prepare]
 
     @staticmethod
     def split_by_shape(query_lens: list[int], num_blocks: list[int], keep: float = 0.6) -> list[list[int]]:
@@ -155,7 +156,6 @@ class ModelRunner:
         if cut == 0 or best > keep * one:
             return [list(range(S))]
         return [order[:cut], order[cut:]]
-    # --8<-- [end:prepare]
 
     # --8<-- [start:attention]
     def attention(self, layer: int, attn, x: torch.Tensor, m: ModelInput) -> torch.Tensor:
