@@ -183,14 +183,14 @@ class Builder:
     def book_flags(self, ch: Chapter, tokens: list[str]) -> list[str]:
         """--json (and --plot-dir for a script that draws) for the script named in `tokens`: every run of a
         configuration writes its results, so the lesson and the script page can share it."""
-        script = next((ch.path / t for t in tokens if t.endswith(".py") and (ch.path / t).is_file()), None)
-        if script is None or "--json" in tokens:
+        script = next((t for t in tokens if t.endswith(".py") and (ch.path / t).is_file()), None)
+        if script is None or {"--json", "--help", "-h"} & set(tokens):
             return []
-        flags = ["--json", f"{{OUT}}/{script.stem}.json"]
-        source = script.read_text(encoding="utf-8")
-        if "PlotArgs" in source or "--plot-dir" in source:
-            flags += ["--plot-dir", f"{{OUT}}/{script.stem}_figures"]
-        return flags
+        stem = Path(script).stem
+        helped = self.execute(ch, [script, "--help"], quiet=True)
+        text = helped.output if helped else (ch.path / script).read_text(encoding="utf-8")
+        return ["--json", f"{{OUT}}/{stem}.json"] + (["--plot-dir", f"{{OUT}}/{stem}_figures"]
+                                                     if "--plot-dir" in text else [])
 
     def configuration(self, ch: Chapter, stem: str, spec: str | None) -> list[str]:
         """The tokens of a run named by a figure or value marker: x.py's default run, x.py with `spec`'s
@@ -216,7 +216,7 @@ class Builder:
         if not cached:
             self.fresh_run(launcher, args, shown, expect, entry)
         meta = json.loads((entry / "run.json").read_text(encoding="utf-8"))
-        if shown not in self.timings:
+        if shown not in self.timings and "--help" not in tokens:   # --help runs only tell which flags exist
             self.counts["cached" if cached else "fresh"] += 1
             self.timings[shown] = (meta["seconds"], cached)
             if not quiet or not cached:

@@ -1,0 +1,47 @@
+"""Every distributed script, at every world size from 1 to 8: its self-check passes or it refuses the size.
+
+A self-check that fails at a world size the script accepts is a bug the reader finds by typing `-w 3`. One case
+per chapter runs that chapter's distributed scripts at sizes 1..8 with --smoke from one parent process
+(tests/fixtures/sweep.py: torch imported once, the launcher's fork server started once), so the sweep costs about
+the work itself. A size may be refused with the contract's usage error (exit 2, one line naming the sizes
+supported); any other exit code fails the case.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import groupby
+
+import pytest
+
+from conftest import ROOT, chapter_scripts, run
+
+DISTRIBUTED = [s for s in chapter_scripts() if "DistArgs" in s.read_text()]
+BY_CHAPTER = {ch: list(scripts) for ch, scripts in groupby(DISTRIBUTED, key=lambda s: s.parent.parent.name)}
+SIZES = list(range(1, 9))
+SWEEP = ROOT / "tests" / "fixtures" / "sweep.py"
+
+
+def sweep(scripts: list, sizes: list[int], *flags: str, timeout: float = 500) -> dict[tuple[str, int], int]:
+    """{(script name, world size): exit code} for every pair; fails on any code other than 0 and 2."""
+    proc = run([SWEEP, ",".join(map(str, sizes)), *scripts, "--", *flags], timeout=timeout)
+    results = {(r["script"], r["world_size"]): r["exit_code"]
+               for r in (json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("SWEEP "))}
+    wanted = [(s.name, w) for s in scripts for w in sizes]
+    assert sorted(results) == sorted(wanted), f"the sweep stopped early:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    failed = {key: code for key, code in results.items() if code not in (0, 2)}
+    assert not failed, f"(script, world size): exit code {failed}\n{proc.stderr[-5000:]}"
+    for script in scripts:
+        assert any(results[(script.name, w)] == 0 for w in sizes), f"{script.name} refused every world size"
+    return results
+
+
+def test_every_distributed_script_is_swept() -> None:
+    assert sum(map(len, BY_CHAPTER.values())) == len(DISTRIBUTED) >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize("chapter", sorted(BY_CHAPTER))
+def test_self_checks_hold_at_every_world_size(chapter: str) -> None:
+    sweep(BY_CHAPTER[chapter], SIZES, "--smoke")
