@@ -4,7 +4,14 @@ A self-check that fails at a world size the script accepts is a bug the reader f
 per chapter runs that chapter's distributed scripts at sizes 1..8 with --smoke from one parent process
 (tests/fixtures/sweep.py: torch imported once, the launcher's fork server started once), so the sweep costs about
 the work itself. A size may be refused with the contract's usage error (exit 2, one line naming the sizes
-supported); any other exit code fails the case.
+supported); any other exit code fails the case. Part II's equality checks (sharded == dense, within rounding) are
+swept again at their default sizes, where rounding in small gradients matters most.
+
+These cases carry the `sweep` marker: `make test` leaves them out to stay within its 10 minutes, `make sweep`
+runs them (about 10 minutes on 2 cores), and CI (.ci/run) runs both.
+
+    make sweep                                       # all of it
+    python -m pytest tests/test_sweep.py -m sweep -k chapter05
 """
 
 from __future__ import annotations
@@ -40,8 +47,20 @@ def test_every_distributed_script_is_swept() -> None:
     assert sum(map(len, BY_CHAPTER.values())) == len(DISTRIBUTED) >= 20
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(560)
+@pytest.mark.sweep
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("chapter", sorted(BY_CHAPTER))
 def test_self_checks_hold_at_every_world_size(chapter: str) -> None:
-    sweep(BY_CHAPTER[chapter], SIZES, "--smoke")
+    sweep(BY_CHAPTER[chapter], SIZES, "--smoke", timeout=880)
+
+
+# Part II scripts whose self-check is an equality (sharded result == single-process result): default sizes.
+EQUALITY = [s for s in DISTRIBUTED if s.parent.parent.parent.name.startswith("part2")
+            and s.name not in ("bench_ddp.py", "bubble.py")]
+
+
+@pytest.mark.sweep
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", EQUALITY, ids=lambda s: s.name)
+def test_part2_equality_checks_hold_at_default_sizes(script) -> None:  # noqa: ANN001
+    sweep([script], SIZES, timeout=880)
