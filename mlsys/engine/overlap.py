@@ -13,9 +13,16 @@ it is: every sequence that samples in step N will decode one token in step
 N+1, at a known position, into a known slot. So the engine first advances the
 sequences as if step N were done, with a placeholder where each new token will
 go, schedules and prepares step N+1, and when step N's tokens arrive writes them
-into the placeholders (in the sequences and in the prepared input ids). SGLang's
-overlap scheduler and vLLM's async scheduling work this way ("future" token ids
-resolved on the device).
+into the placeholders (in the sequences and in the prepared input ids).
+
+What overlaps here is only the scheduling and preparation of step N+1 with step
+N's forward: step N's logits come back to the host, are sampled there, and their
+tokens are written into N+1's inputs before N+1 launches. SGLang's overlap
+scheduler (`FutureMap` in python/sglang/srt/managers/overlap_utils.py) and vLLM's
+async scheduling (the model runner keeps `prev_sampled_token_ids` on the GPU)
+go one step further: the placeholders are resolved ON THE DEVICE from the sampled
+ids the GPU just produced, so N+1 is launched before N's tokens reach the host,
+and the CPU processes step N's results while N+1 runs.
 
 Two things can be known only afterwards, and both are handled exactly:
 - a sequence that reaches max_tokens or max_model_len with this token is known
@@ -24,7 +31,8 @@ Two things can be known only afterwards, and both are handled exactly:
   step N+1 anyway, so step N+1 is re-prepared without it (a step that loses
   the overlap, only when someone stops).
 Everything else is the plain engine's code, so the output is token for token the
-plain engine's (the tests check it).
+plain engine's (the tests check it). An abort between steps frees the request's
+blocks and, if it was in the prepared step N+1, re-prepares that step without it.
 
 Where the forward runs: on a GPU, kernels are launched asynchronously and the
 launching thread returns at once, so the CPU work simply follows the launch.
@@ -43,6 +51,7 @@ import torch
 from mlsys.engine.engine import Engine
 from mlsys.engine.request import RequestOutput, SequenceStatus
 from mlsys.engine.sampler import sample, sampled_logprobs
+from mlsys.engine.scheduler import Scheduler
 
 PLACEHOLDER = -1  # a token id that is not known yet (step N still running)
 
@@ -148,10 +157,8 @@ class OverlapEngine(Engine):
             return
         sched, batch = self._next
         if any(s.status is not SequenceStatus.RUNNING for s, _ in sched.scheduled):  # stopped on <eos>
-            sched.scheduled = [(s, n) for s, n in sched.scheduled if s.status is SequenceStatus.RUNNING]
-            sched.num_batched_tokens = sum(n for _, n in sched.scheduled)
             self.overlap_stats["num_reprepared"] += 1
-            self._next = (sched, self._prepare(sched)) if sched.scheduled else None
+            self._drop_from_next(lambda s: s.status is not SequenceStatus.RUNNING)
             return  # prepared from the sequences' committed tokens: no placeholder left
         rows, ids, row = [], [], 0
         for seq, n in sched.scheduled:
@@ -162,6 +169,16 @@ class OverlapEngine(Engine):
         if rows:  # packed rows of an eager ModelInput; a graph batch has one row per sequence: the same index
             input_ids = batch.input_ids if hasattr(batch, "input_ids") else batch.buffers.input_ids
             input_ids[torch.tensor(rows)] = torch.tensor(ids, device=input_ids.device)
+
+    def _drop_from_next(self, leaves) -> None:
+        """Take the sequences for which leaves(seq) holds out of the prepared step N+1 and prepare it again
+        (from committed tokens only: call it between steps, when no placeholder is left)."""
+        sched, _ = self._next
+        gone = [(s, n) for s, n in sched.scheduled if leaves(s)]
+        sched.scheduled = [(s, n) for s, n in sched.scheduled if not leaves(s)]
+        sched.num_batched_tokens -= sum(n for _, n in gone)
+        sched.num_prefill_tokens -= sum(n for s, n in gone if not Scheduler._is_decode(s, n))
+        self._next = (sched, self._prepare(sched)) if sched.scheduled else None
     # --8<-- [end:optimistic]
 
     def _count(self, sched, timing: dict, t0: float) -> None:
@@ -175,7 +192,14 @@ class OverlapEngine(Engine):
         self.last_step_timing = timing
 
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError("OverlapEngine does not support abort (a request may be in the step in flight)")
+        """Stop a request between steps (step() holds the lock, so no forward is in flight): free its blocks
+        as the plain engine does, and if it is in the already prepared step N+1, prepare that step without it
+        (its slots would otherwise be written after the blocks went back to the pool)."""
+        with self._lock:
+            seq = self.requests.get(request_id)
+            super().abort(request_id)
+            if seq is not None and self._next is not None and any(s is seq for s, _ in self._next[0].scheduled):
+                self._drop_from_next(lambda s: s is seq)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from mlsys.bench import steady_timing
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine.engine import Engine, EngineConfig
 from mlsys.engine.request import SamplingParams
@@ -91,7 +92,6 @@ def count_ops(fn) -> dict:
     return {"aten_ops": len(events), "python_ops": len(top), "kernels": kernels if cuda else None,
             "by_name": Counter(e.name for e in top).most_common()}
 # --8<-- [end:count_ops]
-# --8<-- [end:count_ops]
 
 
 # --8<-- [start:tiny_op]
@@ -103,11 +103,12 @@ def time_tiny_op(device: str = "cpu", iters: int = 2000) -> float:
     for _ in range(100):
         torch.add(a, b, out=out)
     _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        torch.add(a, b, out=out)
-    _sync(device)
-    return (time.perf_counter() - t0) / iters
+    with steady_timing():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.add(a, b, out=out)
+        _sync(device)
+        return (time.perf_counter() - t0) / iters
 # --8<-- [end:tiny_op]
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mlsys import cli, report
+from mlsys import bench, cli, report
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.cuda_graphs import gumbel_sample, pick_graph_size
 from mlsys.engine.step_profile import count_ops, decode_engine, decode_prompts, decode_step_inputs, time_tiny_op
@@ -127,13 +127,14 @@ def check_sampling(model, args: Settings, device: str, num_draws: int = 20_000) 
 def median_time(fn, iters: int, device: str) -> float:
     """Median seconds of fn() including a device synchronisation (the latency a caller sees)."""
     times = []
-    for i in range(iters + 3):
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 3:  # the first calls warm up
-            times.append(time.perf_counter() - t0)
+    with bench.steady_timing():  # no garbage-collector pass inside a timed call
+        for i in range(iters + 3):
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 3:  # the first calls warm up
+                times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -187,9 +188,11 @@ def check_engine(model, args: Settings, device: str) -> dict:
     out, secs = {}, {}
     for name, sizes in (("eager", None), ("graphs", args.sizes)):
         engine = Engine(model, config=EngineConfig(max_num_seqs=len(prompts), device=device, cuda_graph_sizes=sizes))
-        t0 = time.perf_counter()
-        out[name] = [o.token_ids for o in engine.generate(prompts, params)]
-        secs[name] = time.perf_counter() - t0
+        engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        with bench.steady_timing():
+            t0 = time.perf_counter()
+            out[name] = [o.token_ids for o in engine.generate(prompts, params)]
+            secs[name] = time.perf_counter() - t0
     report.expect_equal("engine tokens: graphs vs eager", out["graphs"], out["eager"])
     tokens = sum(len(t) for t in out["eager"])
     return {"tokens": tokens, "eager_tok_s": tokens / secs["eager"], "graphs_tok_s": tokens / secs["graphs"]}
@@ -227,8 +230,11 @@ def main() -> int:
           f"   That forward runs at {d['forward_gflops']:.2f} GFLOP/s; a 512x512 matmul here at "
           f"{d['matmul_gflops']:.1f} GFLOP/s.")
     results["engine"] = e = check_engine(model, args, device)
+    e["graphs_over_eager"] = e["graphs_tok_s"] / e["eager_tok_s"]
+    results["load_average"] = bench.load_average()
     print(f"\nEngine with graphs == eager engine, token for token ({e['tokens']} tokens); "
-          f"{e['graphs_tok_s']:.0f} vs {e['eager_tok_s']:.0f} tokens/s.")
+          f"{e['graphs_tok_s']:.0f} vs {e['eager_tok_s']:.0f} tokens/s ({e['graphs_over_eager']:.2f}x"
+          f"{', the static step run uncaptured' if device == 'cpu' else ''}); {results['load_average']}")
     if args.json:
         report.write_json(args.json, results, args)
     return 0

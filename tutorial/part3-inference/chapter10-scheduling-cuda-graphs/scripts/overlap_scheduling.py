@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlsys import cli, report
+from mlsys import bench, cli, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.overlap import OverlapEngine
@@ -115,9 +115,10 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     per_round = {name: [] for name in engines}
     for name, engine in engines.items():
         engine.step()  # warm-up; for an OverlapEngine it also fills the pipeline
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            per_round[name].append(run_steps(engine, args.steps))
+    with bench.steady_timing():  # no garbage-collector pass inside a timed step
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                per_round[name].append(run_steps(engine, args.steps))
     for engine in engines.values():
         if isinstance(engine, OverlapEngine):
             engine.close()
@@ -149,10 +150,12 @@ def main() -> int:
     where = "forward in a worker thread, GIL released inside kernels" if device == "cpu" else "asynchronous launch"
     print(f"2. Decode steps on {device} ({where}); median of {args.rounds} alternating rounds of {args.steps} steps")
     print(report.table(rows, floatfmt=".2f"))
+    print(f"   {bench.load_average()}")
     print("   saved: plain - overlap per step; at most the plain engine's sched+prep, the CPU work that can hide behind"
           " the forward (overlap sched+prep: the same work, done while the forward ran)")
     if args.json:
-        report.write_json(args.json, {"device": device, "same_output": same, "timing": rows}, args)
+        report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
+                                      "load_average": bench.load_average()}, args)
     return 0
 
 

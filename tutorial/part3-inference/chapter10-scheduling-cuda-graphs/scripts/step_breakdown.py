@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlsys import cli, plot, report
+from mlsys import bench, cli, plot, report
 from mlsys.engine.step_profile import (STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown,
                                        time_decode_steps)  # fmt: skip
 from mlsys.weights import load_pretrained
@@ -64,7 +64,8 @@ def breakdown(model, batch_size: int, args: Settings, device: str) -> dict:
     """Mean seconds per stage of `args.steps` pure decode steps with batch_size sequences."""
     engine = decode_engine(model, batch_size, args.prompt_len, max_tokens=args.steps + 2, device=device)
     engine.step()  # warm-up: the first decode step
-    rows = time_decode_steps(engine, args.steps)
+    with bench.steady_timing():  # no garbage-collector pass inside a timed step
+        rows = time_decode_steps(engine, args.steps)
     assert all(r["num_seqs"] == batch_size and r["num_batched_tokens"] == batch_size for r in rows)
     out = mean_breakdown(rows, fastest=0.5)  # the faster half: steps the busy machine did not interrupt
     out["non_forward_share"] = 1 - out["forward"] / out["total"]
@@ -125,6 +126,9 @@ def main() -> int:
              for r in rows]  # fmt: skip
     print("1. Mean time per stage of one decode step (Engine.last_step_timing)")
     print(report.table(table, floatfmt=".3f"))
+    step_growth = rows[-1]["total"] / rows[0]["total"]
+    print(f"   B {rows[0]['batch_size']} -> {rows[-1]['batch_size']}: {rows[-1]['batch_size'] / rows[0]['batch_size']:g}x "
+          f"the tokens, {step_growth:.2f}x the step time; {bench.load_average()}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)
@@ -138,7 +142,8 @@ def main() -> int:
     print(f"   B={p0['batch_size']}: {p0['python_ops']} ops called from Python per step; B={p1['batch_size']}: "
           f"{p1['python_ops']}. The op count is set by the model's depth, not by the batch.")
     if args.json:
-        report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles}, args)
+        report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
+                                      "step_growth": step_growth, "load_average": bench.load_average()}, args)
     return 0
 
 
