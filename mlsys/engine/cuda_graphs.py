@@ -17,13 +17,16 @@ Shapes the eager runner derives from the batch are fixed here: every block table
 is padded to the longest possible (max_model_len / block_size blocks), and the
 causal mask is computed inside the graph from the positions.
 
-Sampling inside a graph needs random numbers that change at every replay. Here
-the uniform noise is drawn OUTSIDE the graph into a static buffer (each row from
-its own request's generator, so seeds stay reproducible), and the graph turns it
-into a sample with the Gumbel-max trick: argmax(logits / T - log(-log(u))) is
-distributed as softmax(logits / T). (The other way: torch registers the default
-CUDA generator with the graph, so torch.rand inside a captured graph advances
-its Philox offset on every replay.)
+The engine uses the graphs for the logits only: `execute` returns them and the
+engine samples on the host with its ordinary sampler (sampler.py), outside the
+graph, as vLLM and SGLang do. The captured forward also ends with a sampler, used
+only through `run` (Chapter 10's script and tests): sampling inside a graph needs
+random numbers that change at every replay, so the uniform noise is drawn OUTSIDE
+the graph into a static buffer (each row from its own request's generator) and
+the graph turns it into a sample with the Gumbel-max trick:
+argmax(logits / T - log(-log(u))) is distributed as softmax(logits / T). (The
+other way: torch registers the default CUDA generator with the graph, so
+torch.rand inside a captured graph advances its Philox offset on every replay.)
 
 On a CPU there is nothing to capture. The same padded static-buffer forward then
 runs eagerly, which is how the tests check the padding logic without a GPU.
