@@ -53,7 +53,7 @@ PEOPLE: dict[str, Person] = {
     "edsger": Person("austin", 70), "margaret": Person("boston", 30),
     "ken": Person("berkeley", 50), "guido": Person("amsterdam", 60),
     "bjarne": Person("aarhus", 70), "john": Person("princeton", 20),
-}  # fmt: skip
+}
 LANGS: tuple[str, ...] = ("c", "go", "lisp", "lua", "ml", "perl", "python", "rust")
 AGE_RANGE = (10, 99)  # what the schema accepts; the facts are narrower
 MAX_LANGS = 3

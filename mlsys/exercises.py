@@ -116,7 +116,7 @@ def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Ou
         return Outcome(title, "TODO", str(err) or "not implemented yet")
     except AssertionError as err:
         return Outcome(title, "FAIL", str(err) or "assertion failed")
-    except Exception as err:  # noqa: BLE001 - a crash in the attempt is a failed task, shown with its last frame
+    except Exception as err:
         if "NotImplementedError" in str(err):
             return Outcome(title, "TODO", "not implemented yet (raised on a rank)")
         frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(target)]
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         shown = target.relative_to(REPO_ROOT) if target.is_relative_to(REPO_ROOT) else target
         print(f"{exercise.exercise_id}: checking {which}, {shown}")
         for outcome in check(exercise, args.solution, target):
-            print(f"  {outcome.status:<9} {outcome.task}" + (f"\n            {outcome.detail}" if outcome.detail else ""))
+            detail = f"\n            {outcome.detail}" if outcome.detail else ""
+            print(f"  {outcome.status:<9} {outcome.task}{detail}")
             failed += outcome.status in ("FAIL", "TODO")
     print("all tasks pass" if not failed else f"{failed} task(s) to go")
     return 1 if failed else 0

@@ -225,7 +225,7 @@ def sample_next(logits, temperature: float = 0.0, top_k: int | None = None, gene
 def generate(
     model: GPT, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
     generator: torch.Generator | None = None, use_cache: bool = True, eos_id: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Extend the prompt idx (B, T0) by up to max_new_tokens -> (B, T0 + n). A row that
     emitted eos_id repeats it; all rows done ends the loop. Dropout on? Call model.eval()."""
     B, T0 = idx.shape
@@ -266,7 +266,7 @@ def hf_config(config: GPTConfig):
         n_head=c.n_head, n_inner=4 * c.n_embd, activation_function="gelu_new", layer_norm_epsilon=1e-5,
         resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, tie_word_embeddings=True,
         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-    )  # fmt: skip
+    )
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:

@@ -95,7 +95,7 @@ def build_weights(name: str, steps: int | None = None, seed: int | None = None, 
         "final_train_loss": out["final_train_loss"], "final_val_loss": out["final_val_loss"],
         "train_seconds": out["seconds"], "num_params": num_params(out["model"]),
         "torch_version": str(torch.__version__),
-    }  # fmt: skip
+    }
     path = checkpoint_path(name)
     save_checkpoint(path, out["model"], meta)
     return path, out
@@ -113,5 +113,5 @@ def load_pretrained(name: str) -> GPT:
     model, meta = load_checkpoint(path)
     if (meta["steps"], meta["seed"]) != (RECIPES[name].steps, RECIPES[name].seed):
         print(f"mlsys: {path} was trained with steps={meta['steps']}, seed={meta['seed']}, "
-              f"not the recipe's; `make weights` with --force rebuilds it", file=sys.stderr)  # fmt: skip
+              f"not the recipe's; `make weights` with --force rebuilds it", file=sys.stderr)
     return model

@@ -32,7 +32,20 @@ Runtime on 2 cores: the runs (a few seconds per script with --smoke) plus about 
 """
 from __future__ import annotations
 
-import argparse, ast, hashlib, html, json, os, re, shlex, shutil, signal, subprocess, sys, tempfile, time
+import argparse
+import ast
+import hashlib
+import html
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +124,7 @@ def part_title(part: Path) -> str:
 SELECT_RE = re.compile(r"^([^\[\]]*)\[([^=\]]+)=([^\]]*)\]$")
 
 
-def lookup(data, path: str):  # noqa: ANN001, ANN201 - JSON values
+def lookup(data, path: str):
     """The value at `path` in JSON data: dotted keys, integer indexes (rows.0, rows.-1) and `rows[size=1024]`,
     the first dict of a list whose field prints as that value."""
     for part in path.split("."):
@@ -417,7 +430,8 @@ class Builder:
             for shown, (seconds, cached) in slowest:
                 print(f"  {seconds:7.1f} s  {shown}{'  (cached)' if cached else ''}")
         print(f"[book] {len(chapters)} chapters, {sum(len(c.scripts) for c in chapters)} scripts, "
-              f"{self.counts['fresh']} runs + {self.counts['cached']} cached, total {time.perf_counter() - start:.1f} s")
+              f"{self.counts['fresh']} runs + {self.counts['cached']} cached, "
+              f"total {time.perf_counter() - start:.1f} s")
         print(f"Book built: {site}  (serve with: make serve)")
 
     def mkdocs(self, nav: list) -> None:

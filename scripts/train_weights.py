@@ -86,7 +86,7 @@ def report(name: str, model: GPT, meta: dict, num_samples: int) -> None:
     sampled = sampled_records(model, tok, num_samples)
     print(f"  valid records: greedy {fraction(greedy, is_valid_record)}, sampled {fraction(sampled, is_valid_record)}")
     print(f"  consistent   : greedy {fraction(greedy, is_consistent_record)}, "
-          f"sampled {fraction(sampled, is_consistent_record)}")  # fmt: skip
+          f"sampled {fraction(sampled, is_consistent_record)}")
 
 
 def build_missing() -> None:

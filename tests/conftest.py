@@ -27,7 +27,7 @@ def scripts_dir(number: int) -> Path:
     return chapter_dir(number) / "scripts"
 
 
-def run_json(tmp_path_factory, script: Path, *flags: str | os.PathLike, timeout: float = 170) -> dict:  # noqa: ANN001
+def run_json(tmp_path_factory, script: Path, *flags: str | os.PathLike, timeout: float = 170) -> dict:
     """Run `script --json OUT *flags`, require exit 0, return the JSON's "results" (the whole JSON if it has none)."""
     out = tmp_path_factory.mktemp(Path(script).stem) / "r.json"
     proc = run([script, "--json", out, *flags], timeout=timeout)
@@ -41,7 +41,7 @@ def chapter_scripts() -> list[Path]:
     return sorted(p for p in TUTORIAL.glob("part*/chapter*/scripts/*.py") if not p.name.startswith("_"))
 
 
-def load_script(path: Path):  # noqa: ANN201
+def load_script(path: Path):
     """Import a chapter script (its folder name is not a package name) as a module, to test its functions."""
     from mlsys.exercises import load_module
 
@@ -65,7 +65,7 @@ def run(args: list[str | os.PathLike], timeout: float = 120, env: dict | None = 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)
 
 
-def timed_run(name: str, args: list, record_property=None, **kw) -> subprocess.CompletedProcess:  # noqa: ANN001
+def timed_run(name: str, args: list, record_property=None, **kw) -> subprocess.CompletedProcess:
     """`run`, timed. Pass the test's `record_property` fixture: the time then travels with the test's report, so
     the summary below lists it under pytest-xdist too (workers' module globals never reach the controller)."""
     start = time.perf_counter()
@@ -77,14 +77,14 @@ def timed_run(name: str, args: list, record_property=None, **kw) -> subprocess.C
     return proc
 
 
-def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest hook signature
+def pytest_runtest_logreport(report) -> None:
     for key, value in getattr(report, "user_properties", ()):
         if key == "smoke_seconds" and report.when == "call":
             name, seconds = value
             SMOKE_TIMES[name] = seconds
 
 
-def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest hook signature
+def pytest_terminal_summary(terminalreporter) -> None:
     if SMOKE_TIMES:
         terminalreporter.section("smoke run time per script (s)")
         for name, seconds in sorted(SMOKE_TIMES.items()):
@@ -92,7 +92,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest 
 
 
 @pytest.fixture(scope="module")
-def one_torch_thread():  # noqa: ANN201
+def one_torch_thread():
     """For modules that decode tiny models token by token: one intra-op thread is faster there, and two fight
     badly on a loaded machine. Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
@@ -104,7 +104,7 @@ def one_torch_thread():  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def small_model():  # noqa: ANN201
+def small_model():
     """The book's trained `small` GPT (built once by scripts/train_weights.py), in eval mode, on one thread."""
     import torch
 
@@ -117,7 +117,7 @@ def small_model():  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def tiny_model():  # noqa: ANN201
+def tiny_model():
     """A random-init `tiny` GPT (seed 0), eval mode: for tests of mechanisms, not of trained behaviour."""
     import torch
 
@@ -127,7 +127,7 @@ def tiny_model():  # noqa: ANN201
     return GPT(GPTConfig.preset("tiny")).eval()
 
 
-def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
     if torch.cuda.is_available():

@@ -31,7 +31,7 @@ def test_untouched_stub_is_reported_as_todo(exercise: exercises.Exercise) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_command_line_exit_codes(capsys) -> None:  # noqa: ANN001
+def test_command_line_exit_codes(capsys) -> None:
     assert exercises.main(["ch01.1", "--solution"]) == 0
     assert "PASS      shard_bounds" in capsys.readouterr().out
     assert exercises.main(["ch01.1"]) == 1
@@ -39,7 +39,7 @@ def test_command_line_exit_codes(capsys) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_a_wrong_attempt_fails_with_a_useful_message(tmp_path) -> None:  # noqa: ANN001
+def test_a_wrong_attempt_fails_with_a_useful_message(tmp_path) -> None:
     """Checkers must catch wrong answers, not only missing ones: ceil-sized shards are a classic mistake."""
     wrong = tmp_path / "ex1_rank_arithmetic.py"
     wrong.write_text(
@@ -55,7 +55,7 @@ def test_a_wrong_attempt_fails_with_a_useful_message(tmp_path) -> None:  # noqa:
 
 
 @pytest.mark.timeout(120)
-def test_a_crashing_distributed_attempt_fails_instead_of_hanging(tmp_path) -> None:  # noqa: ANN001
+def test_a_crashing_distributed_attempt_fails_instead_of_hanging(tmp_path) -> None:
     wrong = tmp_path / "ex2_first_collectives.py"
     wrong.write_text(
         "import torch.distributed as dist\n"

@@ -9,7 +9,7 @@ from conftest import ROOT, run
 
 
 @pytest.mark.timeout(180)
-def test_train_weights_smoke_writes_a_loadable_checkpoint(tmp_path) -> None:  # noqa: ANN001
+def test_train_weights_smoke_writes_a_loadable_checkpoint(tmp_path) -> None:
     proc = run([ROOT / "scripts" / "train_weights.py", "--only", "draft", "--steps", "5", "--num-samples", "4"],
                env={"MLSYS_CACHE": str(tmp_path)}, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]

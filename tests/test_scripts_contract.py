@@ -21,7 +21,7 @@ def test_scripts_exist() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
-def test_help_and_bad_flags(script) -> None:  # noqa: ANN001
+def test_help_and_bad_flags(script) -> None:
     helped = run([script, "--help"])
     assert helped.returncode == 0, helped.stderr
     for flag in ("--seed", "--smoke", "--json"):
@@ -37,7 +37,7 @@ def test_help_and_bad_flags(script) -> None:  # noqa: ANN001
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
-def test_smoke_run(script, tmp_path, record_property) -> None:  # noqa: ANN001
+def test_smoke_run(script, tmp_path, record_property) -> None:
     out = tmp_path / "results.json"
     args = [script, "--smoke", "--json", out]
     if "PlotArgs" in script.read_text():  # the script draws: give it a figure dir

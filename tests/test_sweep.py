@@ -62,5 +62,5 @@ EQUALITY = [s for s in DISTRIBUTED if s.parent.parent.parent.name.startswith("pa
 @pytest.mark.sweep
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", EQUALITY, ids=lambda s: s.name)
-def test_part2_equality_checks_hold_at_default_sizes(script) -> None:  # noqa: ANN001
+def test_part2_equality_checks_hold_at_default_sizes(script) -> None:
     sweep([script], SIZES, timeout=880)
