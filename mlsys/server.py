@@ -9,19 +9,21 @@
 Endpoints: POST /v1/completions (stream true or false; streaming sends Server-Sent Events, one
 `data: {json}` chunk per step that produced text and a final `data: [DONE]`), GET /v1/models, GET /health.
 
-How a request travels (the front-end/engine split of vLLM's AsyncLLMEngine):
+How a request travels (the front-end/engine-core split of vLLM's AsyncLLM and EngineCore):
 
-    HTTP handler ── validate ──> AsyncEngine.generate() ── add_request ──> Engine (waiting queue)
-         ▲                              │ awaits its own asyncio.Queue
-         │ SSE chunks                   ▼
-         └──────────────────── engine loop: one asyncio task that awaits engine.step() in a worker
-                               thread, then routes every RequestOutput to its request's queue
+    HTTP handler ── validate ──> AsyncEngine.generate() ── inbox.put(add) ──> engine thread
+         ▲                              │ awaits its own asyncio.Queue            │ between two steps: drain the
+         │ SSE chunks                   ▼                                         │ inbox (adds, aborts), step,
+         └──────────────────── outputs, handed over with call_soon_threadsafe ◄───┘ publish a stats snapshot
 
-One engine loop serves every connection, so requests that arrive while others decode join the next step
-(continuous batching across HTTP clients). The step runs in a worker thread so that the event loop keeps
-accepting connections and writing chunks while the model computes. A client that goes away (a closed stream, a
-dropped connection) cancels its handler; the handler's `finally` calls `engine.abort`, which frees the
-request's KV blocks at once.
+The event loop never calls into the engine: a handler only puts a command into a thread-safe queue, and /health
+reads the snapshot the engine thread published after its last step. So while a step computes, the loop keeps
+accepting connections, validating requests and writing chunks. One engine thread serves every connection, so
+requests that arrive while others decode join the next step (continuous batching across HTTP clients). A client
+that goes away (a closed stream, a dropped connection) cancels its handler; the handler's `finally` queues an
+abort, which the engine thread applies before its next step, freeing the request's KV blocks. An error while
+adding a request ends that request alone; a step that raises ends the requests it was running (the engine cannot
+yet tell which one broke it) and the server keeps serving the rest.
 
 The second half of the file is the arithmetic of a serving benchmark (TTFT, TPOT, ITL, throughput) and its
 report in the layout of vLLM's `benchmarks/benchmark_serving.py`, shared by the chapter's benchmark scripts.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import threading
 import time
 import uuid
@@ -205,64 +208,116 @@ def finish_reason_of(out: RequestOutput) -> str | None:
 # =========================================================================================== the front-end
 # --8<-- [start:async_engine]
 class AsyncEngine:
-    """Many concurrent requests over one Engine: one loop steps the engine, each request awaits its queue."""
+    """Many concurrent requests over one Engine, with the event loop never waiting on the engine.
+
+    The event loop (HTTP handlers) only puts commands into `inbox`, a thread-safe queue, and reads a stats
+    snapshot. One engine thread owns the Engine: between two steps it drains the inbox (adds and aborts),
+    then steps, then hands each output to its request's asyncio.Queue through the loop's call_soon_threadsafe.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.queues: dict[str, asyncio.Queue] = {}  # request id -> outputs not yet taken by its handler
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", rid, ids, params) | ("abort", rid) | ("stop",)
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> outputs not yet taken (event-loop thread only)
+        self.num_received = 0  # requests handed to the engine thread
         self.num_aborted = 0  # requests whose client went away before they finished
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self.num_failed = 0  # requests ended by an error inside the engine
+        self._snapshot: dict = engine.stats()  # replaced (never mutated) by the engine thread after every step
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def stats(self) -> dict:
+        """The engine's counters as of its last step: a read that never waits for a step to end."""
+        return dict(self._snapshot)
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._loop())
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for rid in list(self.queues):
+        if self._thread is not None:
+            self.inbox.put(("stop",))
+            await asyncio.to_thread(self._thread.join)
+
+    # ---------------------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        """The engine thread: drain the inbox (blocking while idle), step, publish; until "stop"."""
+        while self._drain(block=not self.engine.has_unfinished()):
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()  # the forward pass: only this thread ever waits for it
+                except Exception as err:  # noqa: BLE001 - a failed step ends the requests it ran, not the server
+                    outputs = self._fail_running(err)
+                self._send(outputs)
+            self._snapshot = self.engine.stats()
+        for rid in list(self.engine.requests):  # shutting down: free what is still in flight
             self.engine.abort(rid)
+        with contextlib.suppress(Exception):
+            self.engine.step()  # reports the aborts; every request is gone, so nothing is scheduled
+        self._snapshot = self.engine.stats()
 
-    async def _loop(self) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Apply every queued add and abort; wait for the first one if the engine is idle. False on "stop"."""
         while True:
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()  # idle: nothing to compute until a request arrives
-                continue
             try:
-                outputs = await asyncio.to_thread(self.engine.step)  # the forward pass, off the event loop
-            except Exception as err:  # a bug in a step: fail the requests in flight, keep serving
-                for rid, queue in list(self.queues.items()):
-                    self.engine.abort(rid)
-                    queue.put_nowait(err)
+                cmd = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "abort":
+                self.engine.abort(cmd[1])
                 continue
-            for out in outputs:
-                queue = self.queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+            _, rid, ids, params = cmd
+            try:
+                self.engine.add_request(ids, params, request_id=rid)
+            except Exception as err:  # noqa: BLE001 - this request's error alone
+                self._send([(rid, err)])
 
+    def _fail_running(self, err: Exception) -> list:
+        """A step raised: the requests it was running get the error and are aborted; waiting ones stay queued."""
+        failed = [s.request_id for s in self.engine.scheduler.running]
+        for rid in failed:
+            self.engine.abort(rid)  # frees its blocks now; the next step reports the abort to nobody
+        return [(rid, err) for rid in failed]
+
+    def _send(self, outputs: list) -> None:
+        """Hand outputs (RequestOutput, or (request id, error)) to the event loop; never waits for it."""
+        if outputs:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list) -> None:  # runs on the event loop
+        for out in outputs:
+            rid, item = out if isinstance(out, tuple) else (out.request_id, out)
+            q = self.queues.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    # ------------------------------------------------------------------------- the event-loop side
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = q
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id)
-            self._wake.set()
+            self.inbox.put(("add", request_id, prompt_ids, params))  # never blocks: the engine thread adds it
+            self.num_received += 1
             while not finished:
-                out = await queue.get()
+                out = await q.get()
                 if isinstance(out, Exception):
+                    finished = True  # the engine has already dropped it
+                    self.num_failed += 1
                     raise out
                 finished = out.finished
                 yield out
         finally:  # runs on normal exit, on an exception, and when the client's task is cancelled
             self.queues.pop(request_id, None)
             if not finished:
-                self.engine.abort(request_id)  # synchronous on purpose: a cancelled task cannot await
+                self.inbox.put(("abort", request_id))  # a cancelled task cannot await; a put never blocks
                 self.num_aborted += 1
 # --8<-- [end:async_engine]
 
@@ -288,7 +343,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        s = engine.stats()
+        s = front.stats()  # the engine thread's last snapshot: answers at once, even mid-step
         return {"status": "ok", "num_running": s["num_running"], "num_waiting": s["num_waiting"],
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}  # fmt: skip
 
@@ -307,7 +362,10 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
         if req.stream:
             return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage),
                                      media_type="text/event-stream")  # fmt: skip
-        final = await _collect(outputs, request)
+        try:
+            final = await _collect(outputs, request)
+        except Exception as err:  # the engine failed this request (and only this one)
+            raise RequestError(f"generation failed: {err}", status=500) from None
         if final is None:  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         body = completion_body(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final))
@@ -330,7 +388,7 @@ async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, c
     except Exception as err:  # the engine failed mid-stream: tell the client in-band, then end the stream
         yield sse_event(RequestError(f"generation failed: {err}", status=500).body())
     finally:
-        await outputs.aclose()  # a cancelled stream (client gone) closes the generator: engine.abort runs
+        await outputs.aclose()  # a cancelled stream (client gone) closes the generator: its abort is queued
     if include_usage and last is not None:
         yield sse_event(completion_body(rid, model, created, "", None, usage_of(last), with_choice=False))
     yield sse_event("[DONE]")

@@ -2,7 +2,9 @@
 
 Oracles: the engine's own greedy output (Engine.generate on a separate engine, no HTTP) for every completion,
 streamed or not; the engine's block accounting (stats, check_invariants) after disconnects and a 64-client
-load test; the OpenAI error shape for every validation case.
+load test; the OpenAI error shape for every validation case. The event-loop and disconnect tests hold the
+engine inside a forward pass with an Event the test controls (`Gate`), so they wait for conditions, never
+for a length of time.
 """
 
 from __future__ import annotations
@@ -10,33 +12,25 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
+import threading
 import time
 
 import httpx
 import openai
 import pytest
-import torch
 
 from mlsys.data import make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.server import DEFAULT_MODEL_NAME, ServerThread, create_app, parse_completion_request
-from mlsys.weights import load_pretrained
 
 MODEL = DEFAULT_MODEL_NAME
 PROMPTS = [line[: 6 + 5 * i] for i, line in enumerate(make_corpus(8, seed=3).splitlines())]
 
 
 @pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model gains nothing from more; keeps the test quiet on 2 cores
-    yield load_pretrained("small")
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def served(model):
-    engine = Engine(model, config=EngineConfig(max_num_seqs=32))
+def served(small_model):
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=32))
     app = create_app(engine)
     with ServerThread(app, port=0) as server:
         yield server, engine, app.state.async_engine
@@ -47,25 +41,88 @@ def client(served):
     return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key="x", max_retries=0)
 
 
+class Gate:
+    """Wraps the engine's forward pass. Armed, the next forward pass stops inside the step (the engine's lock
+    held, as during a long step) until the test calls release(); `entered` tells the test it got there."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.forward = engine.runner.execute
+        engine.runner.execute = self
+        self.armed, self.entered, self.released = False, threading.Event(), threading.Event()
+        self.fail_next: Exception | None = None  # raise this from the next forward pass instead
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.released.wait(60)  # bounded: a broken test must not hang the suite
+        return self.forward(*args, **kwargs)
+
+    def arm(self) -> None:
+        self.entered.clear()
+        self.released.clear()
+        self.armed = True
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@pytest.fixture(scope="module")
+def gated(small_model):
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=8))
+    gate = Gate(engine)
+    app = create_app(engine)
+    with ServerThread(app, port=0) as server:
+        yield server, engine, app.state.async_engine, gate
+        gate.release()
+
+
 def reference(model, prompts, max_tokens, ignore_eos=False):
     """The oracle: a separate engine, no HTTP, same greedy decoding."""
     return Engine(model).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
 
 
-def wait_until_idle(engine: Engine, timeout: float = 15.0) -> dict:
+def wait_for(condition, what: str, timeout: float = 30.0):  # noqa: ANN001, ANN201
+    """Poll until condition() is truthy (bounded); returns its value. A wait for another thread, not a timing."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"gave up waiting for {what} after {timeout} s")
+
+
+def wait_until_idle(engine: Engine) -> dict:
+    def idle() -> dict | None:
         s = engine.stats()
-        if s["num_running"] == s["num_waiting"] == s["num_used_blocks"] == 0:
-            return s
-        time.sleep(0.02)  # waiting for the server thread to notice and abort
-    raise AssertionError(f"engine still busy after {timeout} s: {engine.stats()}")
+        return s if s["num_running"] == s["num_waiting"] == s["num_used_blocks"] == 0 else None
+
+    return wait_for(idle, "the engine to go idle")
+
+
+def in_thread(fn):  # noqa: ANN001, ANN201
+    """Run fn() in a thread; returns (thread, result list that receives fn's return value or exception)."""
+    out: list = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except Exception as err:  # noqa: BLE001 - handed to the test
+            out.append(err)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
 
 
 # ---------------------------------------------------------------------------------------------- completions
 @pytest.mark.timeout(60)
-def test_completions_equal_engine_greedy_streamed_or_not(model, served, client):
-    refs = reference(model, PROMPTS[:3], 24)
+def test_completions_equal_engine_greedy_streamed_or_not(small_model, served, client):
+    refs = reference(small_model, PROMPTS[:3], 24)
     for prompt, ref in zip(PROMPTS[:3], refs):
         plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
         assert plain.object == "text_completion" and plain.model == MODEL
@@ -82,13 +139,13 @@ def test_completions_equal_engine_greedy_streamed_or_not(model, served, client):
 
 
 @pytest.mark.timeout(60)
-def test_token_id_prompt_and_seeded_sampling(model, served, client):
+def test_token_id_prompt_and_seeded_sampling(small_model, served, client):
     ids = served[1].tokenizer.encode(PROMPTS[4], bos=True)
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
-    assert plain.choices[0].text == reference(model, [PROMPTS[4]], 10)[0].text
+    assert plain.choices[0].text == reference(small_model, [PROMPTS[4]], 10)[0].text
     a, b = (client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=20, temperature=1.0, seed=7,
                                       extra_body={"top_k": 5}).choices[0].text for _ in range(2))  # fmt: skip
-    want = Engine(model).generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=7))
+    want = Engine(small_model).generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=7))
     assert a == b == want[0].text
 
 
@@ -157,18 +214,95 @@ def test_openai_client_raises_the_matching_errors(client):
         client.completions.create(model=MODEL, prompt="abc", max_tokens=1000)
 
 
-def test_validation_needs_no_server(model):
-    engine = Engine(model)
+def test_validation_needs_no_server(small_model):
+    engine = Engine(small_model)
     req = parse_completion_request(b'{"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0}', engine, "m")
     assert req.prompt_ids == [engine.tokenizer.bos_id, *engine.tokenizer.encode("ab")]
     assert (req.params.max_tokens, req.params.temperature, req.stream) == (3, 0.0, False)
     assert parse_completion_request(b'{"model": "m", "prompt": "ab"}', engine, "m").params.max_tokens == 16
 
 
+# ------------------------------------------------------------------------------------- the event loop stays free
+@pytest.mark.timeout(90)
+def test_event_loop_answers_while_a_step_is_blocked(small_model, gated):
+    server, engine, front, gate = gated
+    received = front.num_received
+    http = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    gate.arm()
+    first, out1 = in_thread(lambda: http.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
+                                                             temperature=0))  # fmt: skip
+    assert gate.entered.wait(30), "the first request's step never started"
+    # The engine thread is now stuck inside a forward pass, holding the engine's lock. Everything below must
+    # still be answered: a new request is enqueued, /v1/models and /health reply.
+    second, out2 = in_thread(lambda: http.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                                              temperature=0))  # fmt: skip
+    wait_for(lambda: front.num_received == received + 2, "the second request to be enqueued")
+    models = httpx.get(f"{server.url}/v1/models", timeout=30)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert not gate.released.is_set() and first.is_alive() and second.is_alive()  # the step is still blocked
+    gate.release()
+    first.join(60)
+    second.join(60)
+    refs = reference(small_model, PROMPTS[:2], 12)
+    assert [o[0].choices[0].text for o in (out1, out2)] == [r.text for r in refs]
+    wait_until_idle(engine)
+    engine.check_invariants()
+
+
+# --------------------------------------------------------------------------------------------------- failures
+@pytest.mark.timeout(90)
+def test_an_error_adding_one_request_ends_that_request_only(small_model, gated, monkeypatch):
+    server, engine, front, gate = gated
+    add = engine.add_request
+
+    def add_or_fail(ids, params, request_id=None):  # noqa: ANN001, ANN202
+        if params.max_tokens == 7:  # the request this test marks as the broken one
+            raise RuntimeError("injected failure while adding")
+        return add(ids, params, request_id=request_id)
+
+    monkeypatch.setattr(engine, "add_request", add_or_fail)
+    received = front.num_received
+    gate.arm()
+    good, out = in_thread(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0}))  # fmt: skip
+    assert gate.entered.wait(30)
+    broken, bad = in_thread(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 7, "temperature": 0}))  # fmt: skip
+    wait_for(lambda: front.num_received == received + 2, "both requests to be enqueued")
+    gate.release()  # the engine thread finishes the step, then drains the inbox: the add fails
+    broken.join(60)
+    good.join(60)
+    assert bad[0].status_code == 500 and "injected failure while adding" in bad[0].json()["error"]["message"]
+    assert bad[0].json()["error"]["type"] == "server_error"
+    assert out[0].status_code == 200
+    assert out[0].json()["choices"][0]["text"] == reference(small_model, [PROMPTS[2]], 30)[0].text
+    wait_until_idle(engine)
+    engine.check_invariants()
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_step_ends_its_requests_and_the_server_keeps_serving(small_model, gated):
+    server, engine, front, gate = gated
+    failed = front.num_failed
+    gate.fail_next = RuntimeError("injected failure in the forward pass")
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 20, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 500 and "injected failure in the forward pass" in r.json()["error"]["message"]
+    assert front.num_failed == failed + 1
+    after = wait_until_idle(engine)
+    assert after["num_free_blocks"] == after["num_total_blocks"]
+    engine.check_invariants()
+    again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)  # the server still serves
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["text"] == reference(small_model, [PROMPTS[4]], 20)[0].text
+
+
 # ----------------------------------------------------------------------------------------------- disconnects
-@pytest.mark.timeout(60)
-def test_client_leaving_mid_stream_frees_its_sequence_and_blocks(served):
-    server, engine, front = served
+@pytest.mark.timeout(90)
+def test_client_leaving_mid_stream_frees_its_sequence_and_blocks(gated):
+    server, engine, front, gate = gated
     aborted = front.num_aborted
     generated = engine.stats()["num_generated_tokens"]
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True,
@@ -176,25 +310,36 @@ def test_client_leaving_mid_stream_frees_its_sequence_and_blocks(served):
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 6:  # three events in: the request is running and holds KV blocks
-                during = engine.stats()
+                gate.arm()  # the next step stops in its forward pass: the request cannot run to the end
+                assert gate.entered.wait(30), "the request's next step never started"
+                during = front.stats()  # the snapshot: engine.stats() would wait for the blocked step
                 break
     assert during["num_running"] == 1 and during["num_used_blocks"] >= 1
+    wait_for(lambda: front.num_aborted == aborted + 1, "the handler to notice the client left")
+    gate.release()
     after = wait_until_idle(engine)
-    assert front.num_aborted == aborted + 1
     assert after["num_free_blocks"] == after["num_total_blocks"]
     assert after["num_generated_tokens"] - generated < 200  # it stopped early
     engine.check_invariants()
 
 
-@pytest.mark.timeout(60)
-def test_client_leaving_a_plain_request_aborts_it(served):
-    server, engine, front = served
+@pytest.mark.timeout(90)
+def test_client_leaving_a_plain_request_aborts_it(gated):
+    server, engine, front, gate = gated
     aborted = front.num_aborted
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 220, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
-    wait_until_idle(engine)
-    assert front.num_aborted == aborted + 1
+    generated = engine.stats()["num_generated_tokens"]
+    data = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 220, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    gate.arm()  # its first step stops in the forward pass, so it cannot finish before the client leaves
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+        assert gate.entered.wait(30), "the request never reached the engine"
+    # the socket is closed: the handler must notice while it waits, and queue an abort
+    wait_for(lambda: front.num_aborted == aborted + 1, "the handler to notice the client left")
+    gate.release()
+    after = wait_until_idle(engine)
+    assert after["num_generated_tokens"] - generated < 220 and after["num_free_blocks"] == after["num_total_blocks"]
     engine.check_invariants()
 
 
@@ -218,11 +363,11 @@ async def one_stream(http: httpx.AsyncClient, url: str, prompt: str, max_tokens:
 
 
 @pytest.mark.timeout(120)
-def test_64_concurrent_streaming_clients(model, served):
+def test_64_concurrent_streaming_clients(small_model, served):
     server, engine, _ = served
     rng = random.Random(0)
     jobs = [(PROMPTS[i % 8], rng.randint(4, 24)) for i in range(64)]
-    refs = Engine(model, config=EngineConfig(max_num_seqs=64)).generate(
+    refs = Engine(small_model, config=EngineConfig(max_num_seqs=64)).generate(
         [p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs])
     steps_before = engine.stats()["num_steps"]
 
