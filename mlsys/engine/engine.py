@@ -102,7 +102,6 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    # --8<-- [start:add_request]
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:  # fmt: skip
         """Queue a request; a text prompt is encoded with a leading <bos>. Returns its id."""
@@ -124,7 +123,6 @@ class Engine:
             self.requests[rid] = seq
             self.scheduler.add(seq)
         return rid
-    # --8<-- [end:add_request]
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; the next step() reports it (finish_reason "abort")."""

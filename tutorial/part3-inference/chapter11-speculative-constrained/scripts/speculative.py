@@ -101,15 +101,16 @@ def greedy_vs_target(target, draft, prompts, ks, max_new: int) -> list[dict]:
 # --8<-- [end:greedy_check]
 
 
-def alpha_per_position(target, draft, prompts, k: int, max_new: int, temperature: float, seed: int) -> list[float]:
-    """Pooled over prompts: accepted_at[i] / reached[i] for draft position i."""
+def alpha_per_position(target, draft, prompts, k: int, max_new: int, temperature: float,
+                       seed: int) -> tuple[list[float], float]:  # fmt: skip
+    """Pooled over prompts: accepted_at[i] / reached[i] for draft position i, and over all positions."""
     g = torch.Generator().manual_seed(seed)
     acc, reach = [0] * k, [0] * k
     for p in prompts:
         s = speculative_generate(target, draft, p, max_new, k=k, temperature=temperature, generator=g).stats
         acc = [a + b for a, b in zip(acc, s.accepted_at)]
         reach = [a + b for a, b in zip(reach, s.reached)]
-    return [a / r if r else float("nan") for a, r in zip(acc, reach)]
+    return [a / r if r else float("nan") for a, r in zip(acc, reach)], sum(acc) / max(sum(reach), 1)
 
 
 # --8<-- [start:rule_check]
@@ -173,7 +174,7 @@ def main() -> int:
           "measured a\n")
 
     # 3. per-position acceptance
-    alphas = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 0.0, args.seed)
+    alphas, alpha_greedy = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 0.0, args.seed)
     print(f"3. greedy acceptance by draft position (k={args.k}): "
           + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(alphas)))
     print("   the formula assumes one alpha for every position; these are conditional on the earlier ones\n")
@@ -188,9 +189,11 @@ def main() -> int:
           f"{[round(x, 3) for x in emp.tolist()]} (TV distance to p {tv:.4f}; to q "
           f"{0.5 * float((q[0] - p[0]).abs().sum()):.2f})")
     report.expect_close("empirical distribution of the rule", emp, p[0], atol=5 / args.num_samples ** 0.5)
-    sampled = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 1.0, args.seed)
+    sampled, alpha_sampled = alpha_per_position(target, draft, prompts, args.k, args.max_new_tokens, 1.0, args.seed)
+    more = "more" if alpha_sampled > alpha_greedy else "fewer"
     print(f"   real models, temperature 1, k={args.k}: acceptance by position "
-          + ", ".join(f"{a:.3f}" for a in sampled) + "\n")
+          + ", ".join(f"{a:.3f}" for a in sampled)
+          + f"; all positions {alpha_sampled:.3f} vs {alpha_greedy:.3f} greedy: sampling accepts {more} drafts\n")
 
     # 5. transformers assisted generation
     hf = hf_assisted(target, draft, prompts, args.k, args.max_new_tokens)
@@ -204,6 +207,9 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"trace": step, "greedy": rows, "alpha_per_position_greedy": alphas,
                                       "alpha_per_position_sampled": sampled, "rule_empirical": emp.tolist(),
+                                      "alpha_greedy": alpha_greedy, "alpha_sampled": alpha_sampled,
+                                      "sampling_accepts": more, "alpha_greedy_min": min(alphas),
+                                      "alpha_greedy_max": max(alphas),
                                       "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
     return 0
 
