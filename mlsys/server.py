@@ -57,7 +57,7 @@ class RequestError(Exception):
     """A request the server refuses: an HTTP status and a message for the client (OpenAI's error shape)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
 
@@ -79,10 +79,10 @@ class CompletionRequest:
 # Fields we accept and fields OpenAI defines that we refuse unless they hold their neutral value.
 _ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
              "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
-             "frequency_penalty", "logit_bias"}  # fmt: skip
+             "frequency_penalty", "logit_bias"}
 _NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,), "stop": (None, [], ""),
             "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-            "logit_bias": (None, {})}  # fmt: skip
+            "logit_bias": (None, {})}
 
 
 def _is_int(x: Any) -> bool:
@@ -114,7 +114,7 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
         raise RequestError("'model' must be a string", param="model")
     if body["model"] != model_name:
         raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
-                           status=404, param="model", code="model_not_found")  # fmt: skip
+                           status=404, param="model", code="model_not_found")
     ids = _prompt_ids(body["prompt"], engine)
     max_len = engine.config.max_model_len
     max_tokens = body.get("max_tokens", 16)  # OpenAI's default
@@ -123,7 +123,7 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     if max_tokens < 1 or len(ids) + max_tokens > max_len:
         raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
                            f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
-                           param="max_tokens")  # fmt: skip
+                           param="max_tokens")
     temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling, not greedy
     if not _is_number(temperature) or not 0 <= temperature <= 2:
         raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
@@ -143,12 +143,12 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
-                           param="stream_options")  # fmt: skip
+                           param="stream_options")
     if options and not flags["stream"]:
         raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=None if top_k in (None, -1) else top_k, seed=seed,
-                            ignore_eos=flags["ignore_eos"])  # fmt: skip
+                            ignore_eos=flags["ignore_eos"])
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
 
@@ -174,7 +174,7 @@ def _prompt_ids(prompt: Any, engine: Engine) -> list[int]:
     if isinstance(prompt, list) and not prompt:
         raise RequestError("'prompt' is empty", param="prompt")
     raise RequestError(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
-                       param="prompt")  # fmt: skip
+                       param="prompt")
 
 
 # ======================================================================================== response bodies
@@ -186,7 +186,7 @@ def sse_event(payload: dict | str) -> bytes:
 
 
 def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage: dict | None = None, with_choice: bool = True) -> dict:  # fmt: skip
+                    usage: dict | None = None, with_choice: bool = True) -> dict:
     """An OpenAI `text_completion` object: the whole answer, or one streamed chunk of it."""
     choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
     body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -247,7 +247,7 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()  # the forward pass: only this thread ever waits for it
-                except Exception as err:  # noqa: BLE001 - a failed step ends the requests it ran, not the server
+                except Exception as err:
                     outputs = self._fail_running(err)
                 self._send(outputs)
             self._snapshot = self.engine.stats()
@@ -273,7 +273,7 @@ class AsyncEngine:
             _, rid, ids, params = cmd
             try:
                 self.engine.add_request(ids, params, request_id=rid)
-            except Exception as err:  # noqa: BLE001 - this request's error alone
+            except Exception as err:
                 self._send([(rid, err)])
 
     def _fail_running(self, err: Exception) -> list:
@@ -298,7 +298,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------- the event-loop side
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:  # fmt: skip
+                       request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
@@ -328,7 +328,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     front = AsyncEngine(engine)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):  # noqa: ANN001, ANN202
+    async def lifespan(app):
         await front.start()
         yield
         await front.stop()
@@ -345,23 +345,23 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     async def health() -> dict:
         s = front.stats()  # the engine thread's last snapshot: answers at once, even mid-step
         return {"status": "ok", "num_running": s["num_running"], "num_waiting": s["num_waiting"],
-                "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}  # fmt: skip
+                "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}
 
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": started, "owned_by": "mlsys",
-                "max_model_len": engine.config.max_model_len}  # fmt: skip
+                "max_model_len": engine.config.max_model_len}
         return {"object": "list", "data": [card]}
 
     # --8<-- [start:completions]
     @app.post("/v1/completions")
-    async def completions(request: Request):  # noqa: ANN202
+    async def completions(request: Request):
         req = parse_completion_request(await request.body(), engine, model_name)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
         if req.stream:
             return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage),
-                                     media_type="text/event-stream")  # fmt: skip
+                                     media_type="text/event-stream")
         try:
             final = await _collect(outputs, request)
         except Exception as err:  # the engine failed this request (and only this one)
@@ -377,7 +377,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
 
 # --8<-- [start:stream]
 async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, created: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+                  include_usage: bool) -> AsyncIterator[bytes]:
     """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE]."""
     last = None
     try:
@@ -473,7 +473,7 @@ def request_latencies(arrival: float, token_times: list[float]) -> dict[str, Any
 
 
 def serving_summary(requests: list[dict[str, Any]], duration: float,
-                    percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:  # fmt: skip
+                    percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:
     """vLLM benchmark_serving's numbers from finished requests, each {"arrival", "token_times",
     "prompt_len"}, over a run of `duration` seconds. Times in the result are in milliseconds."""
     lat = [request_latencies(r["arrival"], r["token_times"]) for r in requests]
@@ -484,7 +484,7 @@ def serving_summary(requests: list[dict[str, Any]], duration: float,
     n_out = sum(len(r["token_times"]) for r in requests)
     out = {"completed": len(requests), "duration_s": duration, "total_input_tokens": n_in,
            "total_output_tokens": n_out, "request_throughput": len(requests) / duration,
-           "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration}  # fmt: skip
+           "output_throughput": n_out / duration, "total_token_throughput": (n_in + n_out) / duration}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         ms = np.asarray(values, dtype=np.float64) * 1e3
         out[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else 0.0
@@ -496,10 +496,10 @@ def serving_summary(requests: list[dict[str, Any]], duration: float,
 
 
 def format_summary(s: dict[str, float], title: str = "Serving Benchmark Result",
-                   percentiles: tuple[float, ...] = (99,)) -> str:  # fmt: skip
+                   percentiles: tuple[float, ...] = (99,)) -> str:
     """The summary block in the layout vLLM's benchmark_serving prints."""
     lines = [f"{' ' + title + ' ':=^50}"]
-    row = lambda label, value, fmt: lines.append(f"{label:<40}{value:<10{fmt}}")  # noqa: E731
+    row = lambda label, value, fmt: lines.append(f"{label:<40}{value:<10{fmt}}")
     row("Successful requests:", s["completed"], "")
     row("Benchmark duration (s):", s["duration_s"], ".2f")
     row("Total input tokens:", s["total_input_tokens"], "")
@@ -508,7 +508,7 @@ def format_summary(s: dict[str, float], title: str = "Serving Benchmark Result",
     row("Output token throughput (tok/s):", s["output_throughput"], ".2f")
     row("Total Token throughput (tok/s):", s["total_token_throughput"], ".2f")
     for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                         ("itl", "Inter-token Latency")):  # fmt: skip
+                         ("itl", "Inter-token Latency")):
         lines.append(f"{header:-^50}")
         row(f"Mean {name.upper()} (ms):", s[f"mean_{name}_ms"], ".2f")
         row(f"Median {name.upper()} (ms):", s[f"median_{name}_ms"], ".2f")

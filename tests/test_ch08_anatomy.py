@@ -1,30 +1,23 @@
-"""Chapter 8 mechanisms against their oracles: the FLOP and byte formulas of a step (torch's flop counter, the
-sizes of the real tensors), the serving metrics (numpy), the engine vs transformers on a batch, the benchmark
-loop for both schedulers, and the traced request."""
+"""Chapter 8 mechanisms against their oracles: the FLOP and byte formulas of a step (torch's flop counter, a
+brute-force count of the causal mask, the sizes of the real tensors), the serving metrics (numpy), the engine vs
+transformers on a batch, the benchmark loop for both schedulers, and the traced request (its stage times against
+separately measured step times, its call counts against the forward passes that ran)."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, load_script
-from mlsys.engine import Engine, EngineConfig
+from conftest import load_script, scripts_dir
+from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.model import GPT, GPTConfig
 from mlsys.server import format_summary, request_latencies, serving_summary
-from mlsys.weights import load_pretrained
 
-CH08 = ROOT / "tutorial" / "part3-inference" / "chapter08-server-anatomy" / "scripts"
-
-
-@pytest.fixture(scope="module")
-def small():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_pretrained("small")
-    torch.set_num_threads(threads)
+CH08 = scripts_dir(8)
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +30,26 @@ def pvd():
 def test_step_flops_equal_torch_flop_counter(pvd, preset):
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(preset)).eval()
-    pvd.check_flop_formula(model)  # raises SelfCheckFailed on a mismatch
+    pvd.check_flop_formula(model)  # useful FLOPs + the masked scores SDPA's math backend computes == the counter
     cfg = model.config
-    # a mixed step the way the engine runs it: only the last row of each sequence reaches the head
+    # a mixed step the way the engine runs it: a 5-token prefill (15 causal pairs), two decodes; only the last
+    # row of each sequence reaches the head
     assert pvd.step_flops(cfg, [5, 1, 1], [5, 9, 30], 3) == (
-        2 * 12 * cfg.n_layer * cfg.n_embd**2 * 7 + 4 * cfg.n_layer * cfg.n_embd * (25 + 9 + 30)
-        + 2 * cfg.n_embd * cfg.vocab_size * 3)  # fmt: skip
+        2 * 12 * cfg.n_layer * cfg.n_embd**2 * 7 + 4 * cfg.n_layer * cfg.n_embd * (15 + 9 + 30)
+        + 2 * cfg.n_embd * cfg.vocab_size * 3)
 
 
-def test_about_two_flops_per_parameter_per_token(pvd, small):
+@pytest.mark.parametrize("q, k", [(1, 1), (1, 40), (7, 7), (240, 240), (5, 12), (16, 100)])
+def test_attention_pairs_count_the_causal_mask(pvd, q, k):
+    """Brute force: new token i sits at absolute position k - q + i and sees every key at a position <= its own."""
+    allowed = sum(1 for i in range(q) for key in range(k) if key <= k - q + i)
+    assert pvd.attention_pairs(q, k) == allowed
+    if q == k:
+        assert allowed == k * (k + 1) // 2  # a prefill: L(L+1)/2, not L^2
+
+
+def test_about_two_flops_per_parameter_per_token(pvd, small_model):
+    small = small_model
     cfg = small.config
     linear_weights = sum(m.weight.numel() for m in small.h.modules() if isinstance(m, torch.nn.Linear))
     per_token = pvd.step_flops(cfg, [1], [0], 0)  # one token, no attention, no head
@@ -54,7 +58,8 @@ def test_about_two_flops_per_parameter_per_token(pvd, small):
     assert 0.9 < per_token / (2 * total) < 1.0  # the rest of the parameters are embeddings, biases, norms
 
 
-def test_step_bytes_equal_the_sizes_of_the_real_tensors(pvd, small):
+def test_step_bytes_equal_the_sizes_of_the_real_tensors(pvd, small_model):
+    small = small_model
     cfg, n_params = small.config, sum(p.numel() for p in small.parameters())
     weights = sum(p.numel() * p.element_size() for p in small.parameters())
     for batch, ctx in [(1, 10), (4, 64), (16, 200)]:
@@ -64,7 +69,7 @@ def test_step_bytes_equal_the_sizes_of_the_real_tensors(pvd, small):
         assert pvd.step_bytes(n_params, cfg, [1] * batch, [ctx] * batch) == weights + kv_read + kv_write
     # decode intensity grows with the batch (weights shared), prefill intensity with the prompt
     ai = [pvd.step_flops(cfg, [1] * b, [65] * b, b) / pvd.step_bytes(n_params, cfg, [1] * b, [65] * b)
-          for b in (1, 8, 64)]  # fmt: skip
+          for b in (1, 8, 64)]
     assert ai[0] < 1 < ai[1] < ai[2]
     assert pvd.step_flops(cfg, [240], [240], 1) / pvd.step_bytes(n_params, cfg, [240], [0]) > 50 * ai[0]
 
@@ -83,64 +88,126 @@ def test_request_latencies_and_summary_equal_numpy():
     s = serving_summary(reqs, duration=2.0)
     itl = np.concatenate([np.diff(r["token_times"]) for r in reqs]) * 1e3
     tpot = [(r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1) * 1e3
-            for r in reqs if len(r["token_times"]) > 1]  # fmt: skip
+            for r in reqs if len(r["token_times"]) > 1]
     ttft = [(r["token_times"][0] - r["arrival"]) * 1e3 for r in reqs]
     assert s["p99_itl_ms"] == pytest.approx(np.percentile(itl, 99)) and s["mean_itl_ms"] == pytest.approx(itl.mean())
     assert s["median_tpot_ms"] == pytest.approx(np.median(tpot)) and s["p99_ttft_ms"] == pytest.approx(
-        np.percentile(ttft, 99))  # fmt: skip
+        np.percentile(ttft, 99))
     n_out = sum(len(r["token_times"]) for r in reqs)
     assert s["output_throughput"] == pytest.approx(n_out / 2.0) and s["request_throughput"] == 25.0
     assert s["total_input_tokens"] == sum(5 + i for i in range(50))
     text = format_summary(s)
     for label in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
-                  "Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):"):  # fmt: skip
+                  "Median TTFT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):"):
         assert label in text
     assert text.splitlines()[0].startswith("=") and len(text.splitlines()[0]) == 50
 
 
 # ------------------------------------------------------------------------------------------- the oracles
-def test_engine_batch_equals_transformers_generate(small):
+def test_engine_batch_equals_transformers_generate(small_model):
     vt = load_script(CH08 / "vs_transformers.py")
     from mlsys.data import Tokenizer, make_corpus
     from mlsys.model import to_hf_model
 
     tok = Tokenizer()
     prompts = torch.tensor([tok.encode(line[:12], bos=True) for line in make_corpus(6, seed=5).splitlines()])
-    ours = vt.engine_greedy(Engine(small, config=EngineConfig(max_num_seqs=6)), prompts, 40)
-    theirs = vt.hf_greedy(to_hf_model(small), prompts, 40)
+    ours = vt.engine_greedy(Engine(small_model, config=EngineConfig(max_num_seqs=6)), prompts, 40)
+    theirs = vt.hf_greedy(to_hf_model(small_model), prompts, 40)
     assert ours.shape == (6, 40) and torch.equal(ours, theirs)
 
 
-def test_both_schedulers_serve_the_workload_and_continuous_needs_fewer_steps(small):
+def test_both_schedulers_serve_the_workload_and_continuous_needs_fewer_steps(small_model):
     bb = load_script(CH08 / "batching_bench.py")
     args = bb.Settings(num_requests=12, request_rate=math.inf, prompt_max=20, short_max=6, long_min=40,
-                       long_max=48, long_fraction=0.25, max_num_seqs=4)  # fmt: skip
+                       long_max=48, long_fraction=0.25, max_num_seqs=4)
     work = bb.make_workload(args)
     assert work == bb.make_workload(args)  # seeded
     assert all(w.arrival == 0 for w in work) and sum(w.max_tokens >= 40 for w in work) >= 1
-    runs = {mode: bb.run_mode(small, mode, work, args) for mode in ("static", "continuous")}  # self-checks inside
-    for mode, r in runs.items():
-        assert r["summary"]["completed"] == 12 and r["summary"]["total_output_tokens"] == sum(w.max_tokens for w in work)
+    runs = {mode: bb.run_mode(small_model, mode, work, args) for mode in ("static", "continuous")}  # self-checks
+    for r in runs.values():
+        assert r["summary"]["completed"] == 12
+        assert r["summary"]["total_output_tokens"] == sum(w.max_tokens for w in work)
     assert runs["continuous"]["num_steps"] < runs["static"]["num_steps"]
     assert runs["continuous"]["mean_seqs_per_step"] > runs["static"]["mean_seqs_per_step"]
     for w in work:  # greedy: which scheduler ran it does not change the tokens
         assert runs["static"]["finals"][w.request_id].token_ids == runs["continuous"]["finals"][w.request_id].token_ids
+    rows = {r["metric"]: r for r in bb.comparison(runs)}
+    for key, _, better in bb.ROWS:  # the "better" column against the numbers themselves
+        s, c = rows[key]["static"], rows[key]["continuous"]
+        if better == "lower" and s != c:
+            assert rows[key]["better"] == ("continuous" if c < s else "static")
     poisson = bb.make_workload(bb.Settings(num_requests=2000, request_rate=50.0))
     gaps = np.diff([0.0] + [w.arrival for w in poisson])
     assert gaps.mean() == pytest.approx(1 / 50, rel=0.1) and gaps.std() == pytest.approx(1 / 50, rel=0.15)
 
 
-def test_traced_request_stages(small):
-    rl = load_script(CH08 / "request_lifecycle.py")
-    from mlsys.engine import SamplingParams
+@pytest.mark.parametrize("budget", [64, 200])
+def test_first_step_holds_the_prompts_that_fit_the_token_budget(small_model, budget):
+    """The lesson's reading of the occupancy figure: the first step of a saturated run holds as many prompts as
+    the step's token budget reaches (the last one as a partial prefill chunk), under either scheduler."""
+    bb = load_script(CH08 / "batching_bench.py")
+    args = bb.Settings(num_requests=10, prompt_max=40, short_max=5, long_min=6, long_max=8, max_num_seqs=8,
+                       max_num_batched_tokens=budget)
+    work = bb.make_workload(args)
+    lengths = [len(w.prompt) + 1 for w in work[: args.max_num_seqs]]  # <bos> + characters
+    fit = next((i + 1 for i in range(len(lengths)) if sum(lengths[: i + 1]) >= budget), len(lengths))
+    for mode in ("static", "continuous"):
+        assert bb.run_mode(small_model, mode, work, args)["first_step_seqs"] == fit
 
-    engine = Engine(small)
+
+def test_decode_timing_measures_pure_decode_steps(pvd, small_model):
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    steps = []
+    step = engine.step
+
+    def recorded_step():
+        out = step()
+        steps.append(dict(engine.last_step_timing))
+        return out
+
+    engine.step = recorded_step
+    prompts = [[1, *range(10 + i, 30 + i)] for i in range(4)]
+    t = pvd.decode_time(engine, prompts, reps=3)
+    assert t["repeats"] == 3 and 0 < t["best_s"] <= t["median_s"]
+    assert steps[0]["num_batched_tokens"] == sum(map(len, prompts))  # one step prefilled all four
+    assert [(s["num_seqs"], s["num_batched_tokens"]) for s in steps[1:5]] == [(4, 4)] * 4  # warm-up + 3 timed
+    assert t["best_s"] == min(s["forward"] for s in steps[2:5])
+    engine.check_invariants()
+
+
+def test_traced_request_stages_against_the_steps_that_ran(small_model):
+    rl = load_script(CH08 / "request_lifecycle.py")
+    engine = Engine(small_model)
+    walls, forwards = [], []
+    step, execute = engine.step, engine.runner.execute
+
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        walls.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def timed_execute(*a, **kw):
+        start = time.perf_counter()
+        out = execute(*a, **kw)
+        forwards.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    engine.step, engine.runner.execute = timed_step, timed_execute
     tr = rl.trace_request(engine, '{"name": "ken", ', SamplingParams(max_tokens=10, ignore_eos=True))
     kinds = [s["kind"] for s in tr["steps"]]
     assert kinds == ["prefill"] + ["decode"] * 9 and tr["steps"][0]["tokens"] == 17  # <bos> + 16 characters
     assert all(s["tokens"] == 1 for s in tr["steps"][1:])
     assert "".join(s["new_text"] for s in tr["steps"]) == tr["final"].text
     assert all(c.startswith(b"data: {") and c.endswith(b"\n\n") for c in tr["chunks"])
-    rows = rl.stage_table(tr)
-    assert sum(r["share_%"] for r in rows) == pytest.approx(100)
-    assert sum(r["calls"] for r in rows if r["stage"] == "decode: forward") == 9
+    # one row per step that ran, one forward pass per step: counted outside the engine
+    assert len(tr["steps"]) == len(walls) == len(forwards) == 10
+    eps = 1e-6  # ms: float rounding of perf_counter differences
+    for row, wall, fwd in zip(tr["steps"], walls, forwards):
+        stages = [row[k] for k in rl.STAGES]
+        assert min(stages) >= 0 and sum(stages) <= wall + eps  # the stages are disjoint parts of the step
+        assert row["forward"] + eps >= fwd  # the forward stage contains the forward pass
+    table = {r["stage"]: r for r in rl.stage_table(tr)}
+    assert table["prefill: forward"]["calls"] == 1 and table["decode: forward"]["calls"] == 9
+    assert table["stream (SSE chunks)"]["calls"] == len(tr["chunks"]) == 10
+    assert table["decode: forward"]["ms"] >= sum(forwards[1:]) - eps

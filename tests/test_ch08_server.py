@@ -51,7 +51,7 @@ class Gate:
         self.armed, self.entered, self.released = False, threading.Event(), threading.Event()
         self.fail_next: Exception | None = None  # raise this from the next forward pass instead
 
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+    def __call__(self, *args, **kwargs):
         if self.fail_next is not None:
             err, self.fail_next = self.fail_next, None
             raise err
@@ -85,7 +85,7 @@ def reference(model, prompts, max_tokens, ignore_eos=False):
     return Engine(model).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
 
 
-def wait_for(condition, what: str, timeout: float = 30.0):  # noqa: ANN001, ANN201
+def wait_for(condition, what: str, timeout: float = 30.0):
     """Poll until condition() is truthy (bounded); returns its value. A wait for another thread, not a timing."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,14 +104,14 @@ def wait_until_idle(engine: Engine) -> dict:
     return wait_for(idle, "the engine to go idle")
 
 
-def in_thread(fn):  # noqa: ANN001, ANN201
+def in_thread(fn):
     """Run fn() in a thread; returns (thread, result list that receives fn's return value or exception)."""
     out: list = []
 
     def target() -> None:
         try:
             out.append(fn())
-        except Exception as err:  # noqa: BLE001 - handed to the test
+        except Exception as err:
             out.append(err)
 
     t = threading.Thread(target=target, daemon=True)
@@ -131,7 +131,7 @@ def test_completions_equal_engine_greedy_streamed_or_not(small_model, served, cl
         assert plain.usage.prompt_tokens == len(ref.prompt_token_ids) == len(prompt) + 1  # + <bos>
         assert plain.usage.completion_tokens == len(ref.token_ids)
         chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))  # fmt: skip
+                                                stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
         assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and not chunks[-1].choices
@@ -144,7 +144,7 @@ def test_token_id_prompt_and_seeded_sampling(small_model, served, client):
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
     assert plain.choices[0].text == reference(small_model, [PROMPTS[4]], 10)[0].text
     a, b = (client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=20, temperature=1.0, seed=7,
-                                      extra_body={"top_k": 5}).choices[0].text for _ in range(2))  # fmt: skip
+                                      extra_body={"top_k": 5}).choices[0].text for _ in range(2))
     want = Engine(small_model).generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=7))
     assert a == b == want[0].text
 
@@ -230,12 +230,12 @@ def test_event_loop_answers_while_a_step_is_blocked(small_model, gated):
     http = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     gate.arm()
     first, out1 = in_thread(lambda: http.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12,
-                                                             temperature=0))  # fmt: skip
+                                                             temperature=0))
     assert gate.entered.wait(30), "the first request's step never started"
     # The engine thread is now stuck inside a forward pass, holding the engine's lock. Everything below must
     # still be answered: a new request is enqueued, /v1/models and /health reply.
     second, out2 = in_thread(lambda: http.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
-                                                              temperature=0))  # fmt: skip
+                                                              temperature=0))
     wait_for(lambda: front.num_received == received + 2, "the second request to be enqueued")
     models = httpx.get(f"{server.url}/v1/models", timeout=30)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
@@ -257,7 +257,7 @@ def test_an_error_adding_one_request_ends_that_request_only(small_model, gated, 
     server, engine, front, gate = gated
     add = engine.add_request
 
-    def add_or_fail(ids, params, request_id=None):  # noqa: ANN001, ANN202
+    def add_or_fail(ids, params, request_id=None):
         if params.max_tokens == 7:  # the request this test marks as the broken one
             raise RuntimeError("injected failure while adding")
         return add(ids, params, request_id=request_id)
@@ -266,10 +266,10 @@ def test_an_error_adding_one_request_ends_that_request_only(small_model, gated, 
     received = front.num_received
     gate.arm()
     good, out = in_thread(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0}))  # fmt: skip
+        "model": MODEL, "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0}))
     assert gate.entered.wait(30)
     broken, bad = in_thread(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 7, "temperature": 0}))  # fmt: skip
+        "model": MODEL, "prompt": PROMPTS[3], "max_tokens": 7, "temperature": 0}))
     wait_for(lambda: front.num_received == received + 2, "both requests to be enqueued")
     gate.release()  # the engine thread finishes the step, then drains the inbox: the add fails
     broken.join(60)
@@ -306,7 +306,7 @@ def test_client_leaving_mid_stream_frees_its_sequence_and_blocks(gated):
     aborted = front.num_aborted
     generated = engine.stats()["num_generated_tokens"]
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 6:  # three events in: the request is running and holds KV blocks
@@ -329,11 +329,11 @@ def test_client_leaving_a_plain_request_aborts_it(gated):
     aborted = front.num_aborted
     generated = engine.stats()["num_generated_tokens"]
     data = json.dumps({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 220, "temperature": 0,
-                       "ignore_eos": True}).encode()  # fmt: skip
+                       "ignore_eos": True}).encode()
     gate.arm()  # its first step stops in the forward pass, so it cannot finish before the client leaves
     with socket.create_connection((server.host, server.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
         assert gate.entered.wait(30), "the request never reached the engine"
     # the socket is closed: the handler must notice while it waits, and queue an abort
     wait_for(lambda: front.num_aborted == aborted + 1, "the handler to notice the client left")
@@ -346,7 +346,7 @@ def test_client_leaving_a_plain_request_aborts_it(gated):
 # ------------------------------------------------------------------------------------------------ load test
 async def one_stream(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}}
     text, usage, done, reasons = [], None, False, []
     async with http.stream("POST", url, json=body) as r:
         assert r.status_code == 200

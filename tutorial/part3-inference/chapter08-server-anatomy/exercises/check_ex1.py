@@ -20,17 +20,18 @@ def random_requests(seed: int, n: int) -> list[tuple[float, list[float]]]:
 
 
 @task("percentile interpolates like numpy.percentile (one value, two values, ties, p = 0, 50, 99, 100)")
-def check_percentile(ex) -> None:  # noqa: ANN001
+def check_percentile(ex) -> None:
     rng = np.random.default_rng(0)
     cases = [[3.0], [1.0, 2.0], [5.0, 5.0, 1.0], list(rng.exponential(1.0, size=17)), list(rng.normal(size=200))]
     for values in cases:
         for p in (0, 10, 50, 90, 99, 100):
             got, want = ex.percentile(list(values), p), float(np.percentile(values, p))
-            assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), f"percentile({values[:5]}..., {p}) = {got}, want {want}"
+            assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), (
+                f"percentile({values[:5]}..., {p}) = {got}, want {want}")
 
 
 @task("request_metrics: TTFT includes queueing, ITL has n-1 gaps, TPOT is None for a one-token request")
-def check_request_metrics(ex) -> None:  # noqa: ANN001
+def check_request_metrics(ex) -> None:
     m = ex.request_metrics(1.0, [1.5, 1.6, 1.8, 2.1])
     assert abs(m["ttft"] - 0.5) < 1e-12, f"ttft {m['ttft']}, want 0.5 (first token 1.5 - arrival 1.0)"
     assert np.allclose(m["itl"], [0.1, 0.2, 0.3]), f"itl {m['itl']}, want [0.1, 0.2, 0.3]"
@@ -42,7 +43,7 @@ def check_request_metrics(ex) -> None:  # noqa: ANN001
 
 
 @task("summarize equals numpy on 300 random requests and mlsys.server.serving_summary (ITL pooled, TPOT skips n=1)")
-def check_summarize(ex) -> None:  # noqa: ANN001
+def check_summarize(ex) -> None:
     from mlsys.server import serving_summary
 
     reqs = random_requests(7, 300)
@@ -53,7 +54,8 @@ def check_summarize(ex) -> None:  # noqa: ANN001
     itl = np.concatenate([np.diff(t) for _, t in reqs]) * 1e3
     want = {"request_throughput": len(reqs) / duration, "output_throughput": sum(len(t) for _, t in reqs) / duration}
     for name, v in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        want |= {f"mean_{name}_ms": v.mean(), f"p50_{name}_ms": np.percentile(v, 50), f"p99_{name}_ms": np.percentile(v, 99)}
+        want |= {f"mean_{name}_ms": v.mean(), f"p50_{name}_ms": np.percentile(v, 50),
+                 f"p99_{name}_ms": np.percentile(v, 99)}
     for key, value in want.items():
         assert key in got, f"summarize() has no key {key!r}"
         assert abs(got[key] - value) <= 1e-6 * max(1.0, abs(value)), f"{key}: {got[key]:.6g}, want {value:.6g}"

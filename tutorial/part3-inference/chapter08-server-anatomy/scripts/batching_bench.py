@@ -10,18 +10,21 @@ What it shows
                   requests that arrive meanwhile wait, and finished requests leave empty seats behind;
       continuous  the batch is re-formed every step (Orca's iteration-level scheduling): a finished
                   request leaves at once and a waiting one takes its seat in the next step.
-    Each run prints the summary block of vLLM's benchmark_serving (throughput, TTFT, TPOT, ITL with p50/p99),
-    then the headline ratio continuous/static throughput (goal >= 2x; reported, never fails the run), and a
-    figure of how many sequences each step ran. Every request must complete with exactly its max_tokens
-    tokens and every KV block must be free afterwards (self-checks, exit 1 otherwise).
+    Each scheduler serves the workload --repeats times (alternating static and continuous, the garbage
+    collector held off while they run); the summary of each scheduler's fastest run (the least disturbed by
+    other processes) is printed side by side: vLLM benchmark_serving's throughput, TTFT, TPOT and ITL numbers,
+    the number of engine steps and how many sequences each held, with the better scheduler named in each row
+    (--vllm-layout prints the full blocks in vLLM's layout). A figure shows how many sequences each step ran.
+    Every request must complete with exactly its max_tokens tokens, the greedy tokens must not depend on the
+    scheduler, and every KV block must be free afterwards (self-checks, exit 1 otherwise).
     The loop is real: between arrivals with nothing to compute it waits for the next arrival; it never sleeps
     in place of work.
 
 How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py
-    python .../batching_bench.py --request-rate 40     # Poisson arrivals over about 2.5 s: a latency view
+    python .../batching_bench.py --request-rate 40 --repeats 2   # Poisson arrivals: a latency view
 
-Runtime on 2 cores: about 10 s (both runs), 3 s with --smoke.
+Runtime on 2 cores: about 20 s (3 runs of each scheduler), 4 s with --smoke.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mlsys import cli, plot, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import make_corpus
 from mlsys.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from mlsys.server import format_summary, serving_summary
@@ -62,12 +65,19 @@ class Settings(cli.Args, cli.PlotArgs):
     """Fraction of requests with a long answer."""
     max_num_seqs: int = 32
     """Seats in the batch (EngineConfig.max_num_seqs), the same for both schedulers."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (EngineConfig.max_num_batched_tokens): prefill chunks plus decode tokens."""
+    repeats: int = 3
+    """Runs of each scheduler; the fastest one is reported."""
+    vllm_layout: bool = False
+    """Also print each scheduler's summary in the layout of vLLM's benchmark_serving."""
     threads: int = 1
     """torch intra-op threads. 1: the tiny model's matrices are too small to split, extra threads only wait."""
 
     def validate(self) -> None:
-        if self.num_requests < 1 or self.max_num_seqs < 1 or self.threads < 1:
-            raise cli.UsageError("--num-requests, --max-num-seqs and --threads must be at least 1")
+        if min(self.num_requests, self.max_num_seqs, self.max_num_batched_tokens, self.repeats, self.threads) < 1:
+            raise cli.UsageError("--num-requests, --max-num-seqs, --max-num-batched-tokens, --repeats and --threads "
+                                 "must be at least 1")
         if not self.request_rate > 0:
             raise cli.UsageError(f"--request-rate must be positive (or inf), got {self.request_rate}")
         if not 1 <= self.prompt_min <= self.prompt_max:
@@ -131,16 +141,50 @@ def serve_workload(engine: Engine, workload: list[WorkItem]) -> dict:
 
 
 def run_mode(model, scheduling: str, workload: list[WorkItem], args: Settings) -> dict:
-    engine = Engine(model, config=EngineConfig(scheduling=scheduling, max_num_seqs=args.max_num_seqs))
-    engine.generate(["{", '{"name": "ada", '], SamplingParams(max_tokens=4))  # warm-up: first calls are slow
+    """Serve the workload once with a fresh engine (warmed up on a slice of the workload first)."""
+    engine = Engine(model, config=EngineConfig(scheduling=scheduling, max_num_seqs=args.max_num_seqs,
+                                               max_num_batched_tokens=args.max_num_batched_tokens))
+    warm = workload[: args.max_num_seqs]  # first calls of each shape are slow: not part of the measurement
+    engine.generate([w.prompt for w in warm], SamplingParams(max_tokens=4, ignore_eos=True))
     result = serve_workload(engine, workload)
     check_run(engine, workload, result["finals"], scheduling)
     records = [{"arrival": f.metrics.arrival_time, "token_times": f.metrics.token_times,
-                "prompt_len": len(f.prompt_token_ids)} for f in result["finals"].values()]  # fmt: skip
+                "prompt_len": len(f.prompt_token_ids)} for f in result["finals"].values()]
     result["summary"] = serving_summary(records, result["duration"])
     result["num_steps"] = len(result["steps"])
     result["mean_seqs_per_step"] = float(np.mean([s[1] for s in result["steps"]]))
+    result["first_step_seqs"] = result["steps"][0][1]
     return result
+
+
+def fastest_runs(model, workload: list[WorkItem], args: Settings) -> tuple[dict, dict]:
+    """Each scheduler `repeats` times, alternating so that a slow spell of the machine hits both; returns the
+    fastest run of each and the durations of all runs."""
+    runs: dict[str, list[dict]] = {"static": [], "continuous": []}
+    with bench.steady_timing():  # no garbage-collector pause inside a run
+        for _ in range(args.repeats):
+            for mode in runs:
+                runs[mode].append(run_mode(model, mode, workload, args))
+    best = {mode: min(rs, key=lambda r: r["duration"]) for mode, rs in runs.items()}
+    return best, {mode: [r["duration"] for r in rs] for mode, rs in runs.items()}
+
+
+# (key, label, which is better): the rows of the side-by-side table
+ROWS = [("request_throughput", "request throughput (req/s)", "higher"),
+        ("output_throughput", "output throughput (tok/s)", "higher"),
+        ("median_ttft_ms", "median TTFT (ms)", "lower"), ("p99_ttft_ms", "p99 TTFT (ms)", "lower"),
+        ("mean_tpot_ms", "mean TPOT (ms)", "lower"), ("median_itl_ms", "median ITL (ms)", "lower"),
+        ("p99_itl_ms", "p99 ITL (ms)", "lower"), ("num_steps", "engine steps", None),
+        ("mean_seqs_per_step", "mean sequences per step", None)]
+
+
+def comparison(results: dict) -> list[dict]:
+    rows = []
+    for key, label, better in ROWS:
+        s, c = (results[m]["summary"].get(key, results[m].get(key)) for m in ("static", "continuous"))
+        winner = "" if better is None or s == c else ("continuous" if (c > s) == (better == "higher") else "static")
+        rows.append({"metric": key, "label": label, "static": s, "continuous": c, "better": winner or "-"})
+    return rows
 
 
 def check_run(engine: Engine, workload: list[WorkItem], finals: dict, scheduling: str) -> None:
@@ -149,7 +193,7 @@ def check_run(engine: Engine, workload: list[WorkItem], finals: dict, scheduling
         out = finals[w.request_id]
         if len(out.token_ids) != w.max_tokens or out.finish_reason != "length":
             raise cli.SelfCheckFailed(f"{scheduling}: {w.request_id} produced {len(out.token_ids)} tokens "
-                                      f"({out.finish_reason}), expected {w.max_tokens}")  # fmt: skip
+                                      f"({out.finish_reason}), expected {w.max_tokens}")
     stats = engine.stats()
     report.expect_equal(f"{scheduling}: KV blocks in use after the run", stats["num_used_blocks"], 0)
     engine.check_invariants()
@@ -172,41 +216,54 @@ def draw(results: dict, args: Settings) -> None:
 def main() -> None:
     args = cli.parse(Settings, __doc__, smoke={"num_requests": 16, "request_rate": 200.0, "prompt_max": 24,
                                                "short_max": 8, "long_min": 24, "long_max": 32,
-                                               "long_fraction": 0.25, "max_num_seqs": 8})  # fmt: skip
+                                               "long_fraction": 0.25, "max_num_seqs": 8, "repeats": 1})
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     model = load_pretrained("small")
     workload = make_workload(args)
     n_long = sum(w.max_tokens >= args.long_min for w in workload)
     arrivals = f"over {workload[-1].arrival:.2f} s (Poisson, {args.request_rate:g}/s)" if math.isfinite(
-        args.request_rate) else "all at t = 0"  # fmt: skip
+        args.request_rate) else "all at t = 0"
     print(f"workload: {len(workload)} requests {arrivals}, "
           f"prompts {args.prompt_min}-{args.prompt_max} chars, answers 4-{args.short_max} tokens "
           f"({len(workload) - n_long}) or {args.long_min}-{args.long_max} ({n_long}); {args.max_num_seqs} seats\n")
-    results = {}
-    for mode in ("static", "continuous"):
-        results[mode] = run_mode(model, mode, workload, args)
-        print(format_summary(results[mode]["summary"], title=f"{mode} batching"))
-        print(f"{'Engine steps:':<40}{results[mode]['num_steps']}")
-        print(f"{'Mean sequences per step:':<40}{results[mode]['mean_seqs_per_step']:.1f}\n")
-    s, c = results["static"]["summary"], results["continuous"]["summary"]
-    ratio = c["output_throughput"] / s["output_throughput"]
+    results, durations = fastest_runs(model, workload, args)
+    rows = comparison(results)
+    if args.vllm_layout:
+        for mode, r in results.items():
+            print(format_summary(r["summary"], title=f"{mode} batching") + "\n")
+    print(f"fastest of {args.repeats} runs per scheduler (durations: "
+          + "; ".join(f"{m} " + ", ".join(f"{d:.2f}" for d in ds) + " s" for m, ds in durations.items())
+          + f"), {bench.load_average()}")
+    print(report.table([{"": r["label"], "static": r["static"], "continuous": r["continuous"], "better": r["better"]}
+                        for r in rows], floatfmt=".1f"))
     same = sum(results["static"]["finals"][w.request_id].token_ids == results["continuous"]["finals"][
-        w.request_id].token_ids for w in workload)  # fmt: skip
-    print(f"greedy outputs identical under both schedulers: {same}/{len(workload)}")
-    steps_ratio = results["static"]["num_steps"] / results["continuous"]["num_steps"]
-    print(f"continuous / static throughput: {ratio:.2f}x  (goal >= 2x: {'goal met' if ratio >= 2 else 'not met'}); "
-          f"engine steps: {steps_ratio:.2f}x fewer")
-    print(f"TTFT p50: static {s['median_ttft_ms']:.0f} ms, continuous {c['median_ttft_ms']:.0f} ms;  "
-          f"ITL p99: static {s['p99_itl_ms']:.1f} ms, continuous {c['p99_itl_ms']:.1f} ms")
+        w.request_id].token_ids for w in workload)
+    report.expect_equal("greedy outputs identical under both schedulers", same, len(workload))
+    s, c = results["static"], results["continuous"]
+    ratio = c["summary"]["output_throughput"] / s["summary"]["output_throughput"]
+    steps_ratio = s["num_steps"] / c["num_steps"]
+    print(f"\ngreedy outputs identical under both schedulers: {same}/{len(workload)}")
+    print(f"continuous / static output throughput: {ratio:.2f}x; static / continuous engine steps: {steps_ratio:.2f}x")
+    print(f"first step: static ran {s['first_step_seqs']} sequences, continuous {c['first_step_seqs']} "
+          f"(token budget {args.max_num_batched_tokens} per step, {args.max_num_seqs} seats)")
     draw(results, args)
     if args.json:
-        out = {mode: {**r["summary"], "num_steps": r["num_steps"], "mean_seqs_per_step": r["mean_seqs_per_step"]}
-               for mode, r in results.items()}  # fmt: skip
-        out.update(throughput_ratio=ratio, goal_met=ratio >= 2, steps_ratio=steps_ratio, identical_outputs=same,
-                   num_long=n_long)
+        out = {mode: {**r["summary"], "num_steps": r["num_steps"], "mean_seqs_per_step": r["mean_seqs_per_step"],
+                      "first_step_seqs": r["first_step_seqs"], "durations_s": durations[mode]}
+               for mode, r in results.items()}
+        span = workload[-1].arrival
+        out.update(rows=rows, better={r["metric"]: r["better"] for r in rows},
+                   continuous_wins=sum(r["better"] == "continuous" for r in rows),
+                   static_wins=sum(r["better"] == "static" for r in rows),
+                   compared_rows=sum(better is not None for *_, better in ROWS),
+                   throughput_ratio=ratio, steps_ratio=steps_ratio,
+                   fewer_steps="continuous" if c["num_steps"] < s["num_steps"] else "static",
+                   identical_outputs=same, num_requests=len(workload), num_long=n_long, arrival_span_s=span,
+                   offered_rate=len(workload) / span if span > 0 else None,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                   load_average=bench.load_average())
         report.write_json(args.json, out, args)
-
 
 if __name__ == "__main__":
     cli.run(main)

@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mlsys import cli, plot, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.model import GPT, GPTConfig
@@ -42,8 +42,9 @@ class Settings(cli.Args, cli.PlotArgs):
     """Concurrent sequences for the decode sweep."""
     context: int = 64
     """Prompt length of every decoding sequence (its KV cache length when the timed steps start)."""
-    reps: int = 5
-    """Timed repetitions per point; the fastest is reported (the least disturbed by other processes)."""
+    reps: int = 7
+    """Timed repetitions per point, after one warm-up; the fastest is reported (the least disturbed by other
+    processes), the median beside it."""
     threads: int = 1
     """torch intra-op threads. 1: the tiny model's matrices are too small to split, extra threads only wait."""
 
@@ -57,17 +58,25 @@ class Settings(cli.Args, cli.PlotArgs):
 
 
 # --8<-- [start:flops]
+def attention_pairs(q: int, k: int) -> int:
+    """(query, key) pairs the causal mask keeps when q new tokens are the last q of k positions: new token i
+    (0-based) sees the k - q cached keys and itself plus the i new tokens before it. A prefill (q = k = L) has
+    L(L+1)/2 of them, a decode step (q = 1) has k."""
+    return q * (k - q) + q * (q + 1) // 2
+
+
 def step_flops(cfg: GPTConfig, q_lens: list[int], kv_lens: list[int], num_logits: int) -> int:
-    """Matmul FLOPs of one forward over S sequences: sequence s computes q_lens[s] new tokens that attend to
-    kv_lens[s] keys (its cache plus themselves); num_logits rows go through the (C, V) head.
+    """Matmul FLOPs of the useful work of one forward over S sequences: sequence s computes q_lens[s] new tokens
+    that attend to kv_lens[s] keys (its cache plus themselves); num_logits rows go through the (C, V) head.
 
     Per token, every Linear weight is used in one multiply and one add: 2 * 12 * n_layer * C^2 FLOPs
     (qkv 3C^2, attention output C^2, MLP 8C^2), i.e. ~2 FLOPs per parameter. Attention adds q.k and p.v:
-    4 * C FLOPs per (query, key) pair per layer, counted densely as SDPA computes them.
+    4 * C FLOPs per (query, key) pair per layer, for the pairs the causal mask keeps (a kernel that skips
+    masked tiles, as FlashAttention does, computes about these; a dense one computes all q * k).
     """
     L, C = cfg.n_layer, cfg.n_embd
     linear = 2 * 12 * L * C * C * sum(q_lens)
-    attention = 4 * L * C * sum(q * k for q, k in zip(q_lens, kv_lens))
+    attention = 4 * L * C * sum(attention_pairs(q, k) for q, k in zip(q_lens, kv_lens))
     head = 2 * C * cfg.vocab_size * num_logits
     return linear + attention + head
 
@@ -98,55 +107,62 @@ def counted_flops(model: GPT, batch: int, prompt_len: int, decode: bool) -> int:
 
 
 def check_flop_formula(model: GPT) -> None:
+    """step_flops + the masked pairs a dense kernel computes anyway == what torch's flop counter sees."""
     cfg = model.config
     for batch, length, decode in [(1, 37, False), (3, 20, False), (4, 50, True)]:
         q = [1 if decode else length] * batch
         kv = [length + 1 if decode else length] * batch
         logits = batch * (1 if decode else length)  # GPT.forward computes the head for every position
+        masked = sum(qi * ki - attention_pairs(qi, ki) for qi, ki in zip(q, kv))  # scored, then masked away
         report.expect_equal(f"FLOPs of {'decode' if decode else 'prefill'} B={batch} T={length}",
-                            step_flops(cfg, q, kv, logits), counted_flops(model, batch, length, decode))  # fmt: skip
+                            step_flops(cfg, q, kv, logits) + 4 * cfg.n_layer * cfg.n_embd * masked,
+                            counted_flops(model, batch, length, decode))
 
 
 # --8<-- [start:measure]
-def fastest_forward(engine: Engine, reps: int, make_step) -> float:  # noqa: ANN001
-    """Seconds of the forward pass of the step that `make_step()` sets up and runs: the fastest of reps."""
-    times = []
-    for _ in range(reps + 1):  # the first repetition warms up and is dropped
-        make_step()
-        times.append(engine.last_step_timing["forward"])
-    return min(times[1:])
+def prefill_time(engine: Engine, ids: list[int], reps: int) -> dict:
+    """Forward seconds of a prefill of `ids`: a fresh one-token request, whose first step is the whole prompt."""
 
-
-def prefill_time(engine: Engine, ids: list[int], reps: int) -> float:
-    def one() -> None:  # a fresh one-token request: its first step is the whole prompt's prefill
+    def one() -> float:
         engine.add_request(ids, SamplingParams(max_tokens=1))
         engine.step()
+        assert engine.last_step_timing["num_batched_tokens"] == len(ids)  # the whole prompt, in one step
+        return engine.last_step_timing["forward"]
 
-    return fastest_forward(engine, reps, one)
+    return bench.best_of(one, reps, warmup=1)
 
 
-def decode_time(engine: Engine, prompts: list[list[int]], reps: int) -> float:
+def decode_time(engine: Engine, prompts: list[list[int]], reps: int) -> dict:
+    """Forward seconds of a decode step of len(prompts) sequences, one new token each."""
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=reps + 3, ignore_eos=True))
-    engine.step()  # prefill everybody (and sample their first tokens)
-    t = fastest_forward(engine, reps, engine.step)  # then pure decode steps: one token per sequence
+    engine.step()  # everybody's prefill in one step (the token budget holds them all), first tokens sampled
+
+    def one() -> float:
+        engine.step()
+        t = engine.last_step_timing
+        if not t["num_seqs"] == t["num_batched_tokens"] == len(prompts):  # a pure decode step of all of them
+            raise cli.SelfCheckFailed(f"timed step ran {t['num_seqs']} sequences, {t['num_batched_tokens']} tokens")
+        return t["forward"]
+
+    result = bench.best_of(one, reps, warmup=1)
     while engine.has_unfinished():
         engine.step()
-    return t
+    return result
 # --8<-- [end:measure]
 
 
 def machine_peaks(n: int = 1024, mib: int = 256) -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) of this CPU in float32: the two ends of its roofline."""
+    """(matmul FLOP/s, copy bytes/s) of this CPU in float32, each the best of 3 after a warm-up: the two ends
+    of its roofline."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     big = torch.empty(mib * 2**20 // 4)
-    a @ b, big.clone()  # warm-up: allocations and first-call costs
-    t_mm = min(_timed(lambda: a @ b) for _ in range(3))
-    t_copy = min(_timed(big.clone) for _ in range(3))
+    t_mm = bench.best_of(lambda: _timed(lambda: a @ b), 3)["best_s"]
+    t_copy = bench.best_of(lambda: _timed(big.clone), 3)["best_s"]
     return 2 * n**3 / t_mm, 2 * big.numel() * 4 / t_copy  # a copy reads and writes every byte
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -159,9 +175,9 @@ def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) 
     axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time (ms)", title="prefill: one request")
     axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1")
     axes[1].set(xlabel="sequences in the step", ylabel="forward time (ms)", title=f"decode: context {args.context}",
-                xscale="log")  # fmt: skip
-    axes[2].loglog([r["tokens"] for r in prefill], [r["intensity"] for r in prefill], "o-", label="prefill")
-    axes[2].loglog([r["tokens"] for r in decode], [r["intensity"] for r in decode], "o-", label="decode")
+                xscale="log")
+    axes[2].loglog([r["prompt_len"] for r in prefill], [r["intensity"] for r in prefill], "o-", label="prefill")
+    axes[2].loglog([r["batch"] for r in decode], [r["intensity"] for r in decode], "o-", label="decode")
     axes[2].axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of this CPU ({ridge:.1f})")
     axes[2].set(xlabel="tokens in the step", ylabel="FLOPs per byte moved", title="arithmetic intensity")
     axes[2].legend()
@@ -176,50 +192,66 @@ def main() -> None:
     cfg, n_params = model.config, sum(p.numel() for p in model.parameters())
     check_flop_formula(model)
     print(f"model: {n_params:,} parameters ({n_params * 4 / 2**20:.2f} MiB in float32), {cfg.n_layer} layers, "
-          f"C={cfg.n_embd}; FLOP formula agrees with torch.utils.flop_counter\n")  # fmt: skip
-    flops_peak, bw_peak = machine_peaks(*((256, 16) if args.smoke else (1024, 256)))
+          f"C={cfg.n_embd}; FLOP formula agrees with torch.utils.flop_counter\n")
+    with bench.steady_timing():
+        flops_peak, bw_peak = machine_peaks(*((256, 16) if args.smoke else (1024, 256)))
     ridge = flops_peak / bw_peak
     print(f"this CPU ({args.threads} thread): matmul {flops_peak / 1e9:.1f} GFLOP/s, copy {bw_peak / 1e9:.1f} GB/s "
-          f"-> ridge point {ridge:.1f} FLOPs/byte\n")  # fmt: skip
-    engine = Engine(model, config=EngineConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=512))
+          f"-> ridge point {ridge:.1f} FLOPs/byte\n")
+    c = args.context  # a token budget that holds every decode batch's prefill, so one step prefills them all
+    budget = max(512, max(args.batch_sizes) * c, max(args.prompt_lens))
+    engine = Engine(model, config=EngineConfig(max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=budget))
     stream = Tokenizer().encode_corpus(make_corpus(60, seed=args.seed)).tolist()  # real records as prompts
 
-    prefill = []
-    for n in args.prompt_lens:
-        sec = prefill_time(engine, stream[:n], args.reps)
-        fl, by = step_flops(cfg, [n], [n], 1), step_bytes(n_params, cfg, [n], [0])
-        prefill.append(dict(prompt_len=n, tokens=n, ms=sec * 1e3, tokens_per_s=n / sec, gflop=fl / 1e9,
-                            mib=by / 2**20, intensity=fl / by, gflop_per_s=fl / sec / 1e9))  # fmt: skip
-    print("prefill (one request, the whole prompt in one step)")
+    prefill, decode = [], []
+    with bench.steady_timing():
+        for n in args.prompt_lens:
+            t = prefill_time(engine, stream[:n], args.reps)
+            sec, fl, by = t["best_s"], step_flops(cfg, [n], [n], 1), step_bytes(n_params, cfg, [n], [0])
+            prefill.append(dict(prompt_len=n, ms=sec * 1e3, median_ms=t["median_s"] * 1e3, tokens_per_s=n / sec,
+                                gflop=fl / 1e9, mib=by / 2**20, intensity=fl / by))
+        for b in args.batch_sizes:
+            t = decode_time(engine, [stream[i * 7 : i * 7 + c] for i in range(b)], args.reps)
+            kv = [c + 2] * b  # the cache of the first timed step: prompt, two tokens (one is the new one)
+            sec, fl, by = t["best_s"], step_flops(cfg, [1] * b, kv, b), step_bytes(n_params, cfg, [1] * b, kv)
+            kv_mib = (by - n_params * 4) / 2**20  # the K and V the step reads and writes
+            decode.append(dict(batch=b, ms=sec * 1e3, median_ms=t["median_s"] * 1e3, tokens_per_s=b / sec,
+                               gflop=fl / 1e9, mib=by / 2**20, kv_mib=kv_mib, intensity=fl / by))
+    print(f"prefill: one request, the whole prompt in one step (forward time, best and median of {args.reps})")
     print(report.table(prefill, floatfmt=".3g") + "\n")
-
-    decode, c = [], args.context
-    for b in args.batch_sizes:
-        prompts = [stream[i * 7 : i * 7 + c] for i in range(b)]
-        sec = decode_time(engine, prompts, args.reps)
-        kv = [c + 2] * b  # the cache a typical timed step reads (context, first token, a step or so)
-        fl, by = step_flops(cfg, [1] * b, kv, b), step_bytes(n_params, cfg, [1] * b, kv)
-        decode.append(dict(batch=b, tokens=b, ms=sec * 1e3, tokens_per_s=b / sec, gflop=fl / 1e9,
-                           mib=by / 2**20, intensity=fl / by, gb_per_s=by / sec / 1e9))  # fmt: skip
-    print(f"decode (B sequences, one new token each, {c}-token context)")
+    print(f"decode: B sequences, one new token each, {c}-token context (forward time, best and median of {args.reps})")
     print(report.table(decode, floatfmt=".3g") + "\n")
+    print(bench.load_average())
     engine.check_invariants()
 
     p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
-    bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"  # noqa: E731
-    print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, {bound(p_last['intensity'])}")
+    peak = max(decode, key=lambda r: r["tokens_per_s"])
+    bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"
+    print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
+          f"{bound(p_last['intensity'])}")
     print(f"decode at B=1: {d_first['intensity']:.2f} FLOPs/byte, {bound(d_first['intensity'])}; "
           f"B={d_last['batch']}: {d_last['intensity']:.1f}, {bound(d_last['intensity'])}")
     print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
-          f"({d_last['tokens_per_s'] / d_first['tokens_per_s']:.1f}x from batching)")
+          f"({d_last['tokens_per_s'] / d_first['tokens_per_s']:.1f}x from batching); the most at B={peak['batch']} "
+          f"({peak['tokens_per_s']:.0f})")
+    if peak is not d_last:
+        print(f"from B={peak['batch']} to B={d_last['batch']}: {d_last['batch'] / peak['batch']:g}x the sequences, "
+              f"{d_last['ms'] / peak['ms']:.2f}x the step time, {d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
+              f"moved ({peak['kv_mib']:.1f} -> {d_last['kv_mib']:.1f} MiB; the weights stay "
+              f"{n_params * 4 / 2**20:.1f} MiB)")
     print("note: this model's weights (3 MiB) fit in the CPU's caches and each step is dozens of small kernel calls,"
           " so the measured times show per-step overhead more than DRAM traffic; the intensities are the"
           " arithmetic that decides the bound on a GPU-sized model")
     draw(prefill, decode, ridge, args)
     if args.json:
-        report.write_json(args.json, {"num_params": n_params, "peak_gflop_per_s": flops_peak / 1e9,
-                                      "copy_gb_per_s": bw_peak / 1e9, "ridge_flops_per_byte": ridge,
-                                      "prefill": prefill, "decode": decode}, args)  # fmt: skip
+        report.write_json(args.json, {"num_params": n_params, "weights_mib": n_params * 4 / 2**20,
+                                      "peak_gflop_per_s": flops_peak / 1e9, "copy_gb_per_s": bw_peak / 1e9,
+                                      "ridge_flops_per_byte": ridge, "prefill": prefill, "decode": decode,
+                                      "decode_peak_batch": peak["batch"],
+                                      "decode_peak_tokens_per_s": peak["tokens_per_s"],
+                                      "decode_speedup_last_vs_b1": d_last["tokens_per_s"] / d_first["tokens_per_s"],
+                                      "step_time_growth_after_peak": d_last["ms"] / peak["ms"],
+                                      "load_average": bench.load_average()}, args)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ Runtime on 2 cores: about 3 s, 2 s with --smoke.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from mlsys import cli, report
+from mlsys import bench, cli, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
@@ -72,7 +73,7 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
     ids = encode_prompt(engine.tokenizer, prompt)  # 1. tokenize
     t_tok = time.perf_counter() - t0
     rid = engine.add_request(ids, params, arrival_time=t0)  # 2. queue (WAITING)
-    steps, chunks, stream_s, final = [], [], 0.0, None
+    steps, chunks, stream_s, final = [], [], [], None
     while final is None:
         outputs = engine.step()  # 3-6. schedule, prepare, forward, sample, detokenize (one iteration)
         timing = dict(engine.last_step_timing)
@@ -82,11 +83,11 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
         out = mine[0]
         t = time.perf_counter()
         event = sse_event(completion_body(rid, "mlsys-small", 0, out.new_text, out.finish_reason))  # 7. stream
-        stream_s += time.perf_counter() - t
+        stream_s.append(time.perf_counter() - t)
         kind = "prefill" if len(out.token_ids) == 1 else "decode"
         steps.append({"step": len(steps), "kind": kind, "seqs": timing["num_seqs"],
                       "tokens": timing["num_batched_tokens"], **{k: timing[k] * 1e3 for k in STAGES},
-                      "new_text": out.new_text})  # fmt: skip
+                      "new_text": out.new_text})
         chunks.append(event)
         final = out if out.finished else None
     return {"ids": ids, "final": final, "steps": steps, "chunks": chunks, "tokenize_s": t_tok, "stream_s": stream_s}
@@ -94,15 +95,17 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
 
 
 def stage_table(tr: dict) -> list[dict]:
-    """Milliseconds per stage: tokenize, queue, the engine's stages split into prefill and decode, stream."""
+    """Per stage: calls, total ms, median ms per call, share of the total. Stages: tokenize, queue, the engine's
+    stages split into prefill and decode, stream."""
     m = tr["final"].metrics
-    rows = [{"stage": "tokenize", "calls": 1, "ms": tr["tokenize_s"] * 1e3},
-            {"stage": "queue (arrival -> scheduled)", "calls": 1, "ms": (m.first_scheduled_time - m.arrival_time) * 1e3}]  # fmt: skip
+    per_call = {"tokenize": [tr["tokenize_s"] * 1e3],
+                "queue (arrival -> scheduled)": [(m.first_scheduled_time - m.arrival_time) * 1e3]}
     for kind in ("prefill", "decode"):
-        steps = [s for s in tr["steps"] if s["kind"] == kind]
         for stage in STAGES:
-            rows.append({"stage": f"{kind}: {stage}", "calls": len(steps), "ms": sum(s[stage] for s in steps)})
-    rows.append({"stage": "stream (SSE chunks)", "calls": len(tr["chunks"]), "ms": tr["stream_s"] * 1e3})
+            per_call[f"{kind}: {stage}"] = [s[stage] for s in tr["steps"] if s["kind"] == kind]
+    per_call["stream (SSE chunks)"] = [t * 1e3 for t in tr["stream_s"]]
+    rows = [{"stage": name, "calls": len(ms), "ms": sum(ms), "median_ms": statistics.median(ms) if ms else 0.0}
+            for name, ms in per_call.items()]
     total = sum(r["ms"] for r in rows)
     for r in rows:
         r["share_%"] = 100 * r["ms"] / total
@@ -122,14 +125,23 @@ def main() -> None:
         engine.step()  # the background requests prefill and start decoding
 
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy
-    tr = trace_request(engine, args.prompt, params)
+    with bench.steady_timing():  # no garbage-collector pause inside the traced steps
+        tr = trace_request(engine, args.prompt, params)
     out, m = tr["final"], tr["final"].metrics
     print(f"prompt {args.prompt!r} -> {len(tr['ids'])} token ids {tr['ids'][:8]}...  "
           f"({args.background} other requests decoding)\n")
     rows = tr["steps"][: args.show_steps] + ([tr["steps"][-1]] if len(tr["steps"]) > args.show_steps else [])
     print(report.table(rows, floatfmt=".2f"))
     print(f"... {len(tr['steps'])} steps in all\n")
-    print(report.table(stage_table(tr), floatfmt=".2f") + "\n")
+    stages = stage_table(tr)
+    print(report.table(stages, floatfmt=".2f"))
+    share = {kind: sum(r["share_%"] for r in stages if r["stage"].endswith(kind)) for kind in STAGES}
+    decode_median = {r["stage"].split(": ")[1]: r["median_ms"] for r in stages if r["stage"].startswith("decode:")}
+    others = sum(decode_median.values()) - decode_median["forward"] - decode_median["prepare"]
+    print(f"a decode step (median): forward {decode_median['forward']:.2f} ms, prepare {decode_median['prepare']:.2f} "
+          f"ms, the other engine stages {others:.2f} ms; over the request's life, forward passes took "
+          f"{share['forward']:.0f}% of the time; "
+          f"{bench.load_average()}\n")
     lat = request_latencies(m.arrival_time, m.token_times)
     print(f"streamed text ({len(tr['chunks'])} SSE events, '|' between them):")
     print("  " + "|".join(s["new_text"] for s in tr["steps"]))
@@ -148,7 +160,10 @@ def main() -> None:
         report.write_json(args.json, {"prompt_ids": tr["ids"], "token_ids": out.token_ids, "text": out.text,
                                       "finish_reason": out.finish_reason, "ttft_ms": lat["ttft"] * 1e3,
                                       "tpot_ms": (lat["tpot"] or 0) * 1e3, "e2e_ms": lat["e2e"] * 1e3,
-                                      "steps": tr["steps"], "stages": stage_table(tr)}, args)  # fmt: skip
+                                      "steps": tr["steps"], "stages": stages, "share_%": share,
+                                      "decode_median_ms": decode_median,
+                                      "num_steps": len(tr["steps"]), "load_average": bench.load_average()},
+                          args)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_pretrained("small")
     engine = Engine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs))
-    expected = Engine(model).generate([PROMPT], SamplingParams(max_tokens=args.max_tokens))[0].text  # the oracle, no HTTP
+    # the oracle, no HTTP: the engine's own greedy output
+    expected = Engine(model).generate([PROMPT], SamplingParams(max_tokens=args.max_tokens))[0].text
     server = ServerThread(create_app(engine), host=args.host, port=args.port).start()
     try:
         print(f"serving {DEFAULT_MODEL_NAME} on {server.url} (OpenAI base_url {server.url}/v1)\n")
@@ -130,7 +131,7 @@ def main() -> None:
     engine.check_invariants()
     if args.json:
         report.write_json(args.json, {**result, "expected_text": expected, "port": server.port,
-                                      "engine_steps": stats["num_steps"]}, args)  # fmt: skip
+                                      "engine_steps": stats["num_steps"]}, args)
 
 
 if __name__ == "__main__":
