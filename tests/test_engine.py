@@ -15,7 +15,6 @@ import random
 import pytest
 import torch
 
-from mlsys import weights
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import (BlockManager, BlockPool, Engine, EngineConfig, ModelRunner, RadixCache, SamplingParams,
                           Sequence)  # fmt: skip
@@ -27,25 +26,19 @@ LINES = make_corpus(40, seed=11).splitlines()
 PROMPTS = [LINES[i][: 3 + (i * 11) % 55] for i in range(8)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Ops on a 128-wide model are too small to split across cores; one thread keeps the
-    many tiny steps here from stalling on thread hand-offs when the machine is busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Ops on a 128-wide model are too small to split across cores; one thread keeps the many tiny steps here from
+# stalling on thread hand-offs when the machine is busy.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def small():
-    return weights.load_pretrained("small")
+def small(small_model):  # conftest's trained `small` GPT
+    return small_model
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny")).eval()
+def tiny(tiny_model):  # conftest's random `tiny` GPT, seed 0
+    return tiny_model
 
 
 def run_all(engine: Engine, prompts, params, check=True):

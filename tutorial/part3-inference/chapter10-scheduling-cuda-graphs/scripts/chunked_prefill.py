@@ -156,7 +156,8 @@ def serve_all(model, args: Settings, device: str) -> dict[int, list[Run]]:
     short, long = make_workload(args)
     runs = [Run(model, b, args, device) for b in args.budgets for _ in range(args.repeats)]
     for run in runs:  # warm-up, not timed: the first prefill and decode of a new engine pay one-off costs
-        run.engine.generate([long[0][: args.long_len // 2], short[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+        warm = [long[0][: args.long_len // 2]] if long else []  # a long prefill too, when there are long prompts
+        run.engine.generate([*warm, short[0]], SamplingParams(max_tokens=3, ignore_eos=True))
         for i, p in enumerate(short):
             run.add(p, args.short_tokens, f"short-{i}")
     with bench.steady_timing():  # no garbage-collector pass inside a timed step
