@@ -4,8 +4,8 @@ What it shows
     A workload of requests with mixed prompt and output lengths (most answers short, a few long, as in chat
     traffic), served twice by the same engine and weights. By default every request arrives at t = 0 (vLLM's
     benchmark default, --request-rate inf): throughput is a property of the server only while it is saturated;
-    with --request-rate R they arrive over time as a Poisson process, and at a rate both schedulers keep up with,
-    both "throughputs" just equal the arrival rate while TTFT and ITL still differ.
+    with --request-rate R they arrive over time as a Poisson process; at a rate a server keeps up with, its
+    "throughput" mostly measures the arrival rate, while TTFT and ITL still tell the schedulers apart.
       static      a batch is formed when the engine is empty and runs until its LAST request finishes;
                   requests that arrive meanwhile wait, and finished requests leave empty seats behind;
       continuous  the batch is re-formed every step (Orca's iteration-level scheduling): a finished

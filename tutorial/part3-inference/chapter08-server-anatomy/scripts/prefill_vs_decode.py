@@ -3,19 +3,23 @@
 What it shows
     1. Prefill: one request's prompt of L tokens in one step. Measured forward time for several L, and the
        FLOPs and bytes that step needs: FLOPs grow with L, the weights are read once whatever L is.
-    2. Decode: B requests generating one token each per step. Measured step time for several B: the weights
-       are read once per step and shared by the B tokens, and every sequence reads its whole KV cache.
+    2. Decode: B requests generating one token each per step. Measured step time for several B (only steps in
+       which all B sequences decode: their prefills run first, in one step): the weights are read once per step
+       and shared by the B tokens, and every sequence reads its whole KV cache (the kv_mib column).
     3. Arithmetic intensity (FLOPs per byte moved) of every step next to this machine's measured ridge point
        (peak matmul FLOP/s divided by copy bandwidth): above it a step is compute-bound, below memory-bound.
-    The FLOP formula (2 per weight per token, plus attention and the logits rows) is checked against
-    torch.utils.flop_counter on the model's own forward before anything is printed, and the tests check the
-    byte formula against the sizes of the real weight and KV tensors.
+    Every time is the forward pass of a step as the engine records it, best and median of --reps after a
+    warm-up, with the garbage collector held off; the load average is printed beside them.
+    The FLOP formula (2 per weight per token, plus the causal attention pairs, L(L+1)/2 for a prefill of L,
+    and the logits rows) is checked against torch.utils.flop_counter on the model's own forward before
+    anything is printed (the counter also sees the masked scores SDPA's math backend computes and discards),
+    and the tests check the byte formula against the sizes of the real weight and KV tensors.
 
 How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py
     python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
 
-Runtime on 2 cores: about 8 s, 3 s with --smoke.
+Runtime on 2 cores: about 12 s, 5 s with --smoke.
 """
 
 from __future__ import annotations
@@ -226,6 +230,7 @@ def main() -> None:
 
     p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
     peak = max(decode, key=lambda r: r["tokens_per_s"])
+    before_last = decode[-2] if len(decode) > 1 else d_last
     bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"
     print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
           f"{bound(p_last['intensity'])}")
@@ -251,6 +256,8 @@ def main() -> None:
                                       "decode_peak_tokens_per_s": peak["tokens_per_s"],
                                       "decode_speedup_last_vs_b1": d_last["tokens_per_s"] / d_first["tokens_per_s"],
                                       "step_time_growth_after_peak": d_last["ms"] / peak["ms"],
+                                      "last_step_time_ratio": d_last["ms"] / before_last["ms"],
+                                      "last_batch_ratio": d_last["batch"] / before_last["batch"],
                                       "load_average": bench.load_average()}, args)
 
 

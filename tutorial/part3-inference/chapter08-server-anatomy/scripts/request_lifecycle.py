@@ -10,9 +10,10 @@ What it shows
                    the engine's own timing of each step the request took part in (engine.last_step_timing);
                    the first of those steps is its prefill, the rest are decode steps shared with the others
       stream       turning each step's new text into a Server-Sent Event, as mlsys.server sends it
-    It prints the step-by-step trace, the time per stage, and TTFT / TPOT / end-to-end latency from the
-    engine's request metrics. Self-check: the traced request's tokens equal mlsys.model.generate's greedy
-    output for the same prompt, computed alone with a contiguous cache.
+    It prints the step-by-step trace, the time per stage (total, median per call, share; the garbage
+    collector held off during the trace, the load average printed beside), and TTFT / TPOT / end-to-end
+    latency from the engine's request metrics. Self-check: the traced request's tokens equal
+    mlsys.model.generate's greedy output for the same prompt, computed alone with a contiguous cache.
 
 How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py
@@ -161,6 +162,7 @@ def main() -> None:
                                       "finish_reason": out.finish_reason, "ttft_ms": lat["ttft"] * 1e3,
                                       "tpot_ms": (lat["tpot"] or 0) * 1e3, "e2e_ms": lat["e2e"] * 1e3,
                                       "steps": tr["steps"], "stages": stages, "share_%": share,
+                                      "forward_share": share["forward"] / 100,
                                       "decode_median_ms": decode_median,
                                       "num_steps": len(tr["steps"]), "load_average": bench.load_average()},
                           args)

@@ -113,14 +113,20 @@ def main() -> None:
     vs_hf = best["transformers generate"] / best["mlsys.engine"]
     vs_plain = best["mlsys.model.generate"] / best["mlsys.engine"]
     spread = max(t["median_s"] / t["best_s"] for t in times.values()) - 1  # how far a median sits above its best
+    gap = abs(vs_plain - 1)
+    if gap <= spread:
+        verdict = "about equal: the gap is smaller than the spread of the runs"
+    else:
+        verdict = f"the engine is {'faster' if vs_plain > 1 else 'slower'} by more than the spread of the runs"
     print(f"\nengine / transformers tokens/s: {vs_hf:.2f}x;  engine / mlsys.model.generate: {vs_plain:.2f}x "
-          f"(medians sit up to {spread:.0%} above the best runs)")
+          f"(medians sit up to {spread:.0%} above the best runs): {verdict}")
     engine.check_invariants()
     if args.json:
         report.write_json(args.json, {"rows_equal": same_rows, "batch_size": args.batch_size, "max_tokens": n,
                                       "tokens_per_s": {r["implementation"]: r["output_tokens_per_s"] for r in rows},
                                       "rows": rows, "engine_vs_transformers": vs_hf, "engine_vs_plain": vs_plain,
-                                      "engine_vs_plain_gap": abs(vs_plain - 1), "median_spread": spread,
+                                      "engine_vs_plain_gap": gap, "median_spread": spread,
+                                      "engine_vs_plain_verdict": verdict,
                                       "load_average": bench.load_average()}, args)
 
 if __name__ == "__main__":
