@@ -224,6 +224,7 @@ class AsyncEngine:
         self.num_failed = 0  # requests ended by an error inside the engine
         self._snapshot: dict = engine.stats()  # replaced (never mutated) by the engine thread after every step
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead: Exception | None = None  # set if the engine thread itself failed
         self._thread: threading.Thread | None = None
 
     def stats(self) -> dict:
@@ -242,7 +243,21 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
-        """The engine thread: drain the inbox (blocking while idle), step, publish; until "stop"."""
+        """The engine thread. Should its own loop break (a bug here, not in a request), every waiting handler
+        gets the error and new requests are refused, rather than waiting forever for a thread that is gone."""
+        try:
+            self._serve()
+        except Exception as err:
+            self.dead = err
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: Exception) -> None:  # runs on the event loop
+        for q in self.queues.values():
+            q.put_nowait(err)
+
+    def _serve(self) -> None:
+        """Drain the inbox (blocking while idle), step, publish; until "stop"."""
         while self._drain(block=not self.engine.has_unfinished()):
             if self.engine.has_unfinished():
                 try:
@@ -300,6 +315,8 @@ class AsyncEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
+        if self.dead is not None:
+            raise RequestError(f"the engine stopped: {self.dead}", status=503)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         finished = False

@@ -299,6 +299,24 @@ def test_a_failing_step_ends_its_requests_and_the_server_keeps_serving(small_mod
     assert again.json()["choices"][0]["text"] == reference(small_model, [PROMPTS[4]], 20)[0].text
 
 
+@pytest.mark.timeout(90)
+def test_a_broken_engine_thread_fails_requests_instead_of_hanging_them(small_model):
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=4))
+    app = create_app(engine)
+    front = app.state.async_engine
+    with ServerThread(app, port=0) as server:
+        def broken_drain(block):  # a bug in the engine thread's own loop
+            raise RuntimeError("injected bug in the engine loop")
+
+        front._drain = broken_drain  # the next time round its loop, after the request below is added
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+        first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert first.status_code == 500 and "injected bug in the engine loop" in first.json()["error"]["message"]
+        assert isinstance(front.dead, RuntimeError)
+        later = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert later.status_code == 500 and "the engine stopped" in later.json()["error"]["message"]
+
+
 # ----------------------------------------------------------------------------------------------- disconnects
 @pytest.mark.timeout(90)
 def test_client_leaving_mid_stream_frees_its_sequence_and_blocks(gated):
