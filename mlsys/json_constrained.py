@@ -77,7 +77,8 @@ def check_schema(schema) -> None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        raise SchemaError(f"not a valid JSON Schema: {e.message} (at {'/'.join(map(str, e.path)) or 'the root'})")
+        where = "/".join(map(str, e.path)) or "the root"
+        raise SchemaError(f"not a valid JSON Schema: {e.message} (at {where})") from None
 
 
 def _satisfies(value, schema: dict) -> bool:

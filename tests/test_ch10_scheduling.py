@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch.overrides import TorchFunctionMode
 
 from conftest import load_script, scripts_dir
@@ -21,8 +20,14 @@ from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.cuda_graphs import CUDAGraphRunner, default_capture_sizes, gumbel_sample, pick_graph_size
 from mlsys.engine.overlap import OverlapEngine
-from mlsys.engine.step_profile import (STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown,
-                                       time_decode_steps)  # fmt: skip
+from mlsys.engine.step_profile import (
+    STAGES,
+    count_ops,
+    decode_engine,
+    decode_step_inputs,
+    mean_breakdown,
+    time_decode_steps,  # fmt: skip
+)
 from mlsys.model import GPT, GPTConfig
 
 CH10 = scripts_dir(10)
@@ -74,7 +79,7 @@ class CountTorchCalls(TorchFunctionMode):
         super().__init__()
         self.calls: Counter = Counter()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls[getattr(func, "__name__", str(func))] += 1
         return func(*args, **(kwargs or {}))
 
@@ -243,7 +248,8 @@ def test_gumbel_sample_follows_softmax() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 3, 8, 16])
 def test_cuda_graph_replay_equals_eager(small_model: GPT, n: int) -> None:
-    engine = decode_engine(small_model, n, prompt_len=24, max_tokens=6, device="cuda", cuda_graph_sizes=[1, 2, 4, 8, 16])
+    engine = decode_engine(small_model, n, prompt_len=24, max_tokens=6, device="cuda",
+                           cuda_graph_sizes=[1, 2, 4, 8, 16])
     g = engine.runner
     assert g.use_graphs and all(b.graph is not None for b in g.buffers.values())
     inputs = decode_step_inputs(engine)

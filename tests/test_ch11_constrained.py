@@ -14,8 +14,16 @@ import pytest
 import torch
 
 from mlsys.data import LANGS, PEOPLE, format_record, sample_record
-from mlsys.json_constrained import (INF, RECORD_SCHEMA, SchemaError, SchemaFSM, compile_schema,
-                                    constrained_generate, min_tokens_to_close, step_nfa)
+from mlsys.json_constrained import (
+    INF,
+    RECORD_SCHEMA,
+    SchemaError,
+    SchemaFSM,
+    compile_schema,
+    constrained_generate,
+    min_tokens_to_close,
+    step_nfa,
+)
 from mlsys.model import GPT, GPTConfig
 from mlsys.weights import load_pretrained
 

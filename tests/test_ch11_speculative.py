@@ -5,8 +5,6 @@ and on the real models), the expected-tokens formula against enumeration, and tr
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -14,8 +12,16 @@ import torch
 from conftest import load_script, run_json, scripts_dir
 from mlsys.data import Tokenizer
 from mlsys.model import generate
-from mlsys.speculative import (CachedModel, chi_square, expected_tokens_per_step, residual, spec_step,
-                               speculative_generate, verify_greedy, verify_sampled)
+from mlsys.speculative import (
+    CachedModel,
+    chi_square,
+    expected_tokens_per_step,
+    residual,
+    spec_step,
+    speculative_generate,
+    verify_greedy,
+    verify_sampled,
+)
 from mlsys.weights import load_pretrained
 
 CH11 = scripts_dir(11)

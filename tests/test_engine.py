@@ -16,8 +16,16 @@ import pytest
 import torch
 
 from mlsys.data import Tokenizer, make_corpus
-from mlsys.engine import (BlockManager, BlockPool, Engine, EngineConfig, ModelRunner, RadixCache, SamplingParams,
-                          Sequence)  # fmt: skip
+from mlsys.engine import (
+    BlockManager,
+    BlockPool,
+    Engine,
+    EngineConfig,
+    ModelRunner,
+    RadixCache,
+    SamplingParams,
+    Sequence,  # fmt: skip
+)
 from mlsys.model import GPT, GPTConfig, generate, to_hf_model
 
 TOK = Tokenizer()
@@ -232,7 +240,7 @@ def test_randomized_workload_keeps_block_accounting(small):
     pool = eng.block_manager.pool
     stems = [LINES[i][: rng.randint(5, 40)] for i in range(5)]  # shared stems -> prefix hits
     live, finished = set(), 0
-    for step in range(250):
+    for _ in range(250):
         if rng.random() < 0.3:
             prompt = rng.choice(stems) + LINES[rng.randrange(40)][: rng.randint(0, 10)]
             sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]),

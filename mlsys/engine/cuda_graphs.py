@@ -111,7 +111,7 @@ class CUDAGraphRunner:
 
     def _new_buffers(self, B: int) -> DecodeBuffers:
         dev, V = self.device, self.runner.model.config.vocab_size
-        z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)
         return DecodeBuffers(z(B), z(B), z(B), z(B, self.max_blocks), z(B, 1, dtype=torch.float32),
                              torch.full((B, V), 0.5, device=dev))  # fmt: skip
 

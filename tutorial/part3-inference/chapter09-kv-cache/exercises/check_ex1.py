@@ -12,7 +12,7 @@ from mlsys.model import GPT, GPTConfig
 
 
 @task("slot_of: position -> (block, offset) -> slot, IndexError past the table")
-def check_slot_of(ex) -> None:  # noqa: ANN001
+def check_slot_of(ex) -> None:
     table = [5, 2, 7]
     for pos, want in [(0, 20), (3, 23), (4, 8), (7, 11), (8, 28), (11, 31)]:
         got = ex.slot_of(pos, table, 4)
@@ -27,7 +27,7 @@ def check_slot_of(ex) -> None:  # noqa: ANN001
 
 
 @task("slot_mapping of a packed prefill + decode step equals the engine's ModelRunner.prepare")
-def check_slot_mapping(ex) -> None:  # noqa: ANN001
+def check_slot_mapping(ex) -> None:
     model = GPT(GPTConfig.preset("tiny"))
     rng = random.Random(0)
     for bs in (1, 4, 16):
@@ -43,7 +43,7 @@ def check_slot_mapping(ex) -> None:  # noqa: ANN001
 
 
 @task("blocks_to_append equals the engine's BlockManager.blocks_needed at and around block boundaries")
-def check_blocks_to_append(ex) -> None:  # noqa: ANN001
+def check_blocks_to_append(ex) -> None:
     for bs in (1, 4, 16):
         bm = BlockManager(num_blocks=64, block_size=bs)
         for held in (0, 1, bs - 1, bs, bs + 1, 3 * bs):
@@ -57,7 +57,7 @@ def check_blocks_to_append(ex) -> None:  # noqa: ANN001
 
 
 @task("gather_kv through a shuffled block table equals the contiguous K written token by token")
-def check_gather(ex) -> None:  # noqa: ANN001
+def check_gather(ex) -> None:
     gen = torch.Generator().manual_seed(0)
     for bs, length in [(4, 1), (4, 4), (4, 9), (16, 33)]:
         nb = -(-length // bs)

@@ -7,14 +7,13 @@ import random
 
 import torch
 
-from mlsys.engine import ModelRunner
-from mlsys.engine import cuda_graphs
+from mlsys.engine import ModelRunner, cuda_graphs
 from mlsys.exercises import task
 from mlsys.model import GPT, GPTConfig
 
 
 @task("pick_graph_size equals the engine's on sorted and unsorted size lists, None past the largest")
-def check_pick(ex) -> None:  # noqa: ANN001
+def check_pick(ex) -> None:
     for sizes in ([1, 2, 4, 8, 16, 24, 32], [8, 1, 4, 2], [3], [1, 2, 4, 8, 12]):
         for n in range(1, max(sizes) + 3):
             want = cuda_graphs.pick_graph_size(n, sizes)
@@ -23,7 +22,7 @@ def check_pick(ex) -> None:  # noqa: ANN001
 
 
 @task("pad_decode_batch equals CUDAGraphRunner.fill for batches of 1..8 sequences in graphs of 1, 2, 4, 8")
-def check_pad(ex) -> None:  # noqa: ANN001
+def check_pad(ex) -> None:
     rng = random.Random(0)
     model = GPT(GPTConfig.preset("tiny"))
     for bs in (1, 4, 16):
@@ -47,7 +46,7 @@ def check_pad(ex) -> None:  # noqa: ANN001
 
 
 @task("pad_decode_batch refuses a graph smaller than the batch (ValueError)")
-def check_too_small(ex) -> None:  # noqa: ANN001
+def check_too_small(ex) -> None:
     try:
         ex.pad_decode_batch([1, 2, 3], [0, 1, 2], [[0], [1], [2]], 2, 4, 9, 2)
     except ValueError:

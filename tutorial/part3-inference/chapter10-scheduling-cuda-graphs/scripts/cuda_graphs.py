@@ -37,7 +37,6 @@ from mlsys.engine.step_profile import count_ops, decode_engine, decode_prompts, 
 from mlsys.weights import load_pretrained
 
 
-
 @dataclass
 class Settings(cli.Args):
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])

@@ -113,7 +113,7 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     engines = {name: decode_engine(model, B, args.prompt_len, max_tokens, device, engine_cls=cls,
                                    cuda_graph_sizes=sizes) for name, (cls, sizes) in variants.items()}  # fmt: skip
     per_round = {name: [] for name in engines}
-    for name, engine in engines.items():
+    for engine in engines.values():
         engine.step()  # warm-up; for an OverlapEngine it also fills the pipeline
     with bench.steady_timing():  # no garbage-collector pass inside a timed step
         for _ in range(args.rounds):

@@ -27,10 +27,15 @@ from dataclasses import dataclass, field
 import torch
 
 from mlsys import bench, cli, plot, report
-from mlsys.engine.step_profile import (STAGES, count_ops, decode_engine, decode_step_inputs, mean_breakdown,
-                                       time_decode_steps)  # fmt: skip
+from mlsys.engine.step_profile import (
+    STAGES,
+    count_ops,
+    decode_engine,
+    decode_step_inputs,
+    mean_breakdown,
+    time_decode_steps,  # fmt: skip
+)
 from mlsys.weights import load_pretrained
-
 
 
 @dataclass
@@ -127,8 +132,8 @@ def main() -> int:
     print("1. Mean time per stage of one decode step (Engine.last_step_timing)")
     print(report.table(table, floatfmt=".3f"))
     step_growth = rows[-1]["total"] / rows[0]["total"]
-    print(f"   B {rows[0]['batch_size']} -> {rows[-1]['batch_size']}: {rows[-1]['batch_size'] / rows[0]['batch_size']:g}x "
-          f"the tokens, {step_growth:.2f}x the step time; {bench.load_average()}")
+    b0, b1 = rows[0]["batch_size"], rows[-1]["batch_size"]
+    print(f"   B {b0} -> {b1}: {b1 / b0:g}x the tokens, {step_growth:.2f}x the step time; {bench.load_average()}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)

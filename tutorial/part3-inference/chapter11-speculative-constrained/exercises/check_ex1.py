@@ -13,14 +13,14 @@ Q = torch.tensor([[0.1, 0.6, 0.1, 0.2], [0.4, 0.1, 0.4, 0.1]])  # draft, k = 2
 
 
 @task("residual(p, q) = normalize(max(0, p - q))")
-def check_residual(ex) -> None:  # noqa: ANN001
+def check_residual(ex) -> None:
     got = ex.residual(torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.2, 0.1, 0.6, 0.1]))
     want = torch.tensor([0.6, 0.4, 0.0, 0.0])  # max(0, p - q) = [.3, .2, 0, 0], sum .5
     assert torch.allclose(got, want, atol=1e-6), f"got {got.tolist()}, want {want.tolist()}"
 
 
 @task("edge cases: q == p accepts everything; p(d) = 0 always rejects d")
-def check_edges(ex) -> None:  # noqa: ANN001
+def check_edges(ex) -> None:
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         j, _ = ex.verify_sampled(P[[0, 1, 1]], P[:2], torch.tensor([1, 3]), g)
@@ -31,7 +31,7 @@ def check_edges(ex) -> None:  # noqa: ANN001
 
 
 @task("the emitted tokens follow the target: token 1 ~ p[0], token 2 ~ p[1], bonus ~ p[2] (chi-square)")
-def check_distribution(ex) -> None:  # noqa: ANN001
+def check_distribution(ex) -> None:
     g = torch.Generator().manual_seed(1)
     first, second, bonus = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     for _ in range(8000):

@@ -13,7 +13,7 @@ SCHEMAS = [RECORD_SCHEMA, {}, {"type": "array", "items": {"type": "integer", "ma
 
 
 @task("min_tokens_to_close on a hand-drawn graph (a shortcut, a dead end, an unreachable state)")
-def check_tiny(ex) -> None:  # noqa: ANN001
+def check_tiny(ex) -> None:
     #  0 -a-> 1 -b-> 2 (accept);  0 -c-> 2;  3 -d-> 0;  4 has no edges
     trans = [{"a": 1, "c": 2}, {"b": 2}, {}, {"d": 0}, {}]
     got = list(ex.min_tokens_to_close(trans, {2}))
@@ -21,7 +21,7 @@ def check_tiny(ex) -> None:  # noqa: ANN001
 
 
 @task("min_tokens_to_close equals the library's on the record, any-JSON and array schemas")
-def check_schemas(ex) -> None:  # noqa: ANN001
+def check_schemas(ex) -> None:
     for schema in SCHEMAS:
         fsm = compile_schema(schema)
         got = list(ex.min_tokens_to_close(fsm.trans, fsm.accepting))
@@ -31,7 +31,7 @@ def check_schemas(ex) -> None:  # noqa: ANN001
 
 
 @task("allowed(...) equals the token-table mask at every state of random walks, every budget")
-def check_allowed(ex) -> None:  # noqa: ANN001
+def check_allowed(ex) -> None:
     rng = random.Random(0)
     for schema in SCHEMAS:
         fsm = compile_schema(schema)

@@ -104,7 +104,7 @@ def side_by_side(target, draft, prompts, ks, max_new: int, repeats: int) -> dict
         for k in ks:
             dt, outs = time_it(lambda: [speculative_generate(target, draft, p, max_new, k=k) for p in prompts])
             spec_t[k].append(dt)
-            for p, o, ref in zip(prompts, outs, plain):
+            for o, ref in zip(outs, plain):
                 report.expect_equal(f"k={k} tokens", o.token_ids, ref)
             stats[k] = [o.stats for o in outs]
     return {"plain": min(plain_t), "spec": {k: min(v) for k, v in spec_t.items()},
@@ -141,8 +141,8 @@ def main() -> int:
     c_t1, c_d1 = costs["target 1"], costs["draft 1"]
     c_tk = {k: costs[f"target {k + 1}"] for k in args.ks}
     share = num_params(draft) / num_params(target)
-    print(f"1. cost per forward (fastest of the repeats, 64 cached tokens): target 1 token {1e3 * c_t1:.3f} ms, draft 1 token "
-          f"{1e3 * c_d1:.3f} ms -> the draft costs {c_d1 / c_t1:.2f} of a target decode step "
+    print(f"1. cost per forward (fastest of the repeats, 64 cached tokens): target 1 token {1e3 * c_t1:.3f} ms, "
+          f"draft 1 token {1e3 * c_d1:.3f} ms -> the draft costs {c_d1 / c_t1:.2f} of a target decode step "
           f"(its share of the parameters is {share:.2f})")
     print("   target verification over k+1 tokens: "
           + ", ".join(f"k={k}: {c_tk[k] / c_t1:.2f}x" for k in args.ks) + " of a 1-token step\n")
