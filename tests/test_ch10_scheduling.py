@@ -26,7 +26,7 @@ from mlsys.engine.step_profile import (
     decode_engine,
     decode_step_inputs,
     mean_breakdown,
-    time_decode_steps,  # fmt: skip
+    time_decode_steps,
 )
 from mlsys.model import GPT, GPTConfig
 
@@ -65,7 +65,7 @@ def test_op_count_does_not_depend_on_batch_size(tiny: GPT) -> None:
     for B in (1, 6):
         engine = decode_engine(tiny, B, prompt_len=10, max_tokens=4)
         batch = engine.runner.prepare(*decode_step_inputs(engine))
-        counts.append(count_ops(lambda: engine.runner.execute(batch)))
+        counts.append(count_ops(lambda: engine.runner.execute(batch)))  # noqa: B023
     assert counts[0]["python_ops"] == counts[1]["python_ops"] > 10 * tiny.config.n_layer
     assert counts[0]["aten_ops"] == counts[1]["aten_ops"] > counts[0]["python_ops"]
     assert dict(counts[0]["by_name"])["aten::linear"] == 4 * tiny.config.n_layer + 1  # qkv, proj, fc, proj; head
@@ -119,7 +119,7 @@ def test_overlapped_engine_equals_plain(tiny: GPT, case: str) -> None:
         params = [SamplingParams(max_tokens=25, temperature=0.9, top_k=20, seed=i) for i in range(12)]
     else:  # preemption by recompute while the next step is already scheduled; prefix hits
         config = EngineConfig(block_size=4, max_num_seqs=8, num_blocks=24, max_num_batched_tokens=24, max_model_len=96,
-                              enable_prefix_caching=True)  # fmt: skip
+                              enable_prefix_caching=True)
         params = [SamplingParams(max_tokens=60, stop_token_ids=stop) for _ in range(12)]
     plain = Engine(tiny, config=config)
     overlap = OverlapEngine(tiny, config=config)

@@ -24,7 +24,7 @@ from mlsys.engine import (
     ModelRunner,
     RadixCache,
     SamplingParams,
-    Sequence,  # fmt: skip
+    Sequence,
 )
 from mlsys.model import GPT, GPTConfig, generate, to_hf_model
 
@@ -99,7 +99,7 @@ def test_greedy_equals_hugging_face_generate(small):
         ids = torch.tensor([TOK.encode(p, bos=True)])
         with torch.no_grad():
             hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=TOK.pad_id)[0, ids.size(1) :].tolist()  # fmt: skip
+                                 pad_token_id=TOK.pad_id)[0, ids.size(1) :].tolist()
         # HF stops at <eos>; ours was told to ignore it: equal up to where HF stopped
         assert hf_ids == out.token_ids[: len(hf_ids)]
         assert len(hf_ids) == n or hf_ids[-1] == TOK.eos_id
@@ -125,7 +125,7 @@ def test_paged_attention_equals_contiguous_forward(tiny):
     for chunk in plan:
         active = [i for i, n in enumerate(chunk) if n]
         m = runner.prepare([done[i] for i in active], [seqs[i][done[i] : done[i] + chunk[i]] for i in active],
-                           [tables[i] for i in active], [True] * len(active))  # fmt: skip
+                           [tables[i] for i in active], [True] * len(active))
         num_groups.append(len(m.groups))
         logits = runner.execute(m, all_logits=True)  # (N, V)
         for i, rows in zip(active, logits.split([chunk[i] for i in active])):
@@ -236,7 +236,7 @@ def test_preemption_by_recompute_completes_every_request_identically(small):
 def test_randomized_workload_keeps_block_accounting(small):
     rng = random.Random(0)
     eng = Engine(small, config=EngineConfig(block_size=4, num_blocks=40, max_model_len=96, max_num_seqs=6,
-                                            max_num_batched_tokens=48, enable_prefix_caching=True))  # fmt: skip
+                                            max_num_batched_tokens=48, enable_prefix_caching=True))
     pool = eng.block_manager.pool
     stems = [LINES[i][: rng.randint(5, 40)] for i in range(5)]  # shared stems -> prefix hits
     live, finished = set(), 0
@@ -244,7 +244,7 @@ def test_randomized_workload_keeps_block_accounting(small):
         if rng.random() < 0.3:
             prompt = rng.choice(stems) + LINES[rng.randrange(40)][: rng.randint(0, 10)]
             sp = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]),
-                                top_k=rng.choice([None, 5]), seed=rng.randrange(100))  # fmt: skip
+                                top_k=rng.choice([None, 5]), seed=rng.randrange(100))
             live.add(eng.add_request(prompt, sp))
         if live and rng.random() < 0.03:
             eng.abort(rng.choice(sorted(live)))
@@ -284,7 +284,7 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(small):
     alone = Engine(small).generate([prompt], sp)[0].token_ids
     others = [SamplingParams(max_tokens=m, temperature=1.0, seed=s) for m, s in ((5, 1), (40, None), (12, 7))]
     crowd = Engine(small, config=EngineConfig(block_size=4)).generate(
-        [PROMPTS[0], prompt, PROMPTS[5], PROMPTS[1]], [others[0], sp, others[1], others[2]])  # fmt: skip
+        [PROMPTS[0], prompt, PROMPTS[5], PROMPTS[1]], [others[0], sp, others[1], others[2]])
     assert crowd[1].token_ids == alone
     ids = torch.tensor([TOK.encode(prompt, bos=True)])
     ref = generate(small, ids, 30, 0.9, top_k=8, generator=torch.Generator().manual_seed(123))
@@ -395,7 +395,7 @@ def test_logprobs_equal_log_softmax_of_a_plain_forward(small, case):
     temperature, top_k = LOGPROB_CASES[case]
     prompts = PROMPTS[:6]  # 4..58 tokens; a budget of 24 chunks the long prefills
     params = [SamplingParams(max_tokens=12 + 4 * i, temperature=temperature, top_k=top_k, seed=i, logprobs=True,
-                             ignore_eos=True) for i in range(6)]  # fmt: skip
+                             ignore_eos=True) for i in range(6)]
     params[4] = SamplingParams(max_tokens=20, temperature=temperature, top_k=top_k, seed=4)  # did not ask
     eng = Engine(small, config=EngineConfig(block_size=4, max_num_batched_tokens=24))
     outs = run_all(eng, prompts, params)
@@ -415,7 +415,7 @@ def test_logprobs_equal_log_softmax_of_a_plain_forward(small, case):
 def test_logprobs_survive_preemption(small):
     prompts = PROMPTS[:6]
     params = [SamplingParams(max_tokens=50, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
-                             logprobs=True) for i in range(6)]  # fmt: skip
+                             logprobs=True) for i in range(6)]
     ref = Engine(small).generate(prompts, params)
     eng = Engine(small, config=EngineConfig(block_size=4, num_blocks=26, max_model_len=100))  # tight: preempts
     outs = run_all(eng, prompts, params)
@@ -432,7 +432,7 @@ def test_overlap_engine_gives_the_plain_engines_logprobs(small):
     from mlsys.engine.overlap import OverlapEngine
 
     params = [SamplingParams(max_tokens=10 + 5 * i, temperature=(0.0, 0.7, 1.0)[i % 3], top_k=5 if i % 3 == 2 else None,
-                             seed=i, logprobs=i != 3) for i in range(6)]  # fmt: skip
+                             seed=i, logprobs=i != 3) for i in range(6)]
     config = EngineConfig(block_size=4, max_num_batched_tokens=24)
     plain = Engine(small, config=config).generate(PROMPTS[:6], params)
     overlap = OverlapEngine(small, config=config)

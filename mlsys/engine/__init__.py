@@ -29,4 +29,4 @@ __all__ = [
     "BlockManager", "BlockPool", "Engine", "EngineConfig", "IncrementalDetokenizer", "ModelInput", "ModelRunner",
     "RadixCache", "RequestMetrics", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
     "SequenceStatus",
-]  # fmt: skip
+]

@@ -113,7 +113,7 @@ class CUDAGraphRunner:
         dev, V = self.device, self.runner.model.config.vocab_size
         z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)
         return DecodeBuffers(z(B), z(B), z(B), z(B, self.max_blocks), z(B, 1, dtype=torch.float32),
-                             torch.full((B, V), 0.5, device=dev))  # fmt: skip
+                             torch.full((B, V), 0.5, device=dev))
 
     # --8<-- [start:forward]
     @torch.inference_mode()
@@ -178,7 +178,7 @@ class CUDAGraphRunner:
 
     # --8<-- [start:run]
     def fill(self, b: DecodeBuffers, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-             temperatures: list[float] | None = None, noise: torch.Tensor | None = None) -> None:  # fmt: skip
+             temperatures: list[float] | None = None, noise: torch.Tensor | None = None) -> None:
         """Copy n sequences' decode inputs into the buffers of size B >= n; rows n..B-1 become padding."""
         n, bs, pad = len(token_ids), self.runner.block_size, self.scratch_block
         B = b.input_ids.size(0)
@@ -188,13 +188,13 @@ class CUDAGraphRunner:
         temps = list(temperatures or [0.0] * n) + [0.0] * (B - n)
         for dst, src in ((b.input_ids, host[0]), (b.positions, host[1]), (b.slot_mapping, host[2]),
                          (b.block_tables, torch.tensor(tables)),  # (B, max_blocks)
-                         (b.temperature, torch.tensor(temps, dtype=torch.float32)[:, None])):  # fmt: skip
+                         (b.temperature, torch.tensor(temps, dtype=torch.float32)[:, None])):
             _to_device(dst, src)
         if noise is not None:
             _to_device(b.noise[:n], noise)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            temperatures: list[float] | None = None, noise: torch.Tensor | None = None):  # fmt: skip
+            temperatures: list[float] | None = None, noise: torch.Tensor | None = None):
         """One decode step for n sequences -> (logits (n, V), next_ids (n,)), views of the static outputs."""
         n = len(token_ids)
         B = pick_graph_size(n, self.sizes)

@@ -59,14 +59,14 @@ class EngineConfig:
         c.max_model_len = c.max_model_len or model.config.block_size
         if c.max_model_len > model.config.block_size:
             raise ValueError(f"max_model_len={c.max_model_len} exceeds the model's "
-                             f"block_size={model.config.block_size}")  # fmt: skip
+                             f"block_size={model.config.block_size}")
         if c.block_size < 1 or c.max_num_seqs < 1 or c.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         blocks_per_seq = -(-c.max_model_len // c.block_size)
         c.num_blocks = c.num_blocks or c.max_num_seqs * blocks_per_seq
         if c.num_blocks < blocks_per_seq:  # else one long request could never run, even alone
             raise ValueError(f"num_blocks={c.num_blocks} cannot hold one {c.max_model_len}-token sequence "
-                             f"({blocks_per_seq} blocks of {c.block_size})")  # fmt: skip
+                             f"({blocks_per_seq} blocks of {c.block_size})")
         if c.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {c.scheduling!r}")
         if c.cuda_graph_sizes is not None and (not c.cuda_graph_sizes or min(c.cuda_graph_sizes) < 1):
@@ -103,7 +103,7 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:  # fmt: skip
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; a text prompt is encoded with a leading <bos>. Returns its id."""
         params = params or SamplingParams()
         ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -111,7 +111,7 @@ class Engine:
             raise ValueError("empty prompt")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate under "
-                             f"max_model_len={self.config.max_model_len}")  # fmt: skip
+                             f"max_model_len={self.config.max_model_len}")
         if not all(0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError("prompt token id out of the vocabulary")
         with self._lock:
@@ -204,7 +204,7 @@ class Engine:
             text=seq.detokenizer.text, new_text=new_text, finished=finished,
             finish_reason=seq.status.value if finished else None, metrics=seq.metrics,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------ helpers
 
@@ -251,7 +251,7 @@ class Engine:
                 num_evicted_blocks=bm.prefix_cache.num_evicted_blocks if bm.prefix_cache else 0,
                 num_preemptions=self.scheduler.num_preemptions, kv_cache_bytes=self.runner.kv_cache_bytes,
                 **self.counters,
-            )  # fmt: skip
+            )
 
     def check_invariants(self) -> None:
         """AssertionError on a leaked block, a wrong refcount, or a request in the wrong place."""

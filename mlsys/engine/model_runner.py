@@ -89,7 +89,7 @@ class ModelRunner:
 
     # --8<-- [start:prepare]
     def prepare(self, starts: list[int], token_chunks: list[list[int]], block_tables: list[list[int]],
-                want_logits: list[bool]) -> ModelInput:  # fmt: skip
+                want_logits: list[bool]) -> ModelInput:
         """Pack a step. Sequence s computes tokens token_chunks[s] at positions starts[s]..;
         its K/V rows live in the blocks block_tables[s]; want_logits[s]: sample after it."""
         lens = torch.tensor([len(t) for t in token_chunks])  # (S,) new tokens per sequence

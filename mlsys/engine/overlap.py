@@ -119,7 +119,7 @@ class OverlapEngine(Engine):
         return self.runner.prepare(
             [s.num_computed_tokens for s in seqs],
             [s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n] for s, n in sched.scheduled],
-            [s.block_table for s in seqs], done)  # fmt: skip
+            [s.block_table for s in seqs], done)
 
     # --8<-- [start:optimistic]
     def _advance_optimistically(self, sched) -> tuple[list, list]:

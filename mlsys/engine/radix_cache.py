@@ -76,7 +76,7 @@ class RadixCache:
     def _num_matching_blocks(self, key, tokens, start: int) -> int:
         bs, k = self.block_size, 0
         while (k + 1) * bs <= len(key) and start + (k + 1) * bs <= len(tokens) and \
-                tuple(key[k * bs : (k + 1) * bs]) == self._block_key(tokens, start + k * bs):  # fmt: skip
+                tuple(key[k * bs : (k + 1) * bs]) == self._block_key(tokens, start + k * bs):
             k += 1
         return k
 

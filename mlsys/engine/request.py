@@ -97,7 +97,7 @@ class Sequence:
     """One request's tokens, KV-cache bookkeeping and state."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, eos_token_id: int | None = None):  # fmt: skip
+                 arrival_time: float | None = None, eos_token_id: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -147,4 +147,4 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")  # fmt: skip
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

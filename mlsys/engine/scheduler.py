@@ -51,7 +51,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 scheduling: str = "continuous"):  # fmt: skip
+                 scheduling: str = "continuous"):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         self.bm = block_manager

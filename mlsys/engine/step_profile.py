@@ -30,10 +30,10 @@ def decode_prompts(batch_size: int, prompt_len: int, seed: int = 0) -> list[list
 
 
 def decode_engine(model, batch_size: int, prompt_len: int, max_tokens: int, device: str = "cpu",
-                  engine_cls=Engine, **config) -> Engine:  # fmt: skip
+                  engine_cls=Engine, **config) -> Engine:
     """An engine with batch_size sequences that have finished their prefill and are decoding."""
     cfg = EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=max(512, batch_size * prompt_len),
-                       max_model_len=prompt_len + max_tokens + 2, device=device, **config)  # fmt: skip
+                       max_model_len=prompt_len + max_tokens + 2, device=device, **config)
     engine = engine_cls(model, config=cfg)
     for p in decode_prompts(batch_size, prompt_len):
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -48,7 +48,7 @@ def decode_step_inputs(engine: Engine) -> tuple:
     for s in seqs:
         assert engine.block_manager.allocate_slots(s, s.num_new_tokens), "KV pool full"
     return ([s.num_computed_tokens for s in seqs], [s.token_ids[s.num_computed_tokens:] for s in seqs],
-            [s.block_table for s in seqs], [True] * len(seqs))  # fmt: skip
+            [s.block_table for s in seqs], [True] * len(seqs))
 
 
 def time_decode_steps(engine: Engine, num_steps: int) -> list[dict]:

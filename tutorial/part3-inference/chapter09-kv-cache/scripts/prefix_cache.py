@@ -166,7 +166,7 @@ def main() -> int:
              "prompt tokens": r["prompt_tokens"], "prefilled": r["prefilled_tokens"],
              "TTFT p50 ms (best)": ttft[name]["best_ms"], "TTFT p50 ms (median)": ttft[name]["median_ms"],
              "TTFT mean ms (last)": 1e3 * r["ttft_mean_s"], "total s (last)": r["total_s"]}
-            for name, r in runs.items()]  # fmt: skip
+            for name, r in runs.items()]
     print("1. " + report.table(rows, floatfmt=".3g").replace("\n", "\n   "))
     saved = 1 - on["prefilled_tokens"] / off["prefilled_tokens"]
     ratio = ttft["prefix cache"]["best_ms"] / ttft["no cache"]["best_ms"]

@@ -100,7 +100,7 @@ class Run:
 
     def __init__(self, model, budget: int, args: Settings, device: str):
         cfg = EngineConfig(max_num_seqs=args.num_short + args.num_long, max_num_batched_tokens=budget,
-                           device=device)  # fmt: skip
+                           device=device)
         self.engine, self.args, self.budget = Engine(model, config=cfg), args, budget
         self.durations: list[float] = []  # seconds of each step (Engine.last_step_timing["total"])
         self.emitted: list[list[tuple[str, int]]] = []  # per step: (request id, new tokens)
@@ -147,7 +147,7 @@ def summary(runs: list[Run]) -> dict:
     ttft = [(times[r][0] - arrival[r]) * 1e3 for r in times if r.startswith("long")]
     return {"budget": first.budget, **itl_percentiles([t for r, t in times.items() if r.startswith("short")]),
             "long_ttft_ms": float(np.mean(ttft)) if ttft else 0.0, "steps": len(durations),
-            "tok_per_s": sum(len(t) for t in times.values()) / float(durations.sum()), "times": times}  # fmt: skip
+            "tok_per_s": sum(len(t) for t in times.values()) / float(durations.sum()), "times": times}
 # --8<-- [end:clock]
 
 
@@ -175,7 +175,7 @@ def draw(rows: list[dict], args: Settings) -> None:
         t = np.array(row["times"]["short-0"])
         ax.plot(t[1:] * 1e3, np.diff(t) * 1e3, ".-", label=f"budget {row['budget']} tokens/step")
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
-           title="inter-token gaps of one short request while long prompts arrive")  # fmt: skip
+           title="inter-token gaps of one short request while long prompts arrive")
     ax.legend()
     plot.save(fig, args, "itl")
 

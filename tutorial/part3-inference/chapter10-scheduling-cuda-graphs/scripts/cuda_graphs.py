@@ -145,13 +145,13 @@ def graph_speedups(model, args: Settings) -> list[dict]:
         engine = graph_engine(model, B, args, "cuda")
         g, inputs = engine.runner, decode_step_inputs(engine)
         batch, gbatch = g.runner.prepare(*inputs), g.prepare(*inputs)  # repeated steps rewrite the same slots
-        t = {"eager step": median_time(lambda: g.runner.execute(g.runner.prepare(*inputs)), args.iters, "cuda"),
-             "graph step": median_time(lambda: g.execute(g.prepare(*inputs)), args.iters, "cuda"),
-             "eager forward": median_time(lambda: g.runner.execute(batch), args.iters, "cuda"),
-             "graph replay": median_time(lambda: g.replay(gbatch.buffers), args.iters, "cuda")}  # fmt: skip
+        t = {"eager step": median_time(lambda: g.runner.execute(g.runner.prepare(*inputs)), args.iters, "cuda"),  # noqa: B023
+             "graph step": median_time(lambda: g.execute(g.prepare(*inputs)), args.iters, "cuda"),  # noqa: B023
+             "eager forward": median_time(lambda: g.runner.execute(batch), args.iters, "cuda"),  # noqa: B023
+             "graph replay": median_time(lambda: g.replay(gbatch.buffers), args.iters, "cuda")}  # noqa: B023
         rows.append({"B": B, **{f"{k} ms": v * 1e3 for k, v in t.items()},
                      "step speed-up": t["eager step"] / t["graph step"],
-                     "forward speed-up": t["eager forward"] / t["graph replay"]})  # fmt: skip
+                     "forward speed-up": t["eager forward"] / t["graph replay"]})
     return rows
 # --8<-- [end:speedup]
 
@@ -176,7 +176,7 @@ def dispatch_overhead(model, args: Settings, device: str) -> dict:
             "aten_ops": ops["aten_ops"], "kernels": ops["kernels"],
             "overhead_share": min(1.0, ops["python_ops"] * per_op / forward),
             "forward_gflops": counter.get_total_flops() / forward / 1e9,
-            "matmul_gflops": 2 * 512**3 / matmul / 1e9}  # fmt: skip
+            "matmul_gflops": 2 * 512**3 / matmul / 1e9}
 # --8<-- [end:analogue]
 
 

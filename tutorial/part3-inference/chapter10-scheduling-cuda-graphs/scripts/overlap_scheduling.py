@@ -111,7 +111,7 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
         variants |= {"graphs": (Engine, graphs), "graphs+overlap": (OverlapEngine, graphs)}
     max_tokens = args.rounds * args.steps + 4
     engines = {name: decode_engine(model, B, args.prompt_len, max_tokens, device, engine_cls=cls,
-                                   cuda_graph_sizes=sizes) for name, (cls, sizes) in variants.items()}  # fmt: skip
+                                   cuda_graph_sizes=sizes) for name, (cls, sizes) in variants.items()}
     per_round = {name: [] for name in engines}
     for engine in engines.values():
         engine.step()  # warm-up; for an OverlapEngine it also fills the pipeline
@@ -127,11 +127,11 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     row = {"B": B, "plain ms": p["total"] * 1e3, "overlap ms": o["total"] * 1e3,
            "speed-up": p["total"] / o["total"], "saved ms": (p["total"] - o["total"]) * 1e3,
            "plain sched+prep ms": (p["schedule"] + p["prepare"]) * 1e3,
-           "overlap sched+prep ms": o["overlapped"] * 1e3}  # fmt: skip
+           "overlap sched+prep ms": o["overlapped"] * 1e3}
     if device == "cuda":
         g, go = med["graphs"], med["graphs+overlap"]
         row |= {"graphs ms": g["total"] * 1e3, "graphs+overlap ms": go["total"] * 1e3,
-                "speed-up w/ graphs": g["total"] / go["total"]}  # fmt: skip
+                "speed-up w/ graphs": g["total"] / go["total"]}
     return row
 # --8<-- [end:timing]
 

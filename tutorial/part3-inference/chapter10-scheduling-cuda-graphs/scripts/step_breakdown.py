@@ -33,7 +33,7 @@ from mlsys.engine.step_profile import (
     decode_engine,
     decode_step_inputs,
     mean_breakdown,
-    time_decode_steps,  # fmt: skip
+    time_decode_steps,
 )
 from mlsys.weights import load_pretrained
 
@@ -105,7 +105,7 @@ def draw(rows: list[dict], args: Settings) -> None:
     axes[0].legend(fontsize=8)
     axes[1].plot(labels, [100 * r["non_forward_share"] for r in rows], "o-")
     axes[1].set(xlabel="batch size", ylabel="% of the step", ylim=(0, 100),
-                title="time outside the model's forward")  # fmt: skip
+                title="time outside the model's forward")
     plot.save(fig, args, "breakdown")
 
 
@@ -123,12 +123,12 @@ def main() -> int:
         # the stages tile the step: in the median step they leave out only a few counter updates
         if not 0 <= r["median_other"] <= 0.02 * r["total"] + 20e-6:
             raise cli.SelfCheckFailed(f"B={B}: stages do not add up to the step: {r['median_other'] * 1e3:.3f} ms "
-                                      f"of {r['total'] * 1e3:.3f} ms uncovered")  # fmt: skip
+                                      f"of {r['total'] * 1e3:.3f} ms uncovered")
         rows.append(r)
     table = [{"B": r["batch_size"], **{f"{s} ms": r[s] * 1e3 for s in STAGES}, "total ms": r["total"] * 1e3,
               "other ms": r["other"] * 1e3, "ms/token": r["total"] * 1e3 / r["batch_size"],
               "not forward %": 100 * r["non_forward_share"]}
-             for r in rows]  # fmt: skip
+             for r in rows]
     print("1. Mean time per stage of one decode step (Engine.last_step_timing)")
     print(report.table(table, floatfmt=".3f"))
     step_growth = rows[-1]["total"] / rows[0]["total"]

@@ -102,7 +102,7 @@ def side_by_side(target, draft, prompts, ks, max_new: int, repeats: int) -> dict
                                      for p in prompts])
         plain_t.append(dt)
         for k in ks:
-            dt, outs = time_it(lambda: [speculative_generate(target, draft, p, max_new, k=k) for p in prompts])
+            dt, outs = time_it(lambda: [speculative_generate(target, draft, p, max_new, k=k) for p in prompts])  # noqa: B023
             spec_t[k].append(dt)
             for o, ref in zip(outs, plain):
                 report.expect_equal(f"k={k} tokens", o.token_ids, ref)

@@ -102,7 +102,7 @@ def greedy_vs_target(target, draft, prompts, ks, max_new: int) -> list[dict]:
 
 
 def alpha_per_position(target, draft, prompts, k: int, max_new: int, temperature: float,
-                       seed: int) -> tuple[list[float], float]:  # fmt: skip
+                       seed: int) -> tuple[list[float], float]:
     """Pooled over prompts: accepted_at[i] / reached[i] for draft position i, and over all positions."""
     g = torch.Generator().manual_seed(seed)
     acc, reach = [0] * k, [0] * k
