@@ -184,7 +184,7 @@ def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) 
     axes[2].loglog([r["batch"] for r in decode], [r["intensity"] for r in decode], "o-", label="decode")
     axes[2].axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of this CPU ({ridge:.1f})")
     axes[2].set(xlabel="tokens in the step", ylabel="FLOPs per byte moved", title="arithmetic intensity")
-    axes[2].legend()
+    axes[2].legend(loc="upper left")
     plot.save(fig, args, "prefill_vs_decode")
 
 
