@@ -14,9 +14,10 @@ One step is the loop every serving engine runs (vLLM's `LLMEngine.step`):
        └──────────────── who runs, how many tokens, which blocks ◄─────────────────┘
 
 `last_step_timing` holds the seconds each stage took in the last step, so a
-benchmark can show where time goes besides the model. The engine is
-thread-safe in the simple way: one lock around add_request, abort and step, so
-a server may add requests from its handlers while a background loop steps.
+benchmark can show where time goes besides the model. A lock around add_request,
+abort and step keeps one engine safe if two threads call it, but the server does
+not rely on it to stay responsive: its handlers only enqueue adds and aborts, and
+one engine thread applies them between steps (mlsys/server.py, vLLM's engine core).
 """
 
 from __future__ import annotations
