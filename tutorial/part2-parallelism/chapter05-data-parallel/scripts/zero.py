@@ -50,6 +50,10 @@ REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}  # the dtype of the parameters and gradients
 TOLERANCE = 0.10  # measured bytes within 10% of the formula
 ORACLE_STEP_FRACTION = 0.01  # fp32 vs AdamW: within 1% of one step (lr); sums in another order differ by ~1e-7
+# ...except where a gradient is itself at rounding level: Adam divides it by its own size (m / sqrt(v)), so a sum
+# taken in another order can turn it into a step of up to lr in either direction. Those weights are few; a ZeRO bug
+# (a wrong slice, a missing reduction) moves a whole shard, far more than this share.
+MAX_ROUNDING_SHARE = 1e-3
 MIXED_ATOL = 1e-2  # mixed precision vs fp32 AdamW: bf16 rounds weights of size ~0.1 by up to ~4e-4 per step
 
 
@@ -357,6 +361,16 @@ def full_master(model: GPT, units: list[FlatUnit]) -> torch.Tensor:
     return torch.cat([by_param[id(p)] for p in model.parameters()]).cpu()
 
 
+def expect_adamw_equal(name: str, got: torch.Tensor, want: torch.Tensor, args: Settings) -> None:
+    """fp32 ZeRO vs one-process AdamW: all but a rounding-level share of the weights within 1% of lr, and every
+    weight within the most AdamW can move it in --steps steps (about lr per step, 2 lr apart in the worst case)."""
+    diff = (got - want).abs()
+    share = (diff > ORACLE_STEP_FRACTION * args.lr).double().mean().item()
+    if share > MAX_ROUNDING_SHARE or diff.max().item() > 2 * args.steps * args.lr:
+        raise cli.SelfCheckFailed(f"{name}: {share:.2%} of weights differ by more than {ORACLE_STEP_FRACTION} lr "
+                                  f"(allowed {MAX_ROUNDING_SHARE:.1%}), max abs error {diff.max().item():.3g}")
+
+
 # ----------------------------------------------------------------------------------------------- the job
 def worker(ctx: RankContext, args: Settings) -> dict:
     W = ctx.world_size
@@ -376,8 +390,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                 continue
             err = (out["params"] - want).abs().max().item()
             if precision == "fp32":  # the oracle: same parameters as one-process AdamW
-                report.expect_close(f"stage {stage} fp32 params after {args.steps} steps", out["params"], want,
-                                    rtol=0, atol=ORACLE_STEP_FRACTION * args.lr)
+                expect_adamw_equal(f"stage {stage} fp32 params after {args.steps} steps", out["params"], want, args)
             else:  # bf16 weights carry ~3 significant digits: close to fp32 AdamW, not equal
                 report.expect_close(f"stage {stage} mixed params after {args.steps} steps", out["params"], want,
                                     rtol=0, atol=MIXED_ATOL)
