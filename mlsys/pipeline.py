@@ -69,7 +69,6 @@ def bubble_fraction(num_stages: int, num_micro: int) -> float:
     return (num_stages - 1) / (num_micro + num_stages - 1)
 
 
-# --8<-- [start:schedules]
 def schedule_actions(schedule: str, stage: int, num_stages: int, num_micro: int) -> list[tuple[str, int]]:
     """The order of operations of one stage: [("F", 0), ("F", 1), ..., ("B", 0), ...].
 
@@ -89,7 +88,6 @@ def schedule_actions(schedule: str, stage: int, num_stages: int, num_micro: int)
         actions += [("F", warmup + i), ("B", i)]
     actions += [("B", i) for i in range(num_micro - warmup, num_micro)]  # cool-down
     return actions
-# --8<-- [end:schedules]
 
 
 def check_actions(actions: Sequence[tuple[str, int]], num_micro: int) -> None:

@@ -467,7 +467,6 @@ class TPGPT(nn.Module):
                                             sequence_parallel=sequence_parallel)
         self.lm_head.weight = self.wte.weight
 
-    # --8<-- [start:embed]
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> (B, T, C), or this rank's sequence shard (B, T/t, C) under sequence parallelism."""
         B, T = idx.shape
@@ -485,7 +484,6 @@ class TPGPT(nn.Module):
             x = reduce_from_tp(partial, self.group)
         wpe = replicated_param(self.wpe.weight, self.group, self.sequence_parallel)
         return self.drop(x + F.embedding(pos, wpe))
-    # --8<-- [end:embed]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and the vocab-parallel head: (B, T[/t], C) -> full logits (B, T, V) on every rank."""

@@ -151,7 +151,6 @@ def fmt(t) -> str:
     return "-" if t is None else " ".join(f"{v:g}" for v in (t.tolist() if hasattr(t, "tolist") else t))
 
 
-# --8<-- [start:worker]
 def run_case(ctx: RankContext, name: str, case: Case, x, X, args: Settings) -> dict:
     """Run one collective; a refusal by the backend is reported, a wrong answer raises SelfCheckFailed."""
     try:
@@ -174,7 +173,6 @@ def worker(ctx: RankContext, args: Settings) -> list[dict]:
     rows = [run_case(ctx, name, case, x, X, args) for name, case in CASES.items()]
     dist.barrier()  # every rank has passed its own checks (a failing rank raised before this)
     return rows
-# --8<-- [end:worker]
 
 
 def main() -> int:

@@ -90,7 +90,6 @@ def element_count(collective: str, size_bytes: int, world_size: int) -> int:
     return count
 
 
-# --8<-- [start:call]
 def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Callable[[], None], typing.Callable]:
     """Buffers for one size, a zero-argument call that runs the collective once, and a check of its result.
 
@@ -120,7 +119,6 @@ def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Cal
     src, out = torch.full((count,), r + 1.0, device=dev), torch.empty(count, device=dev)
     want = torch.arange(1.0, n + 1).repeat_interleave(piece)
     return (lambda: dist.all_to_all_single(out, src)), lambda: (out, want)
-# --8<-- [end:call]
 
 
 def worker(ctx: RankContext, args: Settings) -> list[dict]:

@@ -91,7 +91,6 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
-# --8<-- [start:cpu]
 def cpu_info() -> dict:
     online = parse_cpu_list(read("/sys/devices/system/cpu/online"))
     packages, cores = set(), set()
@@ -114,7 +113,6 @@ def numa_nodes() -> list[dict]:
         mem_kb = next((int(line.split()[-2]) for line in read(node / "meminfo").splitlines() if "MemTotal" in line), 0)
         nodes.append({"node": int(node.name[4:]), "cpus": read(node / "cpulist"), "memory_GiB": mem_kb / 2**20})
     return nodes
-# --8<-- [end:cpu]
 
 
 def memory_gib() -> float:

@@ -62,7 +62,6 @@ def max_err(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
-# --8<-- [start:sp_vs_tp]
 def sp_equals_tp(model: GPT, group, idx: torch.Tensor, targets: torch.Tensor) -> dict:
     """Train-step outputs of TP+SP against TP without SP and against the dense model."""
     outs = {}
@@ -80,7 +79,6 @@ def sp_equals_tp(model: GPT, group, idx: torch.Tensor, targets: torch.Tensor) ->
             "logits_sp_vs_dense": max_err(ls, ref_logits, "SP vs dense logits"),
             "grads_sp_vs_tp": max(max_err(gs[n], gt[n], f"SP vs TP grad {n}") for n in gt),
             "grads_sp_vs_dense": max(max_err(gs[n], dense_grads[n], f"SP vs dense grad {n}") for n in gt)}
-# --8<-- [end:sp_vs_tp]
 
 
 # --8<-- [start:measure]

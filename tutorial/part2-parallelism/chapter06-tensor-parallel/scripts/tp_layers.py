@@ -56,7 +56,6 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, rows: list[dict]) ->
 
 
 # ----------------------------------------------------------------------------------------------- the two linears
-# --8<-- [start:linears]
 def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> None:
     group, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     torch.manual_seed(args.seed)
@@ -88,7 +87,6 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> No
     check("row: input grad slice", h_mine.grad, h_ref.grad.chunk(t, -1)[r], rows)
     check("row: weight grad columns", row.weight.grad, ref.weight.grad.chunk(t, 1)[r], rows)
     check("row: bias grad (replicated)", row.bias.grad, ref.bias.grad, rows)
-# --8<-- [end:linears]
 
 
 # ----------------------------------------------------------------------------------------------- the MLP

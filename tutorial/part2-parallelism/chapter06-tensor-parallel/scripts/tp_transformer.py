@@ -65,7 +65,6 @@ def max_err(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
     return float((a.detach() - b.detach()).abs().max())
 
 
-# --8<-- [start:block_check]
 def check_attention_and_block(model: GPT, group, x: torch.Tensor) -> dict:
     """x (B, T, C): the first block's attention and the whole block, TP against dense, outputs and input grads."""
     dense_block = model.h[0]
@@ -84,7 +83,6 @@ def check_attention_and_block(model: GPT, group, x: torch.Tensor) -> dict:
     model.zero_grad()
     out["block_events"] = [(e.phase, e.op, e.nbytes) for e in log]
     return out
-# --8<-- [end:block_check]
 
 
 # --8<-- [start:gpt_check]

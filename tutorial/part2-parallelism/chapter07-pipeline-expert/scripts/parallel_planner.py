@@ -230,7 +230,6 @@ def candidates(model: Model, args: Settings) -> tuple[list[dict], dict[str, int]
     return sorted(rows, key=lambda r: (not r["fits"], r["t_total"])), rejected
 
 
-# --8<-- [start:reasons]
 def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
     """Why `best` wins: against the best layout that differs from it in each dimension."""
     lines = []
@@ -252,7 +251,6 @@ def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
                      + (f"; it would also use {alt['total_GiB']:.1f} GiB vs {best['total_GiB']:.1f} GiB"
                         if abs(alt["total_GiB"] - best["total_GiB"]) > 0.05 else ""))
     return lines
-# --8<-- [end:reasons]
 
 
 def describe(row: dict) -> str:

@@ -73,7 +73,6 @@ def build(args: Settings) -> tuple[GPT, list[torch.Tensor], list[torch.Tensor]]:
     return model, list(x.chunk(args.micro_batches)), list(y.chunk(args.micro_batches))
 
 
-# --8<-- [start:reference]
 def reference_step(model: GPT, xs: list, ys: list, lr: float) -> tuple[GPT, float]:
     """The oracle: the whole model, the whole batch, one process, one backward, one AdamW step."""
     opt = configure_optimizer(model, lr=lr, weight_decay=0.1)
@@ -84,7 +83,6 @@ def reference_step(model: GPT, xs: list, ys: list, lr: float) -> tuple[GPT, floa
     opt.step()
     model.grads = grads  # kept for the comparison below
     return model, float(loss.detach())
-# --8<-- [end:reference]
 
 
 def pipeline_step(model: GPT, xs: list, ys: list, schedule: str, lr: float) -> tuple[torch.nn.Module, dict]:

@@ -69,7 +69,6 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError("need 0 < --gamma <= 1 and every lambda in [0, 1]")
 
 
-# --8<-- [start:fit_critic]
 def fit_critic(agent: ppo.ActorCritic, seed: int, gamma: float, num_steps: int = 512, iters: int = 1000,
                batch: int = 1024) -> float:
     """Policy evaluation: regress the critic on Monte-Carlo returns (GAE with lambda = 1) of fresh rollouts of the
@@ -90,7 +89,6 @@ def fit_critic(agent: ppo.ActorCritic, seed: int, gamma: float, num_steps: int =
         opt.step()
     with torch.no_grad():
         return 2 * rl.ppo_value_loss(agent.value(obs), None, target).item()
-# --8<-- [end:fit_critic]
 
 
 def start_states(agent: ppo.ActorCritic, num: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +108,6 @@ def start_states(agent: ppo.ActorCritic, num: int, seed: int) -> tuple[np.ndarra
     return states, actions
 
 
-# --8<-- [start:rollouts]
 @torch.no_grad()
 def rollouts_from(agent: ppo.ActorCritic, states: np.ndarray, actions: np.ndarray, repeats: int, horizon: int,
                   seed: int) -> dict:
@@ -141,7 +138,6 @@ def rollouts_from(agent: ppo.ActorCritic, states: np.ndarray, actions: np.ndarra
     all_obs.append(obs)
     return {"rewards": torch.as_tensor(rewards), "dones": torch.as_tensor(dones),
             "obs": torch.as_tensor(np.stack(all_obs)), "alive": torch.as_tensor(alive)}  # obs: (H + 1, B, 4)
-# --8<-- [end:rollouts]
 
 
 def discounted_return(rewards: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -72,7 +72,6 @@ def categorical_case(p: torch.Tensor, q: torch.Tensor, num_samples: int, gen: to
 # --8<-- [end:categorical]
 
 
-# --8<-- [start:sequence_kl]
 @torch.no_grad()
 def sequence_kl(policy, reference, ids: torch.Tensor, prompt_len: int, mask: torch.Tensor) -> dict:
     """ids (B, T) = prompt (same length for all rows) + sampled response; mask (B, L) real response tokens.
@@ -86,7 +85,6 @@ def sequence_kl(policy, reference, ids: torch.Tensor, prompt_len: int, mask: tor
     full = (logp_all.exp() * (logp_all - ref_all)).sum(-1)  # (B, L) exact KL of each step's distribution
     return {"k1": (k["k1"] * mask).sum(1), "k3": (k["k3"] * mask).sum(1), "full": (full * mask).sum(1),
             "per_token": {"logp": logp, "ref_logp": ref_logp, "k1": k["k1"], "k3": k["k3"]}}  # fmt: skip
-# --8<-- [end:sequence_kl]
 
 
 def sample_responses(policy, n: int, max_tokens: int, seed: int) -> tuple[torch.Tensor, int, torch.Tensor]:

@@ -67,7 +67,6 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError(f"--iters must be >= 1, got {self.iters}")
 
 
-# --8<-- [start:update]
 def trained_policy(size: str, seed: int, device: torch.device) -> GPT:
     """The trainer's policy after one real AdamW step on a seeded batch (so it differs from any stale copy)."""
     torch.manual_seed(seed)
@@ -84,7 +83,6 @@ def stale_policy(size: str, seed: int, device: torch.device) -> GPT:
     """A rollout worker's copy: same architecture, other (older) weights."""
     torch.manual_seed(seed)
     return GPT(GPTConfig(**SIZES[size])).to(device)
-# --8<-- [end:update]
 
 
 # --8<-- [start:check]
@@ -138,7 +136,6 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     return rows
 
 
-# --8<-- [start:engine]
 def check_engine_serves_new_weights(ctx: RankContext, model: GPT) -> bool:
     """The last rollout rank loads the synced weights into the inference engine; its greedy tokens must equal the
     trainer's generate() with the trainer's own weights."""
@@ -158,7 +155,6 @@ def check_engine_serves_new_weights(ctx: RankContext, model: GPT) -> bool:
     got = [None] * ctx.world_size
     dist.all_gather_object(got, tokens)
     return got[0] == got[-1]
-# --8<-- [end:engine]
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
