@@ -259,7 +259,7 @@ def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
 # --8<-- [end:rendezvous]
 
 
-def _context() -> Any:
+def start_context() -> Any:
     """forkserver with torch preloaded: each rank forks from a clean process that has already imported torch.
 
     A fresh interpreter per rank ("spawn") would import torch once per rank, about 2 s each on a small CPU; forking
@@ -278,7 +278,7 @@ def _context() -> Any:
 
 def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) -> Any:
     env, store = _rendezvous(opts.world_size, opts.timeout)
-    context = _context()
+    context = start_context()
     procs, conns = [], []
     try:
         for rank in range(opts.world_size):

@@ -115,20 +115,50 @@ def test_alpha_beta_fit_stays_non_negative() -> None:
     assert rvt.crossover_bytes(alpha, beta, 4) is None
 
 
-def test_cost_terms_and_crossover_by_hand() -> None:
+def critical_path_of_built_tree(p: int) -> tuple[int, int]:
+    """(steps, bytes in units of n) on the tree's critical path, read off the parent links the script builds: walk
+    each rank up to the root for its depth; at every depth the busiest parent takes one n per child (up) and
+    sends one n per child (down)."""
     rvt = load("ring_vs_tree")
-    assert rvt.cost_terms("ring", 4) == (6, 1.5)  # 2(p-1) steps, 2(p-1)/p bytes
-    assert rvt.cost_terms("tree", 4) == (4, 4)  # 2 log2 p steps, each with all n bytes
-    assert rvt.cost_terms("tree", 5) == (6, 6)  # log2 rounded up
+
+    def depth(r: int) -> int:
+        return 0 if rvt.tree_parent(r) is None else 1 + depth(rvt.tree_parent(r))
+
+    levels = max(depth(r) for r in range(p))
+    children = {r: sum(rvt.tree_parent(c) == r for c in range(p)) for r in range(p)}
+    per_level = [max(children[r] for r in range(p) if depth(r) == d) for d in range(levels)]
+    return 2 * levels, 2 * sum(per_level)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_tree_cost_terms_match_the_tree_that_is_built(p: int) -> None:
+    rvt = load("ring_vs_tree")
+    assert rvt.cost_terms("tree", p) == critical_path_of_built_tree(p)
+    assert rvt.cost_terms("ring", p) == (2 * (p - 1), 2 * (p - 1) / p)
+
+
+def test_crossover_solves_the_two_models_equal() -> None:
+    rvt = load("ring_vs_tree")
     assert rvt.cost_terms("halving-doubling", 8) == (6, 1.75)
     alpha, beta = 1e-4, 1e-9
-    cross = rvt.crossover_bytes(alpha, beta, 4)
-    assert cross == pytest.approx(2 * alpha / (2.5 * beta))  # (6-4) alpha = (4-1.5) n beta
-    ring = lambda n: 6 * alpha + 1.5 * n * beta  # noqa: E731
-    tree = lambda n: 4 * alpha + 4 * n * beta  # noqa: E731
-    assert ring(cross) == pytest.approx(tree(cross))
-    assert tree(cross / 2) < ring(cross / 2) and ring(cross * 2) < tree(cross * 2)
-    assert rvt.crossover_bytes(alpha, beta, 2) is None  # 2 ranks: ring has as few steps as the tree
+    for p in (3, 4, 5, 8):
+        cross = rvt.crossover_bytes(alpha, beta, p)
+        (a_tree, b_tree), (a_ring, b_ring) = critical_path_of_built_tree(p), (2 * (p - 1), 2 * (p - 1) / p)
+        ring = lambda n: a_ring * alpha + b_ring * n * beta  # noqa: E731
+        tree = lambda n: a_tree * alpha + b_tree * n * beta  # noqa: E731
+        assert ring(cross) == pytest.approx(tree(cross))
+        assert tree(cross / 2) < ring(cross / 2) and ring(cross * 2) < tree(cross * 2)
+    assert rvt.crossover_bytes(alpha, beta, 2) is None  # 2 ranks: same 2 steps, the ring moves fewer bytes
+
+
+def test_ring_and_tree_copy_the_same_total_bytes() -> None:
+    """Summed over all ranks both algorithms move 2(p-1) n bytes: on one box, where every link shares the same
+    CPUs and memory, that total, not the per-link load, is what limits them (chapter 4's reading of its run)."""
+    rvt = load("ring_vs_tree")
+    for p in range(2, 9):
+        ring_total = p * rvt.cost_terms("ring", p)[1]  # every rank sends 2(p-1)/p n
+        tree_total = sum(2 for r in range(1, p) if rvt.tree_parent(r) is not None)  # n up and n down per edge
+        assert ring_total == pytest.approx(tree_total) == pytest.approx(2 * (p - 1))
 
 
 def test_latency_bandwidth_fit_of_the_benchmark() -> None:

@@ -3,7 +3,8 @@
 What it checks
     python and torch versions (torch >= 2.13: older gloo builds sum where they should average in
     reduce_scatter_tensor and lack the list form of all_to_all), which torch.distributed backends are compiled in
-    (gloo, nccl, mpi), CUDA devices, that the 'spawn' start method can start a process and get an answer back, and
+    (gloo, nccl, mpi), CUDA devices, that the start method the launcher uses (forkserver with torch preloaded, or
+    spawn where forkserver is missing) can start a process and get an answer back, and
     finally a real all_reduce over -w ranks (default 2) through the book's launcher (gloo; and nccl too when there are 2+ GPUs),
     compared with the value it must produce. Each line says ok, FAIL, or info (present or not, not required).
 
@@ -20,7 +21,6 @@ Runtime on 2 cores: about 5 s.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, report
-from mlsys.launch import RankContext, launch, threads_per_rank
+from mlsys.launch import RankContext, launch, start_context, threads_per_rank
 
 MIN_TORCH = (2, 13)
 
@@ -51,10 +51,11 @@ def _square(x: int) -> int:
 
 
 def check_spawn() -> tuple[bool, str]:
-    """Start a fresh interpreter with the 'spawn' method and get a computed answer back."""
-    with mp.get_context("spawn").Pool(1) as pool:
+    """Start a process the way the launcher starts ranks (its start method) and get a computed answer back."""
+    context = start_context()
+    with context.Pool(1) as pool:
         answer = pool.apply_async(_square, (7,)).get(timeout=60)
-    return answer == 49, f"a spawned process returned 7*7 = {answer}"
+    return answer == 49, f"a process started with '{context.get_start_method()}' returned 7*7 = {answer}"
 
 
 # --8<-- [start:allreduce]

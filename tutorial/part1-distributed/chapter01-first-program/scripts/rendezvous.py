@@ -62,7 +62,10 @@ def open_store(kind: str, ctx: RankContext, tmpdir: str | None) -> dist.Store:
 
 # --8<-- [start:protocol]
 def rendezvous(store: dist.Store, ctx: RankContext) -> tuple[int, list[str]]:
-    """Register, take a ticket, wait for everyone, read everyone: the protocol behind init_process_group."""
+    """Register, take a ticket, wait for everyone, read everyone: a hand-written rendezvous over a store.
+
+    init_process_group itself does less: by default it runs no store barrier (TORCH_DIST_INIT_BARRIER=0); the
+    store counts the clients that connect, and the backend (gloo, NCCL) exchanges its own addresses through it."""
     store.set(f"addr/{ctx.rank}", f"{socket.gethostname()}:{os.getpid()}")  # where to find me
     ticket = store.add("arrivals", 1)  # atomic: returns 1 for the first rank to get here, W for the last
     keys = [f"addr/{r}" for r in range(ctx.world_size)]

@@ -7,8 +7,9 @@ What it shows
               separate gloo process group with a short timeout (--deadlock-timeout), so it fails with
               "Timed out" and the script prints "deadlocked: timed out after X s" instead of hanging. It is tried
               with a 1-element tensor and with a large one (--numel): on gloo both deadlock, because gloo never
-              buffers a send on its own, whatever its size (MPI libraries and NCCL do buffer small messages, which
-              is why this bug can hide in tests with tiny tensors and appear in production).
+              buffers a send on its own, whatever its size. Many MPI libraries send small messages eagerly, which
+              is why this bug can hide in tests with tiny tensors and appear in production; NCCL promises no
+              buffering at all (a send may wait for its receive: NVIDIA/nccl issues 479 and 783).
     ORDERED   even ranks send then receive, odd ranks receive then send: completes.
     NONBLOCK  isend + irecv, then wait on both: completes, in any order.
     The two fixed versions check that each rank received its partner's tensor (exit 1 if not). The broken group

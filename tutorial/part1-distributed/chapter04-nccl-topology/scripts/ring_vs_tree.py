@@ -5,17 +5,21 @@ What it shows
     an odd length that no world size divides) before it is timed:
       ring      mlsys.collectives.ring_all_reduce: reduce-scatter + all-gather around a ring, 2(p-1) steps,
                 each rank sends 2(p-1)/p * n bytes (bandwidth-optimal, latency grows with p);
-      tree      reduce up a binary tree to rank 0, then broadcast down: ~2 log2(p) steps, but the whole n bytes
-                cross every level, ~2 log2(p) * n on the critical path (few steps, many bytes);
+      tree      reduce up a binary (heap-order) tree to rank 0, then broadcast down: 2 floor(log2 p) steps, but
+                a parent takes the whole n from each of its two children (and sends n to each on the way down),
+                so up to 2n per level cross its link (few steps, many bytes);
       halving-doubling  Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive doubling,
                 2 log2(p) steps AND 2(p-1)/p * n bytes; power-of-two p only (skipped otherwise, with a message).
     They run side by side with gloo's dist.all_reduce in the same job over a sweep of sizes (busbw per algorithm,
     nccl-tests' factor 2(p-1)/p). Then: the box's ceiling (memcpy bandwidth of a large torch copy, loopback TCP
     bandwidth through a socket), busbw as a fraction of it, an alpha-beta model time = steps*alpha + bytes*beta
     fitted to the ring's and tree's points together by least squares, its predicted ring-vs-tree crossover size,
-    and a figure of the model against the measurements. Headline: ring busbw / gloo busbw at the largest size.
+    which of the two the run found faster at the largest size, and a figure of the model against the measurements.
+    On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
+    same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory. The last line: ring busbw over
+    gloo busbw at the largest size.
 
-How to run (any world size >= 1; halving-doubling needs a power of two)
+How to run (any world size >= 2: one rank has nothing to reduce; halving-doubling needs a power of two)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py
@@ -86,7 +90,7 @@ def tree_parent(rank: int) -> int | None:
               /   \\
              1     2
             / \\   / \\
-           3   4 5   6      depth floor(log2 p): p=4 -> 2 levels below the root
+           3   4 5   6      floor(log2 p) levels below the root: p=4 -> 2, p=5 -> 2, p=8 -> 3
     """
     return None if rank == 0 else (rank - 1) // 2
 
@@ -162,13 +166,17 @@ def algorithms(world_size: int) -> dict:
 def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
     """(latency steps a, bytes factor b) of the model time = a * alpha + b * n * beta for an n-byte all-reduce.
 
-    ring: 2(p-1) steps, 2(p-1)/p * n bytes per rank; tree: ~2 log2(p) steps, each moving all n bytes;
-    halving-doubling: 2 log2(p) steps and the ring's bytes. (Alpha-beta model: Hockney, "The communication
-    challenge for MPP", Parallel Computing 1994, https://doi.org/10.1016/0167-8191(94)90032-9.)
+    ring: 2(p-1) steps, 2(p-1)/p * n bytes per rank; halving-doubling: 2 log2(p) steps and the ring's bytes.
+    tree (the heap-order tree built above): floor(log2 p) levels, each crossed once up and once down; at a level
+    whose parent has k children, k * n bytes go through that parent's link (k messages of n in, or out), so the
+    critical path carries 2 * sum over levels of k * n. (Alpha-beta model: Hockney, "The communication challenge
+    for MPP", Parallel Computing 1994, https://doi.org/10.1016/0167-8191(94)90032-9.)
     """
     p = world_size
-    levels = math.ceil(math.log2(p)) if p > 1 else 0
-    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "tree": (2 * levels, 2 * levels),
+    levels = p.bit_length() - 1  # floor(log2 p): the depth of the deepest rank in heap order
+    # the most children any parent at depth d has: 2, except where the last level is cut short
+    fan = [max(len(tree_children(r, p)) for r in range(2**d - 1, min(2 ** (d + 1) - 1, p))) for d in range(levels)]
+    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "tree": (2 * levels, 2 * sum(fan)),
             "halving-doubling": (2 * levels, 2 * (p - 1) / p)}[algorithm]
 
 
@@ -193,7 +201,7 @@ def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
     """Size where the model's ring and tree times are equal (tree faster below it); None if there is none."""
     (a_ring, b_ring), (a_tree, b_tree) = cost_terms("ring", world_size), cost_terms("tree", world_size)
     if a_ring <= a_tree or b_tree <= b_ring or beta <= 0:
-        return None  # the ring has no more steps than the tree (p <= 3), or the fit found no per-byte cost
+        return None  # the ring has no more steps than the tree (p = 2), or the fit found no per-byte cost
     return alpha * (a_ring - a_tree) / (beta * (b_tree - b_ring))
 # --8<-- [end:model]
 
@@ -304,6 +312,8 @@ def summarise(rows: list[dict], world_size: int) -> dict:
                            if all(ring[t]["time (us)"] < tree[t]["time (us)"] for t in sizes[i:])), None)
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "predicted_crossover_bytes": crossover_bytes(alpha, beta,
             world_size), "measured_crossover_bytes": measured_cross, "largest_size": sizes[-1],
+            "faster_at_largest": "ring" if ring[sizes[-1]]["time (us)"] < tree[sizes[-1]]["time (us)"] else "tree",
+            "tree_faster_at_every_size": all(tree[t]["time (us)"] <= ring[t]["time (us)"] for t in sizes),
             "ring_over_gloo_busbw": ring[sizes[-1]]["busbw (GB/s)"] / gloo[sizes[-1]]["busbw (GB/s)"]}
 
 
@@ -329,9 +339,18 @@ def draw(rows: list[dict], summary: dict, world_size: int, args: Settings) -> No
     plot.save(fig, args, "ring_vs_tree")
 
 
+def size_text(num_bytes: float) -> str:
+    """256 B, 64.0 KiB, 8.0 MiB: the unit that keeps the number readable."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "max_bytes": 64 * 2**10, "max_iters": 3,
-                                               "rounds": 1}, world_sizes=lambda w: w >= 1, world_sizes_text=">= 1")
+                                               "rounds": 1}, world_sizes=lambda w: w >= 2,
+                     world_sizes_text=">= 2 (one rank has nothing to reduce)")
     if not is_power_of_two(args.world_size):
         print(f"note: halving-doubling needs a power-of-two world size; skipped for {args.world_size} ranks")
     result = launch(worker, args)
@@ -350,17 +369,25 @@ def main() -> int:
     print(f"\nalpha-beta fit to the ring and tree points: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, "
           f"beta = {summary['beta_s_per_byte'] * 1e9:.3f} ns per byte (1/beta = "
           f"{1 / summary['beta_s_per_byte'] / 1e9 if summary['beta_s_per_byte'] > 0 else math.inf:.2f} GB/s)")
-    print("predicted ring-vs-tree crossover: " + (f"{cross / 1024:.1f} KiB (tree faster below, ring above)"
-          if cross else f"none: with {w} ranks the ring takes no more steps than the tree" if w <= 3
+    summary["fit_bandwidth_GBps"] = 1 / summary["beta_s_per_byte"] / 1e9 if summary["beta_s_per_byte"] > 0 else None
+    summary["fit_bandwidth_text"] = (f"{summary['fit_bandwidth_GBps']:.2f} GB/s" if summary["fit_bandwidth_GBps"]
+                                     else "unbounded: the fit found no per-byte cost")
+    (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
+    print("predicted ring-vs-tree crossover: " + (f"{size_text(cross)} (tree faster below, ring above)"
+          if cross else f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves "
+          "fewer bytes, so the model has the ring never slower" if a_ring <= a_tree
           else "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
     measured = summary["measured_crossover_bytes"]
-    print("measured: " + (f"ring faster than tree from {measured / 1024:.1f} KiB on" if measured else
-                          "the tree was faster than the ring at the largest size (no crossover in this sweep)"))
+    summary["measured_text"] = (f"the ring was faster than the tree from {size_text(measured)} on" if measured else
+                                "the tree was faster than the ring at every size" if summary["tree_faster_at_every_size"]
+                                else "the tree was faster than the ring at the largest size")
+    summary["predicted_crossover_text"] = size_text(cross) if cross else "none"
+    print("measured: " + summary["measured_text"])
     print(f"ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s;"
-          f" best busbw at {summary['largest_size'] / 2**20:.1f} MiB = {best:.3f} GB/s = "
+          f" best busbw at {size_text(summary['largest_size'])} = {best:.3f} GB/s = "
           f"{summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} of memcpy")
-    print(f"HEADLINE: ring busbw / gloo all_reduce busbw at {summary['largest_size'] / 2**20:.1f} MiB with {w} "
-          f"ranks = {summary['ring_over_gloo_busbw']:.2f}")
+    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])} with {w} ranks: "
+          f"{summary['ring_over_gloo_busbw']:.2f}")
     draw(rows, summary, w, args)
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
