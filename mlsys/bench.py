@@ -1,8 +1,9 @@
 """Timing collectives the way nccl-tests does, and its bandwidth arithmetic (algbw, busbw).
 
 Shared by the benchmarks from Chapter 4 on, so that every busbw in the book is computed one way:
-time the slowest rank over a loop of calls after a warm-up, then convert with the per-collective factors of
-https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md.
+time the slowest rank over a loop of calls after a warm-up (nccl-tests averages over ranks by default, `-a 1`;
+the slowest rank is its `-a 3`, which this book uses because a collective is done only when its last rank is),
+then convert with the per-collective factors of https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def time_collective(call: typing.Callable[[], None], warmup: int, iters: int, de
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # nccl-tests reports the max over ranks
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank (nccl-tests -a 3; its default averages)
     return elapsed.item() / iters
 # --8<-- [end:timing]
 

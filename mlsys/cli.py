@@ -40,6 +40,14 @@ class SelfCheckFailed(Exception):
     """The script computed something that disagrees with its reference. Exit code 1."""
 
 
+class JobFailed(Exception):
+    """A rank failed; `str()` is the report the user sees, `exit_code` what the process should exit with."""
+
+    def __init__(self, rank: int, report: str, exit_code: int = 1):
+        super().__init__(report)
+        self.rank, self.exit_code = rank, exit_code
+
+
 @dataclass
 class Args:
     """Flags every script has."""
@@ -74,6 +82,24 @@ class PlotArgs:
 
     plot_dir: str = ""
     """Directory for the figures (default: .cache/figures/<script name>)."""
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """auto -> nccl when every local rank can have its own GPU, else gloo. Raises UsageError for impossible asks."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if backend == "auto":
+        return "nccl" if gpus >= ranks_here and gpus > 0 else "gloo"
+    if backend == "nccl":
+        if gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo or auto")
+        if gpus < ranks_here:
+            raise UsageError(f"--backend nccl needs one GPU per rank: {ranks_here} ranks here, {gpus} GPU(s)")
+    elif backend != "gloo":
+        raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+    return backend
 
 
 def under_torchrun() -> bool:
@@ -172,8 +198,6 @@ def _check(args: typing.Any, given: dict, world_sizes, world_sizes_text: str) ->
                                  f"got {args.world_size}")
         if args.timeout <= 0:
             raise UsageError(f"--timeout must be positive, got {args.timeout}")
-        from mlsys.launch import resolve_backend  # late import: keeps `--help` free of torch.cuda work
-
         args.backend = resolve_backend(args.backend, args.world_size)
     validate = getattr(args, "validate", None)
     if callable(validate):
@@ -182,8 +206,6 @@ def _check(args: typing.Any, given: dict, world_sizes, world_sizes_text: str) ->
 
 def run(main: Callable[[], int | None]) -> typing.NoReturn:
     """Run a script's `main` and turn the outcome into the contract's exit code."""
-    from mlsys.launch import JobFailed
-
     prog = os.path.basename(sys.argv[0]) if sys.argv else "script"
     try:
         code = main() or 0

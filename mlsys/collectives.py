@@ -106,7 +106,8 @@ def comm_volume(collective: str, num_bytes: int, world_size: int) -> dict:
       scatter         N = the root's input (W pieces)       root sends the W-1 pieces that are not its own
       gather          N = the root's output (W pieces)      root receives W-1 pieces
       all_gather      N = each rank's OUTPUT (W pieces)     ring: W-1 steps of one piece
-      reduce          N = each rank's input (= output)      reduce-scatter, then gather the W pieces at the root
+      reduce          N = each rank's input (= output)      pipelined chain toward the root: each rank adds its
+                                                            tensor to the partial sums passing through, N in, N out
       all_reduce      N = each rank's tensor                ring: reduce-scatter + all-gather, 2(W-1) pieces
       reduce_scatter  N = each rank's INPUT (output N/W)    ring: W-1 steps of one piece
       all_to_all      N = each rank's input (W blocks)      direct: keep one block, send W-1
@@ -124,7 +125,7 @@ def comm_volume(collective: str, num_bytes: int, world_size: int) -> dict:
         "scatter": ("direct from root", others, piece if w > 1 else 0.0),
         "gather": ("direct to root", piece if w > 1 else 0.0, others),
         "all_gather": ("ring", others, others),
-        "reduce": ("reduce-scatter + gather", others + (piece if w > 1 else 0.0), 2 * others),
+        "reduce": ("pipelined chain", n if w > 1 else 0.0, n if w > 1 else 0.0),  # what busbw's factor 1 assumes
         "all_reduce": ("ring", 2 * others, 2 * others),
         "reduce_scatter": ("ring", others, others),
         "all_to_all": ("direct pairwise", others, others),

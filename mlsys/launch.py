@@ -35,18 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlsys.cli import DistArgs, SelfCheckFailed, UsageError, under_torchrun
+from mlsys.cli import DistArgs, JobFailed, SelfCheckFailed, UsageError, resolve_backend, under_torchrun
+
+__all__ = ["JobFailed", "RankContext", "launch", "resolve_backend", "start_context", "threads_per_rank"]
 
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then this long before SIGKILL
 FAILURE_WINDOW_S = 1.0  # after a failed exit, how long to wait for the other ranks' reports
-
-
-class JobFailed(Exception):
-    """A rank failed; `str()` is the report the user sees, `exit_code` what the process should exit with."""
-
-    def __init__(self, rank: int, report: str, exit_code: int = 1):
-        super().__init__(report)
-        self.rank, self.exit_code = rank, exit_code
 
 
 @dataclass
@@ -90,24 +84,6 @@ class RankContext:
 
 
 # ----------------------------------------------------------------------------------------------- choosing a backend
-def resolve_backend(backend: str, world_size: int) -> str:
-    """auto -> nccl when every local rank can have its own GPU, else gloo. Raises UsageError for impossible asks."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
-    if backend == "auto":
-        return "nccl" if gpus >= ranks_here and gpus > 0 else "gloo"
-    if backend == "nccl":
-        if gpus == 0:
-            raise UsageError("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo or auto")
-        if gpus < ranks_here:
-            raise UsageError(f"--backend nccl needs one GPU per rank: {ranks_here} ranks here, {gpus} GPU(s)")
-    elif backend != "gloo":
-        raise UsageError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
-    return backend
-
-
 def threads_per_rank(local_world_size: int) -> int:
     """Split this machine's cores between the ranks on it: 2 ranks on 2 cores get 1 thread each, not 2 and 2."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -78,8 +78,8 @@ def messages(collective: str, n: int, w: int) -> list[tuple[int, int, float]]:
         msgs = [(s, d, piece) for _ in range(w - 1) for s, d in ring]
     elif collective == "all_reduce":
         msgs = [(s, d, piece) for _ in range(2 * (w - 1)) for s, d in ring]
-    elif collective == "reduce":  # ring reduce-scatter, then each rank's finished piece goes to the root
-        msgs = [(s, d, piece) for _ in range(w - 1) for s, d in ring] + [(r, root, piece) for r in range(w) if r != root]
+    elif collective == "reduce":  # a chain W-1 -> ... -> 1 -> 0 (the root), partial sums in 8 pipelined slices
+        msgs = [(r, r - 1, n / 8) for r in range(w - 1, 0, -1) for _ in range(8)]
     elif collective == "all_to_all":
         msgs = [(s, d, piece) for s in range(w) for d in range(w) if s != d]
     return msgs

@@ -145,14 +145,16 @@ def main() -> int:
         return 0
     print()
     print(report.table(result["lengths"], floatfmt=".4g"))
-    big = result["lengths"][-1]
+    big = max(result["lengths"], key=lambda row: row["numel"])  # the big length (the sorted list ends with it)
     n_bytes = big["numel"] * 4
     print(f"\nbytes each rank sends and receives, W={args.world_size}, N={n_bytes / 2**20:.4g} MiB "
           "(see comm_volume's docstring for what N is per collective):")
     table = volume_table(args.world_size, n_bytes)
     print(report.table(table, floatfmt=".4g"))
-    print(f"\nOK: ring_all_reduce equals dist.all_reduce and the float64 sum for every length; bytes sent per rank "
-          f"({big['ring_bytes_sent_max']} for N={n_bytes}) equal comm_volume's 2(W-1)/W*N")
+    exact = [row for row in result["lengths"] if row["numel"] % args.world_size == 0]  # W divides n: exact share
+    print("\nOK: ring_all_reduce equals dist.all_reduce and the float64 sum for every length; the bytes sent, summed "
+          "over ranks, equal W x comm_volume's 2(W-1)/W*N for every length" +
+          (f", and per rank exactly for n = {', '.join(str(r['numel']) for r in exact)} (W divides n)" if exact else ""))
     if args.json:
         report.write_json(args.json, {**result, "comm_volume": table}, args)
     return 0
