@@ -42,9 +42,12 @@ def chapter_scripts() -> list[Path]:
 
 
 def load_script(path: Path):
-    """Import a chapter script (its folder name is not a package name) as a module, to test its functions."""
+    """Import a chapter script (its folder name is not a package name) as a module, to test its functions. Its
+    folder goes on sys.path, as `python script.py` puts it there, so it finds its chapter's `_helpers`."""
     from mlsys.exercises import load_module
 
+    if str(Path(path).resolve().parent) not in sys.path:
+        sys.path.append(str(Path(path).resolve().parent))
     return load_module(path)
 
 

@@ -11,8 +11,10 @@ What it shows
         torch        torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=size)
     All versions live in the same job and are measured side by side: each repeat runs every version in turn (a
     barrier before each), so a noisy neighbour slows them all alike. A version's time is the slowest rank's, and
-    the table reports the median over --repeats. The headline is overlapped / torch, each at its best bucket
-    size (goal: <= 1.25x); it is reported, not enforced, because timings on a shared CPU are noisy.
+    the table reports the median over --repeats, with the garbage collector frozen and the load average printed.
+    The last line is overlapped / torch, each at its best bucket size (the book's target is <= 1.25x); it is
+    reported, not enforced, because timings on a shared CPU are noisy. A version whose median comes out below
+    'local' (no communication at all) is flagged: no version can really beat its own floor, so the gap is noise.
     Writes bench_ddp.png (step time against bucket size) to --plot-dir and everything to --json.
 
 How to run (2 to 8 ranks)
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
+from mlsys.bench import load_average, steady_timing
 from mlsys.collectives import comm_volume
 from mlsys.ddp import wrap
 from mlsys.launch import RankContext, launch
@@ -115,10 +118,11 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         train_steps(m, w, opt, x, y, WARMUP)
     times: dict[tuple[str, float], list[float]] = {v: [] for v in built}
     order = list(built)
-    for r in range(args.repeats):  # interleaved: round r runs every version once, starting at a rotating place
-        for v in order[r % len(order):] + order[:r % len(order)]:
-            m, w, opt = built[v]
-            times[v].append(train_steps(m, w, opt, x, y, args.steps))
+    with steady_timing():  # no garbage-collector pause inside a timed step
+        for r in range(args.repeats):  # interleaved: round r runs every version once, from a rotating start
+            for v in order[r % len(order):] + order[:r % len(order)]:
+                m, w, opt = built[v]
+                times[v].append(train_steps(m, w, opt, x, y, args.steps))
     med = {v: statistics.median(t) for v, t in times.items()}
 
     rows = [{"version": k, "bucket MiB": "" if k in ("local", "naive") else f"{mb:g}",
@@ -134,9 +138,13 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\neach rank sends 2(W-1)/W x {grad_bytes / 2**20:.1f} MiB = {volume / 2**20:.1f} MiB per step")
     ctx.print("overlapped / torch at the same bucket size: " + ", ".join(f"{k} MiB {v:.2f}x" for k, v in
                                                                          per_size.items()))
-    ctx.print(f"HEADLINE: hand-written overlapped DDP ({best['overlapped']:g} MiB buckets) / torch DDP "
-              f"({best['torch']:g} MiB) step time = {ratio:.2f}x (goal <= {GOAL}x: "
-              f"{'goal met' if ratio <= GOAL else 'not met'})")
+    floor = med[("local", 0.0)]
+    below_floor = [f"{k}@{mb:g}" for (k, mb), t in med.items() if k != "local" and t < floor]
+    if below_floor:
+        ctx.print(f"note: {', '.join(below_floor)} came out below 'local' (no communication), which no version can "
+                  "really beat: the difference is noise between rounds, not a gain")
+    ctx.print(f"hand-written overlapped DDP ({best['overlapped']:g} MiB buckets) / torch DDP "
+              f"({best['torch']:g} MiB), step time: {ratio:.2f}x  ({load_average()})")
     if ctx.is_main:
         draw(args, med)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -144,6 +152,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "samples_ms": {f"{k}@{mb:g}": [1e3 * s for s in t] for (k, mb), t in times.items()},
             "best_bucket_mb": best, "overlapped_over_torch": ratio, "overlapped_over_torch_per_size": per_size,
             "goal": GOAL, "goal_met": ratio <= GOAL, "allreduce_sent_bytes_per_rank": volume,
+            "below_floor": below_floor, "load_average": load_average(),
             "world_size": ctx.world_size, "backend": ctx.backend}
 
 

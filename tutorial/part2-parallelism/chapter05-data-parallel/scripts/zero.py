@@ -29,31 +29,26 @@ Runtime on 2 cores: about 10 s at -w 4 (process start-up and the single-process 
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _zero_common import build_model, expect_adamw_equal, make_optimizer, rank_batch, reference_adamw
 
 from mlsys import cli, report
 from mlsys.collectives import comm_volume
-from mlsys.data import get_batch, load_splits, shard
+from mlsys.data import load_splits
 from mlsys.launch import RankContext, launch
 from mlsys.memory import zero_bytes_per_rank
-from mlsys.model import GPT, GPTConfig, num_params
+from mlsys.model import GPT, num_params
 
 # torch 2.13 names the flat-buffer collectives *_single; older releases call them *_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 DTYPES = {"fp32": torch.float32, "mixed": torch.bfloat16}  # the dtype of the parameters and gradients
 TOLERANCE = 0.10  # measured bytes within 10% of the formula
-ORACLE_STEP_FRACTION = 0.01  # fp32 vs AdamW: within 1% of one step (lr); sums in another order differ by ~1e-7
-# ...except where a gradient is itself at rounding level: Adam divides it by its own size (m / sqrt(v)), so a sum
-# taken in another order can turn it into a step of up to lr in either direction. Those weights are few; a ZeRO bug
-# (a wrong slice, a missing reduction) moves a whole shard, far more than this share.
-MAX_ROUNDING_SHARE = 1e-3
 MIXED_ATOL = 1e-2  # mixed precision vs fp32 AdamW: bf16 rounds weights of size ~0.1 by up to ~4e-4 per step
 
 
@@ -91,36 +86,6 @@ class Settings(cli.DistArgs):
 
 
 # ----------------------------------------------------------------------------------------------- model and data
-def build_model(args: Settings) -> GPT:
-    torch.manual_seed(args.seed)  # every rank builds the same initial weights
-    return GPT(GPTConfig.preset("tiny", n_layer=args.layers))
-
-
-def make_optimizer(params, args: Settings) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-
-
-def rank_batch(tokens: torch.Tensor, rank: int, world_size: int, step: int, args: Settings):
-    """Rank r's (x, y), each (B, T), cut from its own shard of the stream; any process can rebuild it."""
-    gen = torch.Generator().manual_seed(args.seed * 100_003 + step * 1009 + rank)
-    return get_batch(shard(tokens, rank, world_size), args.batch_size, args.seq_len, gen)
-
-
-def reference_adamw(tokens: torch.Tensor, world_size: int, args: Settings) -> tuple[torch.Tensor, list[float]]:
-    """The oracle: one process, plain AdamW, the global batch (every rank's batch, concatenated)."""
-    model = build_model(args)
-    opt = make_optimizer(model.parameters(), args)
-    losses = []
-    for step in range(args.steps):
-        xs, ys = zip(*(rank_batch(tokens, r, world_size, step, args) for r in range(world_size)))
-        _, loss = model(torch.cat(xs), torch.cat(ys))  # mean over W*B*T tokens = mean of the W rank losses
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), losses
-
-
 # ----------------------------------------------------------------------------------------------- the flat unit
 # --8<-- [start:flat]
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -359,16 +324,6 @@ def full_master(model: GPT, units: list[FlatUnit]) -> torch.Tensor:
             by_param[id(p)] = out[offset:offset + p.numel()]
             offset += p.numel()
     return torch.cat([by_param[id(p)] for p in model.parameters()]).cpu()
-
-
-def expect_adamw_equal(name: str, got: torch.Tensor, want: torch.Tensor, args: Settings) -> None:
-    """fp32 ZeRO vs one-process AdamW: all but a rounding-level share of the weights within 1% of lr, and every
-    weight within the most AdamW can move it in --steps steps (about lr per step, 2 lr apart in the worst case)."""
-    diff = (got - want).abs()
-    share = (diff > ORACLE_STEP_FRACTION * args.lr).double().mean().item()
-    if share > MAX_ROUNDING_SHARE or diff.max().item() > 2 * args.steps * args.lr:
-        raise cli.SelfCheckFailed(f"{name}: {share:.2%} of weights differ by more than {ORACLE_STEP_FRACTION} lr "
-                                  f"(allowed {MAX_ROUNDING_SHARE:.1%}), max abs error {diff.max().item():.3g}")
 
 
 # ----------------------------------------------------------------------------------------------- the job

@@ -1,16 +1,18 @@
-"""PyTorch's own sharding next to ours: ZeroRedundancyOptimizer against our stage 1, fully_shard (FSDP2) against
-our stage 3, same parameters after the same steps, and the bytes each rank holds.
+"""PyTorch's own sharding, checked like ours: ZeroRedundancyOptimizer (optimizer state sharded, as our stage 1) and
+fully_shard (FSDP2, everything sharded, as our stage 3), the same parameters as AdamW in one process after the same
+steps, and the bytes each rank holds against the formulas zero.py checks its own stages with.
 
 What it shows
-    On every rank, three runs of --steps AdamW steps of the tiny GPT, each rank on its own data shard:
-      ours stage 1 and ours stage 3    zero.py's from-scratch implementations (fp32);
+    On every rank, two runs of --steps AdamW steps of the tiny GPT, each rank on its own data shard:
       ZeroRedundancyOptimizer          torch.distributed.optim: DDP all-reduces the gradients, each rank's AdamW
-                                       owns whole parameter tensors (a greedy split by size), then broadcasts them;
+                                       owns whole parameter tensors (a greedy split by size), then broadcasts them
+                                       (so under DDP it moves DDP's all-reduce plus a broadcast, ~1.5x DDP);
       fully_shard                      torch.distributed.fsdp (FSDP2): each block and the root module hold a dim-0
-                                       shard of every parameter as a DTensor, all-gathered around each use.
-    Self-checks: ZeroRedundancyOptimizer's parameters equal our stage 1's and fully_shard's equal our stage 3's
-    (max |diff| <= 1% of one step, lr/100); both equal AdamW in one process. If either one does not run on this
-    backend (gloo on CPU), the script says so and prints the error instead of its results.
+                                       shard of every parameter as a DTensor (torch.chunk: 9 rows over 4 ranks is
+                                       3, 3, 3, 0), all-gathered around each use.
+    Self-checks: both give the parameters of AdamW in one process on the global batch (the same oracle zero.py's
+    stages meet: all but a rounding-level share of the weights within 1% of lr, see _zero_common.py). If either
+    one does not run on this backend (gloo on CPU), the script says so and prints the error instead.
     Memory: the distinct storages behind each rank's parameters, gradients and AdamW state (DTensors: their local
     shard), against zero_bytes_per_rank for stage 1 and stage 3. PyTorch's optimizer shards by whole tensors, so
     its ranks are uneven; FSDP2 shards every tensor on dim 0, so its ranks are even up to padding.
@@ -24,22 +26,18 @@ Runtime on 2 cores: about 6 s at -w 2, 5 s with --smoke.
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from _zero_common import build_model, expect_adamw_equal, make_optimizer, rank_batch, reference_adamw
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling script zero.py
-import zero  # noqa: E402
-
-from mlsys import cli, report  # noqa: E402
-from mlsys.data import load_splits  # noqa: E402
-from mlsys.launch import RankContext, launch  # noqa: E402
-from mlsys.memory import zero_bytes_per_rank  # noqa: E402
-from mlsys.model import num_params  # noqa: E402
+from mlsys import cli, report
+from mlsys.data import load_splits
+from mlsys.launch import RankContext, launch
+from mlsys.memory import zero_bytes_per_rank
+from mlsys.model import num_params
 
 
 @dataclass
@@ -95,12 +93,12 @@ def run_zero_redundancy(ctx: RankContext, args: Settings, tokens) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = zero.build_model(args).to(ctx.device)
+    model = build_model(args).to(ctx.device)
     ddp = DDP(model, gradient_as_bucket_view=True)  # grads are views of DDP's buckets: no second copy
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                   betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     for step in range(args.steps):
-        x, y = (t.to(ctx.device) for t in zero.rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
+        x, y = (t.to(ctx.device) for t in rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
         _, loss = ddp(x, y)
         loss.backward()  # DDP all-reduces (averages) the gradients during the backward
         opt.step()  # this rank updates the tensors it owns, then every owner broadcasts them
@@ -117,14 +115,14 @@ def run_fully_shard(ctx: RankContext, args: Settings, tokens) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = zero.build_model(args).to(ctx.device)
+    model = build_model(args).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     for block in model.h:
         fully_shard(block, mesh=mesh)  # one all-gather unit per block, like our stage 3
     fully_shard(model, mesh=mesh)
-    opt = zero.make_optimizer(model.parameters(), args)  # AdamW over DTensor shards
+    opt = make_optimizer(model.parameters(), args)  # AdamW over DTensor shards
     for step in range(args.steps):
-        x, y = (t.to(ctx.device) for t in zero.rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
+        x, y = (t.to(ctx.device) for t in rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
         _, loss = model(x, y)
         loss.backward()  # reduce-scatters (averages) each unit's gradient as its backward finishes
         opt.step()
@@ -139,7 +137,7 @@ def attempt(name: str, fn, *fn_args) -> dict:
     """Run one PyTorch implementation; if this torch/backend refuses it, keep the error instead of crashing."""
     try:
         return fn(*fn_args)
-    except Exception as err:  # noqa: BLE001 - reported plainly: "does not run here, because ..."
+    except Exception as err:
         lines = traceback.format_exception_only(type(err), err)
         return {"error": f"{name} did not run: {lines[-1].strip()}"}
 
@@ -147,16 +145,14 @@ def attempt(name: str, fn, *fn_args) -> dict:
 def worker(ctx: RankContext, args: Settings) -> dict:
     W = ctx.world_size
     tokens, _ = load_splits(num_records=600, seed=args.seed)
-    psi = num_params(zero.build_model(args))
+    psi = num_params(build_model(args))
     ctx.print(f"tiny GPT: {args.layers} blocks, {psi:,} parameters; W={W} on {ctx.backend}, {args.steps} AdamW steps")
-    want, _ = zero.reference_adamw(tokens, W, args) if ctx.is_main else (None, None)
-    ours = {stage: zero.train(ctx, args, tokens, stage, "fp32") for stage in (1, 3)}
+    want, _ = reference_adamw(tokens, W, args) if ctx.is_main else (None, None)
     theirs = {"ZeroRedundancyOptimizer": attempt("ZeroRedundancyOptimizer", run_zero_redundancy, ctx, args, tokens),
               "fully_shard": attempt("fully_shard", run_fully_shard, ctx, args, tokens)}
     pairs = {"ZeroRedundancyOptimizer": 1, "fully_shard": 3}  # which of our stages each one shards like
     memory = [None] * W
-    dist.all_gather_object(memory, {**{f"ours stage {s}": o["held"] for s, o in ours.items()},
-                                    **{k: v.get("held") for k, v in theirs.items()}})
+    dist.all_gather_object(memory, {k: v.get("held") for k, v in theirs.items()})
     if not ctx.is_main:
         return {}
     results, rows = {"world_size": W, "num_params": psi, "backend": ctx.backend}, []
@@ -166,17 +162,12 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             ctx.print(f"{name}: does NOT run with {ctx.backend} on {ctx.device.type} here -- {out['error']}")
             results[name] = {"ran": False, "error": out["error"]}
             continue
-        vs_ours = (out["params"] - ours[stage]["params"]).abs().max().item()
         vs_adamw = (out["params"] - want).abs().max().item()
-        atol = zero.ORACLE_STEP_FRACTION * args.lr  # 1% of one AdamW step
-        report.expect_close(f"{name} vs our stage {stage}", out["params"], ours[stage]["params"], rtol=0, atol=atol)
-        report.expect_close(f"{name} vs AdamW in one process", out["params"], want, rtol=0, atol=atol)
-        ctx.print(f"{name}: ran on {ctx.backend}; max |param - our stage {stage}| = {vs_ours:.2e}, "
-                  f"max |param - AdamW in one process| = {vs_adamw:.2e}")
-        results[name] = {"ran": True, "max_abs_diff_vs_ours": vs_ours, "max_abs_diff_vs_adamw": vs_adamw,
-                         "compared_with_stage": stage, "per_rank": [m[name] for m in memory]}
-    for name, stage in [("ours stage 1", 1), ("ZeroRedundancyOptimizer", 1), ("ours stage 3", 3),
-                        ("fully_shard", 3)]:
+        expect_adamw_equal(f"{name} vs AdamW in one process", out["params"], want, args)
+        ctx.print(f"{name}: ran on {ctx.backend}; max |param - AdamW in one process| = {vs_adamw:.2e}")
+        results[name] = {"ran": True, "max_abs_diff_vs_adamw": vs_adamw, "sharded_like_stage": stage,
+                         "per_rank": [m[name] for m in memory]}
+    for name, stage in pairs.items():
         formula = zero_bytes_per_rank(psi, W, stage, "fp32")
         for rank, m in enumerate(memory):
             if m[name] is not None:
@@ -196,7 +187,8 @@ def main() -> int:
     if result is None:
         return 0
     ran = [k for k in ("ZeroRedundancyOptimizer", "fully_shard") if result[k]["ran"]]
-    print(f"OK: {', '.join(ran) or 'neither PyTorch implementation ran'}; every one that ran matches ours and AdamW")
+    print(f"OK: {', '.join(ran) or 'neither PyTorch implementation ran'}; "
+          "every one that ran matches AdamW in one process")
     if args.json:
         report.write_json(args.json, result, args)
     return 0
