@@ -258,3 +258,21 @@ def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
             g = torch.autograd.grad(logp, list(agent.actor.parameters()))
             want -= adv[t, n] * torch.cat([x.flatten() for x in g]) / 6
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path) -> None:  # noqa: ANN001
+    """--env-id (cleanrl's flag): sizes from gymnasium's own spaces, the threshold from its spec."""
+    import gymnasium as gym
+
+    out = tmp_path / "acrobot.json"
+    proc = run([CH12 / "ppo_cartpole.py", "--smoke", "--env-id", "Acrobot-v1", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())["results"]
+    env = gym.make("Acrobot-v1")
+    assert (doc["obs_dim"], doc["num_actions"]) == (env.observation_space.shape[0], env.action_space.n) == (6, 3)
+    assert doc["solve_return"] == gym.spec("Acrobot-v1").reward_threshold == -100
+    assert doc["runs"][0]["eval_return"] <= 0  # Acrobot pays -1 per step: a return is never positive
+    for bad in ("Pendulum-v1", "NoSuchEnv-v0"):  # continuous actions; unknown id
+        proc = run([CH12 / "ppo_cartpole.py", "--smoke", "--env-id", bad], timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

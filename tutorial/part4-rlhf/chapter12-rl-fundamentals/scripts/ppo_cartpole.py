@@ -1,16 +1,18 @@
-"""PPO on CartPole-v1: an actor-critic trained with vectorized environments, GAE and the clipped surrogate, until
-the greedy policy balances the pole for the full 500 steps.
+"""PPO on CartPole-v1 (or any classic-control environment with discrete actions, --env-id): an actor-critic trained
+with vectorized environments, GAE and the clipped surrogate, until the mean return of the policy, sampling its
+actions as in training, reaches the environment's reward threshold (475 of a possible 500 on CartPole-v1).
 
 What it shows
     1. The PPO loop (Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347):
        collect --num-steps steps from --num-envs CartPole copies (gymnasium SyncVectorEnv), compute advantages with
        GAE (mlsys.rl.compute_gae), then --update-epochs passes of minibatch updates on the clipped policy loss, the
-       value loss and an entropy bonus, with advantage normalization and gradient-norm clipping.
+       value loss and an entropy term (--ent-coef, 0 by default: no entropy bonus unless asked), with advantage
+       normalization and gradient-norm clipping.
     2. The diagnostics practitioners watch: approx-KL between the old and new policy, the clip fraction, the
        policy entropy, shown in the tqdm bar and plotted per update.
     3. The solve check: every --eval-every updates the policy plays --eval-episodes fresh episodes, sampling its
-       actions as in training; the run stops as soon as their mean return is >= --solve-return (475 of a possible
-       500). A full run that does not solve within --total-steps env steps or --max-seconds exits 1. The greedy
+       actions as in training; the run stops as soon as their mean return is >= --solve-return (by default the
+       environment's reward_threshold from its gymnasium spec: 475 of a possible 500 on CartPole-v1). A full run that does not solve within --total-steps env steps or --max-seconds exits 1. The greedy
        policy (argmax action) is evaluated beside it, for comparison only: it scores much higher much earlier.
     4. --seeds 0 1 2: the benchmark, one full run per seed, a table of env steps and seconds to solve each.
        (Reference point: cleanrl's ppo.py reports 492 +/- 13 on CartPole-v1 after 500k steps, with its defaults.)
@@ -19,6 +21,8 @@ How to run
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --seeds 0 1 2
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --smoke
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --env-id Acrobot-v1   # -100 to solve
+    The network's input and output sizes come from the environment's spaces; nothing else is tuned per environment.
 
 What it prints
     The settings, the median and max approx-KL and clip fraction over the updates, the evaluations (env steps,
@@ -31,6 +35,7 @@ about three times that; --smoke about 3 s. One torch thread: these nets are too 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -45,12 +50,15 @@ from mlsys import cli, plot, report, rl
 
 @dataclass
 class Settings(cli.Args, cli.PlotArgs):
+    env_id: str = "CartPole-v1"
+    """gymnasium id of a classic-control environment with a discrete action space (cleanrl's flag): CartPole-v1,
+    Acrobot-v1, MountainCar-v0."""
     total_steps: int = 150_000
     """Env-step budget (training steps over all envs; evaluation steps are not counted)."""
     max_seconds: float = 180.0
     """Wall-clock budget of one run, evaluations included."""
     num_envs: int = 8
-    """Parallel CartPole copies (gymnasium SyncVectorEnv)."""
+    """Parallel copies of the environment (gymnasium SyncVectorEnv)."""
     num_steps: int = 128
     """Rollout length per env per update: a batch is num_envs * num_steps transitions."""
     num_minibatches: int = 4
@@ -69,7 +77,7 @@ class Settings(cli.Args, cli.PlotArgs):
     """Also clip the value update to --clip-eps around the rollout's values (PPO2/cleanrl style). Off by default:
     with unnormalized returns of ~100, a 0.2 step per update leaves the critic far behind."""
     ent_coef: float = 0.0
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (0: the loss has no entropy bonus)."""
     vf_coef: float = 0.5
     """Value-loss coefficient."""
     max_grad_norm: float = 0.5
@@ -80,8 +88,8 @@ class Settings(cli.Args, cli.PlotArgs):
     """Evaluate the greedy policy every this many updates."""
     eval_episodes: int = 20
     """Episodes per evaluation (played in parallel)."""
-    solve_return: float = 475.0
-    """Mean evaluation return that counts as solved (CartPole-v1's reward threshold)."""
+    solve_return: float = float("nan")
+    """Mean evaluation return that counts as solved (nan: the environment's reward_threshold, 475 on CartPole-v1)."""
     seeds: list[int] = field(default_factory=list)
     """Benchmark: one full run per seed (e.g. --seeds 0 1 2) and a table of steps and time to solve."""
 
@@ -95,6 +103,29 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError("--total-steps must cover at least one rollout (num_envs * num_steps)")
         if not (0 <= self.gamma <= 1 and 0 <= self.gae_lambda <= 1 and self.clip_eps > 0 and self.lr > 0):
             raise cli.UsageError("need 0 <= --gamma, --gae-lambda <= 1 and --clip-eps, --lr > 0")
+        self.obs_dim, self.num_actions, threshold = env_sizes(self.env_id)
+        if math.isnan(self.solve_return):
+            if threshold is None:
+                raise cli.UsageError(f"{self.env_id} has no reward_threshold in its spec: pass --solve-return")
+            self.solve_return = float(threshold)
+
+
+def env_sizes(env_id: str) -> tuple[int, int, float | None]:
+    """(observation size, number of actions, reward threshold) of a classic-control env with discrete actions;
+    a one-line usage error for anything else."""
+    try:
+        spec = gym.spec(env_id)
+    except gym.error.Error as err:
+        raise cli.UsageError(f"--env-id {env_id!r}: {err}") from None
+    if not str(spec.entry_point).startswith("gymnasium.envs.classic_control"):
+        raise cli.UsageError(f"--env-id {env_id!r} is not a classic-control environment (try CartPole-v1, Acrobot-v1)")
+    env = gym.make(env_id)
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    if not isinstance(act_space, gym.spaces.Discrete) or len(obs_space.shape) != 1:
+        raise cli.UsageError(f"--env-id {env_id!r} needs a discrete action space and a flat observation; it has "
+                             f"{act_space} and {obs_space}")
+    return obs_space.shape[0], int(act_space.n), spec.reward_threshold
 
 
 # --8<-- [start:agent]
@@ -107,7 +138,8 @@ def layer(n_in: int, n_out: int, std: float) -> nn.Linear:
 
 
 class ActorCritic(nn.Module):
-    """Two separate MLPs: the actor maps an observation (B, 4) to action logits (B, 2), the critic to V(s) (B,)."""
+    """Two separate MLPs: the actor maps an observation (B, obs_dim) to action logits (B, num_actions), the critic to
+    V(s) (B,). CartPole-v1: obs_dim 4, num_actions 2."""
 
     def __init__(self, obs_dim: int = 4, num_actions: int = 2, hidden: int = 64) -> None:
         super().__init__()
@@ -124,11 +156,11 @@ class ActorCritic(nn.Module):
 # --8<-- [end:agent]
 
 
-def make_envs(num_envs: int, seed: int) -> gym.vector.SyncVectorEnv:
-    """num_envs CartPole-v1 copies stepped in lockstep. SAME_STEP autoreset (gymnasium >= 1.1): when an episode
+def make_envs(num_envs: int, seed: int, env_id: str = "CartPole-v1") -> gym.vector.SyncVectorEnv:
+    """num_envs copies of the environment stepped in lockstep. SAME_STEP autoreset (gymnasium >= 1.1): when an episode
     ends, step() already returns the next episode's first observation and puts the last one in info["final_obs"].
     (The 1.x default, NEXT_STEP, would instead spend the following step() on the reset, with a dummy transition.)"""
-    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * num_envs,
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     envs.reset(seed=seed)
     envs.action_space.seed(seed)
@@ -198,9 +230,10 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, buf: dict, args: 
 
 
 @torch.no_grad()
-def evaluate(agent: ActorCritic, episodes: int, seed: int, greedy: bool = True) -> np.ndarray:
+def evaluate(agent: ActorCritic, episodes: int, seed: int, greedy: bool = True,
+             env_id: str = "CartPole-v1") -> np.ndarray:
     """Play `episodes` episodes in parallel (one per env) and return their returns, shape (episodes,)."""
-    envs = make_envs(episodes, seed)
+    envs = make_envs(episodes, seed, env_id)
     obs, _ = envs.reset(seed=seed)
     returns, alive = np.zeros(episodes), np.ones(episodes, dtype=bool)
     while alive.any():
@@ -219,9 +252,11 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
     update_fn = update_fn or ppo_update
     torch.manual_seed(seed)
     np.random.seed(seed)
-    envs = make_envs(args.num_envs, seed)
+    env_id = getattr(args, "env_id", "CartPole-v1")
+    envs = make_envs(args.num_envs, seed, env_id)
     obs, _ = envs.reset(seed=seed)
-    agent = ActorCritic(hidden=args.hidden)
+    obs_dim, num_actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)  # from the spaces
+    agent = ActorCritic(obs_dim, num_actions, hidden=args.hidden)
     opt = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     batch = args.num_envs * args.num_steps
     num_updates = args.total_steps // batch
@@ -247,8 +282,8 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
                         clip=f"{stats['clip_frac']:.2f}")
         last = update == num_updates or time.perf_counter() - start > args.max_seconds
         if update % args.eval_every == 0 or last:
-            score = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=False).mean())
-            greedy = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=True).mean())
+            score = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=False, env_id=env_id).mean())
+            greedy = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=True, env_id=env_id).mean())
             evals.append({"steps": steps, "seconds": time.perf_counter() - start, "eval_return": score,
                           "greedy_return": greedy})
             if score >= args.solve_return:
@@ -272,7 +307,7 @@ def plot_run(run: dict, args: Settings) -> None:
     ax1.plot([e["steps"] for e in run["evals"]], [e["greedy_return"] for e in run["evals"]], "x:", color="C2",
              label="greedy policy (argmax), not the criterion")
     ax1.axhline(args.solve_return, ls="--", color="gray", lw=1)
-    ax1.set(xlabel="env steps", ylabel="episode return", title=f"PPO on CartPole-v1, seed {run['seed']}")
+    ax1.set(xlabel="env steps", ylabel="episode return", title=f"PPO on {args.env_id}, seed {run['seed']}")
     ax1.legend(loc="lower right", fontsize=8)
     u = run["updates"]
     ax2.plot([x["steps"] for x in u], [x["approx_kl"] for x in u], label="approx KL (k3)")
@@ -286,7 +321,8 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"total_steps": 2048, "num_envs": 4, "num_steps": 64,
                                                "update_epochs": 2, "eval_every": 2, "eval_episodes": 4})
     torch.set_num_threads(1)  # 64-wide MLPs: thread start-up costs more than it saves
-    print(f"PPO on CartPole-v1: {args.num_envs} envs x {args.num_steps} steps per update, {args.update_epochs} "
+    print(f"PPO on {args.env_id} (observations of {args.obs_dim}, {args.num_actions} actions, solved at "
+          f"{args.solve_return:g}): {args.num_envs} envs x {args.num_steps} steps per update, {args.update_epochs} "
           f"epochs x {args.num_minibatches} minibatches, lr {args.lr} annealed, budget {args.total_steps:,} steps "
           f"/ {args.max_seconds:.0f} s")
     seeds = args.seeds or [args.seed]
@@ -303,7 +339,8 @@ def main() -> int:
     print("\n" + report.table(rows))
     if args.json:
         runs_json = [{k: v for k, v in r.items() if k not in ("curve", "agent")} for r in runs]
-        report.write_json(args.json, {"runs": runs_json}, args)
+        report.write_json(args.json, {"env_id": args.env_id, "obs_dim": args.obs_dim, "num_actions": args.num_actions,
+                                      "solve_return": args.solve_return, "runs": runs_json}, args)
     unsolved = [r["seed"] for r in runs if not r["solved"]]
     if args.smoke:
         print(f"\nsmoke run: {runs[0]['steps']} steps, no solve check")
