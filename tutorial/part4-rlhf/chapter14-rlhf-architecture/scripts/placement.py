@@ -54,8 +54,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Responses per iteration (a multiple of 4 * --shards: groups of 4 per prompt)."""
     shards: int = 2
     """The batch is generated in this many seeded shards and scored in as many micro-batches, wherever it runs."""
-    max_tokens: int = 32
-    """Response length limit."""
+    max_tokens: int = 72
+    """Response length limit: chapter 13's, long enough for a whole record (45 to 65 tokens), so rule scores mean
+    something; at 32 every response would be cut short and malformed."""
     bucket_mb: float = 1.0
     """Bucket size for the trainer -> rollout weight broadcast."""
 
@@ -154,6 +155,7 @@ def train_on(models, opts, kl_ctl, cfg, batch: rlhf.RolloutBatch, extras: list[d
     gap = ((batch.engine_logprobs - x["logprobs"]) * batch.mask).sum() / batch.mask.sum()  # behaviour vs current
     kl_ctl.update(kl)
     return {"reward": x["scores"].mean().item(), "rule_score": x["rule_scores"].mean().item(), "kl": kl,
+            "valid": (x["rule_scores"] > 0).float().mean().item(),  # share of well-formed records
             "off_policy_gap": gap.item(), "clip_frac": losses.get("clip_frac", 0.0)}
 # --8<-- [end:shards]
 
@@ -343,6 +345,7 @@ def main() -> int:
     print(report.table(tables, floatfmt=".2f"))
     print("\n" + report.table([{"placement": n, "wall s": s["wall_s"], "rollouts/s": s["rollouts_per_s"],
                                 "final reward": s["stats"][-1]["reward"],
+                                "well-formed": sum(x["valid"] for x in s["stats"]) / args.iterations,
                                 "mean off-policy gap": sum(x["off_policy_gap"] for x in s["stats"]) / args.iterations}
                                for n, s in summary.items()], floatfmt=".3f"))
     if "colocated" in results and "disaggregated" in results:
@@ -358,6 +361,10 @@ def main() -> int:
         s, a = summary["disaggregated"], summary["async"]
         print(f"async vs sync: {a['rollouts_per_s'] / s['rollouts_per_s']:.2f}x the rollouts per second; "
               f"final reward {a['stats'][-1]['reward']:.3f} vs {s['stats'][-1]['reward']:.3f}")
+    if not args.smoke and not any(x["valid"] > 0 for s in summary.values() if isinstance(s, dict) and "stats" in s
+                                  for x in s["stats"]):
+        raise cli.SelfCheckFailed(f"no well-formed response in any iteration: is --max-tokens {args.max_tokens} too "
+                                  "short for a record? the placements would be compared on a broken task")
     draw_timeline(placements, args)
     draw_learning(placements, args)
     if args.json:
