@@ -193,13 +193,16 @@ def rollout_pool(args: Settings, budget: float) -> dict[str, float] | None:
 
 
 def smallest_gpus(peak_of, budget: float, limit: int = 4096) -> int | None:
-    """The smallest power of two n with peak_of(n) <= budget (None beyond `limit`)."""
-    n = 1
-    while n <= limit:
-        if peak_of(n) <= budget:
-            return n
-        n *= 2
-    return None
+    """The smallest GPU count n with peak_of(n) <= budget (None beyond `limit`). Every count is a candidate, as for
+    the rollout pool (tp x replicas): one grid for both placements, so neither wins by rounding. Bisection: the
+    peak falls as n grows (every term is a share 1/n of a fixed total, or does not depend on n)."""
+    if peak_of(limit) > budget:
+        return None
+    lo, hi = 0, limit  # peak_of(hi) fits; lo does not (0 GPUs never fit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if peak_of(mid) <= budget else (mid, hi)
+    return hi
 
 
 def plan(args: Settings) -> dict:
