@@ -260,10 +260,55 @@ def test_short_rlhf_run_raises_mean_reward(algo: str) -> None:
                for i in range(6)]  # fmt: skip
     first, last = history[0]["reward"], sum(h["reward"] for h in history[-2:]) / 2
     assert last > first + 0.3, [round(h["reward"], 3) for h in history]
-    assert all(h["kl"] < 20 for h in history)  # the KL penalty holds the policy near the reference
+    # the controller answers each batch's KL: beta rises after a batch above the 1-nat target, falls below it
+    for now, nxt in zip(history, history[1:]):
+        assert (nxt["beta"] - now["beta"]) * (now["kl"] - cfg.kl_target) >= 0, (now, nxt)
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first batch comes from the reference itself
     # the engine serves the trained actor after each iteration
     served = engine.model.state_dict()
     assert all(torch.equal(served[k], v) for k, v in models.actor.state_dict().items())
     assert not any(p.requires_grad for p in models.reference.parameters())
     sft = load_pretrained("draft").state_dict()  # the reference never moved: still the SFT model
     assert all(torch.equal(sft[k], v) for k, v in models.reference.state_dict().items())
+
+
+def _frozen_grpo_batch(actor: GPT, reference: GPT) -> rlhf.RolloutBatch:
+    """4 random sequences of 16 tokens, the last 10 the response; zero advantages, old log-probs = the actor's."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, actor.config.vocab_size, (4, 16), generator=gen)
+    batch = rlhf.RolloutBatch(ids=ids, prompt_lens=torch.full((4,), 6), mask=torch.ones(4, 10), texts=[""] * 4,
+                              engine_logprobs=torch.zeros(4, 10))
+    with torch.no_grad():
+        old = rlhf.gather_response(rlhf.token_logprobs(actor, ids), batch.positions)
+        ref = rlhf.gather_response(rlhf.token_logprobs(reference, ids), batch.positions)
+    batch.extra = {"logprobs": old, "ref_logprobs": ref, "advantages": torch.zeros(4, 10)}
+    return batch
+
+
+def _response_logprobs_by_hand(model: GPT, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """log pi(token) of every response token, from the model's full softmax (not the library's helpers)."""
+    with torch.no_grad():
+        logits, _ = model(ids)
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (B, T, V)
+    return torch.stack([logp[:, t - 1].gather(1, ids[:, t:t + 1]).squeeze(1) for t in range(start, ids.size(1))], 1)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_grpo_loss_pulls_the_policy_to_the_reference_only_through_its_kl_term(beta: float) -> None:
+    """With zero advantages the clipped surrogate has no gradient, so a GRPO step moves the actor only through
+    beta * KL(actor || reference): at beta = 0 not at all, at beta > 0 toward the reference's log-probs of the
+    sampled tokens (measured from the full softmax). Deleting the KL term from the loss fails the beta > 0 case."""
+    actor, reference = tiny_gpt(0).train(), tiny_gpt(1)
+    batch = _frozen_grpo_batch(actor, reference)
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    gap_before = (_response_logprobs_by_hand(actor, batch.ids, 6) - _response_logprobs_by_hand(reference, batch.ids, 6))
+    models = rlhf.Models(actor=actor, critic=None, reward_model=None, reference=reference)
+    cfg = rlhf.PPOConfig(ppo_epochs=3, num_minibatches=1, actor_lr=1e-3)
+    rlhf.ppo_update(models, rlhf.make_optimizers(models, cfg), batch, cfg, beta, algo="grpo")
+    moved = max((actor.state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    gap_after = (_response_logprobs_by_hand(actor, batch.ids, 6) - _response_logprobs_by_hand(reference, batch.ids, 6))
+    if beta == 0.0:
+        assert moved == 0.0
+    else:
+        assert moved > 0
+        assert gap_after.abs().mean() < gap_before.abs().mean()  # closer to the reference on the sampled tokens
