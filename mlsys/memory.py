@@ -167,27 +167,41 @@ def ring_factor(n: int) -> float:
     return (_pos_int("group size", n) - 1) / n
 
 
-def dp_comm_bytes(param_bytes_per_gpu: float, dp: int, zero_stage: int) -> float:
-    """Bytes one GPU sends per step for data parallelism (ring algorithms).
+def dp_comm_bytes(param_bytes_per_gpu: float, dp: int, zero_stage: int, num_micro: int = 1) -> float:
+    """Bytes one GPU sends per step for data parallelism (ring algorithms), with `num_micro` (m) micro-batches
+    accumulated per step. G = bytes of this GPU's gradient before sharding, r = (d-1)/d.
 
-    Stages 0-2: all-reduce of the gradients (or reduce-scatter + all-gather of the updated weights), 2(d-1)/d * G.
-    Stage 3 also all-gathers the weights for the forward and again for the backward: 3(d-1)/d * G.
-    (ZeRO paper, https://arxiv.org/abs/1910.02054, section 7.) G = bytes of this GPU's gradient before sharding.
+    Stages 0-1: the full gradient accumulates over the m micro-batches, then one all-reduce (stage 1: reduce-scatter
+    + all-gather of the updated weights, the same bytes): 2 r G per step, whatever m.
+    Stage 2: a rank keeps only its gradient shard, so each micro-batch's gradient is reduce-scattered as it is
+    produced (m r G), and the updated weights are all-gathered once (r G): (m + 1) r G.
+    Stage 3: each micro-batch all-gathers the weights for its forward and again for its backward, and
+    reduce-scatters its gradient: 3 m r G. (ZeRO paper, https://arxiv.org/abs/1910.02054, section 7, for m = 1;
+    with m micro-batches, as in a pipeline, the per-micro-batch terms repeat, which is why DeepSpeed refuses
+    ZeRO-2/3 with pipeline parallelism.)
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage!r}")
-    return (3 if zero_stage == 3 else 2) * ring_factor(dp) * param_bytes_per_gpu
+    m = _pos_int("num_micro", num_micro)
+    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[zero_stage]
+    return passes * ring_factor(dp) * param_bytes_per_gpu
 
 
 def tp_comm_bytes(micro_batch: int, seq: int, hidden: int, tp: int, layers_per_stage: int, num_micro: int,
-                  dtype_bytes: float = 2) -> float:
-    """Bytes one GPU sends per step for tensor parallelism (Megatron, ring all-reduce).
+                  dtype_bytes: float = 2, sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Bytes one GPU sends per step for tensor parallelism (Megatron, ring collectives).
 
     Each layer all-reduces a (b, s, h) activation twice in the forward (after attention and after the MLP) and
     twice in the backward: 4 all-reduces of b*s*h*bytes, each sending 2(t-1)/t of it. Sequence parallelism
-    replaces each by an all-gather + reduce-scatter of the same total volume.
+    splits each all-reduce into an all-gather + reduce-scatter of the same volume, but the backward also
+    re-gathers the sequence-sharded layer inputs it did not keep: 3 all-reduce volumes in the backward instead of
+    2, 1.25x per step (what chapter 6's sequence_parallel.py measures). Full recomputation re-runs the forward
+    inside the backward, with its 2 all-reduces per layer: 6 instead of 4.
     """
-    return (4 * 2 * ring_factor(tp) * micro_batch * seq * hidden * dtype_bytes
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    volumes = 2 + (3 if sequence_parallel else 2) + (2 if recompute == "full" else 0)
+    return (volumes * 2 * ring_factor(tp) * micro_batch * seq * hidden * dtype_bytes
             * _pos_int("layers_per_stage", layers_per_stage) * _pos_int("num_micro", num_micro))
 
 
@@ -207,10 +221,14 @@ def ep_comm_bytes(micro_batch: int, seq: int, hidden: int, top_k: int, ep: int, 
             * dtype_bytes * moe_layers_per_stage * num_micro)
 
 
-def train_flops(active_params: float, tokens: float) -> float:
+def train_flops(active_params: float, tokens: float, recompute: str = "none") -> float:
     """6 * N * D: forward (2 N D) plus backward (4 N D) multiply-adds counted as 2 flops ("Scaling Laws for Neural
-    Language Models", https://arxiv.org/abs/2001.08361). Attention's own s^2 term is left out."""
-    return 6.0 * _pos("active_params", active_params) * _pos("tokens", tokens)
+    Language Models", https://arxiv.org/abs/2001.08361). Attention's own s^2 term is left out. Full recomputation
+    runs the forward twice: 8 N D, a third more. (Selective recomputation redoes only the attention scores, which
+    this count leaves out anyway.)"""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    return (8.0 if recompute == "full" else 6.0) * _pos("active_params", active_params) * _pos("tokens", tokens)
 
 
 def step_time_estimate(flops: float, num_gpus: int, peak_flops: float, mfu: float, pp: int, num_micro: int,

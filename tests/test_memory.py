@@ -117,3 +117,32 @@ def test_flops_and_step_time():
 def test_formulas_reject_bad_inputs(call):
     with pytest.raises(ValueError):
         call()
+
+
+@pytest.mark.timeout(120)
+def test_tp_traffic_with_sequence_parallelism_matches_the_bytes_chapter6_measures(tmp_path_factory) -> None:
+    """The planner's TP formula against real collectives: sequence_parallel.py counts the bytes its ranks send in
+    the forward and the backward with and without SP; the ratio SP / TP per step must be the formula's."""
+    from conftest import run_json, scripts_dir
+
+    measured = run_json(tmp_path_factory, scripts_dir(6) / "sequence_parallel.py", "--smoke")["tp"]["2"]
+    sp = measured["SP_fwd_sent_B"] + measured["SP_bwd_sent_B"]
+    tp = measured["TP_fwd_sent_B"] + measured["TP_bwd_sent_B"]
+    with_sp = memory.tp_comm_bytes(1, 8, 16, 2, 1, 1, sequence_parallel=True)
+    without = memory.tp_comm_bytes(1, 8, 16, 2, 1, 1)
+    assert with_sp / without == pytest.approx(sp / tp)
+    # full recomputation replays the forward's two all-reduces inside the backward
+    assert memory.tp_comm_bytes(1, 8, 16, 2, 1, 1, recompute="full") / without == pytest.approx(6 / 4)
+    assert memory.train_flops(10, 100, recompute="full") / memory.train_flops(10, 100) == pytest.approx(8 / 6)
+
+
+def test_zero_traffic_repeats_per_micro_batch_where_the_state_is_sharded() -> None:
+    """Count the collectives one step runs, micro-batch by micro-batch, and compare with dp_comm_bytes."""
+    G, d, r = 1000.0, 4, 3 / 4
+    for m in (1, 4, 64):
+        steps = {0: ["all-reduce"], 1: ["reduce-scatter", "all-gather"],
+                 2: ["reduce-scatter"] * m + ["all-gather"],
+                 3: ["all-gather", "all-gather", "reduce-scatter"] * m}  # per micro-batch: fwd, bwd gathers + RS
+        cost = {"all-reduce": 2 * r * G, "reduce-scatter": r * G, "all-gather": r * G}
+        for stage, calls in steps.items():
+            assert memory.dp_comm_bytes(G, d, stage, m) == pytest.approx(sum(cost[c] for c in calls))

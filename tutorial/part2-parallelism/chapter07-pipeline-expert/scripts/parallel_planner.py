@@ -191,8 +191,9 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     kv = mem.kv_cache_bytes_per_gpu(kv_bytes_per_token(L, s.num_kv_heads, s.head_dim, 2), args.global_batch,
                                     args.seq, tp, pp, s.num_kv_heads)
     params_here = model.dense_params / (tp * pp) + model.expert_params / (tp * pp * ep)
-    sent = {"dp": mem.dp_comm_bytes(2 * params_here, dp, args.zero_stage),
-            "tp": mem.tp_comm_bytes(b, args.seq, s.hidden_size, tp, L // pp, m),
+    sent = {"dp": mem.dp_comm_bytes(2 * params_here, dp, args.zero_stage, m),
+            "tp": mem.tp_comm_bytes(b, args.seq, s.hidden_size, tp, L // pp, m, 2, args.sequence_parallel,
+                                    args.recompute),
             "pp": mem.pp_comm_bytes(b, args.seq, s.hidden_size, pp, m),
             "ep": 0.0 if model.experts == 1 else mem.ep_comm_bytes(b, args.seq, s.hidden_size, model.top_k, ep,
                                                                     L // pp, m, args.capacity_factor)}
@@ -200,7 +201,7 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     span = {"tp": tp, "dp": tp * dp, "ep": tp * ep, "pp": tp * dp * pp}
     links = {k: (sent[k], 1e9 * (args.intra_gbps if inside_node(span[k], args) else args.inter_gbps))
              for k in sent}
-    flops = mem.train_flops(model.active_params, args.global_batch * args.seq)
+    flops = mem.train_flops(model.active_params, args.global_batch * args.seq, args.recompute)
     time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links)
     total = state["total"] + act
     return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "micro": m, **{f"{k}_GiB": v / GIB for k, v in state.items()
