@@ -10,8 +10,8 @@ What it shows
        Both runs: training-episode returns for --total-steps env steps, same seed; each its own learning rate.
     2. Gradient variance at one fixed policy (PPO after --snapshot-steps steps): --num-batches independent
        batches of rollouts, and for each the actor's policy-gradient estimate with three advantages:
-       G_t (no baseline), G_t - V(s_t) (REINFORCE's baseline), GAE lambda = 0.95 (PPO's, before any clipping:
-       at ratio 1 PPO's gradient is exactly this one). Printed: total variance (sum over parameters of the
+       G_t (no baseline), G_t - V(s_t) (REINFORCE's baseline), GAE lambda = 0.95 (PPO's advantage; at ratio 1,
+       before any clipping, PPO's gradient is this one up to the per-minibatch advantage normalization). Printed: total variance (sum over parameters of the
        per-coordinate variance across batches) and relative variance (that divided by |mean gradient|^2).
 
 How to run
