@@ -172,7 +172,7 @@ def test_masked_mean_and_whiten_match_numpy() -> None:
 def test_rollout_bookkeeping_on_real_cartpole() -> None:
     """Episode returns counted by collect_rollout equal the number of steps between dones (reward 1 per step),
     and a time-limit truncation is bootstrapped: reward 1 + gamma * V(final obs), while done is still set."""
-    ppo = load_script(CH12 / "ppo_cartpole.py")
+    ppo = load_script(CH12 / "_ppo.py")
     torch.manual_seed(0)
     envs = ppo.make_envs(3, seed=0)
     obs, _ = envs.reset(seed=0)

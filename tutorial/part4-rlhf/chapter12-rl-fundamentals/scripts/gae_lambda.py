@@ -2,7 +2,7 @@
 Monte-Carlo ground truth, and a picture of what the estimator does along one episode.
 
 What it shows
-    1. A fixed policy and its critic: PPO (ppo_cartpole.py) trained for only --train-steps env steps, so the
+    1. A fixed policy and its critic: PPO (_ppo.py) trained for only --train-steps env steps, so the
        policy still fails often and the critic V is imperfect -- the regime where lambda matters.
     2. Ground truth: --num-states states visited by that policy, each with one action a drawn from it. From each
        (s, a), --truth-rollouts Monte-Carlo rollouts (first action a, then the policy, up to --horizon steps) give
@@ -29,18 +29,14 @@ Runtime on 2 cores: about 20 s (training the policy, refitting the critic, 2 x 8
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import _ppo as ppo  # the chapter's PPO machinery (_ppo.py), shared with ppo_cartpole.py
 import gymnasium as gym
 import numpy as np
 import torch
 
 from mlsys import cli, plot, report, rl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_cartpole as ppo  # noqa: E402  (the sibling script: its ActorCritic and train())
 
 
 @dataclass

@@ -5,14 +5,15 @@ What it shows
     1. REINFORCE with a learned baseline (Williams 1992, "Simple statistical gradient-following algorithms for
        connectionist reinforcement learning", https://doi.org/10.1007/BF00992696): one gradient step per batch
        on -mean(log pi(a|s) * (G_t - V(s_t))), G_t the discounted Monte-Carlo return (GAE with lambda = 1; a
-       rollout cut mid-episode is bootstrapped by V). PPO (ppo_cartpole.py): the same batch reused for
+       rollout cut mid-episode is bootstrapped by V). PPO (_ppo.py): the same batch reused for
        10 epochs x 4 minibatches, safe because the clipped ratio keeps the new policy near the old one.
        Both runs: training-episode returns for --total-steps env steps, same seed; each its own learning rate.
     2. Gradient variance at one fixed policy (PPO after --snapshot-steps steps): --num-batches independent
        batches of rollouts, and for each the actor's policy-gradient estimate with three advantages:
        G_t (no baseline), G_t - V(s_t) (REINFORCE's baseline), GAE lambda = 0.95 (PPO's advantage; at ratio 1,
-       before any clipping, PPO's gradient is this one up to the per-minibatch advantage normalization). Printed: total variance (sum over parameters of the
-       per-coordinate variance across batches) and relative variance (that divided by |mean gradient|^2).
+       before any clipping, PPO's gradient is this one up to the per-minibatch advantage normalization).
+       Printed: total variance (sum over parameters of the per-coordinate variance across batches) and
+       relative variance (that divided by |mean gradient|^2).
 
 How to run
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py
@@ -27,18 +28,14 @@ Runtime on 2 cores: about 25 s (two training runs, a tqdm bar on a terminal, the
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+import _ppo as ppo  # the chapter's PPO machinery (_ppo.py), shared with ppo_cartpole.py
 import numpy as np
 import torch
 from torch import nn
 
 from mlsys import cli, plot, report, rl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_cartpole as ppo  # noqa: E402  (the sibling script: ActorCritic, collect_rollout, train)
 
 
 @dataclass
