@@ -125,7 +125,8 @@ def field_docs(cls: type) -> dict[str, str]:
         body = tree.body[0].body  # type: ignore[attr-defined]
         for stmt, nxt in zip(body, body[1:]):
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                is_text = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                if is_text and isinstance(nxt.value.value, str):
                     docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 

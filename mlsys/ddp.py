@@ -102,10 +102,10 @@ class _DDPBase(nn.Module):
         self.allreduce_bytes = 0  # bytes handed to all_reduce since construction
         broadcast_parameters(module, group)
 
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 - passes anything through
+    def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):  # noqa: ANN202
+    def _all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         self.allreduce_calls += 1
         self.allreduce_bytes += tensor.numel() * tensor.element_size()
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
@@ -229,7 +229,7 @@ class OverlappedDDP(BucketedDDP):
 IMPLEMENTATIONS = {"naive": NaiveDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP}
 
 
-def wrap(kind: str, module: nn.Module, bucket_mb: float = 25.0, group: dist.ProcessGroup | None = None):  # noqa: ANN201
+def wrap(kind: str, module: nn.Module, bucket_mb: float = 25.0, group: dist.ProcessGroup | None = None):
     """One of "naive", "bucketed", "overlapped" (hand-written) or "torch" (torch's DistributedDataParallel).
 
     The returned object has .module and finish_gradient_synchronization() (a no-op for torch's DDP, which

@@ -205,7 +205,7 @@ def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts:
     try:
         result = _run_rank(reporting_worker, worker_args, opts)
         conn.send(("ok", result if rank == 0 else None, time.time()))
-    except BaseException as err:  # noqa: BLE001 - report everything, including KeyboardInterrupt, to the parent
+    except BaseException as err:
         if not sent:
             conn.send(_report(rank, err))
         code = 2 if isinstance(err, UsageError) else 1

@@ -118,7 +118,8 @@ class ParallelMesh:
 
 
 def compare_with_device_mesh(mesh: ParallelMesh, device_type: str = "cpu") -> dict[str, list[int]]:
-    """Collective: build torch's DeviceMesh of shape (pp, dp, tp) ("cpu" for gloo, "cuda" for nccl) and check that this rank's three groups
+    """Collective: build torch's DeviceMesh of shape (pp, dp, tp) ("cpu" for gloo, "cuda" for nccl) and check that
+    this rank's three groups
     hold the same ranks as `mesh` (and that both agree with torch's view of our groups). Returns the groups.
 
     Raises AssertionError on any difference.

@@ -137,13 +137,13 @@ class Models:
     def table(self) -> list[dict]:
         rows = []
         for name, m in (("actor", self.actor), ("critic", self.critic), ("reward model", self.reward_model),
-                        ("reference", self.reference)):  # fmt: skip
+                        ("reference", self.reference)):
             if m is None:
                 continue
             trainable = any(p.requires_grad for p in m.parameters())
             rows.append({"model": name, "params": sum(p.numel() for p in m.parameters()),
                          "output": "logits (B,T,V)" if isinstance(m, GPT) else "scalar (B,T)",
-                         "trained in RLHF": "yes" if trainable else "frozen"})  # fmt: skip
+                         "trained in RLHF": "yes" if trainable else "frozen"})
         return rows
 
 
@@ -265,7 +265,7 @@ def load_reward_model(name: str = "draft", recipe: RewardRecipe = RewardRecipe()
             rm.load_state_dict(payload["state_dict"])
             return rm.eval().requires_grad_(False)
     print(f"mlsys: no {path} for this recipe; training the reward model ({recipe.steps} steps), saving it there",
-          file=sys.stderr)  # fmt: skip
+          file=sys.stderr)
     rm, history = train_reward_model(load_pretrained(name), recipe, progress=True)
     save_checkpoint(path, rm, {"recipe": asdict(recipe), "final_loss": history[-1]["loss"]})
     return rm.requires_grad_(False)
@@ -362,14 +362,14 @@ class RolloutBatch:
 # --8<-- [start:generate]
 @torch.no_grad()
 def generate_rollouts(engine, prompts: list[str], max_tokens: int, temperature: float = 1.0,
-                      seed: int = 0) -> RolloutBatch:  # fmt: skip
+                      seed: int = 0) -> RolloutBatch:
     """Sample one response per prompt with the inference engine (continuous batching, paged KV cache),
     recording the log-prob of every sampled token under the distribution the engine sampled from."""
     from mlsys.engine import SamplingParams
 
     t0 = time.perf_counter()
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed * 1_000_003 + i,
-                             logprobs=True) for i in range(len(prompts))]  # fmt: skip
+                             logprobs=True) for i in range(len(prompts))]
     outs = engine.generate(prompts, params)  # final outputs in prompt order; out.logprobs aligns with token_ids
     return make_batch([o.prompt_token_ids for o in outs], [o.token_ids for o in outs],
                       [o.logprobs for o in outs], time.perf_counter() - t0)
@@ -377,7 +377,7 @@ def generate_rollouts(engine, prompts: list[str], max_tokens: int, temperature: 
 
 
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], logprobs: list[list[float]] | None = None,
-               seconds: float = 0.0) -> RolloutBatch:  # fmt: skip
+               seconds: float = 0.0) -> RolloutBatch:
     """Token lists -> a padded RolloutBatch."""
     B, L = len(prompt_ids), max(len(r) for r in response_ids)
     T = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
@@ -471,7 +471,7 @@ def compute_advantages(batch: RolloutBatch, beta: float, cfg: PPOConfig, algo: s
 
 # --8<-- [start:ppo_update]
 def ppo_update(models: Models, opts: dict, batch: RolloutBatch, cfg: PPOConfig, beta: float,
-               algo: str = "ppo", seed: int = 0) -> dict:  # fmt: skip
+               algo: str = "ppo", seed: int = 0) -> dict:
     """Some epochs of clipped PPO over minibatches of the rollout batch; returns mean loss statistics."""
     from mlsys import rl
 
@@ -542,7 +542,7 @@ def rlhf_iteration(engine, models: Models, opts: dict, kl_ctl: AdaptiveKLControl
         "response_len": batch.mask.sum(1).mean().item(), **losses,
         **{f"{k}_s": t[k] - t[prev] for prev, k in zip(["start", "generate", "score", "train"],
                                                        ["generate", "score", "train", "sync"])},
-    }  # fmt: skip
+    }
     kl_ctl.update(kl_seq)  # the controller reacts to the KL this batch measured
     return stats, batch
 # --8<-- [end:iteration]

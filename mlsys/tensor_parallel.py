@@ -334,11 +334,11 @@ def check_divisible(config: GPTConfig, tp: int) -> None:
 
 
 def check_tp_run(config: GPTConfig, world_size: int, tp_sizes, batch: int, seq: int,
-                 sequence_parallel: bool = False) -> None:  # fmt: skip
+                 sequence_parallel: bool = False) -> None:
     """ValueError (one line) unless a job of `world_size` ranks can run every size in `tp_sizes` on this GPT with
     batches of (batch, seq) tokens; with sequence parallelism the sequence is split over the tp ranks too."""
     for name, value in (("n_layer", config.n_layer), ("n_head", config.n_head), ("n_embd", config.n_embd),
-                        ("batch", batch), ("seq", seq)):  # fmt: skip
+                        ("batch", batch), ("seq", seq)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if seq > config.block_size:

@@ -12,7 +12,7 @@ from conftest import ROOT, load_script, run
 CH01 = ROOT / "tutorial" / "part1-distributed" / "chapter01-first-program" / "scripts"
 
 
-def load(name: str):  # noqa: ANN201
+def load(name: str):
     return load_script(CH01 / f"{name}.py")
 
 
@@ -31,7 +31,7 @@ def test_expected_values_match_numpy(world_size: int, numel: int) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_every_rank_holds_the_numpy_result(world_size: int, tmp_path) -> None:  # noqa: ANN001
+def test_every_rank_holds_the_numpy_result(world_size: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH01 / "hello_distributed.py", "-w", world_size, "--numel", 4, "--json", out, "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr
@@ -53,7 +53,7 @@ def test_crashing_rank_ends_the_job_with_exit_1() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_env_check_reports_ready_here(tmp_path) -> None:  # noqa: ANN001
+def test_env_check_reports_ready_here(tmp_path) -> None:
     out = tmp_path / "env.json"
     proc = run([CH01 / "env_check.py", "--json", out])
     doc = json.loads(out.read_text())["results"]
@@ -81,7 +81,7 @@ def test_env_check_require_gpu_fails_without_one() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:  # noqa: ANN001
+def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH01 / "rendezvous.py", "-w", "3", "--json", out])
     assert proc.returncode == 0, proc.stderr
@@ -93,7 +93,7 @@ def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:  # noqa: 
 
 
 @pytest.mark.timeout(120)
-def test_verbose_traces_the_scripts_own_calls_only(tmp_path) -> None:  # noqa: ANN001
+def test_verbose_traces_the_scripts_own_calls_only(tmp_path) -> None:
     proc = run([CH01 / "hello_distributed.py", "--smoke", "--verbose", "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr
     starts = [line for line in proc.stderr.splitlines() if " -> " in line]

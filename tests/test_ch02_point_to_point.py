@@ -13,7 +13,7 @@ from conftest import ROOT, load_script, run
 CH02 = ROOT / "tutorial" / "part1-distributed" / "chapter02-point-to-point" / "scripts"
 
 
-def load(name: str):  # noqa: ANN201
+def load(name: str):
     return load_script(CH02 / f"{name}.py")
 
 
@@ -42,7 +42,7 @@ def test_expected_values_match_numpy(world_size: int, numel: int) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:  # noqa: ANN001
+def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH02 / "send_recv.py", "-w", world_size, "--numel", 4, "--repeats", 2, "--json", out])
     assert proc.returncode == 0, proc.stderr
@@ -57,7 +57,7 @@ def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_naive_swap_deadlocks_and_the_fixed_ones_complete(tmp_path) -> None:  # noqa: ANN001
+def test_naive_swap_deadlocks_and_the_fixed_ones_complete(tmp_path) -> None:
     out = tmp_path / "d.json"
     # a hang would outlive run()'s timeout and fail the test; no assert on how fast the machine is
     proc = run([CH02 / "deadlock.py", "--numel", 1 << 18, "--deadlock-timeout", 1.0, "--json", out], timeout=50)
@@ -84,7 +84,7 @@ def test_stage_split_covers_every_block_once() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size, num_blocks", [(2, 3), (3, 5)])
-def test_pipeline_matches_one_process(world_size: int, num_blocks: int, tmp_path) -> None:  # noqa: ANN001
+def test_pipeline_matches_one_process(world_size: int, num_blocks: int, tmp_path) -> None:
     out = tmp_path / "p.json"
     proc = run([CH02 / "pipeline_handoff.py", "-w", world_size, "--num-blocks", num_blocks, "--json", out])
     assert proc.returncode == 0, proc.stderr

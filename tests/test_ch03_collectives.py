@@ -17,14 +17,14 @@ LENGTHS = [1, 2, 5, 7, 1000, 1001]
 
 
 # ----------------------------------------------------------------------------------------------- ring all-reduce
-def ring_worker(ctx, lengths: list[int]) -> list[dict]:  # noqa: ANN001 - module level: the launcher pickles it
+def ring_worker(ctx, lengths: list[int]) -> list[dict]:
     import torch.distributed as dist
 
     out = []
     for n in lengths:
         x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * ctx.rank + n))
         sent = [0]
-        ring = ring_all_reduce(x.clone(), on_step=lambda *a: sent.__setitem__(0, sent[0] + a[4]))
+        ring = ring_all_reduce(x.clone(), on_step=lambda *a: sent.__setitem__(0, sent[0] + a[4]))  # noqa: B023
         builtin = x.clone()
         dist.all_reduce(builtin)
         out.append({"n": n, "ring": ring.tolist(), "builtin": builtin.tolist(), "sent": sent[0]})
@@ -118,7 +118,7 @@ def test_comm_volume_rejects_unknown_names() -> None:
 # ----------------------------------------------------------------------------------------------- the scripts
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [1, 3, 8])
-def test_tour_checks_every_supported_collective(world_size: int, tmp_path) -> None:  # noqa: ANN001
+def test_tour_checks_every_supported_collective(world_size: int, tmp_path) -> None:
     out = tmp_path / "tour.json"
     proc = run([CH03 / "collectives_tour.py", "-w", world_size, "--root", world_size - 1, "--json", out])
     assert proc.returncode == 0, proc.stderr
@@ -137,7 +137,7 @@ def test_tour_numpy_reference_is_independent_of_the_collectives() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_composed_ops_equal_numpy(tmp_path) -> None:  # noqa: ANN001
+def test_composed_ops_equal_numpy(tmp_path) -> None:
     out = tmp_path / "ops.json"
     proc = run([CH03 / "composed_ops.py", "-w", 3, "--vocab", 17, "--json", out])
     assert proc.returncode == 0, proc.stderr
@@ -152,7 +152,7 @@ def test_chan_merge_equals_numpy_on_the_union() -> None:
     rng = np.random.default_rng(0)
     a, b = rng.normal(5, 2, (7, 3)), rng.normal(-1, 3, (12, 3))
 
-    def stats(x):  # noqa: ANN001, ANN202
+    def stats(x):
         return len(x), torch.tensor(x.mean(0)), torch.tensor(((x - x.mean(0)) ** 2).sum(0))
 
     n, mean, m2 = ops.chan_merge(stats(a), stats(b))
@@ -163,7 +163,7 @@ def test_chan_merge_equals_numpy_on_the_union() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ring_script_counts_the_formula_bytes(tmp_path) -> None:  # noqa: ANN001
+def test_ring_script_counts_the_formula_bytes(tmp_path) -> None:
     out = tmp_path / "ring.json"
     proc = run([CH03 / "ring_allreduce.py", "-w", 3, "--mib", 0.05, "--repeats", 1, "--json", out])
     assert proc.returncode == 0, proc.stderr

@@ -16,7 +16,7 @@ CH04 = ROOT / "tutorial" / "part1-distributed" / "chapter04-nccl-topology" / "sc
 ODD_LENGTHS = [1, 3, 7, 1001]  # shorter than, and not divisible by, most world sizes
 
 
-def load(name: str):  # noqa: ANN201
+def load(name: str):
     return load_script(CH04 / f"{name}.py")
 
 
@@ -29,7 +29,7 @@ def test_every_algorithm_equals_all_reduce_and_numpy(world_size: int) -> None:
     rvt = load("ring_vs_tree")
     per_rank = run_ranks(rvt, "all_reduce_every_way", [(ODD_LENGTHS, 3)] * world_size)
     expected_names = {"ring", "tree", "gloo all_reduce"} | ({"halving-doubling"} if world_size in (1, 2, 4) else set())
-    for rank, results in enumerate(per_rank):
+    for rank, results in enumerate(per_rank):  # noqa: B007
         assert set(results) == expected_names
         for i, n in enumerate(ODD_LENGTHS):
             # numpy oracle, in float64: the sum over ranks of each rank's reproducible input
@@ -144,8 +144,8 @@ def test_crossover_solves_the_two_models_equal() -> None:
     for p in (3, 4, 5, 8):
         cross = rvt.crossover_bytes(alpha, beta, p)
         (a_tree, b_tree), (a_ring, b_ring) = critical_path_of_built_tree(p), (2 * (p - 1), 2 * (p - 1) / p)
-        ring = lambda n: a_ring * alpha + b_ring * n * beta  # noqa: E731
-        tree = lambda n: a_tree * alpha + b_tree * n * beta  # noqa: E731
+        ring = lambda n: a_ring * alpha + b_ring * n * beta  # noqa: B023
+        tree = lambda n: a_tree * alpha + b_tree * n * beta  # noqa: B023
         assert ring(cross) == pytest.approx(tree(cross))
         assert tree(cross / 2) < ring(cross / 2) and ring(cross * 2) < tree(cross * 2)
     assert rvt.crossover_bytes(alpha, beta, 2) is None  # 2 ranks: same 2 steps, the ring moves fewer bytes
@@ -173,7 +173,7 @@ def test_latency_bandwidth_fit_of_the_benchmark() -> None:
 # ------------------------------------------------------------------------------------------ the scripts' results
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("collective, world_size", [("all_reduce", 2), ("all_gather", 3)])
-def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp_path) -> None:  # noqa: ANN001
+def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp_path) -> None:
     bench = load("bench_collectives")
     out = tmp_path / "b.json"
     proc = run([CH04 / "bench_collectives.py", "--smoke", "-w", world_size, "--collective", collective,
@@ -194,7 +194,7 @@ def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp
 
 
 @pytest.mark.timeout(120)
-def test_ring_vs_tree_json(tmp_path) -> None:  # noqa: ANN001
+def test_ring_vs_tree_json(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH04 / "ring_vs_tree.py", "-w", 3, "--max-bytes", 65536, "--max-iters", 2, "--rounds", 1,
                 "--json", out, "--plot-dir", tmp_path])
@@ -210,7 +210,7 @@ def test_ring_vs_tree_json(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_topology_reports_this_machine(tmp_path) -> None:  # noqa: ANN001
+def test_topology_reports_this_machine(tmp_path) -> None:
     import torch
 
     out = tmp_path / "t.json"

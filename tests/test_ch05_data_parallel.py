@@ -72,7 +72,7 @@ def test_assign_buckets_matches_torch_ddp(numels: list[int], cap: int) -> None:
 
 
 @pytest.fixture
-def one_rank_group():  # noqa: ANN201
+def one_rank_group():
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -80,7 +80,7 @@ def one_rank_group():  # noqa: ANN201
     dist.destroy_process_group()
 
 
-def test_buckets_follow_reverse_parameter_order_and_cover_every_parameter(one_rank_group) -> None:  # noqa: ANN001
+def test_buckets_follow_reverse_parameter_order_and_cover_every_parameter(one_rank_group) -> None:
     model = GPT(GPTConfig.preset("tiny"))
     ddp = BucketedDDP(model, bucket_mb=0.02)
     flat = [p for bucket in ddp.buckets for p in bucket]
@@ -89,7 +89,7 @@ def test_buckets_follow_reverse_parameter_order_and_cover_every_parameter(one_ra
     assert sum(b.numel() for b in ddp.buffers) == num_params(model)
 
 
-def test_overlapped_ddp_reports_a_parameter_without_gradient(one_rank_group) -> None:  # noqa: ANN001
+def test_overlapped_ddp_reports_a_parameter_without_gradient(one_rank_group) -> None:
     model = GPT(GPTConfig.preset("tiny"))
     model.extra = torch.nn.Linear(3, 3)  # never used in forward: the bucket holding it never fills
     ddp = OverlappedDDP(model, bucket_mb=0.02)
@@ -100,7 +100,7 @@ def test_overlapped_ddp_reports_a_parameter_without_gradient(one_rank_group) -> 
 
 
 # ----------------------------------------------------------------------------------------------- DDP on real ranks
-def ddp_worker(ctx, bucket_mb: float) -> dict:  # noqa: ANN001 - module level: the launcher pickles it
+def ddp_worker(ctx, bucket_mb: float) -> dict:
     import contextlib
 
     import torch.distributed as dist
@@ -178,7 +178,7 @@ def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -
 
 # ----------------------------------------------------------------------------------------------- the scripts
 @pytest.fixture(scope="module")
-def grad_sync_json(tmp_path_factory) -> dict:  # noqa: ANN001
+def grad_sync_json(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ch05") / "grad_sync.json"
     proc = run([CH05 / "grad_sync.py", "-w", "3", "--smoke", "--json", out, "--plot-dir", out.parent], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -198,7 +198,7 @@ def test_grad_sync_average_equals_full_batch(grad_sync_json: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:  # noqa: ANN001
+def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:
     out = tmp_path / "dp.json"
     proc = run([CH05 / "dp_training.py", "-w", "2", "--smoke", "--ddp", "overlapped", "--json", out,
                 "--plot-dir", tmp_path], timeout=120)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, load_script, run
-from mlsys.collectives import comm_volume
 from mlsys.cli import SelfCheckFailed
+from mlsys.collectives import comm_volume
 from mlsys.memory import zero_bytes_per_rank
 from mlsys.model import GPT, GPTConfig, num_params
 

@@ -14,8 +14,7 @@ import torch
 from conftest import ROOT, load_script, run
 from mlsys.collectives import comm_volume
 from mlsys.model import Block, GPTConfig
-from mlsys.tensor_parallel import block_activation_bytes, check_divisible, layer_comm_volume, \
-    saved_activation_bytes
+from mlsys.tensor_parallel import block_activation_bytes, check_divisible, layer_comm_volume, saved_activation_bytes
 
 CH06 = ROOT / "tutorial" / "part2-parallelism" / "chapter06-tensor-parallel" / "scripts"
 
@@ -84,7 +83,7 @@ def test_not_divisible_exits_2_with_one_line() -> None:
 
 
 
-def test_sequence_not_divisible_is_a_usage_error(capsys) -> None:  # noqa: ANN001
+def test_sequence_not_divisible_is_a_usage_error(capsys) -> None:
     from mlsys import cli
 
     sp = load_script(CH06 / "sequence_parallel.py")
@@ -95,7 +94,7 @@ def test_sequence_not_divisible_is_a_usage_error(capsys) -> None:  # noqa: ANN00
 
 
 # ----------------------------------------------------------------------------------------------- on real ranks
-def adjoint_worker(ctx) -> dict:  # noqa: ANN001 - module level: the launcher pickles it
+def adjoint_worker(ctx) -> dict:
     """<A x, y> = <x, A^T y> summed over ranks, for f/g and for the sequence-parallel pair; and the head layout."""
     import torch.distributed as dist
 

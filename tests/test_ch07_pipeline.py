@@ -9,8 +9,15 @@ import torch
 
 from conftest import TUTORIAL, run
 from mlsys.model import GPT, GPTConfig
-from mlsys.pipeline import (bubble_fraction, check_actions, max_in_flight, measured_bubble, schedule_actions,
-                            simulate, split_gpt)
+from mlsys.pipeline import (
+    bubble_fraction,
+    check_actions,
+    max_in_flight,
+    measured_bubble,
+    schedule_actions,
+    simulate,
+    split_gpt,
+)
 
 CHAPTER = TUTORIAL / "part2-parallelism" / "chapter07-pipeline-expert"
 SCRIPTS = CHAPTER / "scripts"
@@ -96,7 +103,7 @@ def test_split_rejects_impossible_cuts() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- real runs
-def subgroup_worker(ctx, m: int) -> dict:  # noqa: ANN001 - module level: the launcher pickles it
+def subgroup_worker(ctx, m: int) -> dict:
     """Two pipelines inside a 4-rank job, on rank lists [3, 1] and [0, 2], each in its own process group."""
     import torch.distributed as dist
 
@@ -137,7 +144,7 @@ def test_pipelines_over_arbitrary_rank_lists_and_subgroups() -> None:
         assert by_rank[last]["loss"] == pytest.approx(by_rank[last]["ref_loss"], rel=1e-5)
 
 
-def _gather_subgroup(ctx, m: int) -> list[dict]:  # noqa: ANN001
+def _gather_subgroup(ctx, m: int) -> list[dict]:
     import torch.distributed as dist
 
     mine = subgroup_worker(ctx, m)
@@ -147,7 +154,7 @@ def _gather_subgroup(ctx, m: int) -> list[dict]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def schedules_run(tmp_path_factory) -> dict:  # noqa: ANN001
+def schedules_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ch07") / "schedules.json"
     proc = run([SCRIPTS / "pipeline_schedules.py", "-w", "3", "--micro-batches", "5", "--layers", "3", "--double",
                 "--json", out], timeout=110)
@@ -177,7 +184,7 @@ def test_activation_memory_gpipe_holds_m_1f1b_at_most_p_minus_s(schedules_run: d
 
 
 @pytest.mark.timeout(120)
-def test_torch_pipelining_gives_the_same_gradients(tmp_path) -> None:  # noqa: ANN001
+def test_torch_pipelining_gives_the_same_gradients(tmp_path) -> None:
     out = tmp_path / "torch.json"
     proc = run([SCRIPTS / "pipelining_torch.py", "-w", "2", "--layers", "2", "--json", out], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -191,7 +198,7 @@ def test_torch_pipelining_gives_the_same_gradients(tmp_path) -> None:  # noqa: A
 
 
 @pytest.mark.timeout(120)
-def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:  # noqa: ANN001
+def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
     out = tmp_path / "bubble.json"
     proc = run([SCRIPTS / "bubble.py", "--smoke", "-w", "2", "--json", out, "--plot-dir", tmp_path], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr

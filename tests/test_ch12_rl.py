@@ -261,7 +261,7 @@ def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path) -> None:  # noqa: ANN001
+def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path) -> None:
     """--env-id (cleanrl's flag): sizes from gymnasium's own spaces, the threshold from its spec."""
     import gymnasium as gym
 

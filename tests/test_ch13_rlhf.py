@@ -97,14 +97,14 @@ def test_normalized_reward_model_has_mean_0_std_1_and_keeps_the_order() -> None:
 def random_categoricals(seed: int, k: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(k, generator=g, dtype=torch.float64).mul(1.5).softmax(0),
-            torch.randn(k, generator=g, dtype=torch.float64).mul(1.5).softmax(0))  # fmt: skip
+            torch.randn(k, generator=g, dtype=torch.float64).mul(1.5).softmax(0))
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_k1_and_k3_are_unbiased_by_exact_expectation(seed: int) -> None:
     p, q = random_categoricals(seed)
     exact = torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p),
-                                              torch.distributions.Categorical(probs=q)).item()  # fmt: skip
+                                              torch.distributions.Categorical(probs=q)).item()
     est = rlhf.kl_estimators(p.log(), q.log())  # the value of each estimator at every outcome x
     assert (p * est["k1"]).sum().item() == pytest.approx(exact, rel=1e-12)
     assert (p * est["k3"]).sum().item() == pytest.approx(exact, rel=1e-12)
@@ -257,7 +257,7 @@ def test_short_rlhf_run_raises_mean_reward(algo: str) -> None:
     models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=16, algo=algo)
     assert (models.critic is None) == (algo == "grpo")
     history = [rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 16, 72, seed=i, algo=algo)[0]
-               for i in range(6)]  # fmt: skip
+               for i in range(6)]
     first, last = history[0]["reward"], sum(h["reward"] for h in history[-2:]) / 2
     assert last > first + 0.3, [round(h["reward"], 3) for h in history]
     # the controller answers each batch's KL: beta rises after a batch above the 1-nat target, falls below it

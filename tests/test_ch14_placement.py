@@ -102,7 +102,7 @@ def test_recommendation_is_the_smallest_fit(planner) -> None:
     assert result["pick"] == want
 
 
-def test_planner_script_runs_and_writes_json(tmp_path) -> None:  # noqa: ANN001
+def test_planner_script_runs_and_writes_json(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH14 / "memory_planner.py", "--actor", "llama-3-70b", "--json", out, "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr

@@ -11,8 +11,16 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from conftest import ROOT, run
-from mlsys.weight_sync import (broadcast_bucketed, broadcast_per_tensor, named_meta, pack, plan_buckets,
-                               tensors_equal, unique_parameters, unpack)
+from mlsys.weight_sync import (
+    broadcast_bucketed,
+    broadcast_per_tensor,
+    named_meta,
+    pack,
+    plan_buckets,
+    tensors_equal,
+    unique_parameters,
+    unpack,
+)
 
 CH14 = ROOT / "tutorial" / "part4-rlhf" / "chapter14-rlhf-architecture" / "scripts"
 
@@ -78,7 +86,7 @@ def test_unique_parameters_sends_the_tied_head_once() -> None:
     assert sum(t.numel() for t in params.values()) == sum(p.numel() for p in model.parameters())
 
 
-def sync_worker(ctx, bucket_sizes: list[int]) -> list:  # noqa: ANN001 - module level: the launcher pickles it
+def sync_worker(ctx, bucket_sizes: list[int]) -> list:
     """Rank 0 holds the seeded tensors, the others zeros; after each sync every rank compares with the tensors it
     rebuilds itself from the seed (a single-process reference) and reports the names that differ."""
     expected = mixed_tensors(7)
@@ -112,7 +120,7 @@ def test_broadcasts_are_bitwise_on_every_rank() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:  # noqa: ANN001
+def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
     from mlsys.model import GPT, GPTConfig
 
     out = tmp_path / "r.json"
@@ -132,7 +140,7 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None: 
 
 
 # ------------------------------------------------------------------------------------------------ GPU only
-def _ipc_child(handles, reference: bytes, conn) -> None:  # noqa: ANN001 - runs in a spawned process
+def _ipc_child(handles, reference: bytes, conn) -> None:
     """Open the trainer's CUDA memory through the handles and compare it with a reference sent as plain bytes."""
     import io
 
@@ -180,7 +188,7 @@ def test_bucket_round_trip_on_cuda() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(150)
-def test_script_over_nccl(tmp_path) -> None:  # noqa: ANN001
+def test_script_over_nccl(tmp_path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL between ranks needs one GPU per rank: 2 or more GPUs")
     out = tmp_path / "r.json"

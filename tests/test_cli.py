@@ -28,7 +28,7 @@ def parse(argv: list[str], **kw) -> Demo:
     return cli.parse(Demo, "demo doc", argv=argv, **kw)
 
 
-def test_defaults_then_smoke_then_explicit_flags(monkeypatch) -> None:  # noqa: ANN001
+def test_defaults_then_smoke_then_explicit_flags(monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert parse([]).size == 100
     assert parse(["--smoke"], smoke={"size": 4}).size == 4
@@ -37,7 +37,7 @@ def test_defaults_then_smoke_then_explicit_flags(monkeypatch) -> None:  # noqa: 
     assert (args.world_size, args.mode, args.sizes, args.seed, args.backend) == (4, "slow", [1, 2], 3, "gloo")
 
 
-def test_help_comes_from_field_docstrings(capsys) -> None:  # noqa: ANN001
+def test_help_comes_from_field_docstrings(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(["--help"])
     assert exc.value.code == 0
@@ -55,7 +55,7 @@ def test_help_comes_from_field_docstrings(capsys) -> None:  # noqa: ANN001
     (["--nope"], "unrecognized arguments: --nope"),
     (["--timeout", "0"], "--timeout must be positive"),
 ])
-def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:  # noqa: ANN001
+def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(argv)
     assert exc.value.code == 2
@@ -63,13 +63,13 @@ def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:  # noqa
     assert len(err.strip().splitlines()) == 1 and message in err
 
 
-def test_supported_world_sizes_are_enforced(capsys) -> None:  # noqa: ANN001
+def test_supported_world_sizes_are_enforced(capsys) -> None:
     with pytest.raises(SystemExit):
         parse(["-w", "3", "--size", "6"], world_sizes=[1, 2, 4], world_sizes_text="1, 2 or 4")
     assert "supports world sizes 1, 2 or 4, got 3" in capsys.readouterr().err
 
 
-def test_torchrun_world_size_wins_and_mismatch_is_an_error(monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_torchrun_world_size_wins_and_mismatch_is_an_error(monkeypatch, capsys) -> None:
     for key, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="x", MASTER_PORT="1").items():
         monkeypatch.setenv(key, value)
     assert parse([]).world_size == 2
@@ -78,7 +78,7 @@ def test_torchrun_world_size_wins_and_mismatch_is_an_error(monkeypatch, capsys) 
     assert "disagrees with torchrun's WORLD_SIZE=2" in capsys.readouterr().err
 
 
-def test_run_maps_outcomes_to_exit_codes(capsys) -> None:  # noqa: ANN001
+def test_run_maps_outcomes_to_exit_codes(capsys) -> None:
     def raiser(exc: Exception):
         def main() -> int:
             raise exc

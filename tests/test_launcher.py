@@ -41,7 +41,7 @@ def wait_dead(pid_list: list[int], within: float = 10.0) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_ok_job_returns_rank0_result(tmp_path) -> None:  # noqa: ANN001
+def test_ok_job_returns_rank0_result(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([JOB, "-w", "3", "--json", out, "--all-ranks"])
     assert proc.returncode == 0, proc.stderr
@@ -54,7 +54,7 @@ def test_ok_job_returns_rank0_result(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:  # noqa: ANN001
+def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:
     """Four copies started at the same moment all succeed, each on its own port."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     procs = [subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--json", str(tmp_path / f"{i}.json")],
@@ -66,7 +66,7 @@ def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:  # noqa: ANN
 
 
 @pytest.mark.timeout(120)
-def test_two_copies_of_chapter1_at_once(tmp_path) -> None:  # noqa: ANN001
+def test_two_copies_of_chapter1_at_once(tmp_path) -> None:
     procs = [subprocess.Popen([sys.executable, str(HELLO), "--smoke", "--plot-dir", str(tmp_path / str(i))],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=100) for p in procs]
@@ -75,7 +75,7 @@ def test_two_copies_of_chapter1_at_once(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_master_port_from_environment_is_honoured(tmp_path) -> None:  # noqa: ANN001
+def test_master_port_from_environment_is_honoured(tmp_path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,7 +86,7 @@ def test_master_port_from_environment_is_honoured(tmp_path) -> None:  # noqa: AN
 
 
 @pytest.mark.timeout(120)
-def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:  # noqa: ANN001
+def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:
     """Rank 1 raises while rank 0 waits for it in a collective: the job must end fast, not at the timeout."""
     # the collective timeout is 300 s: if the launcher did not stop the waiting ranks, run() would time out at 100
     proc = run([JOB, "-w", "3", "--mode", "raise", "--pid-dir", tmp_path, "--timeout", "300"], timeout=100)
@@ -111,7 +111,7 @@ def test_collective_timeout_fails_instead_of_hanging() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_killed_parent_leaves_no_orphans(tmp_path) -> None:  # noqa: ANN001
+def test_killed_parent_leaves_no_orphans(tmp_path) -> None:
     """SIGKILL the launcher while its ranks are blocked in recv: the kernel must take the ranks down too."""
     parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--pid-dir", str(tmp_path)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -125,7 +125,7 @@ def test_killed_parent_leaves_no_orphans(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:  # noqa: ANN001
+def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
     parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--pid-dir", str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -139,7 +139,7 @@ def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:  # noqa: ANN001
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:  # noqa: ANN001
+def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([*TORCHRUN, "--nproc-per-node", str(nproc), HELLO, "--smoke", "--json", out,
                 "--plot-dir", tmp_path], timeout=110)
@@ -177,7 +177,7 @@ def test_nccl_without_gpus_is_a_one_line_usage_error() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-def test_nccl_all_reduce_on_gpus(tmp_path) -> None:  # noqa: ANN001
+def test_nccl_all_reduce_on_gpus(tmp_path) -> None:
     import torch
 
     world = min(2, torch.cuda.device_count())
@@ -188,7 +188,7 @@ def test_nccl_all_reduce_on_gpus(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_two_node_torchrun_on_one_machine(tmp_path) -> None:  # noqa: ANN001
+def test_two_node_torchrun_on_one_machine(tmp_path) -> None:
     """Multi-node torchrun (static rendezvous): two 'nodes' of one process each, node 0 hosting the store."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

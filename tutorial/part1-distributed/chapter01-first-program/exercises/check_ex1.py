@@ -8,7 +8,7 @@ from mlsys.exercises import task
 
 
 @task("shard_bounds gives every rank the same slice as numpy.array_split")
-def check_shard_bounds(ex) -> None:  # noqa: ANN001
+def check_shard_bounds(ex) -> None:
     for num_items in [0, 1, 3, 10, 17, 64]:
         for world_size in [1, 2, 3, 4, 7]:
             pieces = np.array_split(np.arange(num_items), world_size)
@@ -20,7 +20,7 @@ def check_shard_bounds(ex) -> None:  # noqa: ANN001
 
 
 @task("node_and_local_rank matches how torchrun numbers ranks")
-def check_node_and_local_rank(ex) -> None:  # noqa: ANN001
+def check_node_and_local_rank(ex) -> None:
     for nproc in [1, 2, 4, 8]:
         for node in range(3):
             for local in range(nproc):

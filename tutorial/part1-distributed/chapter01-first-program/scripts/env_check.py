@@ -5,7 +5,8 @@ What it checks
     reduce_scatter_tensor and lack the list form of all_to_all), which torch.distributed backends are compiled in
     (gloo, nccl, mpi), CUDA devices, that the start method the launcher uses (forkserver with torch preloaded, or
     spawn where forkserver is missing) can start a process and get an answer back, and
-    finally a real all_reduce over -w ranks (default 2) through the book's launcher (gloo; and nccl too when there are 2+ GPUs),
+    finally a real all_reduce over -w ranks (default 2) through the book's launcher (gloo; and nccl too when there
+    are 2+ GPUs),
     compared with the value it must produce. Each line says ok, FAIL, or info (present or not, not required).
 
 How to run
@@ -80,7 +81,8 @@ def run_checks(args: Settings) -> list[dict]:
     add("python", "ok" if py_ok else "FAIL", f"{platform.python_version()} (need >= 3.10)")
     torch_ok = version_tuple(torch.__version__) >= MIN_TORCH
     add("torch", "ok" if torch_ok else "FAIL", f"{torch.__version__} (need >= {'.'.join(map(str, MIN_TORCH))})")
-    add("torch.distributed", "ok" if dist.is_available() else "FAIL", "compiled in" if dist.is_available() else "missing")
+    have_dist = dist.is_available()
+    add("torch.distributed", "ok" if have_dist else "FAIL", "compiled in" if have_dist else "missing")
     add("backend gloo", "ok" if dist.is_gloo_available() else "FAIL", "CPU collectives (the book's default here)")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nccl = dist.is_nccl_available()
@@ -95,7 +97,7 @@ def run_checks(args: Settings) -> list[dict]:
     try:
         ok, detail = check_spawn()
         add("spawn a process", "ok" if ok else "FAIL", detail)
-    except Exception as err:  # noqa: BLE001 - a broken environment is the thing we report
+    except Exception as err:
         add("spawn a process", "FAIL", f"{type(err).__name__}: {err}")
     backends = ["gloo"] + (["nccl"] if nccl and gpus >= 2 else [])
     for backend in backends:
@@ -107,7 +109,7 @@ def check_allreduce(backend: str, world_size: int, timeout: float) -> dict:
     name = f"{world_size}-rank all_reduce ({backend})"
     try:
         out = launch(allreduce_worker, world_size=world_size, backend=backend, timeout=timeout)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         first_line = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         return {"check": name, "status": "FAIL", "detail": first_line}
     detail = f"ranks hold {out['values']}, expected {out['expected']:g}"

@@ -80,7 +80,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print_ordered(f"all_reduce: {summed.tolist()}")
 
     # Self-check on every rank against values computed without any communication.
-    report.expect_equal(f"rank {ctx.rank} all_gather", torch.stack(gathered), expected_gather(ctx.world_size, args.numel))
+    report.expect_equal(f"rank {ctx.rank} all_gather", torch.stack(gathered),
+                        expected_gather(ctx.world_size, args.numel))
     report.expect_equal(f"rank {ctx.rank} all_reduce", summed, expected_sum(ctx.world_size, args.numel))
 
     # Collect what each rank really holds, so rank 0 can report and draw it.

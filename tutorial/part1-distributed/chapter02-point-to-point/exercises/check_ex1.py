@@ -16,7 +16,7 @@ def inputs(world_size: int, numel: int) -> np.ndarray:
 
 
 @task("ring_shift: rank r gets rank r-1's tensor (numpy.roll), for 2, 3 and 4 ranks, without deadlock")
-def check_ring_shift(ex) -> None:  # noqa: ANN001
+def check_ring_shift(ex) -> None:
     for world_size, numel in [(2, 3), (3, 1), (4, 5)]:
         data = inputs(world_size, numel)
         got = run_ranks(ex, "ring_shift", [(torch.from_numpy(row),) for row in data], timeout=TIMEOUT_S)
@@ -26,7 +26,7 @@ def check_ring_shift(ex) -> None:  # noqa: ANN001
 
 
 @task("ring_allgather: every rank holds all tensors in rank order, for 2, 3 and 4 ranks")
-def check_ring_allgather(ex) -> None:  # noqa: ANN001
+def check_ring_allgather(ex) -> None:
     for world_size, numel in [(2, 2), (3, 4), (4, 1)]:
         data = inputs(world_size, numel)
         got = run_ranks(ex, "ring_allgather", [(torch.from_numpy(row),) for row in data], timeout=TIMEOUT_S)

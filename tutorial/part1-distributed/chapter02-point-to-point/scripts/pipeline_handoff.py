@@ -59,7 +59,8 @@ IN_FEATURES, OUT_FEATURES = 16, 4
 
 # --8<-- [start:model]
 def build_model(num_blocks: int, hidden: int, seed: int) -> nn.Sequential:
-    """Blocks of Linear+ReLU (the last block without ReLU): 16 -> hidden -> ... -> hidden -> 4. Same seed, same weights."""
+    """Blocks of Linear+ReLU (the last block without ReLU): 16 -> hidden -> ... -> hidden -> 4.
+    Same seed, same weights."""
     torch.manual_seed(seed)
     dims = [IN_FEATURES] + [hidden] * (num_blocks - 1) + [OUT_FEATURES]
     blocks = [nn.Sequential(nn.Linear(dims[i], dims[i + 1]), nn.ReLU()) for i in range(num_blocks - 1)]

@@ -72,7 +72,8 @@ def chain_blocking(ctx: RankContext, numel: int) -> torch.Tensor:
     if ctx.rank == 0:
         value = chain_start(numel).to(ctx.device)
     else:
-        value = torch.empty(numel, device=ctx.device)  # recv fills a buffer we allocate: shape and dtype must match the sender's
+        # recv fills a buffer we allocate: shape and dtype must match the sender's
+        value = torch.empty(numel, device=ctx.device)
         dist.recv(value, src=ctx.rank - 1)
         value += ctx.rank
     if ctx.rank < ctx.world_size - 1:
@@ -134,7 +135,7 @@ def ring_batched(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
 # --8<-- [end:ring]
 
 
-def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:  # noqa: ANN001
+def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
     """Run fn() `repeats` times; return its last result and the mean wall time in microseconds."""
     dist.barrier()  # start every pattern together, so no rank's time includes waiting for a slow starter
     start = time.perf_counter()

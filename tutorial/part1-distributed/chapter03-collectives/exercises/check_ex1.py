@@ -9,7 +9,7 @@ from mlsys.exercises import run_ranks, task
 
 
 @task("sharded_mean_var over uneven shards (one empty) equals numpy's mean and var of everything")
-def check_mean_var(ex) -> None:  # noqa: ANN001
+def check_mean_var(ex) -> None:
     rng = np.random.default_rng(3)
     for sizes in [[6], [2, 9], [5, 0, 11]]:
         shards = [rng.normal(4.0, 1.5, size=n).astype(np.float32) for n in sizes]
@@ -21,7 +21,7 @@ def check_mean_var(ex) -> None:  # noqa: ANN001
 
 
 @task("sharded_softmax slices equal torch.softmax of the whole vector, even for values near 1000")
-def check_softmax(ex) -> None:  # noqa: ANN001
+def check_softmax(ex) -> None:
     rng = np.random.default_rng(4)
     for sizes, offset in [([5], 0.0), ([3, 4], 0.0), ([1, 6, 2], 1000.0)]:
         shards = [torch.from_numpy(rng.normal(offset, 3.0, size=n).astype(np.float32)) for n in sizes]

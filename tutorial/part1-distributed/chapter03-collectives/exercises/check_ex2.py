@@ -9,7 +9,7 @@ from mlsys.exercises import run_ranks, task
 
 
 @task("ring_all_gather on 1, 2, 3 and 4 ranks equals the concatenation of every rank's block")
-def check_ring_all_gather(ex) -> None:  # noqa: ANN001
+def check_ring_all_gather(ex) -> None:
     for world_size, n in [(1, 3), (2, 1), (3, 4), (4, 5)]:
         blocks = [np.arange(n, dtype=np.float32) + 100 * r for r in range(world_size)]
         got = run_ranks(ex, "ring_all_gather", [(torch.from_numpy(b),) for b in blocks])
@@ -19,7 +19,7 @@ def check_ring_all_gather(ex) -> None:  # noqa: ANN001
 
 
 @task("ring_all_gather calls no collective (its source names no dist.all_gather, all_reduce, ...)")
-def check_no_collectives(ex) -> None:  # noqa: ANN001
+def check_no_collectives(ex) -> None:
     import inspect
 
     source = inspect.getsource(ex.ring_all_gather)

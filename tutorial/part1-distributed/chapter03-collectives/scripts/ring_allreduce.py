@@ -154,7 +154,8 @@ def main() -> int:
     exact = [row for row in result["lengths"] if row["numel"] % args.world_size == 0]  # W divides n: exact share
     print("\nOK: ring_all_reduce equals dist.all_reduce and the float64 sum for every length; the bytes sent, summed "
           "over ranks, equal W x comm_volume's 2(W-1)/W*N for every length" +
-          (f", and per rank exactly for n = {', '.join(str(r['numel']) for r in exact)} (W divides n)" if exact else ""))
+          (f", and per rank exactly for n = {', '.join(str(r['numel']) for r in exact)} (W divides n)"
+           if exact else ""))
     if args.json:
         report.write_json(args.json, {**result, "comm_volume": table}, args)
     return 0

@@ -11,7 +11,7 @@ from mlsys.exercises import run_ranks, task
 
 
 @task("busbw matches hand-computed values for every collective")
-def check_busbw(ex) -> None:  # noqa: ANN001
+def check_busbw(ex) -> None:
     cases = [("all_reduce", 8e9, 2.0, 4, 6.0), ("all_reduce", 1e9, 1.0, 2, 1.0), ("all_gather", 6e8, 0.5, 3, 0.8),
              ("reduce_scatter", 8e9, 1.0, 8, 7.0), ("all_to_all", 2e9, 1.0, 2, 1.0), ("broadcast", 3e9, 1.5, 8, 2.0),
              ("reduce", 1e9, 0.5, 5, 2.0), ("all_reduce", 1e9, 1.0, 1, 0.0)]
@@ -27,7 +27,7 @@ def check_busbw(ex) -> None:  # noqa: ANN001
 
 
 @task("tree_parent / tree_children form one binary tree over all ranks, depth floor(log2 W)")
-def check_tree(ex) -> None:  # noqa: ANN001
+def check_tree(ex) -> None:
     assert ex.tree_parent(0) is None, "rank 0 is the root: its parent is None"
     for world_size in range(1, 20):
         seen, frontier, depth = [0], [0], 0
@@ -43,7 +43,7 @@ def check_tree(ex) -> None:  # noqa: ANN001
 
 
 @task("tree_broadcast gives every rank rank 0's tensor (1, 2 and 5 ranks)")
-def check_tree_broadcast(ex) -> None:  # noqa: ANN001
+def check_tree_broadcast(ex) -> None:
     for world_size in (1, 2, 5):
         data = [(torch.arange(7.0) + 100 * r,) for r in range(world_size)]  # rank r starts with its own values
         got = run_ranks(ex, "tree_broadcast", data)

@@ -192,7 +192,7 @@ def fit_alpha_beta(steps: np.ndarray, bytes_moved: np.ndarray, time_s: np.ndarra
         return float(alpha), float(beta)
     only_alpha = (np.linalg.lstsq(design[:, :1], target, rcond=None)[0][0], 0.0)
     only_beta = (0.0, np.linalg.lstsq(design[:, 1:], target, rcond=None)[0][0])
-    residual = lambda ab: float(np.sum((design @ np.array(ab) - target) ** 2))  # noqa: E731
+    residual = lambda ab: float(np.sum((design @ np.array(ab) - target) ** 2))
     alpha, beta = min(only_alpha, only_beta, key=residual)
     return float(alpha), float(beta)
 
@@ -250,7 +250,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         rounds = {name: [] for name in algos}
         for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
             for name, fn in algos.items():
-                rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters, device=ctx.device))
+                rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters, device=ctx.device))  # noqa: B023
         for name, times in rounds.items():
             seconds = float(np.median(times))
             rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
@@ -379,7 +379,8 @@ def main() -> int:
           else "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
     measured = summary["measured_crossover_bytes"]
     summary["measured_text"] = (f"the ring was faster than the tree from {size_text(measured)} on" if measured else
-                                "the tree was faster than the ring at every size" if summary["tree_faster_at_every_size"]
+                                "the tree was faster than the ring at every size"
+                                if summary["tree_faster_at_every_size"]
                                 else "the tree was faster than the ring at the largest size")
     summary["predicted_crossover_text"] = size_text(cross) if cross else "none"
     print("measured: " + summary["measured_text"])

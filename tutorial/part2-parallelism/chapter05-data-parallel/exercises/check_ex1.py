@@ -28,16 +28,18 @@ def reference_buckets(numels: list[int], bucket_bytes: int) -> list[list[int]]:
     return [list(b) for b in buckets]
 
 
-@task("assign_buckets groups tensors exactly as torch's DDP does (torch.distributed._compute_bucket_assignment_by_size)")
-def check_assign(ex) -> None:  # noqa: ANN001
+@task("assign_buckets groups tensors exactly as torch's DDP does "
+      "(torch.distributed._compute_bucket_assignment_by_size)")
+def check_assign(ex) -> None:
     for numels, cap in CASES:
         got = ex.assign_buckets(list(numels), 4, cap)
         want = reference_buckets(numels, cap)
         assert [list(b) for b in got] == want, f"numels {numels}, cap {cap} B: got {got}, want {want}"
 
 
-@task("all_reduce_mean_bucketed on 1, 2 and 3 ranks: the numpy mean, original order and shapes, one all-reduce per bucket")
-def check_mean(ex) -> None:  # noqa: ANN001
+@task("all_reduce_mean_bucketed on 1, 2 and 3 ranks: the numpy mean, original order and shapes, "
+      "one all-reduce per bucket")
+def check_mean(ex) -> None:
     shapes = [(4, 3), (7,), (2, 2, 2), (1,), (5, 6)]  # numels 12, 7, 8, 1, 30
     for world_size, cap in [(1, 64), (2, 40), (3, 1000), (2, 4)]:
         per_rank = [[torch.randn(s, generator=torch.Generator().manual_seed(100 * r + i)) for i, s in enumerate(shapes)]
@@ -48,7 +50,7 @@ def check_mean(ex) -> None:  # noqa: ANN001
         for rank, result in enumerate(got):
             assert result["shapes"] == [list(s) for s in shapes], f"W={world_size} rank {rank}: shapes " \
                 f"{result['shapes']}, want {[list(s) for s in shapes]} (original order)"
-            for i, s in enumerate(shapes):
+            for i, s in enumerate(shapes):  # noqa: B007
                 mean = np.mean([per_rank[r][i].numpy() for r in range(world_size)], axis=0)
                 np.testing.assert_allclose(np.asarray(result["values"][i]), mean, rtol=1e-5, atol=1e-6,
                                            err_msg=f"W={world_size}, cap {cap} B: tensor {i} on rank {rank}")

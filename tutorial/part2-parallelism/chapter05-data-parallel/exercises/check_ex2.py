@@ -13,7 +13,7 @@ from mlsys.exercises import run_ranks, task
 
 
 @task("shard_bounds: padded is the smallest multiple of W >= numel, and the ranks tile [0, padded) in order")
-def check_shard_bounds(ex) -> None:  # noqa: ANN001
+def check_shard_bounds(ex) -> None:
     for numel in (1, 2, 7, 10, 12, 29_024):
         for world_size in (1, 2, 3, 4, 8):
             want_padded = math.ceil(numel / world_size) * world_size
@@ -25,7 +25,7 @@ def check_shard_bounds(ex) -> None:  # noqa: ANN001
 
 
 @task("reduce_scatter_grad on 1-4 ranks returns this rank's slice of the mean gradient (zeros in the padding)")
-def check_reduce_scatter_grad(ex) -> None:  # noqa: ANN001
+def check_reduce_scatter_grad(ex) -> None:
     for world_size, numel in [(1, 5), (2, 7), (3, 10), (4, 3)]:
         rng = np.random.default_rng(world_size * 100 + numel)
         grads = [rng.normal(size=numel).astype(np.float32) for _ in range(world_size)]
@@ -41,7 +41,7 @@ def check_reduce_scatter_grad(ex) -> None:  # noqa: ANN001
 
 
 @task("reduce_scatter_grad uses a reduce-scatter, not an all-reduce")
-def check_uses_reduce_scatter(ex) -> None:  # noqa: ANN001
+def check_uses_reduce_scatter(ex) -> None:
     source = inspect.getsource(ex.reduce_scatter_grad)
     if "NotImplementedError" in source:
         raise NotImplementedError("TODO: write reduce_scatter_grad first")

@@ -80,7 +80,7 @@ def build(base: GPT, kind: str, bucket_mb: float) -> tuple[torch.nn.Module, torc
 
 
 # --8<-- [start:step]
-def train_steps(model, wrapped, opt, x, y, steps: int) -> float:  # noqa: ANN001
+def train_steps(model, wrapped, opt, x, y, steps: int) -> float:
     """Seconds per step on the SLOWEST rank, for `steps` steps started together after a barrier."""
     dist.barrier()
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"GPT {args.n_layer} layers x {args.n_embd}: {num_params(model):,} parameters, "
               f"{grad_bytes / 2**20:.1f} MiB of gradients; {len(built)} versions x {args.repeats} rounds "
               f"on {ctx.world_size} ranks ({ctx.backend})")
-    for v, (m, w, opt) in built.items():  # warm-up: torch's DDP also rebuilds its buckets on its first steps
+    for v, (m, w, opt) in built.items():  # warm-up: torch's DDP also rebuilds its buckets on its first steps  # noqa: B007
         train_steps(m, w, opt, x, y, WARMUP)
     times: dict[tuple[str, float], list[float]] = {v: [] for v in built}
     order = list(built)
@@ -156,7 +156,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "world_size": ctx.world_size, "backend": ctx.backend}
 
 
-def _calls(wrapped, args: Settings) -> str:  # noqa: ANN001
+def _calls(wrapped, args: Settings) -> str:
     calls = getattr(wrapped, "allreduce_calls", None)
     if calls is None:
         return "0" if not hasattr(wrapped, "finish_gradient_synchronization") else "(torch)"

@@ -162,7 +162,8 @@ def draw(args: Settings, out: dict, world_size: int) -> None:
 
 
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"steps": 40, "eval_every": 20, "num_records": 500, "max_final_ratio": 0.9},
+    args = cli.parse(Settings, __doc__,
+                     smoke={"steps": 40, "eval_every": 20, "num_records": 500, "max_final_ratio": 0.9},
                      world_sizes=range(1, 9), world_sizes_text="1 to 8")
     results = launch(worker, args)
     if results is not None and args.json:

@@ -53,7 +53,7 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError("--batch-size and --entries must be at least 1, --num-records at least 10")
 
 
-def model_and_batches(args: Settings, tokens: torch.Tensor, world_size: int, sizes: list[int]):  # noqa: ANN201
+def model_and_batches(args: Settings, tokens: torch.Tensor, world_size: int, sizes: list[int]):
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig.preset("tiny"))
     T = model.config.block_size
@@ -154,7 +154,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "full_batch": reference[args.param].flatten()[:k].tolist()}
 
 
-def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_u, ref_u) -> None:  # noqa: ANN001
+def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_u, ref_u) -> None:
     plt = plot.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     idx = range(per_rank.shape[1])

@@ -17,7 +17,7 @@ def _inputs(t: int, shape: tuple, seed: int) -> tuple[torch.Tensor, list[torch.T
 
 
 @task("f (CopyToTP): forward returns x unchanged, backward sums the gradients of all ranks")
-def check_f(ex) -> None:  # noqa: ANN001
+def check_f(ex) -> None:
     for t in (3,):
         x, ups = _inputs(t, (2, 3), 10 + t)
         got = run_ranks(ex, "probe", [("f", x, u) for u in ups])
@@ -30,7 +30,7 @@ def check_f(ex) -> None:  # noqa: ANN001
 
 
 @task("g (ReduceFromTP): forward sums x over the ranks, backward passes the gradient through")
-def check_g(ex) -> None:  # noqa: ANN001
+def check_g(ex) -> None:
     for t in (2,):
         gen = torch.Generator().manual_seed(20 + t)
         xs = [torch.randn(2, 3, generator=gen) for _ in range(t)]
@@ -43,7 +43,7 @@ def check_g(ex) -> None:  # noqa: ANN001
 
 
 @task("megatron_mlp equals mlsys.model.MLP (output and all gradients) at t=2 and 4, with 1 all-reduce each way")
-def check_mlp(ex) -> None:  # noqa: ANN001
+def check_mlp(ex) -> None:
     torch.manual_seed(0)
     dense = MLP(GPTConfig(n_embd=8, n_head=1, vocab_size=8))
     x, (up,) = _inputs(1, (2, 5, 8), 30)

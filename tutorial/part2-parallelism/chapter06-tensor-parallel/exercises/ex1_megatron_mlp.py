@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
 class CopyToTP(torch.autograd.Function):
@@ -63,7 +62,7 @@ def mlp_step(x: torch.Tensor, w_fc, b_fc, w_proj, b_proj, upstream: torch.Tensor
     calls = {"n": 0}
     real = dist.all_reduce
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003
+    def counting(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 

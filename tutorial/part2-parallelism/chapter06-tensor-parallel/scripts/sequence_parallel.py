@@ -28,8 +28,17 @@ import torch.distributed as dist
 from mlsys import cli, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
-from mlsys.tensor_parallel import TPBlock, block_activation_bytes, check_tp_run, comm_log, grads_as_model, \
-    layer_comm_volume, saved_activation_bytes, shard_gpt, tp_groups
+from mlsys.tensor_parallel import (
+    TPBlock,
+    block_activation_bytes,
+    check_tp_run,
+    comm_log,
+    grads_as_model,
+    layer_comm_volume,
+    saved_activation_bytes,
+    shard_gpt,
+    tp_groups,
+)
 
 
 @dataclass
@@ -92,7 +101,7 @@ def block_memory(model: GPT, group, x: torch.Tensor, t: int) -> dict:
         x_in = x.chunk(t, dim=1)[dist.get_rank(group)] if sp else x  # (B, T/t, C) or (B, T, C)
         x_in = x_in.clone().requires_grad_(True)
         with comm_log() as log:
-            y, measured[sp] = saved_activation_bytes(lambda: block(x_in), list(block.parameters()))
+            y, measured[sp] = saved_activation_bytes(lambda: block(x_in), list(block.parameters()))  # noqa: B023
             y.square().mean().backward()
         events[sp] = [(e.phase, e.op, e.nbytes) for e in log if e.tag == "activation"]
     return {"dense": dense_bytes, "tp": measured[False], "tp_sp": measured[True], "events_tp": events[False],

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mlsys import cli, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import MLP, GPTConfig
-from mlsys.tensor_parallel import ColumnParallelLinear, TPMLP
+from mlsys.tensor_parallel import TPMLP, ColumnParallelLinear
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mlsys import cli, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import MLP, GPTConfig
-from mlsys.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPMLP, comm_log
+from mlsys.tensor_parallel import TPMLP, ColumnParallelLinear, RowParallelLinear, comm_log
 
 
 @dataclass

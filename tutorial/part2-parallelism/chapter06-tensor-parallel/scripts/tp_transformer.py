@@ -24,13 +24,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from mlsys import cli, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
-from mlsys.tensor_parallel import TPAttention, TPBlock, check_tp_run, comm_log, grads_as_model, \
-    layer_comm_volume, shard_gpt, tp_groups
+from mlsys.tensor_parallel import (
+    TPAttention,
+    TPBlock,
+    check_tp_run,
+    comm_log,
+    grads_as_model,
+    layer_comm_volume,
+    shard_gpt,
+    tp_groups,
+)
 
 
 @dataclass

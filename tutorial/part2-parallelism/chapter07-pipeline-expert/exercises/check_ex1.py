@@ -13,7 +13,7 @@ def _show(order: list) -> str:
 
 
 @task("one_f_one_b_order: every stage of p = 1..5 stages, m = 1..8 micro-batches")
-def check_order(ex) -> None:  # noqa: ANN001
+def check_order(ex) -> None:
     for p in range(1, 6):
         for m in range(1, 9):
             for s in range(p):
@@ -23,7 +23,7 @@ def check_order(ex) -> None:  # noqa: ANN001
 
 
 @task("bubble_from_timeline: ideal timelines give (p-1)/(m+p-1); uneven ones match a reference")
-def check_bubble(ex) -> None:  # noqa: ANN001
+def check_bubble(ex) -> None:
     for schedule in ("gpipe", "1f1b"):
         for p, m in [(2, 1), (2, 4), (3, 3), (4, 8)]:
             got = ex.bubble_from_timeline(simulate(schedule, p, m, t_fwd=1.0, t_bwd=2.0))
@@ -38,7 +38,7 @@ def check_bubble(ex) -> None:  # noqa: ANN001
 
 
 @task("your order runs for real on 3 ranks: gradients equal one process, stage s holds <= 3 - s micro-batches")
-def check_real_run(ex) -> None:  # noqa: ANN001
+def check_real_run(ex) -> None:
     for s in range(3):  # a wrong order could hang the job: run it only once it is right on paper
         got = [tuple(a) for a in ex.one_f_one_b_order(s, 3, 4)]
         assert got == schedule_actions("1f1b", s, 3, 4), "fix one_f_one_b_order first (task 1)"

@@ -20,7 +20,7 @@ def loop_keep(experts: list[list[int]], num_experts: int, capacity: int) -> list
 
 
 @task("route: softmax, top-k (best first) and renormalization on hand cases")
-def check_route(ex) -> None:  # noqa: ANN001
+def check_route(ex) -> None:
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.1, 0.3]]))
     probs, w, e = ex.route(logits, 2, renormalize=True)
     assert torch.allclose(probs, logits.exp(), atol=1e-6), f"probs should be the softmax, got {probs}"
@@ -31,7 +31,7 @@ def check_route(ex) -> None:  # noqa: ANN001
 
 
 @task("keep_mask: first choices before second choices, earlier tokens first, `capacity` slots per expert")
-def check_keep_mask(ex) -> None:  # noqa: ANN001
+def check_keep_mask(ex) -> None:
     hand = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
     got = ex.keep_mask(hand, 3, 2).tolist()
     want = [[True, True], [True, True], [False, False], [True, False]]
@@ -40,14 +40,15 @@ def check_keep_mask(ex) -> None:  # noqa: ANN001
     for N, E, k, cap in [(16, 4, 1, 3), (20, 4, 2, 6), (9, 8, 3, 2), (5, 2, 2, 0), (30, 5, 2, 30)]:
         experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
         got = ex.keep_mask(experts, E, cap)
-        assert got.dtype == torch.bool and got.shape == (N, k), f"want a bool (N, k) tensor, got {got.dtype} {got.shape}"
+        assert got.dtype == torch.bool and got.shape == (N, k), \
+            f"want a bool (N, k) tensor, got {got.dtype} {got.shape}"
         want = loop_keep(experts.tolist(), E, cap)
         assert got.tolist() == want, f"N={N} E={E} k={k} capacity={cap}: {int((~got).sum())} dropped, " \
                                      f"want {sum(not v for row in want for v in row)}"
 
 
 @task("load_balancing_loss: 1 when balanced, E * P_busy when all on one expert, gradient E * f_i / N")
-def check_aux(ex) -> None:  # noqa: ANN001
+def check_aux(ex) -> None:
     uniform = torch.full((8, 4), 0.25)
     got = float(ex.load_balancing_loss(uniform, torch.arange(8).remainder(4)[:, None]))
     assert abs(got - 1.0) < 1e-6, f"balanced: got {got}, want 1"

@@ -223,7 +223,8 @@ def ep_forward(gate: nn.Linear, bank: ExpertBank, x: torch.Tensor, args: Setting
 
     # 3. dispatch, compute each local expert on its rows (from every source), combine back
     received = AllToAll.apply(x[tok], out_splits, in_splits, group)  # (R, C), source-major, expert-minor
-    row_expert = torch.arange(local, device=x.device).repeat(W).repeat_interleave(recv_counts.reshape(-1)) + bank.first  # (R,)
+    row_expert = (torch.arange(local, device=x.device).repeat(W).repeat_interleave(recv_counts.reshape(-1))
+                  + bank.first)  # (R,)
     out = torch.zeros_like(received)
     for e in range(bank.first, bank.first + local):
         rows = torch.nonzero(row_expert == e, as_tuple=True)[0]
@@ -313,7 +314,8 @@ def drop_table(ctx: RankContext, args: Settings) -> list[dict]:
         for factor in args.factors:
             _, info = ep_forward(moe.gate, bank, x, args, factor)
             keep, experts = gathered(info["keep"]), gathered(info["experts"])
-            report.expect_equal(f"drops at factor {factor}", keep, dense_forward(moe, xs, ctx.world_size, factor)[1]["keep"])
+            report.expect_equal(f"drops at factor {factor}", keep,
+                                dense_forward(moe, xs, ctx.world_size, factor)[1]["keep"])
             s = balance_stats(experts, keep, args.num_experts)
             rows.append({"capacity_factor": factor,
                          "capacity": expert_capacity(args.tokens, args.num_experts, args.top_k, factor),

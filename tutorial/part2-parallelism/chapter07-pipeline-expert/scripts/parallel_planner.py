@@ -294,9 +294,9 @@ def main() -> int:
         rows, rejected = candidates(model, args)
     if not rows:
         raise cli.UsageError("no layout satisfies the divisibility rules for these sizes")
-    table = [{k: r[k] for k in ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent",
-                                "pp_GB_sent", "ep_GB_sent", "t_bubble", "t_total")} | {"fits": "yes" if r["fits"] else "no"}
-             for r in rows[:args.top]]
+    shown = ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent", "pp_GB_sent",
+             "ep_GB_sent", "t_bubble", "t_total")
+    table = [{k: r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"} for r in rows[:args.top]]
     print(f"{len(rows)} layouts costed" + "".join(f"; {n} {why}" for why, n in rejected.items() if n) + ":")
     print(report.table(table, floatfmt=".2f"))
     best = rows[0]
@@ -311,7 +311,8 @@ def main() -> int:
               describe(min(rows, key=lambda r: r["total_GiB"])))
     if args.json:
         report.write_json(args.json, {"model": s.name, "params": model.dense_params + model.expert_params,
-                                      "active_params": model.active_params, "recommended": best if best["fits"] else None,
+                                      "active_params": model.active_params,
+                                      "recommended": best if best["fits"] else None,
                                       "candidates": rows[:args.top], "rejected": rejected}, args)
     return 0
 

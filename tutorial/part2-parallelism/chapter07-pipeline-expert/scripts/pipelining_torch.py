@@ -122,7 +122,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
         try:
             theirs[name] = torch_step(ctx, args, cls)
-        except Exception as err:  # noqa: BLE001 - report what does not run here, keep going
+        except Exception as err:
             problems[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             dist.barrier()  # the peers may be waiting inside the failed schedule; resynchronise (best effort)
     mine = {}

@@ -16,7 +16,7 @@ def rollout(T: int, N: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 @task("td_errors: r + gamma * V(s') * (1 - done) - V(s), bootstrapping the last step from last_value")
-def check_td(ex) -> None:  # noqa: ANN001
+def check_td(ex) -> None:
     r, v, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.tensor([2.0])
     for dones, want in [([0.0, 0.0, 0.0], [1.0, 1.75, 2.5]), ([0.0, 1.0, 1.0], [1.0, 1.0, 1.5])]:
         got = ex.td_errors(r, v, torch.tensor(dones)[:, None], lv, 0.5)
@@ -24,7 +24,7 @@ def check_td(ex) -> None:  # noqa: ANN001
 
 
 @task("compute_gae on a hand-worked case, with and without an episode end")
-def check_hand(ex) -> None:  # noqa: ANN001
+def check_hand(ex) -> None:
     r, v, lv = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[0.5], [1.0], [1.5]]), torch.tensor([2.0])
     for dones, want in [([0.0, 0.0, 0.0], [1.59375, 2.375, 2.5]), ([0.0, 1.0, 0.0], [1.25, 1.0, 2.5])]:
         adv, ret = ex.compute_gae(r, v, torch.tensor(dones)[:, None], lv, 0.5, 0.5)
@@ -33,7 +33,7 @@ def check_hand(ex) -> None:  # noqa: ANN001
 
 
 @task("compute_gae equals the loop reference on random (T, N) rollouts with episode ends, lambda 0 .. 1")
-def check_random(ex) -> None:  # noqa: ANN001
+def check_random(ex) -> None:
     for seed, (gamma, lam) in enumerate([(0.99, 0.95), (0.9, 0.0), (1.0, 1.0), (0.97, 0.5)]):
         args = rollout(23, 7, seed)
         adv, ret = ex.compute_gae(*args, gamma, lam)
@@ -44,7 +44,7 @@ def check_random(ex) -> None:  # noqa: ANN001
 
 
 @task("compute_gae handles N = 4096 environments in one pass (shapes (T, N) in, (T, N) out)")
-def check_wide(ex) -> None:  # noqa: ANN001
+def check_wide(ex) -> None:
     args = rollout(8, 4096, 7)
     adv, _ = ex.compute_gae(*args, 0.99, 0.95)
     assert adv.shape == (8, 4096), f"shape {tuple(adv.shape)}, want (8, 4096)"

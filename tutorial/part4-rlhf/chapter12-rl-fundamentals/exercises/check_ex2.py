@@ -15,7 +15,7 @@ def hand_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @task("clipped_loss on a hand case: ratios 0.5, 1.1, 1.5 with A = +1 and A = -1, eps = 0.2")
-def check_value(ex) -> None:  # noqa: ANN001
+def check_value(ex) -> None:
     logp_new, logp_old, adv = hand_case()
     loss = ex.clipped_loss(logp_new, logp_old, adv, 0.2)
     # A=+1: -0.5, -1.1, -1.2 (clipped at 1.2);  A=-1: 0.8 (clipped at 0.8), 1.1, 1.5;  mean 0.1
@@ -24,7 +24,7 @@ def check_value(ex) -> None:  # noqa: ANN001
 
 
 @task("clipped_loss gradients: zero exactly where the clipped term wins")
-def check_grad(ex) -> None:  # noqa: ANN001
+def check_grad(ex) -> None:
     logp_new, logp_old, adv = hand_case()
     ex.clipped_loss(logp_new, logp_old, adv, 0.2).backward()
     want = torch.tensor([-0.5, -1.1, 0.0, 0.0, 1.1, 1.5]) / 6
@@ -33,7 +33,7 @@ def check_grad(ex) -> None:  # noqa: ANN001
 
 
 @task("clip_fraction and approx_kl (k3) on the hand case")
-def check_stats(ex) -> None:  # noqa: ANN001
+def check_stats(ex) -> None:
     logp_new, logp_old, _ = hand_case()
     frac = ex.clip_fraction(logp_new, logp_old, 0.2)
     assert abs(frac - 4 / 6) < 1e-6, f"clip fraction {frac}, want 4/6 (ratios 0.5 and 1.5, twice)"
@@ -44,7 +44,7 @@ def check_stats(ex) -> None:  # noqa: ANN001
 
 
 @task("all three match mlsys.rl.ppo_policy_loss on random inputs")
-def check_random(ex) -> None:  # noqa: ANN001
+def check_random(ex) -> None:
     g = torch.Generator().manual_seed(0)
     for eps in (0.1, 0.2, 0.3):
         logp_old = -torch.rand(500, generator=g) * 2

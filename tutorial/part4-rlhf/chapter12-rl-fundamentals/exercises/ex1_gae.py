@@ -13,7 +13,6 @@ Check your work:  make check EX=ch12.1
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 

@@ -16,11 +16,11 @@ def _categoricals(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @task("k1 and k3: exact expectation under pi equals KL(pi || pi_ref) (torch.distributions as the oracle)")
-def check_unbiased(ex) -> None:  # noqa: ANN001
+def check_unbiased(ex) -> None:
     for seed in range(4):
         p, q = _categoricals(seed)
         exact = torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p),
-                                                  torch.distributions.Categorical(probs=q)).item()  # fmt: skip
+                                                  torch.distributions.Categorical(probs=q)).item()
         for name, fn in (("k1", ex.kl_k1), ("k3", ex.kl_k3)):
             values = fn(p.log(), q.log())  # the estimator's value at each of the 7 outcomes
             assert values.shape == p.shape, f"{name}: shape {tuple(values.shape)}, want {tuple(p.shape)}"
@@ -29,7 +29,7 @@ def check_unbiased(ex) -> None:  # noqa: ANN001
 
 
 @task("k3 >= 0 on every sample, 0 where pi = pi_ref; k1 matches log pi - log pi_ref")
-def check_signs(ex) -> None:  # noqa: ANN001
+def check_signs(ex) -> None:
     g = torch.Generator().manual_seed(1)
     logp, ref = torch.randn(2000, generator=g) * 3, torch.randn(2000, generator=g) * 3
     k3 = ex.kl_k3(logp, ref)
@@ -41,7 +41,7 @@ def check_signs(ex) -> None:  # noqa: ANN001
 
 
 @task("shape_rewards: -beta * KL per real token, the score on the last one, 0 on padding")
-def check_shaping(ex) -> None:  # noqa: ANN001
+def check_shaping(ex) -> None:
     kl = torch.tensor([[0.5, -0.2, 0.1, 9.0], [0.3, 0.4, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     scores = torch.tensor([2.0, -1.0, 0.5])

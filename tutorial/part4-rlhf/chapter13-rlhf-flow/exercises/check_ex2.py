@@ -9,7 +9,7 @@ from mlsys.exercises import task
 
 
 @task("group_advantages: (score - group mean) / (group std + eps), numpy as the oracle")
-def check_groups(ex) -> None:  # noqa: ANN001
+def check_groups(ex) -> None:
     g = torch.Generator().manual_seed(0)
     for group_size in (2, 4, 8):
         scores = torch.randn(4 * group_size, generator=g, dtype=torch.float64)
@@ -21,7 +21,7 @@ def check_groups(ex) -> None:  # noqa: ANN001
 
 
 @task("advantages within a group sum to 0, and a group of equal scores gets 0 (no signal)")
-def check_baseline(ex) -> None:  # noqa: ANN001
+def check_baseline(ex) -> None:
     scores = torch.tensor([3.0, 3.0, 3.0, 3.0, 1.0, 2.0, 3.0, 6.0])
     got = ex.group_advantages(scores, 4)
     assert torch.equal(got[:4], torch.zeros(4)), f"equal scores must give 0 advantage, got {got[:4].tolist()}"
@@ -29,7 +29,7 @@ def check_baseline(ex) -> None:  # noqa: ANN001
 
 
 @task("token_advantages: the row's advantage on every real token, 0 on padding")
-def check_tokens(ex) -> None:  # noqa: ANN001
+def check_tokens(ex) -> None:
     scores = torch.tensor([1.0, 0.0, 2.0, 5.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     mask[3, 0] = 1.0

@@ -51,7 +51,7 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError("--iterations must be >= 1 and --max-tokens in 8..200")
         if self.group_size < 2 or self.num_rollouts < self.group_size or self.num_rollouts % self.group_size:
             raise cli.UsageError(f"--num-rollouts must be a multiple of --group-size >= 2, got "
-                                 f"{self.num_rollouts} and {self.group_size}")  # fmt: skip
+                                 f"{self.num_rollouts} and {self.group_size}")
         if not (0 < self.actor_lr < 1 and 0 <= self.beta < 10 and 0 <= self.kl_target < 1e3):
             raise cli.UsageError("--actor-lr must be in (0, 1), --beta in [0, 10), --kl-target in [0, 1000)")
 
@@ -81,14 +81,14 @@ def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     for algo in ("ppo", "grpo"):
         torch.manual_seed(args.seed)  # identical initial critic heads, identical minibatch order
         cfg = PPOConfig(beta=args.beta, kl_target=args.kl_target or None, actor_lr=args.actor_lr,
-                        group_size=args.group_size)  # fmt: skip
+                        group_size=args.group_size)
         # (models, opts, kl_ctl, engine, cfg)
         runs[algo] = (*setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=algo), cfg)
     histories: dict[str, list[dict]] = {"ppo": [], "grpo": []}
     for i in tqdm(range(args.iterations), desc="ppo + grpo", unit="it", leave=False, disable=None):  # on a tty
         for algo, (models, opts, kl_ctl, engine, cfg) in runs.items():
             stats, _ = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
-                                      seed=args.seed * 10_000 + i, algo=algo)  # same prompts and seeds  # fmt: skip
+                                      seed=args.seed * 10_000 + i, algo=algo)  # same prompts and seeds
             histories[algo].append(stats)
     return histories, {algo: run[0] for algo, run in runs.items()}
 # --8<-- [end:interleave]
@@ -107,7 +107,7 @@ def main() -> int:
                **{f"{p} s": statistics.median(h[f"{p}_s"] for h in history) for p in ("generate", "score", "train")},
                "s/iter": statistics.median(sum(h[f"{p}_s"] for p in ("generate", "score", "train", "sync"))
                                            for h in history),
-               "models": len(held)}  # fmt: skip
+               "models": len(held)}
         rows.append(row)
         results[algo] = {"summary": row, "history": history, "models_held": held}
     print(f"{args.iterations} iterations x {args.num_rollouts} rollouts ({args.num_rollouts // args.group_size} "
@@ -117,7 +117,7 @@ def main() -> int:
     print(f"\nat the start (iteration 1, same for both): reward {histories['ppo'][0]['reward']:+.3f}, rule score "
           f"{histories['ppo'][0]['rule_score']:.2f}")
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],
-                        histories["grpo"][0]["reward"])  # fmt: skip
+                        histories["grpo"][0]["reward"])
     critic = sum(p.numel() for p in models["ppo"].critic.parameters())
     print(f"GRPO holds no critic: {critic:,} fewer parameters, and no critic forward or backward in its iteration.")
     plot_runs(histories, args)

@@ -67,7 +67,7 @@ def categorical_case(p: torch.Tensor, q: torch.Tensor, num_samples: int, gen: to
     for name in ("k1", "k2", "k3"):
         rows.append({"estimator": name, "exact KL": exact, "E_p[k] exact": float((p * all_x[name]).sum()),
                      "sample mean": drawn[name].mean().item(), "sample std": drawn[name].std().item(),
-                     "negative %": 100 * (drawn[name] < 0).double().mean().item()})  # fmt: skip
+                     "negative %": 100 * (drawn[name] < 0).double().mean().item()})
     return rows
 # --8<-- [end:categorical]
 
@@ -84,7 +84,7 @@ def sequence_kl(policy, reference, ids: torch.Tensor, prompt_len: int, mask: tor
     k = kl_estimators(logp, ref_logp)
     full = (logp_all.exp() * (logp_all - ref_all)).sum(-1)  # (B, L) exact KL of each step's distribution
     return {"k1": (k["k1"] * mask).sum(1), "k3": (k["k3"] * mask).sum(1), "full": (full * mask).sum(1),
-            "per_token": {"logp": logp, "ref_logp": ref_logp, "k1": k["k1"], "k3": k["k3"]}}  # fmt: skip
+            "per_token": {"logp": logp, "ref_logp": ref_logp, "k1": k["k1"], "k3": k["k3"]}}
 
 
 def sample_responses(policy, n: int, max_tokens: int, seed: int) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -92,7 +92,7 @@ def sample_responses(policy, n: int, max_tokens: int, seed: int) -> tuple[torch.
     tok = Tokenizer()
     prompt = torch.tensor([tok.encode(make_prompts(1, seed)[0], bos=True)] * n)  # (n, P)
     ids = generate(policy, prompt, max_tokens, temperature=1.0, generator=torch.Generator().manual_seed(seed),
-                   eos_id=tok.eos_id)  # (n, P + L); a finished row repeats <eos>  # fmt: skip
+                   eos_id=tok.eos_id)  # (n, P + L); a finished row repeats <eos>
     resp = ids[:, prompt.size(1) :]  # (n, L)
     is_eos = (resp == tok.eos_id).long()
     after_first_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first <eos>: padding
@@ -107,13 +107,13 @@ def main() -> int:
 
     # 1. a small categorical, close and far
     cases = {"close": ([2.0, 1.0, 0.5, 0.0, -1.0], [1.8, 1.1, 0.6, 0.1, -0.9]),
-             "far": ([3.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.5, 1.0, 1.5, 2.0])}  # logits of p and q  # fmt: skip
+             "far": ([3.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.5, 1.0, 1.5, 2.0])}  # logits of p and q
     results: dict = {"categorical": {}}
     for name, (lp, lq) in cases.items():
         p, q = (torch.tensor(v, dtype=torch.float64).softmax(0) for v in (lp, lq))
         rows = categorical_case(p, q, args.num_samples, gen)
         print(f"1. {name}: p = {[round(v, 3) for v in p.tolist()]}, q = {[round(v, 3) for v in q.tolist()]}, "
-              f"{args.num_samples} samples from p")  # fmt: skip
+              f"{args.num_samples} samples from p")
         print("   " + report.table(rows, floatfmt=".4f").replace("\n", "\n   ") + "\n")
         for r in rows:
             if r["estimator"] in ("k1", "k3"):  # unbiased: the exact expectation IS the KL
@@ -125,7 +125,7 @@ def main() -> int:
     ids, prompt_len, mask = sample_responses(policy, args.num_sequences, args.max_tokens, args.seed)
     kl = sequence_kl(policy, reference, ids, prompt_len, mask)
     rows = [{"estimate of KL per response": f"sum of {k}", "mean": kl[k].mean().item(), "std": kl[k].std().item(),
-             "min": kl[k].min().item()} for k in ("k1", "k3", "full")]  # fmt: skip
+             "min": kl[k].min().item()} for k in ("k1", "k3", "full")]
     print(f"2. policy = small GPT, reference = draft GPT, {args.num_sequences} responses sampled from the policy "
           f"after {Tokenizer().decode(ids[0, :prompt_len])!r}, {mask.sum(1).mean().item():.1f} tokens on average")
     print("   " + report.table(rows, floatfmt=".3f").replace("\n", "\n   ") + "\n")
@@ -141,7 +141,7 @@ def main() -> int:
     tok = Tokenizer()
     rows = [{"t": t, "token": repr(tok.decode([int(ids[0, prompt_len + t])], skip_special=False)),
              "log pi": pt["logp"][t].item(), "log pi_ref": pt["ref_logp"][t].item(), "k1": pt["k1"][t].item(),
-             "k3": pt["k3"][t].item(), "reward r_t": rewards[t].item()} for t in range(n)]  # fmt: skip
+             "k3": pt["k3"][t].item(), "reward r_t": rewards[t].item()} for t in range(n)]
     shown = [r for r in rows[:-1] if abs(r["k1"]) > 0.01][:12] + rows[-1:]  # the rest have k1 near 0
     print(f"3. Per-token rewards of response 0 (score {args.score} at the last token, beta {args.beta}); the "
           f"tokens with |k1| > 0.01 and the last one, {n - len(shown)} tokens with k1 ~ 0 not shown:")
@@ -149,7 +149,7 @@ def main() -> int:
     total = rewards.sum().item()
     seq_kl = (pt["logp"].sum() - pt["ref_logp"].sum()).item()
     report.expect_close("sum_t r_t vs score - beta * log(pi(y)/pi_ref(y))", total, args.score - args.beta * seq_kl,
-                        rtol=1e-9, atol=1e-9)  # fmt: skip
+                        rtol=1e-9, atol=1e-9)
     print(f"   sum_t r_t = {total:.4f} = score {args.score} - beta {args.beta} x log pi(y)/pi_ref(y) {seq_kl:.4f}")
     results["shaping"] = {"sum_rewards": total, "sequence_log_ratio": seq_kl, "num_tokens": n}
     if args.json:

@@ -30,8 +30,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlsys import cli, plot, report
-from mlsys.rlhf import (RewardRecipe, ScalarHeadModel, build_models, encode_records, make_preference_pairs,
-                        pair_scores, pairwise_accuracy, reward_model_path, rule_score, train_reward_model)  # fmt: skip
+from mlsys.rlhf import (
+    RewardRecipe,
+    ScalarHeadModel,
+    build_models,
+    encode_records,
+    make_preference_pairs,
+    pair_scores,
+    pairwise_accuracy,
+    reward_model_path,
+    rule_score,
+    train_reward_model,
+)
 from mlsys.weights import load_pretrained, save_checkpoint
 
 
@@ -77,7 +87,7 @@ def accuracy_by_kind(rm, pairs) -> list[dict]:
     for pair in pairs:
         groups[(kind(pair[0]), kind(pair[1]))].append(pair)
     return [{"chosen": c, "rejected": r, "pairs": len(g), "accuracy %": 100 * pairwise_accuracy(rm, g)}
-            for (c, r), g in sorted(groups.items())]  # fmt: skip
+            for (c, r), g in sorted(groups.items())]
 
 
 PROBES = [
@@ -145,12 +155,12 @@ def main() -> int:
     print("   " + report.table(models.table()).replace("\n", "\n   "))
     if not args.smoke and args.seed == 0 and recipe == RewardRecipe():
         save_checkpoint(reward_model_path("draft"), rm, {"recipe": asdict(recipe), "accuracy": accuracy,
-                                                         "final_loss": history[-1]["loss"]})  # fmt: skip
+                                                         "final_loss": history[-1]["loss"]})
         print(f"\n   saved to {reward_model_path('draft')} (mlsys.rlhf.load_reward_model reads it)")
     if args.json:
         report.write_json(args.json, {"accuracy": accuracy, "by_kind": rows, "probes": probe_rows,
                                       "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-                                      "models": models.table()}, args)  # fmt: skip
+                                      "models": models.table()}, args)
     return 0
 
 

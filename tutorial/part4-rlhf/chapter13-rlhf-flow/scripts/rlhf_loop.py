@@ -60,7 +60,7 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError("--iterations must be >= 1 and --max-tokens in 8..200")
         if self.group_size < 2 or self.num_rollouts < self.group_size or self.num_rollouts % self.group_size:
             raise cli.UsageError(f"--num-rollouts must be a multiple of --group-size >= 2, got "
-                                 f"{self.num_rollouts} and {self.group_size}")  # fmt: skip
+                                 f"{self.num_rollouts} and {self.group_size}")
         for name in ("actor_lr", "beta", "kl_target", "k_beta"):
             value = getattr(self, name)
             if not 0 <= value < math.inf or (name == "actor_lr" and value == 0):
@@ -69,7 +69,7 @@ class Settings(cli.Args, cli.PlotArgs):
 
 def ppo_config(args: Settings) -> PPOConfig:
     return PPOConfig(beta=args.beta, kl_target=args.kl_target or None, k_beta=args.k_beta, actor_lr=args.actor_lr,
-                     group_size=args.group_size)  # fmt: skip
+                     group_size=args.group_size)
 
 
 # --8<-- [start:anatomy]
@@ -81,15 +81,15 @@ def anatomy(batch: RolloutBatch, stats: dict, beta: float, row: int = 0) -> dict
     report.expect_close("engine log-probs vs the trainer's recomputation", gap, 0.0, atol=1e-4)
     shaped = x["rewards"].sum(1)  # (B,)
     report.expect_close("sum_t r_t vs score - beta * sum_t k1_t", shaped,
-                        x["scores"] - beta * x["kl"]["k1"].sum(1), rtol=1e-5, atol=1e-5)  # fmt: skip
+                        x["scores"] - beta * x["kl"]["k1"].sum(1), rtol=1e-5, atol=1e-5)
     n = int(mask[row].sum())
     tokens = batch.ids[row, batch.prompt_lens[row] :][:n].tolist()
     start = max(0, max((t for t, tok in enumerate(tokens) if TOKENIZER.itos[tok] == "["), default=0) - 1)
     cols = {"log pi (engine)": batch.engine_logprobs, "log pi (actor)": x["logprobs"],
             "log pi_ref": x["ref_logprobs"], "k1": x["kl"]["k1"], "k3": x["kl"]["k3"], "value V": x["values"],
-            "reward r_t": x["rewards"], "advantage": x["advantages"], "return": x["returns"]}  # fmt: skip
+            "reward r_t": x["rewards"], "advantage": x["advantages"], "return": x["returns"]}
     rows = [{"t": t, "token": repr(TOKENIZER.decode([tok], skip_special=False)),
-             **{k: v[row, t].item() for k, v in cols.items()}} for t, tok in enumerate(tokens)]  # fmt: skip
+             **{k: v[row, t].item() for k, v in cols.items()}} for t, tok in enumerate(tokens)]
     print(f"   response {row}: {batch.texts[row]!r}; its tokens from the language list on:")
     print("   " + report.table(rows[start:], floatfmt=".3f").replace("\n", "\n   "))
     print(f"   its score {x['scores'][row].item():+.3f} lands on the last token; sum_t r_t = "
@@ -151,7 +151,7 @@ def main() -> int:
 
     # 1. one iteration, taken apart
     stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
-                                  seed=args.seed * 10_000, algo=args.algo)  # fmt: skip
+                                  seed=args.seed * 10_000, algo=args.algo)
     print_phases(batch, stats, args)
     gap = ((batch.engine_logprobs - batch.extra["logprobs"]).abs() * batch.mask).max().item()
     report.expect_close("engine log-probs vs the trainer's recomputation", gap, 0.0, atol=1e-4)
@@ -166,12 +166,12 @@ def main() -> int:
           f"{'adaptive beta, KL target ' + str(args.kl_target) if args.kl_target else 'fixed beta'}):")
     for i in tqdm(range(1, args.iterations), desc=args.algo, unit="it", leave=False, disable=None):  # on a tty
         stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
-                                      seed=args.seed * 10_000 + i, algo=args.algo)  # fmt: skip
+                                      seed=args.seed * 10_000 + i, algo=args.algo)
         history.append(stats)
     every = max(1, args.iterations // 6)
     keys = ["reward", "rule_score", "valid", "kl", "kl_k3", "beta", "response_len"]
     rows = [{"iteration": i + 1, **{k: h[k] for k in keys}, "s/iter": h["generate_s"] + h["score_s"] + h["train_s"]}
-            for i, h in enumerate(history) if i % every == 0 or i == len(history) - 1]  # fmt: skip
+            for i, h in enumerate(history) if i % every == 0 or i == len(history) - 1]
     print("   " + report.table(rows, floatfmt=".3f").replace("\n", "\n   "))
     plot_history(history, args)
     tail = history[-min(5, len(history)) :]

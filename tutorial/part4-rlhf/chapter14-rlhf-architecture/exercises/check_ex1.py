@@ -24,14 +24,14 @@ def _case(seed: int) -> list[torch.Tensor]:
 
 
 @task("assign_buckets: a hand case (fits exactly, overflows, oversized, other dtype)")
-def check_hand_case(ex) -> None:  # noqa: ANN001
+def check_hand_case(ex) -> None:
     got = ex.assign_buckets([40, 80, 20, 400, 4], ["f32", "f32", "f32", "f32", "bf16"], 120)
     want = [[0, 1], [2], [3], [4]]  # 40 + 80 = 120 fits; +20 overflows; 400 alone; bf16 its own bucket
     assert got == want, f"assign_buckets([40, 80, 20, 400, 4], ...) = {got}, want {want}"
 
 
 @task("assign_buckets equals mlsys.weight_sync.plan_buckets for many bucket sizes")
-def check_against_library(ex) -> None:  # noqa: ANN001
+def check_against_library(ex) -> None:
     tensors = _case(0)
     meta = [(str(i), tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
     for cap in (1, 8, 64, 100, 300, 1000, 1 << 20):
@@ -41,7 +41,7 @@ def check_against_library(ex) -> None:  # noqa: ANN001
 
 
 @task("pack equals torch._utils._flatten_dense_tensors; unpack(pack(x)) == x bit for bit")
-def check_pack_unpack(ex) -> None:  # noqa: ANN001
+def check_pack_unpack(ex) -> None:
     tensors = [t for t in _case(1) if t.dtype == torch.float32]
     flat = ex.pack(tensors)
     assert torch.equal(flat, _flatten_dense_tensors(tensors)), "pack differs from torch's flatten"
@@ -50,7 +50,7 @@ def check_pack_unpack(ex) -> None:  # noqa: ANN001
 
 
 @task("sync_bucketed on 3 ranks: every rank ends with rank 0's tensors, bit for bit")
-def check_sync(ex) -> None:  # noqa: ANN001
+def check_sync(ex) -> None:
     want = _case(2)
     per_rank = [([t.clone() if r == 0 else torch.zeros_like(t) for t in want], 100, 0) for r in range(3)]
     results = run_ranks(ex, "sync_bucketed", per_rank)

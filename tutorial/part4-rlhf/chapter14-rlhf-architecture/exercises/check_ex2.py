@@ -9,6 +9,7 @@ from pathlib import Path
 from mlsys import kv_memory as kvm
 from mlsys.exercises import load_module, task
 
+
 def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
@@ -17,7 +18,7 @@ PLANNER = Path(__file__).resolve().parent.parent / "scripts" / "memory_planner.p
 
 
 @task("trained_bytes and frozen_bytes: hand cases")
-def check_states(ex) -> None:  # noqa: ANN001
+def check_states(ex) -> None:
     assert close(ex.trained_bytes(1000, 4), 4000), f"trained_bytes(1000, 4) = {ex.trained_bytes(1000, 4)}"
     assert close(ex.frozen_bytes(1000, 4), 500), f"frozen_bytes(1000, 4) = {ex.frozen_bytes(1000, 4)}"
     got = ex.trained_bytes(8_030_261_248, 1)
@@ -25,13 +26,13 @@ def check_states(ex) -> None:  # noqa: ANN001
 
 
 @task("kv_cache_bytes: Llama-3-8B (GQA, 8 KV heads) is 128 KiB per token")
-def check_kv(ex) -> None:  # noqa: ANN001
+def check_kv(ex) -> None:
     assert ex.kv_cache_bytes(32, 8, 128, 1, 1) == 131072, "one token of Llama-3-8B should take 131072 B"
     assert close(ex.kv_cache_bytes(80, 8, 128, 256, 2048), 327680 * 256 * 2048), "Llama-3-70B batch"
 
 
 @task("generation_bytes_per_gpu equals the planner's co-located generation phase")
-def check_against_planner(ex) -> None:  # noqa: ANN001
+def check_against_planner(ex) -> None:
     planner = load_module(PLANNER)
     for actor, critic, gpus, batch in (("llama-3-8b", "llama-3-8b", 8, 256), ("llama-3-70b", "llama-3-8b", 32, 512),
                                        ("mistral-7b", "llama-3-8b", 4, 64)):

@@ -14,7 +14,6 @@ Check your work:  make check EX=ch14.1
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def assign_buckets(nbytes: list[int], dtypes: list[str], bucket_bytes: int) -> list[list[int]]:

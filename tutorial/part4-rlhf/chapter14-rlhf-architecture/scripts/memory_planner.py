@@ -140,7 +140,7 @@ def colocated_phases(args: Settings, num_gpus: int, engine_tp: int = 1) -> dict[
     """
     models, seq = models_of(args), args.prompt_len + args.response_len
     resident: dict[str, float] = {}
-    for role, (shape, n) in models.items():
+    for role, (shape, n) in models.items():  # noqa: B007
         for part, b in state_bytes(n, TRAINED[role], num_gpus).items():
             resident[part] = resident.get(part, 0.0) + b
     actor = models["actor"][0]

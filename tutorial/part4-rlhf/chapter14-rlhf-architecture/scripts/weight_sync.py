@@ -32,8 +32,14 @@ import torch.distributed as dist
 from mlsys import bench, cli, plot, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig, generate
-from mlsys.weight_sync import (broadcast_bucketed, broadcast_per_tensor, named_meta, plan_buckets, tensors_equal,
-                               unique_parameters)
+from mlsys.weight_sync import (
+    broadcast_bucketed,
+    broadcast_per_tensor,
+    named_meta,
+    plan_buckets,
+    tensors_equal,
+    unique_parameters,
+)
 
 MB = 1 << 20
 # The book's presets plus two wider ones, so the sizes span ~0.1 MB to ~60 MB of fp32 weights.
@@ -131,7 +137,7 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     rows = []
     for mb in args.sweep_mb:
         plan = plan_buckets(named_meta(params), int(mb * MB))
-        t = bench.time_collective(lambda: broadcast_bucketed(params, plan, 0), 1, args.iters, ctx.device)
+        t = bench.time_collective(lambda: broadcast_bucketed(params, plan, 0), 1, args.iters, ctx.device)  # noqa: B023
         rows.append({"bucket MB": mb, "buckets": len(plan), "ms": t * 1e3, "ms/MB": t * 1e3 / (nbytes / MB)})
     return rows
 

@@ -62,7 +62,7 @@ def run_and_count(grads: list[torch.Tensor], bucket_bytes: int) -> dict:
     sizes: list[int] = []
     original = dist.all_reduce
 
-    def counting(tensor, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def counting(tensor, *args, **kwargs):
         sizes.append(tensor.numel())
         return original(tensor, *args, **kwargs)
 

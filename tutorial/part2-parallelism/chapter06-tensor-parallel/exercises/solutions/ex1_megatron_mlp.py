@@ -68,7 +68,7 @@ def mlp_step(x: torch.Tensor, w_fc, b_fc, w_proj, b_proj, upstream: torch.Tensor
     calls = {"n": 0}
     real = dist.all_reduce
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003
+    def counting(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
