@@ -123,7 +123,7 @@ def test_tour_checks_every_supported_collective(world_size: int, tmp_path) -> No
     proc = run([CH03 / "collectives_tour.py", "-w", world_size, "--root", world_size - 1, "--json", out])
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["results"]["collectives"]
-    assert len(rows) == 15
+    assert len(rows) == 19  # 15 collectives and ops, BAND, BOR, BXOR, the flat all-gather
     for row in rows:
         assert row["checked_ok"] is True if row["supported"] else row["reason"]
     assert {r["collective"] for r in rows if not r["supported"]} <= {"all_reduce PREMUL_SUM"}

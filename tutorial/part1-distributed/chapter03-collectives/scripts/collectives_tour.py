@@ -2,7 +2,8 @@
 
 What it shows
     Each rank builds a small tensor of integers from (seed, rank). Then every collective runs once:
-      broadcast, scatter, gather, all_gather, reduce, all_reduce (SUM, MAX, MIN, PRODUCT, AVG, and PREMUL_SUM as a
+      broadcast, scatter, gather, all_gather (list and flat), reduce, all_reduce (SUM, MAX, MIN, PRODUCT, AVG,
+      BAND, BOR, BXOR on integers, and PREMUL_SUM as a
       probe), reduce_scatter (list form and the flat-buffer reduce_scatter_single, called
       reduce_scatter_tensor before torch 2.13), all_to_all (list form and all_to_all_single).
     Rank 0 prints each rank's "before" and "after" in rank order. Every rank can regenerate every other rank's input
@@ -105,6 +106,25 @@ def all_reduce(op_name: str, reference: Callable) -> Case:
     return case
 
 
+def all_reduce_bits(op_name: str, reference: Callable) -> Case:
+    """BAND, BOR, BXOR: bitwise reductions, on integer tensors (the float inputs as int64)."""
+    def case(ctx, x, X, k, root):
+        t = x[:k].long()
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op_name))
+        return x[:k].long(), t, reference.reduce(X[:, :k].astype(np.int64), axis=0)  # numpy's ufunc reduce
+    return case
+
+
+# torch 2.13 names the flat all-gather all_gather_single (all_gather_into_tensor before); use what this torch has
+ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(ctx, x, X, k, root):
+    out = x.new_empty(ctx.world_size * k)  # (W*k,): one flat output buffer instead of a list of W tensors
+    ALL_GATHER_FLAT(out, x[:k].clone())
+    return x[:k], out, X[:, :k].ravel()
+
+
 def reduce_scatter(ctx, x, X, k, root):
     out = x.new_empty(k)  # (k,): piece r of the sum over ranks of the (W*k,) inputs
     dist.reduce_scatter(out, list(x.clone().chunk(ctx.world_size)))
@@ -142,6 +162,10 @@ CASES: dict[str, Case] = {
     "all_reduce PRODUCT": all_reduce("PRODUCT", lambda a: a.prod(0)),
     "all_reduce AVG": all_reduce("AVG", lambda a: a.mean(0)),
     "all_reduce PREMUL_SUM": all_reduce("PREMUL_SUM", lambda a: 2.0 * a.sum(0)),  # NCCL-only: a probe
+    "all_reduce BAND": all_reduce_bits("BAND", np.bitwise_and),
+    "all_reduce BOR": all_reduce_bits("BOR", np.bitwise_or),
+    "all_reduce BXOR": all_reduce_bits("BXOR", np.bitwise_xor),
+    ALL_GATHER_FLAT.__name__: all_gather_flat,
     "reduce_scatter": reduce_scatter, REDUCE_SCATTER_FLAT.__name__: reduce_scatter_flat,
     "all_to_all": all_to_all, "all_to_all_single": all_to_all_single,
 }
