@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 
-CH01 = ROOT / "tutorial" / "part1-distributed" / "chapter01-first-program" / "scripts"
+CH01 = scripts_dir(1)
 
 
 def load(name: str):

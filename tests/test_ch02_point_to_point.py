@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 
-CH02 = ROOT / "tutorial" / "part1-distributed" / "chapter02-point-to-point" / "scripts"
+CH02 = scripts_dir(2)
 
 
 def load(name: str):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
 
-CH03 = ROOT / "tutorial" / "part1-distributed" / "chapter03-collectives" / "scripts"
+CH03 = scripts_dir(3)
 LENGTHS = [1, 2, 5, 7, 1000, 1001]
 
 

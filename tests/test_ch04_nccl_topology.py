@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 
-CH04 = ROOT / "tutorial" / "part1-distributed" / "chapter04-nccl-topology" / "scripts"
+CH04 = scripts_dir(4)
 ODD_LENGTHS = [1, 3, 7, 1001]  # shorter than, and not divisible by, most world sizes
 
 

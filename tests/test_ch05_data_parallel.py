@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run
+from conftest import run, scripts_dir
 from mlsys.collectives import comm_volume
 from mlsys.data import load_splits
 from mlsys.ddp import BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
 from mlsys.model import GPT, GPTConfig, num_params
 
-CH05 = ROOT / "tutorial" / "part2-parallelism" / "chapter05-data-parallel" / "scripts"
+CH05 = scripts_dir(5)
 STEPS, BATCH, LR = 4, 2, 0.5
 
 

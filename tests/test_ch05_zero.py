@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 from mlsys.cli import SelfCheckFailed
 from mlsys.collectives import comm_volume
 from mlsys.memory import zero_bytes_per_rank
 from mlsys.model import GPT, GPTConfig, num_params
 
-CH05 = ROOT / "tutorial" / "part2-parallelism" / "chapter05-data-parallel" / "scripts"
+CH05 = scripts_dir(5)
 zero = load_script(CH05 / "zero.py")
 common = load_script(CH05 / "_zero_common.py")
 W, LAYERS = 3, 2  # 3 does not divide the unit sizes: the padding is exercised

@@ -6,24 +6,15 @@ reduce-scatter as adjoint operators; one-line exit 2 for sizes that do not divid
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, run_json, scripts_dir
 from mlsys.collectives import comm_volume
 from mlsys.model import Block, GPTConfig
 from mlsys.tensor_parallel import block_activation_bytes, check_divisible, layer_comm_volume, saved_activation_bytes
 
-CH06 = ROOT / "tutorial" / "part2-parallelism" / "chapter06-tensor-parallel" / "scripts"
-
-
-def run_json(tmp_path_factory, script: str, *flags: str) -> dict:
-    out = tmp_path_factory.mktemp("ch06") / "r.json"
-    proc = run([CH06 / script, *flags, "--json", out], timeout=110)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())["results"]
+CH06 = scripts_dir(6)
 
 
 # ----------------------------------------------------------------------------------------------- formulas, in-process
@@ -142,7 +133,7 @@ def test_sp_pair_is_adjoint_and_layouts() -> None:
 
 @pytest.fixture(scope="module")
 def transformer(tmp_path_factory) -> dict:
-    return run_json(tmp_path_factory, "tp_transformer.py", "-w", "4", "--tp-sizes", "1", "2", "4", "--seq", "16",
+    return run_json(tmp_path_factory, CH06 / "tp_transformer.py", "-w", "4", "--tp-sizes", "1", "2", "4", "--seq", "16",
                     "--n-embd", "32")
 
 
@@ -165,8 +156,8 @@ def test_tp_equals_dense_for_1_2_4(transformer: dict) -> None:
 
 @pytest.fixture(scope="module")
 def seqpar(tmp_path_factory) -> dict:
-    return run_json(tmp_path_factory, "sequence_parallel.py", "-w", "4", "--tp-sizes", "1", "2", "4", "--n-layer",
-                    "1", "--n-embd", "64", "--seq", "32", "--batch", "2")
+    return run_json(tmp_path_factory, CH06 / "sequence_parallel.py", "-w", "4", "--tp-sizes", "1", "2", "4",
+                    "--n-layer", "1", "--n-embd", "64", "--seq", "32", "--batch", "2")
 
 
 @pytest.mark.timeout(120)
@@ -186,14 +177,14 @@ def test_sequence_parallel_equals_tp_and_saves_memory(seqpar: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_matches_torch_dtensor(tmp_path_factory) -> None:
-    res = run_json(tmp_path_factory, "tp_dtensor.py", "-w", "2", "--seq", "8", "--hidden", "32", "--vocab", "10")
+    res = run_json(tmp_path_factory, CH06 / "tp_dtensor.py", "-w", "2", "--seq", "8", "--hidden", "32", "--vocab", "10")
     assert len(res["checks"]) == 15 and res["max_abs_diff"] < 1e-5
     assert {c["case"] for c in res["checks"]} == {"MLP", "MLP + SP", "head"}
 
 
 @pytest.mark.timeout(120)
 def test_layers_count_one_all_reduce_each_way(tmp_path_factory) -> None:
-    res = run_json(tmp_path_factory, "tp_layers.py", "-w", "2", "--hidden", "16", "--seq", "4")
+    res = run_json(tmp_path_factory, CH06 / "tp_layers.py", "-w", "2", "--hidden", "16", "--seq", "4")
     assert res["forward_all_reduces"] == res["backward_all_reduces"] == 1
     assert res["all_reduce_bytes"] == 4 * 4 * 16 * 4 and res["max_abs_err"] < 1e-5
     assert len(res["checks"]) == 13

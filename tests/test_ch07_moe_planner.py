@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 
-CH07 = ROOT / "tutorial" / "part2-parallelism" / "chapter07-pipeline-expert" / "scripts"
+CH07 = scripts_dir(7)
 moe = load_script(CH07 / "moe_expert_parallel.py")
 planner = load_script(CH07 / "parallel_planner.py")
 GIB = 1024**3

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import TUTORIAL, run
+from conftest import chapter_dir, run, scripts_dir
 from mlsys.model import GPT, GPTConfig
 from mlsys.pipeline import (
     bubble_fraction,
@@ -19,8 +19,8 @@ from mlsys.pipeline import (
     split_gpt,
 )
 
-CHAPTER = TUTORIAL / "part2-parallelism" / "chapter07-pipeline-expert"
-SCRIPTS = CHAPTER / "scripts"
+CHAPTER = chapter_dir(7)
+SCRIPTS = scripts_dir(7)
 
 
 # ----------------------------------------------------------------------------------------------- formulas

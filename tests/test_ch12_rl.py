@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 from mlsys import rl
 
-CH12 = ROOT / "tutorial" / "part4-rlhf" / "chapter12-rl-fundamentals" / "scripts"
+CH12 = scripts_dir(12)
 
 
 @pytest.fixture(autouse=True)

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, load_script, run
+from conftest import load_script, run, scripts_dir
 from mlsys import kv_memory as kvm
 from mlsys import memory as mem
 
-CH14 = ROOT / "tutorial" / "part4-rlhf" / "chapter14-rlhf-architecture" / "scripts"
+CH14 = scripts_dir(14)
 GIB = 1024**3
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from conftest import ROOT, run
+from conftest import run, scripts_dir
 from mlsys.weight_sync import (
     broadcast_bucketed,
     broadcast_per_tensor,
@@ -22,7 +22,7 @@ from mlsys.weight_sync import (
     unpack,
 )
 
-CH14 = ROOT / "tutorial" / "part4-rlhf" / "chapter14-rlhf-architecture" / "scripts"
+CH14 = scripts_dir(14)
 
 
 def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:

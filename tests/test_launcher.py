@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import ROOT, run, scripts_dir
 
 JOB = ROOT / "tests" / "fixtures" / "job.py"
-HELLO = ROOT / "tutorial" / "part1-distributed" / "chapter01-first-program" / "scripts" / "hello_distributed.py"
+HELLO = scripts_dir(1) / "hello_distributed.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
