@@ -155,8 +155,7 @@ def test_async_is_one_step_off_policy(placement_json: dict) -> None:
     assert all(abs(x["off_policy_gap"]) > 1e-4 for x in asy[1:])
     for name in ("colocated", "disaggregated", "async"):
         ranks = res[name]["ranks"]
-        for r in ranks:  # idle = wall - compute, never negative, and phases add up within the wall time
-            assert r["idle"] >= -1e-9
-            assert r["generate"] + r["score"] + r["train"] + r["idle"] == pytest.approx(res[name]["wall_s"])
-        if name != "colocated":
+        for r in ranks:  # the phases a rank timed fit inside the job's wall time (idle is what is left over)
+            assert r["generate"] + r["score"] + r["train"] <= res[name]["wall_s"] + 1e-6
+        if name != "colocated":  # the layout: the trainer never generates, a rollout rank never scores or trains
             assert ranks[0]["generate"] == 0 and ranks[1]["train"] == 0 and ranks[1]["score"] == 0

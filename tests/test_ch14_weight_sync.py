@@ -135,7 +135,6 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
         assert script[name]["tensors"] == len(params)
         assert script[name]["MB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
         assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
-        assert script[name]["per-tensor ms/MB"] == pytest.approx(script[name]["per-tensor ms"] / script[name]["MB"])
     assert (tmp_path / "sync_time.png").stat().st_size > 0
 
 
