@@ -29,6 +29,7 @@ real tokens. `response_positions` maps the grid back into the sequence.
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mlsys.data import PEOPLE, Tokenizer, format_record, parse_record, sample_record
+from mlsys.data import MAX_LANGS, PEOPLE, Tokenizer, format_record, parse_record, sample_record
 from mlsys.model import GPT, GPTConfig
 
 TOKENIZER = Tokenizer()
@@ -234,9 +235,10 @@ def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress
 
 @torch.no_grad()
 def normalize_reward_model(rm: ScalarHeadModel, texts: list[str]) -> tuple[float, float]:
-    """Rescale the head so that scores on `texts` have mean 0 and std 1 (Ziegler et al., arXiv:1909.08593,
-    section 2.2): a Bradley-Terry model fixes only differences of scores, so the offset and scale are free;
-    fixing them makes the KL coefficient beta mean the same thing on every run. Returns the old (mean, std)."""
+    """Rescale the head so that scores on `texts` have mean 0 and std 1: a Bradley-Terry model fixes only
+    differences of scores, so the offset and scale are free; fixing them makes the KL coefficient beta mean the
+    same thing on every run. Returns the old (mean, std). (Ziegler et al., arXiv:1909.08593, normalise too, but on
+    responses the pretrained policy samples for the task's prompts; the book uses held-out rule-labelled records.)"""
     ids, lengths = encode_records(texts)
     scores = rm.score(ids, lengths)  # (N,)
     mean, std = scores.mean().item(), scores.std().item()
@@ -546,6 +548,56 @@ def rlhf_iteration(engine, models: Models, opts: dict, kl_ctl: AdaptiveKLControl
     kl_ctl.update(kl_seq)  # the controller reacts to the KL this batch measured
     return stats, batch
 # --8<-- [end:iteration]
+
+
+# ------------------------------------------------------------ evaluation
+
+
+KINDS = ("well_formed", "four_plus_langs", "repeated_lang", "not_json", "other")
+
+
+def response_kind(text: str) -> str:
+    """Why the rule scores a record as it does: 'well_formed', or the way it is malformed -- 'four_plus_langs',
+    'repeated_lang' (both parse as JSON: the hacks the reward model was never shown), 'not_json' (cut short by
+    the token limit or broken syntax) or 'other' (JSON that breaks the schema some other way: a misspelt city)."""
+    if rule_score(text) > 0:
+        return "well_formed"
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return "not_json"
+    langs = record.get("langs") if isinstance(record, dict) else None
+    if isinstance(langs, list) and len(langs) > MAX_LANGS:
+        return "four_plus_langs"
+    if isinstance(langs, list) and len({str(x) for x in langs}) < len(langs):
+        return "repeated_lang"
+    return "other"
+
+
+# --8<-- [start:evaluate]
+@torch.no_grad()
+def evaluate_policy(engine, reward_model: ScalarHeadModel, num_prompts: int = 128, max_tokens: int = 72,
+                    seed: int = 999_999) -> dict:
+    """One sampled response (temperature 1) to each of `num_prompts` prompts drawn with their own `seed`, judged
+    by the rule (the "human") and by the reward model. The same seed gives the same prompts and sampling seeds,
+    so two policies (the SFT model, the trained actor) are compared on identical prompts."""
+    batch = generate_rollouts(engine, make_prompts(num_prompts, seed), max_tokens, temperature=1.0, seed=seed)
+    rule = torch.tensor([float(rule_score(t)) for t in batch.texts])  # (N,)
+    scores = reward_model.score(batch.ids, batch.lengths)  # (N,)
+    kinds = [response_kind(t) for t in batch.texts]
+    valid = rule > 0
+    hacks = torch.tensor([k in ("four_plus_langs", "repeated_lang") for k in kinds])
+
+    def mean(sel: torch.Tensor) -> float:
+        return scores[sel].mean().item() if sel.any() else float("nan")
+
+    return {"prompts": num_prompts, "rule_score": rule.mean().item(), "valid": valid.float().mean().item(),
+            "reward": scores.mean().item(), "reward_valid": mean(valid), "reward_malformed": mean(~valid),
+            "reward_hacks": mean(hacks), "hacks": int(hacks.sum()), "malformed": int((~valid).sum()),
+            "malformed_above_valid": int(((scores > mean(valid)) & ~valid).sum()),  # beat the mean valid record
+            "kinds": {k: kinds.count(k) for k in KINDS},
+            "texts": batch.texts, "scores": scores.tolist()}
+# --8<-- [end:evaluate]
 
 
 def setup_rlhf(cfg: PPOConfig, max_num_seqs: int, name: str = "draft", algo: str = "ppo"):

@@ -1,7 +1,8 @@
 """Chapter 13 oracles: the Bradley-Terry loss by hand, the KL estimators against exact expectations and torch's
 KL, reward shaping sums, GAE over tokens against a per-row loop, group advantages against numpy, log-probs against
-a plain forward, the engine's sampled-token log-probs against the trainer's, and a short seeded RLHF run that
-raises the mean reward."""
+a plain forward, the engine's sampled-token log-probs against the trainer's, GRPO's KL term against a k3 computed
+from the full softmax, and short seeded RLHF runs: GRPO raises the mean reward, PPO raises the rule score (the
+"human") over the SFT model on three seeds while the share of well-formed records falls (reward hacking)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_json, scripts_dir
 from mlsys import rlhf
 from mlsys.engine import Engine, EngineConfig
 from mlsys.model import GPT, GPTConfig
@@ -124,16 +126,8 @@ def test_k3_is_nonnegative_per_sample_and_k1_is_not() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_kl_calculator_script_matches_exact_values(tmp_path) -> None:
-    import json
-
-    from conftest import ROOT, run
-
-    out = tmp_path / "r.json"
-    proc = run([ROOT / "tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py", "--smoke", "--json", out],
-               timeout=290)  # the first run on a fresh checkout trains the `small` GPT (about 2 min)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(out.read_text())["results"]
+def test_kl_calculator_script_matches_exact_values(tmp_path_factory) -> None:
+    res = run_json(tmp_path_factory, scripts_dir(13) / "kl_calculator.py", "--smoke", timeout=290)
     for rows in res["categorical"].values():
         exact = {r["estimator"]: r["E_p[k] exact"] for r in rows}
         assert exact["k1"] == pytest.approx(rows[0]["exact KL"], rel=1e-9)
@@ -248,28 +242,67 @@ def test_rollouts_are_reproducible_by_seed() -> None:
 # ---------------------------------------------------------------------------------------------- training
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_short_rlhf_run_raises_mean_reward(algo: str) -> None:
-    torch.manual_seed(0)
-    random.seed(0)
-    cfg = rlhf.PPOConfig()  # actor lr 3e-4, beta 0.1, KL target 1 nat
-    models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=16, algo=algo)
-    assert (models.critic is None) == (algo == "grpo")
-    history = [rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 16, 72, seed=i, algo=algo)[0]
-               for i in range(6)]
-    first, last = history[0]["reward"], sum(h["reward"] for h in history[-2:]) / 2
-    assert last > first + 0.3, [round(h["reward"], 3) for h in history]
-    # the controller answers each batch's KL: beta rises after a batch above the 1-nat target, falls below it
-    for now, nxt in zip(history, history[1:]):
+def _check_run(history: list[dict], cfg, models, engine) -> None:
+    """What any short run must show: the controller answers each batch's KL, the first batch is the reference's
+    own, the engine serves the trained actor, and the reference is still the SFT model."""
+    for now, nxt in zip(history, history[1:]):  # beta rises after a batch above the target KL, falls below it
         assert (nxt["beta"] - now["beta"]) * (now["kl"] - cfg.kl_target) >= 0, (now, nxt)
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first batch comes from the reference itself
-    # the engine serves the trained actor after each iteration
     served = engine.model.state_dict()
     assert all(torch.equal(served[k], v) for k, v in models.actor.state_dict().items())
     assert not any(p.requires_grad for p in models.reference.parameters())
     sft = load_pretrained("draft").state_dict()  # the reference never moved: still the SFT model
     assert all(torch.equal(sft[k], v) for k, v in models.reference.state_dict().items())
+
+
+@pytest.mark.timeout(120)
+def test_short_grpo_run_raises_mean_reward() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    cfg = rlhf.PPOConfig()  # actor lr 3e-4, beta 0.1, KL target 1 nat
+    models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=16, algo="grpo")
+    assert models.critic is None
+    history = [rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 16, 72, seed=i, algo="grpo")[0]
+               for i in range(6)]
+    first, last = history[0]["reward"], sum(h["reward"] for h in history[-2:]) / 2
+    assert last > first + 0.3, [round(h["reward"], 3) for h in history]
+    _check_run(history, cfg, models, engine)
+
+
+@pytest.mark.timeout(300)
+def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model() -> None:
+    """The "human" must agree, not only the reward model: on 256 fresh prompts (the same prompts and sampling seeds
+    for every policy), the policy after 12 PPO iterations of 32 rollouts scores higher by the rule than the SFT model
+    it started from, for each of three seeds, and by 0.25 languages on average (measured on 512 prompts: +0.38,
+    +0.61, +0.44). And the reward is hacked as the lesson says: the share of well-formed records falls below the
+    SFT model's."""
+    cfg = rlhf.PPOConfig()
+    sft_engine = Engine(load_pretrained("draft"), config=EngineConfig(max_num_seqs=64))
+    sft = rlhf.evaluate_policy(sft_engine, rlhf.load_reward_model("draft"), num_prompts=256)
+    assert sum(sft["kinds"].values()) == 256 and sft["kinds"]["well_formed"] == round(256 * sft["valid"])
+    gains, valid = [], []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=64)
+        history = [rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 32, 72, seed=seed * 10_000 + i)[0]
+                   for i in range(12)]
+        _check_run(history, cfg, models, engine)
+        trained = rlhf.evaluate_policy(engine, models.reward_model, num_prompts=256)
+        rule = [float(rlhf.rule_score(t)) for t in trained["texts"]]  # the rule applied here, not the summary
+        gains.append(sum(rule) / len(rule) - sft["rule_score"])
+        valid.append(trained["valid"])
+        assert trained["reward"] > sft["reward"] + 0.3  # the reward model's view: a large gain
+    assert min(gains) > 0.1 and sum(gains) / 3 >= 0.25, gains
+    assert sum(valid) / 3 < sft["valid"], (valid, sft["valid"])
+
+
+def test_response_kind_names_how_a_record_breaks_the_schema() -> None:
+    base = '{"name": "ada", "age": 34, "city": "london", "langs": '
+    assert rlhf.response_kind(base + '["c", "go"]}') == "well_formed"
+    assert rlhf.response_kind(base + '["c", "go", "lua", "rust"]}') == "four_plus_langs"
+    assert rlhf.response_kind(base + '["go", "go"]}') == "repeated_lang"
+    assert rlhf.response_kind(base + '["c", "g') == "not_json"
+    assert rlhf.response_kind(base.replace("london", "lodnon") + '["c"]}') == "other"
 
 
 def _frozen_grpo_batch(actor: GPT, reference: GPT) -> rlhf.RolloutBatch:
@@ -312,3 +345,31 @@ def test_grpo_loss_pulls_the_policy_to_the_reference_only_through_its_kl_term(be
     else:
         assert moved > 0
         assert gap_after.abs().mean() < gap_before.abs().mean()  # closer to the reference on the sampled tokens
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04, 0.5])
+def test_grpo_loss_and_gradient_are_beta_times_an_independent_k3_kl(beta: float) -> None:
+    """One GRPO step with zero advantages (the clipped surrogate is then 0 with zero gradient), plain SGD at lr 1
+    and no gradient clipping: the loss it reports must be beta * mean_t k3_t and its step must be -beta * grad of
+    that mean, with k3 = exp(ref - logp) - 1 - (ref - logp) computed here from the full softmax of both models
+    (none of mlsys.rlhf's helpers). Deleting or rescaling the KL term fails at beta > 0."""
+    actor, reference = tiny_gpt(0).train(), tiny_gpt(1)
+    batch = _frozen_grpo_batch(actor, reference)
+    params = list(actor.parameters())
+    before = [p.detach().clone() for p in params]
+    logits, _ = actor(batch.ids)
+    logp = torch.log_softmax(logits.double(), -1)[:, 5:-1].gather(2, batch.ids[:, 6:, None]).squeeze(2)  # (4, 10)
+    ref = _response_logprobs_by_hand(reference, batch.ids, 6)
+    k3 = (ref - logp).exp() - 1 - (ref - logp)
+    want_loss = beta * k3.mean()
+    grads = torch.autograd.grad(k3.mean(), params)
+    actor.zero_grad(set_to_none=True)
+
+    models = rlhf.Models(actor=actor, critic=None, reward_model=None, reference=reference)
+    cfg = rlhf.PPOConfig(ppo_epochs=1, num_minibatches=1, max_grad_norm=1e9)
+    stats = rlhf.ppo_update(models, {"actor": torch.optim.SGD(params, lr=1.0)}, batch, cfg, beta, algo="grpo")
+    assert stats["policy_loss"] == pytest.approx(want_loss.item(), rel=1e-4, abs=1e-9)
+    scale = max(g.abs().max().item() for g in grads)
+    assert k3.mean().item() > 1e-3 and scale > 1e-3  # two different random models: the KL term has a gradient
+    for p, p0, g in zip(params, before, grads):  # the step, to 0.1% of the largest gradient entry
+        torch.testing.assert_close((p.detach() - p0).double(), -beta * g.double(), rtol=1e-3, atol=1e-3 * beta * scale)

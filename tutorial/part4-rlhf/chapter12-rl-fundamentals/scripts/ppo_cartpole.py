@@ -87,8 +87,11 @@ def main() -> int:
     print("\n" + report.table(rows))
     if args.json:
         runs_json = [{k: v for k, v in r.items() if k not in ("curve", "agent")} for r in runs]
+        agent = runs[0]["agent"]  # the network as built: (in, out) of every linear layer
+        layers = {name: [[m.in_features, m.out_features] for m in net if isinstance(m, torch.nn.Linear)]
+                  for name, net in (("actor", agent.actor), ("critic", agent.critic))}
         report.write_json(args.json, {"env_id": args.env_id, "obs_dim": args.obs_dim, "num_actions": args.num_actions,
-                                      "solve_return": args.solve_return, "runs": runs_json}, args)
+                                      "solve_return": args.solve_return, "layers": layers, "runs": runs_json}, args)
     unsolved = [r["seed"] for r in runs if not r["solved"]]
     if args.smoke:
         print(f"\nsmoke run: {runs[0]['steps']} steps, no solve check")

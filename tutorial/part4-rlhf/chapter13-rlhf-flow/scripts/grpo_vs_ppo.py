@@ -4,7 +4,9 @@ What it shows
     PPO (rlhf_loop.py) learns a critic V(s_t) and turns KL-shaped per-token rewards into advantages with GAE.
     GRPO ("DeepSeekMath", arXiv:2402.03300) drops the critic: each prompt gets --group-size responses, and each
     response's advantage is its score minus the group mean, over the group std, the same for all its tokens; the
-    KL to the reference moves from the reward into the loss (k3 per token).
+    KL to the reference moves from the reward into the loss (k3 per token). Both use the adaptive beta controller
+    by default, so that they are compared at the same KL target; DeepSeekMath keeps beta fixed at 0.04
+    (--beta 0.04 --kl-target 0 runs that).
     Both runs start from the same models, see the same prompts and sampling seeds, and their iterations are
     interleaved (PPO i, GRPO i, PPO i+1, ...) so that both meet the same machine load. Printed: reward, rule score,
     share of well-formed records and KL averaged over the last iterations; median seconds per iteration by
@@ -13,6 +15,7 @@ What it shows
 How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40 --group-size 8
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --beta 0.04 --kl-target 0   # fixed beta
 
 Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
 shared machine are noisy; the interleaving keeps the comparison fair, not the absolute numbers.
@@ -109,13 +112,24 @@ def main() -> int:
                                            for h in history),
                "models": len(held)}
         rows.append(row)
-        results[algo] = {"summary": row, "history": history, "models_held": held}
+        rule, kl = [h["rule_score"] for h in history], [h["kl"] for h in history]
+        extremes = {"rule_start": rule[0], "rule_min": min(rule), "rule_min_iteration": rule.index(min(rule)) + 1,
+                    "valid_min": min(h["valid"] for h in history), "kl_max": max(kl),
+                    "kl_max_iteration": kl.index(max(kl)) + 1, "beta_final": history[-1]["beta"]}
+        results[algo] = {"summary": row, "extremes": extremes, "history": history, "models_held": held}
     print(f"{args.iterations} iterations x {args.num_rollouts} rollouts ({args.num_rollouts // args.group_size} "
           f"prompts x {args.group_size}), interleaved; quality averaged over the last {len(tail)} iterations, "
           f"time per iteration as medians:")
     print(report.table(rows, floatfmt=".3f"))
     print(f"\nat the start (iteration 1, same for both): reward {histories['ppo'][0]['reward']:+.3f}, rule score "
           f"{histories['ppo'][0]['rule_score']:.2f}")
+    for algo in histories:
+        e = results[algo]["extremes"]
+        print(f"{algo}: lowest rule score {e['rule_min']:.2f} (iteration {e['rule_min_iteration']}), largest KL "
+              f"{e['kl_max']:.2f} nats (iteration {e['kl_max_iteration']}), "
+              f"beta {args.beta:g} -> {e['beta_final']:.3f}")
+    results["cheaper"] = min(rows, key=lambda r: r["s/iter"])["algo"]  # noise decides it on a shared machine
+    results["higher_reward"] = max(rows, key=lambda r: r["reward"])["algo"]
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],
                         histories["grpo"][0]["reward"])
     critic = sum(p.numel() for p in models["ppo"].critic.parameters())

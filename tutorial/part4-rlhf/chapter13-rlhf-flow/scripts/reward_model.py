@@ -138,7 +138,7 @@ def main() -> int:
     held_out = make_preference_pairs(args.num_eval_pairs, seed=args.seed + 12345)
     accuracy = pairwise_accuracy(rm, held_out)
     rows = accuracy_by_kind(rm, held_out)
-    print(f"\n3. Held-out pairwise accuracy: {100 * accuracy:.1f}% of {len(held_out)} pairs (goal >= 90%)")
+    print(f"\n3. Held-out pairwise accuracy: {100 * accuracy:.1f}% of {len(held_out)} pairs (the check: >= 90%)")
     print("   " + report.table(rows, floatfmt=".1f").replace("\n", "\n   "))
     with torch.no_grad():
         ids, lengths = encode_records(PROBES)

@@ -11,7 +11,10 @@ What it shows
     2. The loop for --iterations, with an adaptive KL coefficient (Ziegler et al. 2019) keeping the KL per
        response near --kl-target (--kl-target 0: a fixed beta). A table every few iterations, and a figure of
        reward, KL, response length and the share of well-formed records per iteration.
-    3. Responses from the first and the last iteration, side by side.
+    3. What the "human" says: the SFT model (before training) and the trained policy answer the same
+       --eval-prompts fresh prompts with the same sampling seeds; per policy, the rule score, the share of
+       well-formed records and the reward-model score, and for the trained policy how it breaks the schema and
+       what the reward model pays for each kind (reward hacking, measured). Responses side by side.
     The reward model is mlsys.rlhf.load_reward_model() (trained by reward_model.py; trained here if missing).
 
 How to run
@@ -19,7 +22,12 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --kl-target 0 --beta 0.02   # fixed beta
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
 
-Runtime on 2 cores: 35-50 s for 30 iterations on a busy machine (a tqdm bar on a terminal), 10 s with --smoke.
+Self-check: --iterations 10 or more must raise the mean reward-model score by 0.5 (a run that does not learn
+exits 1). The rule score over the SFT model is measured and printed, not checked here: tests/test_ch13_rlhf.py
+asserts its gain over three seeds.
+
+Runtime on 2 cores: 25-45 s for 24 iterations and the two evaluations on a busy machine (a tqdm bar on a
+terminal), 10 s with --smoke.
 """
 
 from __future__ import annotations
@@ -30,13 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mlsys import cli, plot, report
-from mlsys.rlhf import TOKENIZER, PPOConfig, RolloutBatch, rlhf_iteration, setup_rlhf
+from mlsys import cli, plot, report, rlhf
+from mlsys.rlhf import TOKENIZER, PPOConfig, RolloutBatch, evaluate_policy, rlhf_iteration, setup_rlhf
 
 
 @dataclass
 class Settings(cli.Args, cli.PlotArgs):
-    iterations: int = 30
+    iterations: int = 24
     """RLHF iterations (each: generate, score, update, push weights)."""
     num_rollouts: int = 32
     """Responses generated per iteration (groups of --group-size share a prompt)."""
@@ -54,10 +62,12 @@ class Settings(cli.Args, cli.PlotArgs):
     """Controller gain: beta changes by at most k_beta x 20 percent per iteration."""
     group_size: int = 4
     """Responses per prompt (GRPO's group; PPO gets the same prompts)."""
+    eval_prompts: int = 256
+    """Fresh prompts on which the SFT model and the trained policy are compared (rule and reward model)."""
 
     def validate(self) -> None:
-        if self.iterations < 1 or self.max_tokens < 8 or self.max_tokens > 200:
-            raise cli.UsageError("--iterations must be >= 1 and --max-tokens in 8..200")
+        if self.iterations < 1 or self.max_tokens < 8 or self.max_tokens > 200 or self.eval_prompts < 1:
+            raise cli.UsageError("--iterations and --eval-prompts must be >= 1 and --max-tokens in 8..200")
         if self.group_size < 2 or self.num_rollouts < self.group_size or self.num_rollouts % self.group_size:
             raise cli.UsageError(f"--num-rollouts must be a multiple of --group-size >= 2, got "
                                  f"{self.num_rollouts} and {self.group_size}")
@@ -141,13 +151,41 @@ def plot_history(history: list[dict], args: Settings) -> None:
     plot.save(fig, args, "training")
 
 
+# --8<-- [start:hacking]
+def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
+    """The SFT model and the trained policy on the same prompts and seeds: what the rule (the "human") and the
+    reward model say, and how the trained policy's malformed records are scored. Returns the numbers."""
+    keys = ("rule_score", "valid", "reward", "reward_valid", "reward_malformed")
+    print(f"\n3. The SFT model and the trained policy on the same {args.eval_prompts} fresh prompts and sampling "
+          f"seeds (reward: the reward model's mean score; then how many records of each kind):")
+    print("   " + report.table([{"policy": name, **{k: e[k] for k in keys}, **e["kinds"]}
+                                for name, e in (("SFT", sft), ("trained", trained))],
+                               floatfmt=".3f").replace("\n", "\n   "))
+    print(f"   rule score {sft['rule_score']:.2f} -> {trained['rule_score']:.2f}; well-formed "
+          f"{sft['valid']:.0%} -> {trained['valid']:.0%}. {trained['malformed_above_valid']} of the trained policy's "
+          f"{trained['malformed']} malformed records score above its mean well-formed "
+          f"one ({trained['reward_valid']:+.2f}); four or repeated languages ({trained['hacks']} records): "
+          f"{trained['reward_hacks']:+.2f} on average")
+    bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rlhf.rule_score(t) == 0)
+    for score, text in bad[::-1][:3]:
+        print(f"   malformed, scored {score:+.2f}: {text}")
+    print("   the same prompts, SFT then trained:")
+    for before, after in list(zip(sft["texts"], trained["texts"]))[:4]:
+        print(f"   SFT:     {before}\n   trained: {after}")
+    return {name: {k: v for k, v in e.items() if k not in ("texts", "scores")}
+            for name, e in (("sft", sft), ("trained", trained))}
+# --8<-- [end:hacking]
+
+
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48})
+    args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48, "eval_prompts": 8})
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # tiny model: one thread beats two fighting over small matmuls
     cfg = ppo_config(args)
     models, opts, kl_ctl, engine = setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=args.algo)
     print("   " + report.table(models.table()).replace("\n", "\n   ") + "\n")
+    sft_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)  # before training
+    engine.reset_prefix_cache()
 
     # 1. one iteration, taken apart
     stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
@@ -157,7 +195,7 @@ def main() -> int:
     report.expect_close("engine log-probs vs the trainer's recomputation", gap, 0.0, atol=1e-4)
     print(f"   The engine's log-prob of each token it sampled, recomputed by the trainer with a plain forward: "
           f"max difference {gap:.1e} over {int(batch.mask.sum())} tokens.")
-    history, first_batch = [stats], batch
+    history = [stats]
 
     # 2. the loop
     from tqdm import tqdm
@@ -180,18 +218,19 @@ def main() -> int:
           f"{final['reward']:+.3f}, "
           f"rule score {history[0]['rule_score']:.2f} -> {final['rule_score']:.2f}, KL {final['kl']:.2f} nats")
 
-    # 3. the last iteration, up close
-    print("\n3. Responses of the first and the last iteration (one per prompt group):")
-    for before, after in list(zip(first_batch.texts, batch.texts))[: 4 * args.group_size : args.group_size]:
-        print(f"   first: {before}\n   last:  {after}")
+    # 3. what the "human" says: the SFT model and the trained policy on the same fresh prompts
+    final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)
+    hacking = print_hacking(sft_eval, final_eval, args)
     checked = {}
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
         checked = anatomy(batch, stats, history[-1]["beta"])
-    if not args.smoke:  # a real run must learn: +0.5 reward-model std units over the first batch
+    if not args.smoke and args.iterations >= 10:  # a real run must learn: +0.5 reward-model std units
         report.expect_equal("mean reward rose by >= 0.5", final["reward"] - history[0]["reward"] >= 0.5, True)
+    kl_above = sum(h["kl"] > args.kl_target for h in history[1:]) / max(1, len(history) - 1)
     if args.json:
-        report.write_json(args.json, {"history": history, "final": final, "anatomy": checked}, args)
+        report.write_json(args.json, {"history": history, "final": final, "kl_above_target": kl_above,
+                                      "hacking": hacking, "anatomy": checked}, args)
     return 0
 
 
