@@ -238,9 +238,11 @@ def test_discounted_return_and_crossing() -> None:
     rv = load_script(CH12 / "reinforce_vs_ppo.py")
     curve = [(100 * i, float(i)) for i in range(1, 50)]  # mean of 20 consecutive i's reaches 30 at i = 40
     assert rv.running_mean_crossing(curve, 30.5) == 4000 and rv.running_mean_crossing(curve, 1e9) is None
-    rise_and_fall = [(10 * i, float(r)) for i, r in enumerate([0] * 5 + [100] * 3 + [0] * 5)]
-    assert rv.running_mean_peak(rise_and_fall, window=3) == (100.0, 70)  # the first window of three 100s
-    assert rv.running_mean_peak(curve[:5], window=20) == (0.0, None)
+    rise_and_fall = [(10 * i, float(r)) for i, r in enumerate([0] * 5 + [90] * 3 + [0] * 5 + [60] * 3)]
+    # windows of 3: the mean reaches 90 at step 70 (three 90s), falls to 0 at step 120, climbs to 60 at the end
+    assert rv.running_mean_drop(rise_and_fall, window=3) == {"drop": 90.0, "peak": 90.0, "peak_step": 70,
+                                                              "low": 0.0, "low_step": 100}
+    assert rv.running_mean_drop(curve, window=20)["drop"] == 0.0  # a steady climb never falls
 
 
 def test_actor_gradient_matches_a_hand_policy_gradient() -> None:

@@ -70,7 +70,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
 
 
 class Timeline:
-    """(phase, start, end) of one rank, in seconds since a start all ranks share (after a barrier)."""
+    """(phase, start, end) of one rank, in seconds since a start all ranks share (after a barrier). t0 is that start
+    on time.perf_counter's clock, which on Linux is one clock for every process of the machine."""
 
     def __init__(self) -> None:
         dist.barrier()
@@ -90,6 +91,18 @@ class Timeline:
 
 
 # ------------------------------------------------------------------------------------------- the shared work
+def held_parameters(*modules) -> int:
+    """Parameters this rank holds in memory: every distinct tensor of the given models counted once (a tied
+    embedding once, a model that shares another's tensors not at all)."""
+    seen = {}
+    for m in modules:
+        if m is None:
+            continue
+        for p in m.parameters():
+            seen[p.data_ptr()] = p.numel()
+    return sum(seen.values())
+
+
 def setup(role: str, seed: int):
     """Models for a rank: 'all' (co-located), 'trainer' (four models, no engine) or 'rollout' (an engine only)."""
     from mlsys.engine import Engine, EngineConfig
@@ -166,6 +179,7 @@ def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
     """Every rank: all four models + an engine. Phases take turns; training is replicated on every rank (so all
     ranks keep identical weights without a gradient all-reduce; a real system shards it, chapter 5)."""
     models, opts, kl_ctl, engine, cfg = setup("all", args.seed)
+    held = held_parameters(models.actor, models.critic, models.reward_model, models.reference, engine.model)
     tl, stats = Timeline(), []
     mine = range(ctx.rank, args.shards, ctx.world_size)  # shards (and micro-batches) this rank owns
     for it in range(args.iterations):
@@ -183,7 +197,7 @@ def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
         with tl.span("train"):
             stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
             engine.load_weights(models.actor.state_dict())  # same process: a memory copy, no network
-    return tl.events, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}
+    return tl, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}, held
 # --8<-- [end:colocated]
 
 
@@ -200,6 +214,7 @@ def send_weights(tl: Timeline, params: dict, plan: list) -> None:
 def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
     """Rank 0: receive batch k, score it, train, broadcast the new weights. The same code for sync and async."""
     models, opts, kl_ctl, _, cfg = setup("trainer", args.seed)
+    held = held_parameters(models.actor, models.critic, models.reward_model, models.reference)
     params = unique_parameters(models.actor)
     plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
     tl, stats = Timeline(), []
@@ -214,7 +229,7 @@ def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
             stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
         if it < args.iterations - 1:
             send_weights(tl, params, plan)
-    return tl.events, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}
+    return tl, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}, held
 
 
 def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
@@ -222,6 +237,7 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
     step k before generating batch k. Asynchronous: generate batch k with the weights of step k-1 first, then
     receive step k's weights (so generation overlaps the trainer's step)."""
     _, _, _, engine, _ = setup("rollout", args.seed)
+    held = held_parameters(engine.model)
     params = unique_parameters(engine.model)
     plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
     mine = range(ctx.rank - 1, args.shards, ctx.world_size - 1)
@@ -240,7 +256,7 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
             receive_weights()
         with tl.span("comm"):
             dist.all_gather_object([None] * ctx.world_size, shards)
-    return tl.events
+    return tl, held
 # --8<-- [end:disaggregated]
 
 
@@ -248,14 +264,15 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     out, final = {}, {}
     for placement in args.placements:
         if placement == "colocated":
-            events, stats, weights = colocated(ctx, args)
+            tl, stats, weights, held = colocated(ctx, args)
         elif ctx.rank == 0:
-            events, stats, weights = trainer(ctx, args)
+            tl, stats, weights, held = trainer(ctx, args)
         else:
-            events, stats, weights = rollout(ctx, args, placement == "async"), [], None
-        timelines = [None] * ctx.world_size
-        dist.all_gather_object(timelines, events)
-        out[placement] = {"timelines": timelines, "stats": stats}
+            (tl, held), stats, weights = rollout(ctx, args, placement == "async"), [], None
+        per_rank = [None] * ctx.world_size
+        dist.all_gather_object(per_rank, (tl.events, tl.t0, held))
+        timelines, t0s, helds = (list(x) for x in zip(*per_rank))
+        out[placement] = {"timelines": timelines, "t0": t0s, "params_held": helds, "stats": stats}
         if weights is not None:
             final[placement] = weights
     if ctx.rank == 0 and "colocated" in final and "disaggregated" in final:  # tensors stay in this process
@@ -271,7 +288,7 @@ def summarize(name: str, res: dict, args: Settings) -> tuple[list[dict], float]:
     wall = max(end for events in res["timelines"] for _, _, end in events)
     table = []
     for rank, events in enumerate(res["timelines"]):
-        row = {"placement": name, "rank": rank}
+        row = {"placement": name, "rank": rank, "params held": res["params_held"][rank]}
         for phase in (*COMPUTE, "weight sync", "comm"):
             row[phase] = sum(e - s for p, s, e in events if p == phase)
         busy = sum(row[p] for p in COMPUTE)
@@ -339,9 +356,13 @@ def main() -> int:
         tables += table
         rollouts_per_s = args.iterations * args.num_rollouts / wall
         summary[name] = {"wall_s": wall, "rollouts_per_s": rollouts_per_s, "stats": res["stats"],
-                         "ranks": table}
+                         "ranks": table, "timelines": res["timelines"], "t0": res["t0"],
+                         "idle_pct": [row["idle %"] for row in table], "weight_sync_s": table[0]["weight sync"],
+                         "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
+                         "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations}
     print(f"\nMachine: {os.cpu_count()} cores, load average {load:.1f} before the run (other jobs share the cores)")
-    print("Seconds per phase and idle time per rank (idle = wall - generate - score - train):")
+    print("Parameters each rank holds (all its models, the engine's copy included), seconds per phase and idle time "
+          "per rank (idle = wall - generate - score - train):")
     print(report.table(tables, floatfmt=".2f"))
     print("\n" + report.table([{"placement": n, "wall s": s["wall_s"], "rollouts/s": s["rollouts_per_s"],
                                 "final reward": s["stats"][-1]["reward"],
@@ -359,6 +380,7 @@ def main() -> int:
               "bitwise equal  OK")
     if "async" in results and "disaggregated" in results:
         s, a = summary["disaggregated"], summary["async"]
+        summary["async_vs_sync"] = a["rollouts_per_s"] / s["rollouts_per_s"]
         print(f"async vs sync: {a['rollouts_per_s'] / s['rollouts_per_s']:.2f}x the rollouts per second; "
               f"final reward {a['stats'][-1]['reward']:.3f} vs {s['stats'][-1]['reward']:.3f}")
     if not args.smoke and not any(x["valid"] > 0 for s in summary.values() if isinstance(s, dict) and "stats" in s

@@ -6,7 +6,8 @@ What it shows
     1. sends the new weights with one dist.broadcast per tensor, and again packed into buckets of --bucket-mb MB
        (mlsys/weight_sync.py); after each, every receiving rank checks torch.equal on every tensor against a
        reference that travelled by a different road (pickled with broadcast_object_list);
-    2. times both ways (slowest rank, after a warm-up, mlsys.bench.time_collective) and reports ms per MB;
+    2. times both ways (slowest rank, best of --iters after a warm-up, mlsys.bench.time_collective) and reports
+       ms per MB and the ratio of the two times;
     3. sweeps the bucket size on the largest model;
     4. on the last rollout rank, loads the received weights into the inference engine (Engine.load_weights) and
        checks that its greedy completions equal the trainer's own generate().
@@ -61,7 +62,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     sweep_mb: list[float] = field(default_factory=lambda: [0.0625, 0.25, 1.0, 4.0, 16.0])
     """Bucket sizes (MB) tried on the largest model; empty to skip."""
     iters: int = 5
-    """Timed syncs per measurement (after one warm-up)."""
+    """Timed syncs per measurement, after one warm-up; the fastest is reported (the least disturbed by other work
+    on a shared machine)."""
 
     def validate(self) -> None:
         bad = [m for m in self.models if m not in SIZES]
@@ -106,6 +108,13 @@ def check_sync(ctx: RankContext, params: dict[str, torch.Tensor], how: str) -> N
 # --8<-- [end:check]
 
 
+def fastest(call, repeats: int, device: torch.device) -> float:
+    """Seconds of one call (the slowest rank's), the best of `repeats` after a warm-up, with the garbage collector
+    out of the way. Every rank runs the same sequence of collectives, so they stay in step."""
+    with bench.steady_timing():
+        return bench.best_of(lambda: bench.time_collective(call, 0, 1, device), repeats, warmup=1)["best_s"]
+
+
 def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
     model = trained_policy(size, args.seed, ctx.device) if ctx.rank == 0 else \
         stale_policy(size, args.seed + 1000 + ctx.rank, ctx.device)
@@ -123,8 +132,8 @@ def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
     broadcast_bucketed(params, plan, src=0)
     check_sync(ctx, params, "bucketed")
 
-    t_tensor = bench.time_collective(lambda: broadcast_per_tensor(params, 0), 1, args.iters, ctx.device)
-    t_bucket = bench.time_collective(lambda: broadcast_bucketed(params, plan, 0), 1, args.iters, ctx.device)
+    t_tensor = fastest(lambda: broadcast_per_tensor(params, 0), args.iters, ctx.device)
+    t_bucket = fastest(lambda: broadcast_bucketed(params, plan, 0), args.iters, ctx.device)
     return {"model": size, "params": sum(t.numel() for t in params.values()), "MB": nbytes / MB,
             "tensors": len(params), "buckets": len(plan), "per-tensor ms": t_tensor * 1e3,
             "bucketed ms": t_bucket * 1e3, "per-tensor ms/MB": t_tensor * 1e3 / (nbytes / MB),
@@ -137,7 +146,7 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     rows = []
     for mb in args.sweep_mb:
         plan = plan_buckets(named_meta(params), int(mb * MB))
-        t = bench.time_collective(lambda: broadcast_bucketed(params, plan, 0), 1, args.iters, ctx.device)  # noqa: B023
+        t = fastest(lambda: broadcast_bucketed(params, plan, 0), args.iters, ctx.device)  # noqa: B023
         rows.append({"bucket MB": mb, "buckets": len(plan), "ms": t * 1e3, "ms/MB": t * 1e3 / (nbytes / MB)})
     return rows
 
@@ -195,7 +204,8 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"models": ["tiny", "draft", "small"], "sweep_mb": [0.25, 4.0],
                                                   "iters": 2},
                      world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (rank 0 trains, the rest roll out)")
-    print(f"Weight sync: rank 0 (trainer) -> ranks 1..{args.world_size - 1} (rollout), backend {args.backend}")
+    print(f"Weight sync: rank 0 (trainer) -> ranks 1..{args.world_size - 1} (rollout), backend {args.backend}, "
+          f"{bench.load_average()} before the run")
     out = launch(worker, args)
     rows, sweep = out["rows"], out["sweep"]
     print("\n" + report.table(rows, floatfmt=".3g"))
@@ -206,11 +216,16 @@ def main() -> int:
         raise cli.SelfCheckFailed("the engine on the rollout rank generated other tokens than the trainer's model")
     print(f"\nEngine.load_weights on rank {args.world_size - 1}: greedy completions equal the trainer's  OK")
     big = rows[-1]
+    speedup = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}  # > 1: bucketing was faster
     print(f"{big['model']}: bucketed {big['bucketed ms/MB']:.2f} ms/MB vs per tensor {big['per-tensor ms/MB']:.2f} "
-          f"ms/MB ({big['tensors']} tensors in {big['buckets']} buckets)")
+          f"ms/MB ({big['tensors']} tensors in {big['buckets']} buckets): per-tensor time / bucketed time "
+          f"{speedup[big['model']]:.2f} (smallest model, {rows[0]['model']}: {speedup[rows[0]['model']]:.2f})")
     draw(rows, args, args.world_size - 1)
     if args.json:
-        report.write_json(args.json, {"rows": rows, "sweep": sweep, "engine_ok": out["engine_ok"]}, args)
+        summary = {"largest": {"model": big["model"], "MB": big["MB"], "speedup": speedup[big["model"]]},
+                   "smallest": {"model": rows[0]["model"], "MB": rows[0]["MB"], "speedup": speedup[rows[0]["model"]]}}
+        report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "engine_ok": out["engine_ok"]},
+                          args)
     return 0
 
 
