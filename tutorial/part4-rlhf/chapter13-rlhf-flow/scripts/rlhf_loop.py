@@ -22,7 +22,7 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --kl-target 0 --beta 0.02   # fixed beta
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
 
-Self-check: --iterations 10 or more must raise the mean reward-model score by 0.5 (a run that does not learn
+Self-check: --iterations 10 or more must raise the mean reward-model score by 0.3 (a run that does not learn
 exits 1). The rule score over the SFT model is measured and printed, not checked here: tests/test_ch13_rlhf.py
 asserts its gain over three seeds.
 
@@ -225,8 +225,8 @@ def main() -> int:
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
         checked = anatomy(batch, stats, history[-1]["beta"])
-    if not args.smoke and args.iterations >= 10:  # a real run must learn: +0.5 reward-model std units
-        report.expect_equal("mean reward rose by >= 0.5", final["reward"] - history[0]["reward"] >= 0.5, True)
+    if not args.smoke and args.iterations >= 10:  # a real run must learn: +0.3 reward-model std units
+        report.expect_equal("mean reward rose by >= 0.3", final["reward"] - history[0]["reward"] >= 0.3, True)
     kl_above = sum(h["kl"] > args.kl_target for h in history[1:]) / max(1, len(history) - 1)
     if args.json:
         report.write_json(args.json, {"history": history, "final": final, "kl_above_target": kl_above,
