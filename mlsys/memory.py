@@ -131,6 +131,32 @@ def activation_bytes_per_gpu(per_layer: float, num_layers: int, pp: int, num_mic
     return per_layer * math.ceil(num_layers / pp) * in_flight_micro_batches(pp, num_micro, schedule)
 
 
+def logits_bytes(micro_batch: int, seq: int, vocab: int, tp: int = 1, dtype_bytes: float = 4) -> float:
+    """Bytes the output layer keeps for the cross-entropy backward, for one micro-batch: the (b, s, V) logits
+    turned into fp32 log-probabilities (the softmax's output is what its backward needs), split over the vocabulary
+    by tensor parallelism (vocab-parallel cross-entropy). Korthikanti et al.'s per-layer count leaves it out; at a
+    128k vocabulary it is 4 * s * V = 2 GiB per 4096-token sequence, more than a few layers' worth.
+    """
+    for name, v in (("micro_batch", micro_batch), ("seq", seq), ("vocab", vocab), ("tp", tp)):
+        _pos_int(name, v)
+    return micro_batch * seq * vocab / tp * _pos("dtype_bytes", dtype_bytes)
+
+
+def pipeline_activation_peak(per_layer: float, num_layers: int, pp: int, num_micro: int, logits: float = 0.0,
+                             schedule: str = "1f1b") -> float:
+    """Activation bytes on the most loaded pipeline stage, the output layer's logits included.
+
+    The first stage holds the most micro-batches (min(p, m) with 1F1B); the last holds one (it runs each backward
+    as soon as its forward ends) but also keeps that micro-batch's logits. With p = 1 both are the same stage.
+    GPipe keeps all m micro-batches everywhere.
+    """
+    layers = math.ceil(_pos_int("num_layers", num_layers) / _pos_int("pp", pp))
+    first = per_layer * layers * in_flight_micro_batches(pp, num_micro, schedule)
+    last_in_flight = num_micro if schedule == "gpipe" else 1
+    last = (per_layer * layers + logits) * last_in_flight
+    return first + logits * last_in_flight if pp == 1 else max(first, last)
+
+
 def kv_cache_bytes_per_gpu(bytes_per_token: float, batch: int, seq: int, tp: int, pp: int, num_kv_heads: int) -> float:
     """K and V of `batch` sequences of `seq` tokens when serving with this layout.
 
@@ -143,13 +169,33 @@ def kv_cache_bytes_per_gpu(bytes_per_token: float, batch: int, seq: int, tp: int
     return bytes_per_token * batch * seq / (min(tp, num_kv_heads) * pp)
 
 
+def worst_stage_dense_params(dense_params: float, num_layers: int, pp: int, vocab: int, hidden: int,
+                             tied_embeddings: bool = False) -> float:
+    """Dense parameters on the heaviest pipeline stage. Layers are spread as evenly as possible (the first L % p
+    stages take one more, as mlsys.pipeline.split_gpt does); the first stage adds the embedding, the last the
+    output head and the final norm. A tied head still needs its own copy on the last stage when p > 1, so either
+    end holds V*h besides its layers. With p = 1 the one stage holds everything.
+    """
+    layers, p = _pos_int("num_layers", num_layers), _pos_int("pp", pp)
+    if p == 1:
+        return dense_params
+    outside = vocab * hidden * (1 if tied_embeddings else 2) + hidden  # embedding, head, final norm
+    per_layer = (dense_params - outside) / layers
+    first = math.ceil(layers / p) * per_layer + vocab * hidden
+    last = layers // p * per_layer + vocab * hidden + hidden
+    middle = math.ceil(layers / p) * per_layer if p > 2 else 0.0
+    return max(first, last, middle)
+
+
 def model_state_bytes_per_gpu(dense_params: int, expert_params: int, dp: int, tp: int, pp: int, ep: int,
-                              zero_stage: int, precision: str = "mixed") -> dict[str, float]:
+                              zero_stage: int, precision: str = "mixed",
+                              dense_on_stage: float | None = None) -> dict[str, float]:
     """Weights, gradients and optimizer state on one GPU.
 
     Dense parameters are split over tp * pp and ZeRO-sharded over the dp data-parallel replicas. Expert
     parameters are split over tp * pp * ep (each ep rank owns E/ep experts) and ZeRO-sharded over the dp/ep
-    replicas of each expert. Assumes the layers (and embeddings) spread evenly over the pipeline stages.
+    replicas of each expert. The dense parameters are assumed to spread evenly over the pipeline stages unless
+    `dense_on_stage` gives the count on the stage of interest (see worst_stage_dense_params).
     """
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
         _pos_int(name, v)
@@ -157,7 +203,8 @@ def model_state_bytes_per_gpu(dense_params: int, expert_params: int, dp: int, tp
         raise ValueError(f"ep={ep} must divide dp={dp} (expert-parallel groups are carved out of data parallelism)")
     if dense_params < 0 or expert_params < 0:
         raise ValueError("parameter counts must be >= 0")
-    dense = zero_bytes_per_rank(dense_params / (tp * pp), dp, zero_stage, precision)  # type: ignore[arg-type]
+    stage = dense_params / pp if dense_on_stage is None else dense_on_stage
+    dense = zero_bytes_per_rank(stage / tp, dp, zero_stage, precision)  # type: ignore[arg-type]
     expert = zero_bytes_per_rank(expert_params / (tp * pp * ep), dp // ep, zero_stage, precision)  # type: ignore[arg-type]
     return {k: dense[k] + expert[k] for k in dense}
 

@@ -139,7 +139,8 @@ def test_planner_cost_by_hand():
     assert row["optimizer_GiB"] * GIB == pytest.approx(12 * P / 8)  # ZeRO-1 over dp = 8
     assert row["micro"] == 512 // 8
     # selective recompute + sequence parallelism: 34 s b h / t per layer, 80 layers, 1F1B with p = 1 -> 1 in flight
-    assert row["act_GiB"] * GIB == pytest.approx(34 * 4096 * 8192 / 8 * 80)
+    # plus the last layer's logits as fp32 log-probabilities, split over the vocabulary: 4 * s * V / t
+    assert row["act_GiB"] * GIB == pytest.approx(34 * 4096 * 8192 / 8 * 80 + 4 * 4096 * 128256 / 8)
     # sequence parallelism: 2 all-reduce volumes forward, 3 backward (the re-gather of the sharded inputs)
     assert row["tp_GB_sent"] * 1e9 == pytest.approx(10 * 7 / 8 * 4096 * 8192 * 2 * 80 * 64)
     assert row["dp_GB_sent"] * 1e9 == pytest.approx(2 * 7 / 8 * 2 * P)
@@ -152,6 +153,23 @@ def test_planner_cost_by_hand():
     assert row["t_dp"] == pytest.approx(row["dp_GB_sent"] / 50)
     with pytest.raises(ValueError):
         planner.cost(model, args, dp=4, tp=16, pp=1, ep=1)  # tp beyond a node
+
+
+def test_planner_expert_gradients_reduce_over_their_replicas_only():
+    """With ep = dp every expert lives on one rank of the data-parallel group: its gradient has no replica to be
+    reduced with, so DP traffic is the dense part's alone (a dense-only model of the same layout sends the same)."""
+    args = planner.Settings(model="mixtral-8x7b", gpus=64)
+    moe = planner.load_model(args)
+    dense_only = planner.Model(moe.shape, 1, 1, moe.dense_params, 0, moe.tied)
+    for dp, ep in ((8, 8), (16, 8)):
+        tp, pp = 4, 64 // (4 * dp)
+        with_experts = planner.cost(moe, args, dp, tp, pp, ep)["dp_GB_sent"]
+        without = planner.cost(dense_only, args, dp, tp, pp, 1)["dp_GB_sent"]
+        if ep == dp:
+            assert with_experts == pytest.approx(without)
+        else:  # two replicas of each expert: one all-reduce over 2 ranks, 2 * (1/2) * expert grad bytes
+            expert_grad = 2 * moe.expert_params / (tp * pp * ep)
+            assert with_experts - without == pytest.approx(2 * 0.5 * expert_grad / 1e9)
 
 
 @pytest.fixture

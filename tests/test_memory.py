@@ -146,3 +146,56 @@ def test_zero_traffic_repeats_per_micro_batch_where_the_state_is_sharded() -> No
         cost = {"all-reduce": 2 * r * G, "reduce-scatter": r * G, "all-gather": r * G}
         for stage, calls in steps.items():
             assert memory.dp_comm_bytes(G, d, stage, m) == pytest.approx(sum(cost[c] for c in calls))
+
+
+# ----------------------------------------------------------------------------------------------- independent references
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
+def test_worst_stage_params_match_a_split_hf_llama(pp):
+    """Cut a random-init transformers Llama by modules (embedding + first layers | ... | last layers + norm + head)
+    and count each stage's real parameters; the heaviest must equal worst_stage_dense_params."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=40, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    total = count(model)
+    assert total == memory.transformer_params(6, 16, 4, 2, 4, 40, 97)["total"]  # same shape, two counters
+    sizes = [6 // pp + (s < 6 % pp) for s in range(pp)]  # split_gpt's even split: the first stages take the rest
+    cuts = [sum(sizes[:s]) for s in range(pp + 1)]
+    layers = model.model.layers
+    stages = [sum(count(layers[i]) for i in range(cuts[s], cuts[s + 1])) for s in range(pp)]
+    stages[0] += count(model.model.embed_tokens)
+    stages[-1] += count(model.model.norm) + count(model.lm_head)
+    assert max(stages) == pytest.approx(memory.worst_stage_dense_params(total, 6, pp, 97, 16))
+
+
+def test_logits_bytes_match_what_cross_entropy_saves():
+    """torch's cross-entropy on fp32 logits keeps the (b*s, V) log-probabilities for its backward: count the bytes
+    autograd saves (saved_tensors_hooks) and compare with logits_bytes."""
+    import torch
+
+    b, s, vocab = 2, 8, 50
+    logits = torch.randn(b * s, vocab, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.cross_entropy(logits, torch.randint(vocab, (b * s,)))
+    floats = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+              if t.is_floating_point() and t.numel() > 1  # (nll_loss also keeps a scalar total weight)
+              and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()}
+    assert sum(floats.values()) == memory.logits_bytes(b, s, vocab)
+    assert memory.logits_bytes(1, 4096, 128256, tp=1) / 2**30 == pytest.approx(1.957, abs=1e-3)  # ~2 GiB
+
+
+def test_pipeline_activation_peak_first_or_last_stage():
+    # 10 bytes per layer, 8 layers, p = 4: the first stage holds 4 micro-batches of 2 layers = 80;
+    # the last holds one micro-batch (20) plus its logits
+    assert memory.pipeline_activation_peak(10, 8, 4, 8, logits=30) == 80
+    assert memory.pipeline_activation_peak(10, 8, 4, 8, logits=100) == 120
+    assert memory.pipeline_activation_peak(10, 8, 1, 8, logits=30) == 80 + 30  # one stage holds both
+    assert memory.pipeline_activation_peak(10, 8, 4, 8, logits=30, schedule="gpipe") == (20 + 30) * 8

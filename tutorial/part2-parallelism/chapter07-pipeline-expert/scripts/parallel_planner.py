@@ -5,9 +5,12 @@ What it shows
     given by flags, and a cluster (GPUs, GPUs per node, memory per GPU, global batch, sequence length), every
     layout dp * tp * pp = GPUs (ep dividing dp and the number of experts) is costed with the formulas of
     mlsys.memory:
-      memory per GPU  weights, gradients, optimizer state (ZeRO stage), activations (Korthikanti et al., with the
-                      1F1B in-flight count), and the KV cache the same layout would need to serve batch x seq;
-      bytes per step  sent by one GPU for DP (gradient all-reduce), TP (4 all-reduces per layer and micro-batch),
+      memory per GPU  weights, gradients, optimizer state (ZeRO stage) on the heaviest pipeline
+                      stage (its layers plus the embedding or the head), activations (Korthikanti et al., with the
+                      1F1B in-flight count, plus the fp32 logits the cross-entropy keeps on the last stage), and
+                      the KV cache the same layout would need to serve batch x seq;
+      bytes per step  sent by one GPU for DP (gradient all-reduce; an expert's gradient only over the dp / ep
+                      replicas of that expert), TP (4 all-reduces per layer and micro-batch),
                       PP (activations and gradients between stages) and EP (4 all-to-alls per MoE layer);
       step time       a rough model: 6*N*D flops at --mfu of peak, stretched by the pipeline bubble, plus each
                       dimension's bytes over NVLink (group inside one node) or the network (group spans nodes).
@@ -136,6 +139,7 @@ class Model:
     top_k: int
     dense_params: int
     expert_params: int
+    tied: bool  # the head shares the embedding matrix
 
     @property
     def active_params(self) -> float:
@@ -157,7 +161,7 @@ def load_model(args: Settings) -> Model:
     counts = mem.transformer_params(shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                                     shape.head_dim, shape.intermediate_size, shape.vocab_size, experts,
                                     gated_mlp=not tied, tied_embeddings=tied)
-    return Model(shape, experts, top_k, counts["dense"], counts["expert"])
+    return Model(shape, experts, top_k, counts["dense"], counts["expert"], tied)
 
 
 def divisors(n: int) -> list[int]:
@@ -184,14 +188,19 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     m = args.global_batch // (dp * args.micro_batch)  # micro-batches per pipeline per step
     b, L = args.micro_batch, s.num_layers
 
-    state = mem.model_state_bytes_per_gpu(model.dense_params, model.expert_params, dp, tp, pp, ep, args.zero_stage)
+    on_stage = mem.worst_stage_dense_params(model.dense_params, L, pp, s.vocab_size, s.hidden_size, model.tied)
+    state = mem.model_state_bytes_per_gpu(model.dense_params, model.expert_params, dp, tp, pp, ep, args.zero_stage,
+                                          dense_on_stage=on_stage)
     per_layer = mem.activation_bytes_per_layer(args.seq, b, s.hidden_size, s.num_heads, tp, args.sequence_parallel,
                                                args.recompute)
-    act = mem.activation_bytes_per_gpu(per_layer, L, pp, m, "1f1b")
+    logits = mem.logits_bytes(b, args.seq, s.vocab_size, tp)  # fp32 log-probabilities for the cross-entropy
+    act = mem.pipeline_activation_peak(per_layer, L, pp, m, logits, "1f1b")
     kv = mem.kv_cache_bytes_per_gpu(kv_bytes_per_token(L, s.num_kv_heads, s.head_dim, 2), args.global_batch,
                                     args.seq, tp, pp, s.num_kv_heads)
-    params_here = model.dense_params / (tp * pp) + model.expert_params / (tp * pp * ep)
-    sent = {"dp": mem.dp_comm_bytes(2 * params_here, dp, args.zero_stage, m),
+    dense_here, expert_here = on_stage / tp, model.expert_params / (tp * pp * ep)
+    # dense gradients are reduced over all dp replicas, an expert's over the dp / ep ranks that hold that expert
+    sent = {"dp": mem.dp_comm_bytes(2 * dense_here, dp, args.zero_stage, m)
+            + mem.dp_comm_bytes(2 * expert_here, dp // ep, args.zero_stage, m),
             "tp": mem.tp_comm_bytes(b, args.seq, s.hidden_size, tp, L // pp, m, 2, args.sequence_parallel,
                                     args.recompute),
             "pp": mem.pp_comm_bytes(b, args.seq, s.hidden_size, pp, m),
@@ -205,7 +214,7 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links)
     total = state["total"] + act
     return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "micro": m, **{f"{k}_GiB": v / GIB for k, v in state.items()
-            if k != "total"}, "act_GiB": act / GIB, "total_GiB": total / GIB, "kv_serve_GiB": kv / GIB,
+            if k != "total"}, "act_GiB": act / GIB, "logits_GiB": logits / GIB, "total_GiB": total / GIB, "kv_serve_GiB": kv / GIB,
             **{f"{k}_GB_sent": v / 1e9 for k, v in sent.items()}, **{f"t_{k}": v for k, v in time.items()},
             "fits": total <= args.gpu_mem_gib * GIB * (1 - args.reserve),
             "inside_node": [k for k in ("tp", "dp", "pp", "ep") if inside_node(span[k], args)]}
@@ -257,8 +266,9 @@ def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
 def describe(row: dict) -> str:
     return (f"dp={row['dp']} tp={row['tp']} pp={row['pp']} ep={row['ep']} ({row['micro']} micro-batches per step)\n"
             f"  memory per GPU: weights {row['params_GiB']:.2f} + grads {row['grads_GiB']:.2f} + optimizer "
-            f"{row['optimizer_GiB']:.2f} + activations {row['act_GiB']:.2f} = {row['total_GiB']:.2f} GiB "
-            f"(serving batch x seq would need {row['kv_serve_GiB']:.2f} GiB of KV cache per GPU)\n"
+            f"{row['optimizer_GiB']:.2f} + activations {row['act_GiB']:.2f} (logits {row['logits_GiB']:.2f} of it) "
+            f"= {row['total_GiB']:.2f} GiB (serving batch x seq would need {row['kv_serve_GiB']:.2f} GiB of KV "
+            "cache per GPU)\n"
             f"  sent per GPU per step: DP {row['dp_GB_sent']:.2f} GB, TP {row['tp_GB_sent']:.2f} GB, "
             f"PP {row['pp_GB_sent']:.2f} GB, EP {row['ep_GB_sent']:.2f} GB "
             f"(inside a node: {', '.join(row['inside_node'])})\n"
@@ -303,6 +313,10 @@ def main() -> int:
     print()
     if best["fits"]:
         print("recommended: " + describe(best))
+        spare = usable - best["total_GiB"]
+        print(f"  headroom: {spare:.2f} GiB of the {usable:.1f} GiB usable"
+              + (" -- tight: a real run adds temporary buffers (all-gather staging, fragmentation) that the "
+                 "formulas leave out; raise --reserve to demand more" if spare < 0.05 * usable else ""))
         for line in reasons(best, rows, args):
             print("  - " + line)
     else:
