@@ -158,7 +158,7 @@ def test_worst_stage_params_match_a_split_hf_llama(pp):
     cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=40, num_hidden_layers=6,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg)
-    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    count = lambda mod: sum(p.numel() for p in mod.parameters())
     total = count(model)
     assert total == memory.transformer_params(6, 16, 4, 2, 4, 40, 97)["total"]  # same shape, two counters
     sizes = [6 // pp + (s < 6 % pp) for s in range(pp)]  # split_gpt's even split: the first stages take the rest

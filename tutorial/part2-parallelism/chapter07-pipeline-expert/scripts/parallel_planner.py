@@ -214,7 +214,8 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links)
     total = state["total"] + act
     return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "micro": m, **{f"{k}_GiB": v / GIB for k, v in state.items()
-            if k != "total"}, "act_GiB": act / GIB, "logits_GiB": logits / GIB, "total_GiB": total / GIB, "kv_serve_GiB": kv / GIB,
+            if k != "total"}, "act_GiB": act / GIB, "logits_GiB": logits / GIB, "total_GiB": total / GIB,
+            "kv_serve_GiB": kv / GIB,
             **{f"{k}_GB_sent": v / 1e9 for k, v in sent.items()}, **{f"t_{k}": v for k, v in time.items()},
             "fits": total <= args.gpu_mem_gib * GIB * (1 - args.reserve),
             "inside_node": [k for k in ("tp", "dp", "pp", "ep") if inside_node(span[k], args)]}
