@@ -207,7 +207,22 @@ def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
     for r in res["runs"]:
         assert r["predicted"] == pytest.approx(bubble_fraction(2, r["m"]))
         assert 0.0 < r["measured"] < 1.0 and len(r["per_stage"]) == 2
-        assert r["rel_error"] == pytest.approx((r["measured"] - r["predicted"]) / r["predicted"])
         want = [r["m"]] * 2 if r["schedule"] == "gpipe" else [min(2 - s, r["m"]) for s in range(2)]
         assert [n for n, _ in r["memory"]] == want
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()
+
+
+@pytest.mark.timeout(180)
+def test_measured_bubble_agrees_with_the_formula_where_the_lesson_says(tmp_path) -> None:
+    """The lesson: at m = 1 only one stage computes at a time, so the timed bubble should come close to
+    (p - 1) / (m + p - 1) = 0.5; with more micro-batches it shrinks, never below the formula (equal work per stage
+    makes the formula the least possible idle share). Real timings at the default model size, fastest of 8 steps;
+    the tolerance (0.1 absolute) is about five times the error measured on a quiet 2-core machine (+0.01)."""
+    out = tmp_path / "bubble.json"
+    proc = run([SCRIPTS / "bubble.py", "-w", "2", "--micro-batches", "1", "4", "--timeline-m", "1", "--steps", "8",
+                "--json", out], timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {(r["schedule"], r["m"]): r["measured"] for r in json.loads(out.read_text())["results"]["runs"]}
+    for schedule in ("gpipe", "1f1b"):
+        assert runs[schedule, 1] == pytest.approx(0.5, abs=0.1), runs
+        assert bubble_fraction(2, 4) - 0.03 <= runs[schedule, 4] < runs[schedule, 1], runs
