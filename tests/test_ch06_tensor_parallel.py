@@ -12,31 +12,12 @@ import torch
 from conftest import load_script, run, run_json, scripts_dir
 from mlsys.collectives import comm_volume
 from mlsys.model import Block, GPTConfig
-from mlsys.tensor_parallel import block_activation_bytes, check_divisible, layer_comm_volume, saved_activation_bytes
+from mlsys.tensor_parallel import block_activation_bytes, check_divisible, saved_activation_bytes
 
 CH06 = scripts_dir(6)
 
 
 # ----------------------------------------------------------------------------------------------- formulas, in-process
-@pytest.mark.parametrize("t", [1, 2, 4, 8])
-def test_layer_comm_volume_formula(t: int) -> None:
-    b, s, h = 3, 16, 64
-    n = b * s * h * 4
-    tp, sp = layer_comm_volume(b, s, h, t), layer_comm_volume(b, s, h, t, sequence_parallel=True)
-    assert tp["activation_bytes"] == n
-    if t == 1:
-        assert tp["forward"] == tp["backward"] == sp["forward"] == [] and tp["forward_sent_per_rank"] == 0
-        return
-    assert tp["forward"] == [("all_reduce", n)] * 2 and tp["backward"] == [("all_reduce", n)] * 2
-    # ring all-reduce: each rank sends 2(t-1)/t of the buffer; two per layer forward
-    assert tp["forward_sent_per_rank"] == pytest.approx(2 * 2 * (t - 1) / t * n)
-    assert tp["forward_sent_per_rank"] == pytest.approx(2 * comm_volume("all_reduce", n, t)["sent"])
-    # SP: all-gather + reduce-scatter of the same N move exactly what one all-reduce moves
-    assert sorted(sp["forward"]) == sorted([("all_gather", n), ("reduce_scatter", n)] * 2)
-    assert sp["forward_sent_per_rank"] == pytest.approx(tp["forward_sent_per_rank"])
-    assert sp["backward_sent_per_rank"] == pytest.approx(1.5 * tp["backward_sent_per_rank"])  # re-gathered input
-
-
 @pytest.mark.parametrize("b,s,h,a", [(2, 16, 32, 4), (1, 8, 48, 2), (3, 24, 64, 8)])
 def test_dense_block_saved_bytes_match_formula(b: int, s: int, h: int, a: int) -> None:
     torch.manual_seed(0)
@@ -44,18 +25,6 @@ def test_dense_block_saved_bytes_match_formula(b: int, s: int, h: int, a: int) -
     x = torch.randn(b, s, h, requires_grad=True)
     _, measured = saved_activation_bytes(lambda: block(x), list(block.parameters()))
     assert measured == block_activation_bytes(b, s, h, a, 1)["bytes"] == 4 * (16 * s * b * h + 4 * s * b + a * s * b)
-
-
-def test_activation_formula_shapes() -> None:
-    b, s, h, a = 2, 64, 128, 4
-    dense = block_activation_bytes(b, s, h, a, 1)["bytes"]
-    for t in (2, 4, 8):
-        tp = block_activation_bytes(b, s, h, a, t)["bytes"]
-        sp = block_activation_bytes(b, s, h, a, t, sequence_parallel=True)["bytes"]
-        assert sp == pytest.approx(dense / t)  # SP shards every saved activation
-        assert tp == pytest.approx(4 * (s * b * h * (4 + 12 / t) + 4 * s * b + a * s * b / t))
-        assert dense / t < tp < dense
-        assert tp / sp == pytest.approx((t + 3) / 4, rel=0.02)  # the lesson's saving of SP over TP, main term
 
 
 def test_check_divisible_messages() -> None:
@@ -171,8 +140,24 @@ def test_sequence_parallel_equals_tp_and_saves_memory(seqpar: dict) -> None:
         assert res["saved_bytes_tp"] == block_activation_bytes(b, s, h, a, t)["bytes"]
         assert res["saved_bytes_tp_sp"] == block_activation_bytes(b, s, h, a, t, sequence_parallel=True)["bytes"]
         assert res["saved_bytes_dense"] == res["saved_bytes_tp_sp"] * t
-        assert res["SP_fwd_sent_B"] == res["TP_fwd_sent_B"]
-    assert seqpar["tp"]["4"]["saving_tp_over_sp"] > seqpar["tp"]["2"]["saving_tp_over_sp"] > 1
+        # the collectives the ranks really ran (logged as they were called), against the lesson's list per block:
+        # TP all-reduces the (b, s, h) activation twice each way; SP turns each into all-gather + reduce-scatter,
+        # and its backward re-gathers the two sequence-sharded inputs it did not keep
+        n = b * s * h * 4
+        counted = {k: {ph: [tuple(e) for e in v] for ph, v in d.items()} for k, d in res["counted"].items()}
+        if t == 1:
+            assert all(not v for d in counted.values() for v in d.values())
+            continue
+        assert counted["TP"] == {"forward": [("all_reduce", n)] * 2, "backward": [("all_reduce", n)] * 2}
+        assert sorted(counted["TP+SP"]["forward"]) == sorted([("all_gather", n), ("reduce_scatter", n)] * 2)
+        assert sorted(counted["TP+SP"]["backward"]) == sorted([("all_gather", n)] * 4 + [("reduce_scatter", n)] * 2)
+        # bytes a ring moves for what was counted (mlsys.collectives, tested against chapter 4's ring)
+        sent = {k: {ph: sum(comm_volume(op, nb, t)["sent"] for op, nb in v) for ph, v in d.items()}
+                for k, d in counted.items()}
+        assert sent["TP+SP"]["forward"] == pytest.approx(sent["TP"]["forward"]) == res["SP_fwd_sent_B"]
+        assert sent["TP+SP"]["backward"] == pytest.approx(1.5 * sent["TP"]["backward"])
+        # the lesson's saving of SP over TP, (t + 3) / 4 from the main term, against the measured bytes
+        assert res["saving_tp_over_sp"] == pytest.approx((t + 3) / 4, rel=0.05)
 
 
 @pytest.mark.timeout(120)

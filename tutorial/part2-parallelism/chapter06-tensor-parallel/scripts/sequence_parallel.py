@@ -147,7 +147,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                           "SP_bwd_sent_B": int(vol_sp["backward_sent_per_rank"])})
         results[str(t)] = {**eq, "saved_bytes_dense": mem["dense"], "saved_bytes_tp": mem["tp"],
                            "saved_bytes_tp_sp": mem["tp_sp"], "formula_tp": f_tp, "formula_tp_sp": f_sp,
-                           "formula_dense": f_dense, "saving_tp_over_sp": saving, **comm_rows[-1]}
+                           "formula_dense": f_dense, "saving_tp_over_sp": saving, **comm_rows[-1],
+                           "counted": {label: {phase: [[op, n] for p, op, n in evs if p == phase]
+                                               for phase in ("forward", "backward")}
+                                       for label, evs in (("TP", mem["events_tp"]), ("TP+SP", mem["events_sp"]))}}
     ctx.print(f"GPT {cfg.n_layer} layers, a={a} heads, h={h}; one block's input is b={b} x s={s} tokens, float32")
     ctx.print("1. TP+SP against TP and against the dense model (max abs error):")
     ctx.print(report.table(eq_rows, floatfmt=".1e"))
