@@ -50,13 +50,14 @@ def time_collective(call: typing.Callable[[], None], warmup: int, iters: int, de
         call()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # NCCL calls return before the GPU is done
-    dist.barrier()  # everyone starts the timed loop together
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    with steady_timing():  # no garbage-collector pass inside the timed loop
+        dist.barrier()  # everyone starts the timed loop together
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank (nccl-tests -a 3; its default averages)
     return elapsed.item() / iters
 # --8<-- [end:timing]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, report
+from mlsys.bench import load_average, steady_timing
 from mlsys.launch import RankContext, launch
 
 
@@ -137,11 +138,12 @@ def ring_batched(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
 
 def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
     """Run fn() `repeats` times; return its last result and the mean wall time in microseconds."""
-    dist.barrier()  # start every pattern together, so no rank's time includes waiting for a slow starter
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn()
-    return out, (time.perf_counter() - start) / repeats * 1e6
+    with steady_timing():  # no garbage-collector pass inside the timed loop
+        dist.barrier()  # start every pattern together, so no rank's time includes waiting for a slow starter
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn()
+        return out, (time.perf_counter() - start) / repeats * 1e6
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
@@ -182,7 +184,8 @@ def main() -> int:
     names = list(result["per_rank"][0]["times_us"])
     rows = [{"pattern": n, **{f"rank {p['rank']} (us)": round(p["times_us"][n], 1) for p in result["per_rank"]}}
             for n in names]
-    print(f"\nmean time per call, {result['numel']} float32 elements, {result['repeats']} repeats:")
+    print(f"\nmean time per call, {result['numel']} float32 elements, {result['repeats']} repeats "
+          f"({load_average()}):")
     print(report.table(rows))
     print(f"OK: chain and ring values match the expected values on all {result['world_size']} ranks")
     if args.json:

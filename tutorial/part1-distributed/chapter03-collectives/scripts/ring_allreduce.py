@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, report
+from mlsys.bench import load_average, steady_timing
 from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
 from mlsys.launch import RankContext, launch
 
@@ -81,11 +82,12 @@ def traced_run(ctx: RankContext) -> None:
 def timed(fn, repeats: int) -> float:
     """Median seconds of `fn()` over `repeats` runs, each started together on all ranks (barrier)."""
     times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    with steady_timing():  # no garbage-collector pass inside a timed call
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -143,7 +145,7 @@ def main() -> int:
     result = launch(worker, args)
     if result is None:
         return 0
-    print()
+    print(f"\nmedian times, {load_average()}")
     print(report.table(result["lengths"], floatfmt=".4g"))
     big = max(result["lengths"], key=lambda row: row["numel"])  # the big length (the sorted list ends with it)
     n_bytes = big["numel"] * 4

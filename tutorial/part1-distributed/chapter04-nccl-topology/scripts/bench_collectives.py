@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
-from mlsys.bench import algbw, busbw, busbw_factor, time_collective
+from mlsys.bench import algbw, busbw, busbw_factor, load_average, time_collective
 from mlsys.launch import RankContext, launch
 
 Collective = typing.Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"]
@@ -175,7 +175,7 @@ def main() -> int:
     if rows is None:
         return 0
     print(f"# {args.collective}, {args.world_size} ranks, backend {args.backend}, float32, "
-          f"busbw factor {busbw_factor(args.collective, args.world_size):.3f}")
+          f"busbw factor {busbw_factor(args.collective, args.world_size):.3f}, {load_average()}")
     print(report.table(rows, floatfmt=".3f"))
     avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes

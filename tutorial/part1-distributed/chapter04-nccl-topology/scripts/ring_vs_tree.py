@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
-from mlsys.bench import busbw, time_collective
+from mlsys.bench import busbw, load_average, time_collective
 from mlsys.collectives import ring_all_reduce
 from mlsys.launch import RankContext, launch
 
@@ -359,6 +359,7 @@ def main() -> int:
     rows, w = result["rows"], args.world_size
     print("correctness vs dist.all_reduce (max abs error over", args.check_numel, "elements):",
           ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
+    print(f"median of {args.rounds} round(s) per size, the algorithms taking turns; {load_average()}")
     print(report.table(rows, floatfmt=".3f"))
     summary = summarise(rows, w)
     ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
+from mlsys.bench import steady_timing
 from mlsys.data import Tokenizer, get_batch, make_corpus
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
@@ -92,7 +93,8 @@ def measure(args: Settings, schedule: str, m: int) -> dict:
     for step in range(args.steps + 1):
         stage.zero_grad(set_to_none=True)
         dist.barrier()  # every stage starts the step together
-        out = run_pipeline_step(stage, ranks, xs, ys, schedule=schedule)
+        with steady_timing():  # no garbage-collector pass inside the timed step
+            out = run_pipeline_step(stage, ranks, xs, ys, schedule=schedule)
         timeline: list = [None] * len(ranks)
         dist.all_gather_object(timeline, out["events"])  # timeline[s]: stage s's [{kind, mb, start, end}]
         if step > 0:  # step 0 warms up allocators and connections
