@@ -41,6 +41,7 @@ __all__ = ["JobFailed", "RankContext", "launch", "resolve_backend", "start_conte
 
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then this long before SIGKILL
 FAILURE_WINDOW_S = 1.0  # after a failed exit, how long to wait for the other ranks' reports
+POLL_S = 0.5  # the parent's longest sleep while it watches the ranks
 
 
 @dataclass
@@ -261,10 +262,10 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
             ours, theirs = context.Pipe(duplex=True)  # results come back on it; its EOF tells a rank we died
             proc = context.Process(target=_child_main, name=f"rank{rank}",
                                    args=(rank, worker, worker_args, opts, env, theirs))
+            procs.append(proc)  # before start: a Ctrl-C inside start() must still find it in the finally
+            conns.append(ours)
             proc.start()
             theirs.close()
-            procs.append(proc)
-            conns.append(ours)
         messages, failed = _watch(procs, conns)
     finally:
         _terminate(procs)
@@ -290,10 +291,14 @@ def _watch(procs: list, conns: list) -> tuple[dict[int, tuple], int | None]:
     failed_exit: int | None = None
     deadline = None
     while any(kind == "exit" for kind, _ in waiting.values()):
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # wake at least every POLL_S: a Ctrl-C that the kernel hands to another thread of this process (the
+        # store's) only sets a flag, and the main thread acts on it when it next runs Python code
+        timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
         ready = mp.connection.wait(list(waiting), timeout)
         if not ready:
-            break  # the listening window after a failure is over
+            if deadline is not None and time.monotonic() >= deadline:
+                break  # the listening window after a failure is over
+            continue
         for handle in ready:
             kind, rank = waiting.pop(handle)
             if kind == "msg":
@@ -329,6 +334,7 @@ def _failure(rank: int, exitcode: int | None, messages: dict[int, tuple]) -> Job
 
 def _terminate(procs: list) -> None:
     """SIGTERM every live rank, then SIGKILL whatever is still there after a short grace period."""
+    procs = [proc for proc in procs if proc.pid is not None]  # an interrupted start() may leave one unstarted
     for proc in procs:
         if proc.is_alive():
             proc.terminate()

@@ -132,8 +132,13 @@ def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
     while len(pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     parent.send_signal(signal.SIGINT)
-    parent.communicate(timeout=30)
-    assert parent.returncode != 0
+    try:
+        _, err = parent.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        parent.kill()
+        _, err = parent.communicate()
+        pytest.fail(f"the launcher was still running 30 s after SIGINT; its stderr:\n{err[-3000:]}")
+    assert parent.returncode != 0, err
     assert wait_dead(pids(tmp_path)) == []
 
 
