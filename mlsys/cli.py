@@ -184,6 +184,8 @@ def parse(cls: type, doc: str | None = None, *, argv: list[str] | None = None, s
 
 
 def _check(args: typing.Any, given: dict, world_sizes, world_sizes_text: str) -> None:
+    if not 0 <= args.seed < 2**32:  # what numpy and gymnasium accept; torch would take any 64-bit value
+        raise UsageError(f"--seed must be in 0..2**32-1, got {args.seed}")
     if isinstance(args, DistArgs):
         if under_torchrun():
             env_ws = int(os.environ["WORLD_SIZE"])

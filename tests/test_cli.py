@@ -54,6 +54,7 @@ def test_help_comes_from_field_docstrings(capsys) -> None:
     (["--size", "ten"], "argument --size: invalid int value: 'ten'"),
     (["--nope"], "unrecognized arguments: --nope"),
     (["--timeout", "0"], "--timeout must be positive"),
+    (["--seed", "-1"], "--seed must be in 0..2**32-1, got -1"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
