@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,47 @@ def load_chapter(path: Path) -> Chapter:
     readme = (path / "README.md").read_text(encoding="utf-8") if (path / "README.md").exists() else ""
     m = re.search(r"^# +(.+?)\s*$", readme, re.M)
     title = m.group(1) if m else f"Chapter {number(path)}: " + path.name.split("-", 1)[-1].replace("-", " ")
-    scripts = sorted(s for s in (path / "scripts").glob("*.py") if not s.name.startswith("_"))
+    scripts = lesson_order(readme, sorted(s for s in (path / "scripts").glob("*.py") if not s.name.startswith("_")))
     return Chapter(path, path.name, title, readme if m else f"# {title}\n\n{readme}", scripts)
+
+
+ABRIDGE_ITEMS = 6
+
+
+def abridge(obj, depth: int = 0):
+    """A JSON document cut to what a page can show: lists to their first few items (and a count of the rest),
+    long strings to 200 characters, nesting to 5 levels. Key results sit near the top and survive."""
+    if isinstance(obj, dict):
+        return {k: abridge(v, depth + 1) for k, v in obj.items()} if depth < 5 else f"{{{len(obj)} keys}}"
+    if isinstance(obj, list):
+        items = [abridge(v, depth + 1) for v in obj[:ABRIDGE_ITEMS]]
+        return items + ([f"... {len(obj) - ABRIDGE_ITEMS} more"] if len(obj) > ABRIDGE_ITEMS else [])
+    if isinstance(obj, str) and len(obj) > 200:
+        return obj[:200] + "..."
+    return obj
+
+
+def docstring_section(doc: str, title: str) -> str:
+    """The indented block under a line `title` in a script's docstring (its run sheet), dedented; "" if none."""
+    lines, body, inside = doc.splitlines(), [], False
+    for line in lines:
+        if line.strip() == title and not line.startswith(" "):
+            inside = True
+            continue
+        if inside:
+            if line and not line.startswith(" "):
+                break
+            body.append(line)
+    return textwrap.dedent("\n".join(body)).strip("\n")
+
+
+def lesson_order(readme: str, scripts: list[Path]) -> list[Path]:
+    """The scripts in the order the lesson first mentions them (a run marker, a link, an include or the name);
+    the ones it never names come last, alphabetically. The navigation lists the script pages in this order."""
+    def first(script: Path) -> tuple[int, str]:
+        hits = [i for i in (readme.find(f"scripts/{script.name}"), readme.find(script.name)) if i >= 0]
+        return (min(hits) if hits else len(readme) + 1, script.name)
+    return sorted(scripts, key=first)
 
 
 def discover(root: Path) -> list[tuple[Path, list[Chapter]]]:
@@ -173,6 +213,7 @@ class Builder:
         self.digests: dict[Path, str] = {}
         self.counts = {"fresh": 0, "cached": 0}
         self.timings: dict[str, tuple[float, bool]] = {}   # shown command -> (seconds, served from cache)
+        self.missing_try_next: list[str] = []              # scripts whose docstring has no "Try next" section
         self.inputs = self.inputs_digest()
 
     # ---- runs ---------------------------------------------------------------------------------------------
@@ -335,6 +376,11 @@ class Builder:
                  "## Output", self.output_block(run, f"python {rel}")]
         if run:
             parts += self.figures_section(ch, stem, run) + self.results_section(run, stem)
+        try_next = docstring_section(doc, "Try next")
+        if try_next:
+            parts += ["## Try next", fence("text", try_next)]
+        else:
+            self.missing_try_next.append(rel)
         return "\n\n".join(parts) + "\n"
 
     def figures_section(self, ch: Chapter, stem: str, run: Run) -> list[str]:
@@ -347,8 +393,12 @@ class Builder:
         file = run.dir / f"{stem}.json"
         if not file.is_file():
             return ['!!! warning "No JSON results"\n    This run wrote nothing to its `--json` path.']
-        block = fence("json", json.dumps(json.loads(file.read_text(encoding="utf-8")), indent=2))
-        return ["## Results", '??? info "JSON results (`--json`)"\n    ' + block.replace("\n", "\n    ")]
+        doc = json.loads(file.read_text(encoding="utf-8"))
+        shown = {k: doc[k] for k in ("settings", "results") if k in doc}
+        block = fence("json", json.dumps(abridge(shown), indent=2))
+        return ["## Results", '??? info "JSON results (`--json`), abridged"\n    ' + block.replace("\n", "\n    ")
+                + f"\n\n    Long lists show their first {ABRIDGE_ITEMS} items; run the script with `--json PATH` "
+                "for the whole file, with the environment it ran in."]
 
     def chapter_page(self, ch: Chapter, chapters: list[Chapter]) -> str:
         text = RUN_RE.sub(lambda m: self.run_marker(ch, m.group(1)), ch.readme)
@@ -422,6 +472,10 @@ class Builder:
         for part, chs in parts:
             nav.append({part_title(part): [{ch.title: self.build_chapter(ch, chapters)} for ch in chs]})
         self.mkdocs(nav + self.static_pages(parts))
+        self.term_warnings(chapters)
+        if self.missing_try_next:
+            print(f"[book] warning: {len(self.missing_try_next)} script(s) without a \"Try next\" section in "
+                  "their docstring: " + ", ".join(Path(r).name for r in self.missing_try_next))
         site = self.s.out / "index.html"
         site = site.relative_to(Path.cwd()) if site.is_relative_to(Path.cwd()) else site
         slowest = sorted(self.timings.items(), key=lambda kv: -kv[1][0])[:5]
@@ -433,6 +487,21 @@ class Builder:
               f"{self.counts['fresh']} runs + {self.counts['cached']} cached, "
               f"total {time.perf_counter() - start:.1f} s")
         print(f"Book built: {site}  (serve with: make serve)")
+
+    def term_warnings(self, chapters: list[Chapter]) -> None:
+        """Glossary terms a lesson uses before it defines them (scripts/check_lessons.py --terms): warnings only."""
+        sys.path.insert(0, str(REPO / "scripts"))
+        try:
+            import check_lessons
+        finally:
+            sys.path.remove(str(REPO / "scripts"))
+        warned = check_lessons.term_warnings(self.root, [ch.path / "README.md" for ch in chapters
+                                                         if (ch.path / "README.md").is_file()])
+        if warned:
+            print(f"[book] warning: {len(warned)} glossary term(s) used before they are defined "
+                  "(python scripts/check_lessons.py --terms lists them)")
+            for line in warned[:10]:
+                print("  " + line.split(": bold it")[0])
 
     def mkdocs(self, nav: list) -> None:
         """Build with a generated config that INHERITs the static mkdocs.yml and adds the nav and the paths."""

@@ -10,6 +10,7 @@
 
     python scripts/check_lessons.py              # every chapter; exit 1 if anything is listed
     python scripts/check_lessons.py chapter04    # the lessons whose folder contains "chapter04" (orphans: all)
+    python scripts/check_lessons.py --terms      # warnings: glossary terms a lesson uses before defining them
 
 Exit 0 clean, 1 problems listed (one per line, file:line: what), 2 bad usage. Runs in well under a second;
 tests/test_book.py runs it, so `make test` fails on a hand-typed measurement or an orphan section.
@@ -69,6 +70,57 @@ def hand_typed(path: Path) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------------------------------- terms (warnings)
+GLOSSARY_TERM_RE = re.compile(r"^\*\*(.+?)\*\*\s*$", re.M)
+BOLD_RE = re.compile(r"\*\*([^*]+)\*\*")
+GLOSSARY_LINK_RE = re.compile(r"\[([^\]]+)\]\([^)]*glossary\.md[^)]*\)")
+
+
+def glossary_terms(root: Path) -> dict[str, list[str]]:
+    """Glossary heading -> the spellings a lesson may use: "Data parallelism (DP)" -> data parallelism, DP;
+    "TTFT / ITL" -> TTFT, ITL."""
+    file = root / "book/pages/glossary.md"
+    terms = {}
+    for head in GLOSSARY_TERM_RE.findall(file.read_text(encoding="utf-8")) if file.is_file() else []:
+        names = [n.strip() for part in re.split(r"\s/\s", re.sub(r"\)", "", head)) for n in part.split("(")]
+        terms[head] = [n for n in names if len(n) > 1]
+    return terms
+
+
+def _term_re(name: str) -> re.Pattern:
+    flags = 0 if name.isupper() or any(c.isupper() for c in name[1:]) else re.I  # acronyms match as written
+    return re.compile(r"(?<![\w-])" + re.escape(name) + r"(?:e?s)?(?![\w-])", flags)
+
+
+def term_warnings(root: Path, lessons: list[Path]) -> list[str]:
+    """Glossary terms a lesson uses before it introduces them. A term is introduced by writing it in **bold** or
+    linking it to the glossary; a term introduced by an earlier chapter may be used freely. Headings are not uses.
+    Warnings only: a heuristic over the prose, meant to point a writer at the sentence to look at."""
+    terms = glossary_terms(root)
+    introduced: set[str] = set()
+    warnings = []
+    for lesson in sorted(lessons, key=lambda q: q.parent.name.split("-")[0]):
+        lines = prose_lines(lesson.read_text(encoding="utf-8"))  # (number, prose, raw line: links intact)
+        here: set[str] = set()
+        for head, names in terms.items():
+            patterns = [_term_re(n) for n in names]
+            first_use = intro = None
+            for number, line, raw in lines:
+                intro_spans = [m.group(1) for m in (*BOLD_RE.finditer(line), *GLOSSARY_LINK_RE.finditer(raw))]
+                if intro is None and any(p.search(span) for p in patterns for span in intro_spans):
+                    intro = number
+                if first_use is None and not line.lstrip().startswith("#") and any(p.search(line) for p in patterns):
+                    first_use = number
+            if intro is not None:
+                here.add(head)
+            if first_use is not None and head not in introduced and (intro is None or first_use < intro):
+                where = f"introduced on line {intro}" if intro else "never introduced in this or an earlier lesson"
+                warnings.append(f"{lesson.relative_to(root)}:{first_use}: term `{head}` used before it is "
+                                f"defined ({where}): bold it where it is explained, or link it to the glossary")
+        introduced |= here
+    return warnings
+
+
 def orphan_sections(root: Path) -> list[str]:
     sections = {}
     for src in sorted([*root.glob("tutorial/**/*.py"), *root.glob("mlsys/**/*.py")]):
@@ -84,10 +136,17 @@ def orphan_sections(root: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="check_lessons.py", description=__doc__.split("\n")[0])
     p.add_argument("only", nargs="?", default="", help="check only lessons whose folder contains this text")
+    p.add_argument("--terms", action="store_true",
+                   help="instead, list glossary terms used before they are defined (warnings; exit 0)")
     a = p.parse_args(argv)
-    lessons = sorted(q for q in REPO.glob("tutorial/part*/chapter*/README.md") if a.only in q.parent.name)
+    every = sorted(REPO.glob("tutorial/part*/chapter*/README.md"))
+    lessons = [q for q in every if a.only in q.parent.name]
     if not lessons:
         p.error(f"no lesson folder contains {a.only!r}")
+    if a.terms:  # earlier chapters count as introductions, so the whole book is read and the selection shown
+        found = [w for w in term_warnings(REPO, every) if any(w.startswith(str(q.relative_to(REPO))) for q in lessons)]
+        print("\n".join(found) if found else f"{len(lessons)} lessons: every glossary term defined before use")
+        return 0
     problems = [line for lesson in lessons for line in hand_typed(lesson)] + orphan_sections(REPO)
     print("\n".join(problems) if problems else f"{len(lessons)} lessons: no hand-typed measurement, no orphan")
     return 1 if problems else 0

@@ -309,3 +309,13 @@ def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
     script.write_text("# --8<-- [start:used]\n# --8<-- [end:used]\n# --8<-- [start:dead]\n# --8<-- [end:dead]\n")
     lesson.write_text('--8<-- "mlsys/m.py:used"\n')
     assert [o.split("`")[1] for o in check_lessons.orphan_sections(tmp_path)] == ["dead"]
+    # terms: used before the bold introduction -> warned; a later chapter may use what an earlier one introduced
+    (tmp_path / "book/pages").mkdir(parents=True)
+    (tmp_path / "book/pages/glossary.md").write_text("**KV cache**\n:   x\n\n**TTFT / ITL**\n:   y\n")
+    lesson.write_text("# The KV cache\nThe KV cache grows.\n\nA **KV cache** holds keys. TTFT is [TTFT](g)\n")
+    later = tmp_path / "tutorial/part1-x/chapter02-y/README.md"
+    later.parent.mkdir(parents=True)
+    later.write_text("The KV caches again, and [ITL](../../book/pages/glossary.md#ttft).\n")
+    warned = check_lessons.term_warnings(tmp_path, [lesson, later])
+    assert [(w.split(":")[0].split("/")[-2], w.split(":")[1], w.split("`")[1]) for w in warned] == [
+        ("chapter01-x", "2", "KV cache"), ("chapter01-x", "4", "TTFT / ITL")], warned
