@@ -420,6 +420,8 @@ class Builder:
             new = f"{src.stem}.md"
         elif src in dirs or (src.name == "README.md" and src.parent in dirs):
             new = f"../{dirs.get(src) or dirs[src.parent]}/index.md"
+        elif src.parent == (self.root / "book/pages").resolve() and src.suffix == ".md":
+            new = f"../{src.name}"  # a book page such as the glossary: it sits at the top of the site
         elif src.is_file() and src.is_relative_to(self.root):
             copy = self.docs / "files" / src.relative_to(self.root)
             copy.parent.mkdir(parents=True, exist_ok=True)

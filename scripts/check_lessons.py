@@ -71,7 +71,7 @@ def hand_typed(path: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- terms (warnings)
-GLOSSARY_TERM_RE = re.compile(r"^\*\*(.+?)\*\*\s*$", re.M)
+GLOSSARY_TERM_RE = re.compile(r"^### +(.+?)\s*$", re.M)
 BOLD_RE = re.compile(r"\*\*([^*]+)\*\*")
 GLOSSARY_LINK_RE = re.compile(r"\[([^\]]+)\]\([^)]*glossary\.md[^)]*\)")
 

@@ -311,7 +311,7 @@ def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
     assert [o.split("`")[1] for o in check_lessons.orphan_sections(tmp_path)] == ["dead"]
     # terms: used before the bold introduction -> warned; a later chapter may use what an earlier one introduced
     (tmp_path / "book/pages").mkdir(parents=True)
-    (tmp_path / "book/pages/glossary.md").write_text("**KV cache**\n:   x\n\n**TTFT / ITL**\n:   y\n")
+    (tmp_path / "book/pages/glossary.md").write_text("### KV cache\n\nx\n\n### TTFT / ITL\n\ny\n")
     lesson.write_text("# The KV cache\nThe KV cache grows.\n\nA **KV cache** holds keys. TTFT is [TTFT](g)\n")
     later = tmp_path / "tutorial/part1-x/chapter02-y/README.md"
     later.parent.mkdir(parents=True)
