@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import queue
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,11 +48,15 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
 
 DEFAULT_MODEL_NAME = "mlsys-small"
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused before it is parsed (413)
+GENERATION_FAILED = "the server failed while generating this request; other requests were not affected"
 
 
 # ===================================================================================== request validation
@@ -58,6 +65,8 @@ class RequestError(Exception):
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
+        param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
 
@@ -98,7 +107,9 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except RecursionError:
+        raise RequestError("request body is nested too deeply") from None
+    except ValueError as err:  # bad JSON, bad UTF-8, an integer of more than 4300 digits
         raise RequestError(f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
@@ -134,8 +145,8 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
         raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise RequestError(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
     flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -146,9 +157,12 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
                            param="stream_options")
     if options and not flags["stream"]:
         raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if temperature < SAMPLING_EPS:  # below this, dividing the logits overflows: treated as greedy, as vLLM does
+        temperature = 0.0
+    vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
-                            top_k=None if top_k in (None, -1) else top_k, seed=seed,
-                            ignore_eos=flags["ignore_eos"])
+                            top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
+                            seed=seed % 2**64 if seed is not None else None, ignore_eos=flags["ignore_eos"])
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
 
@@ -249,6 +263,8 @@ class AsyncEngine:
             self._serve()
         except Exception as err:
             self.dead = err
+            print("[mlsys.server] the engine thread stopped; every request now fails with 503:\n"
+                  + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._fail_all, err)
 
@@ -262,9 +278,10 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()  # the forward pass: only this thread ever waits for it
-                except Exception as err:
+                except Exception as err:  # the engine isolates a failing request itself; this is the last resort
                     outputs = self._fail_running(err)
-                self._send(outputs)
+                self._send([self._failure(out) if out.finish_reason == "error" else out for out in outputs
+                            if isinstance(out, RequestOutput)] + [o for o in outputs if isinstance(o, tuple)])
             self._snapshot = self.engine.stats()
         for rid in list(self.engine.requests):  # shutting down: free what is still in flight
             self.engine.abort(rid)
@@ -291,6 +308,14 @@ class AsyncEngine:
             except Exception as err:
                 self._send([(rid, err)])
 
+    @staticmethod
+    def _failure(out: RequestOutput) -> tuple[str, Exception]:
+        """A request the engine ended with an error: log the details here, hand its handler the exception."""
+        err = out.error if isinstance(out.error, Exception) else RuntimeError(str(out.error))
+        print(f"[mlsys.server] request {out.request_id} failed inside the engine; the rest of its batch went on:\n"
+              + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        return out.request_id, err
+
     def _fail_running(self, err: Exception) -> list:
         """A step raised: the requests it was running get the error and are aborted; waiting ones stay queued."""
         failed = [s.request_id for s in self.engine.scheduler.running]
@@ -312,11 +337,15 @@ class AsyncEngine:
                 q.put_nowait(item)
 
     # ------------------------------------------------------------------------- the event-loop side
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise RequestError("the engine stopped after an internal error (see the server log); restart the "
+                               "server", status=503, code="engine_dead")
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
-        if self.dead is not None:
-            raise RequestError(f"the engine stopped: {self.dead}", status=503)
+        self.check_alive()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         finished = False
@@ -340,9 +369,20 @@ class AsyncEngine:
 
 
 # ================================================================================================ the app
-def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
-    """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine)."""
+def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine).
+
+    With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401
+    otherwise); /health stays open for load balancers."""
     front = AsyncEngine(engine)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise RequestError("Incorrect API key provided: send the header 'Authorization: Bearer <key>'",
+                               status=401, code="invalid_api_key")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -358,6 +398,18 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     async def request_error(_: Request, err: RequestError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's shape
+        return JSONResponse(RequestError(str(err.detail), status=err.status_code).body(),
+                            status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, err: Exception) -> JSONResponse:  # a bug: no internals to the client
+        print("[mlsys.server] unexpected error while handling a request:\n"
+              + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        return JSONResponse(RequestError("internal server error (see the server log)", status=500,
+                                         code="internal_error").body(), status_code=500)
+
     @app.get("/health")
     async def health() -> dict:
         s = front.stats()  # the engine thread's last snapshot: answers at once, even mid-step
@@ -365,7 +417,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
                 "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        check_key(request)
         card = {"id": model_name, "object": "model", "created": started, "owned_by": "mlsys",
                 "max_model_len": engine.config.max_model_len}
         return {"object": "list", "data": [card]}
@@ -373,7 +426,9 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     # --8<-- [start:completions]
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion_request(await request.body(), engine, model_name)
+        check_key(request)
+        req = parse_completion_request(await read_body(request), engine, model_name)
+        front.check_alive()  # before a stream starts: its status line must say 503
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
         if req.stream:
@@ -381,8 +436,10 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
                                      media_type="text/event-stream")
         try:
             final = await _collect(outputs, request)
-        except Exception as err:  # the engine failed this request (and only this one)
-            raise RequestError(f"generation failed: {err}", status=500) from None
+        except RequestError:
+            raise
+        except Exception:  # the engine failed this request (and only this one); details are in the server log
+            raise RequestError(GENERATION_FAILED, status=500, code="generation_failed") from None
         if final is None:  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         body = completion_body(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final))
@@ -390,6 +447,21 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME) -> FastAPI:
     # --8<-- [end:completions]
 
     return app
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit`: from Content-Length before
+    reading anything, or while it streams in (a chunked body has no length up front)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 # --8<-- [start:stream]
@@ -402,8 +474,8 @@ async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, c
             last = out
             if out.new_text or out.finished:
                 yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out)))
-    except Exception as err:  # the engine failed mid-stream: tell the client in-band, then end the stream
-        yield sse_event(RequestError(f"generation failed: {err}", status=500).body())
+    except Exception:  # the engine failed mid-stream: tell the client in-band, then end the stream
+        yield sse_event(RequestError(GENERATION_FAILED, status=500, code="generation_failed").body())
     finally:
         await outputs.aclose()  # a cancelled stream (client gone) closes the generator: its abort is queued
     if include_usage and last is not None:

@@ -454,3 +454,56 @@ def test_cuda_engine_matches_cpu(small):
     gpu = Engine(small, config=EngineConfig(device="cuda", enable_prefix_caching=True)).generate(PROMPTS, sp)
     same = sum(a.token_ids == b.token_ids for a, b in zip(cpu, gpu))
     assert same >= len(PROMPTS) - 1  # TF32/GPU reductions may flip one near-tie argmax
+
+
+# ------------------------------------------------------------------ one failing request
+@pytest.mark.parametrize("where", ["sample", "detokenize"])
+def test_a_failing_request_ends_alone_and_the_batch_goes_on(small, monkeypatch, where):
+    """Inject a fault into one request of a running batch (its sampling, or its detokenizer three tokens in).
+    That request ends with finish_reason "error" and the exception; every other request produces exactly the
+    tokens it produces alone (greedy and seeded sampling), and no block leaks."""
+    import mlsys.engine.engine as engine_module
+
+    params = [SamplingParams(max_tokens=25, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0.8, top_k=10, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)]
+    good = [PROMPTS[0], PROMPTS[3], PROMPTS[5]]
+    alone = [Engine(small).generate([p], sp)[0].token_ids for p, sp in zip(good, params)]
+    bad_prompt = PROMPTS[1]
+    bad_ids = TOK.encode(bad_prompt, bos=True)
+    eng = Engine(small, config=EngineConfig(block_size=4))
+    if where == "sample":
+        real = engine_module.sample
+
+        def faulty(logits, seqs):
+            if any(s.prompt_token_ids == bad_ids and len(s.output_token_ids) >= 2 for s in seqs):
+                raise RuntimeError("injected sampling fault")
+            return real(logits, seqs)
+
+        monkeypatch.setattr(engine_module, "sample", faulty)
+    ids = [eng.add_request(p, sp) for p, sp in zip(good[:2], params[:2])]
+    bad = eng.add_request(bad_prompt, SamplingParams(max_tokens=25, temperature=0, ignore_eos=True))
+    ids.append(eng.add_request(good[2], params[2]))
+    if where == "detokenize":
+        seq, calls = eng.requests[bad], []
+
+        def broken_step(tokens, real=seq.detokenizer.step):
+            calls.append(tokens)
+            if len(calls) == 3:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
+            return real(tokens)
+
+        seq.detokenizer.step = broken_step
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        eng.check_invariants()
+    assert final[bad].finish_reason == "error" and "injected" in str(final[bad].error)
+    assert [final[i].token_ids for i in ids] == alone
+    assert eng.stats()["num_failed_requests"] == 1
+    assert eng.block_manager.pool.num_free == eng.config.num_blocks
+    if where == "sample":  # the offline helper raises, naming how many failed
+        with pytest.raises(RuntimeError, match="1 of 2 requests failed"):
+            eng.generate([bad_prompt, good[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))

@@ -99,7 +99,8 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self.last_step_timing: dict[str, float] = {}
-        self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0)
+        self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0,
+                             num_failed_requests=0)
 
     # ------------------------------------------------------------ requests
 
@@ -152,22 +153,15 @@ class Engine:
             outputs, self._aborted = self._aborted, []
             timing = dict(schedule=t1 - t0, prepare=0.0, forward=0.0, sample=0.0, detokenize=0.0)
             if sched.scheduled:
-                seqs = [s for s, _ in sched.scheduled]
-                done = [s.num_computed_tokens + n == s.num_tokens for s, n in sched.scheduled]  # sample after?
-                batch = self.runner.prepare(
-                    [s.num_computed_tokens for s in seqs],
-                    [s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n] for s, n in sched.scheduled],
-                    [s.block_table for s in seqs], done)
-                t2 = time.perf_counter()
-                logits = self.runner.execute(batch)  # (R, V): one row per sequence that samples
-                t3 = time.perf_counter()
-                to_sample = [s for s, d in zip(seqs, done) if d]
-                new_ids = sample(logits, to_sample) if to_sample else []
-                logprobs = sampled_logprobs(logits, to_sample, new_ids)  # None where not asked for
+                scheduled = list(sched.scheduled)
+                try:
+                    sampled = self._compute(scheduled, timing)
+                except Exception as err:  # one request may have broken the batch: find it, keep the rest
+                    scheduled, sampled, failed = self._isolate(scheduled, err)
+                    outputs += [self._fail(seq, e) for seq, e in failed]
                 t4 = time.perf_counter()
-                outputs += self._update(sched, new_ids, logprobs, t4)
-                t5 = time.perf_counter()
-                timing.update(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, detokenize=t5 - t4)
+                outputs += self._update(scheduled, sampled, t4)
+                timing["detokenize"] = time.perf_counter() - t4
             self.counters["num_steps"] += 1
             self.counters["num_prefill_tokens"] += sched.num_prefill_tokens
             self.counters["num_decode_tokens"] += sched.num_batched_tokens - sched.num_prefill_tokens
@@ -178,23 +172,77 @@ class Engine:
             return outputs
     # --8<-- [end:step]
 
-    def _update(self, sched, new_ids: list[int], logprobs: list[float | None], now: float) -> list[RequestOutput]:
-        """Advance the counters, append sampled tokens (and log-probs), finish, free, detokenize."""
-        outputs, it = [], iter(zip(new_ids, logprobs))
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
+    def _compute(self, scheduled: list, timing: dict) -> dict[str, tuple[int, float | None]]:
+        """Prepare, forward and sample the scheduled chunks: request id -> (token, log-prob) for each sequence
+        whose chunk reaches its last token. Writes the chunks' K and V into their blocks; changes nothing else,
+        so a failed call can be repeated on a subset."""
+        t1 = time.perf_counter()
+        seqs = [s for s, _ in scheduled]
+        done = [s.num_computed_tokens + n == s.num_tokens for s, n in scheduled]  # sample after this chunk?
+        batch = self.runner.prepare(
+            [s.num_computed_tokens for s in seqs],
+            [s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n] for s, n in scheduled],
+            [s.block_table for s in seqs], done)
+        t2 = time.perf_counter()
+        logits = self.runner.execute(batch)  # (R, V): one row per sequence that samples
+        t3 = time.perf_counter()
+        to_sample = [s for s, d in zip(seqs, done) if d]
+        new_ids = sample(logits, to_sample) if to_sample else []
+        logprobs = sampled_logprobs(logits, to_sample, new_ids)  # None where not asked for
+        timing.update(prepare=timing["prepare"] + t2 - t1, forward=timing["forward"] + t3 - t2,
+                      sample=timing["sample"] + time.perf_counter() - t3)
+        return {s.request_id: (t, lp) for s, t, lp in zip(to_sample, new_ids, logprobs)}
+
+    def _isolate(self, scheduled: list, err: Exception) -> tuple[list, dict, list]:
+        """The batched step raised. Run each scheduled chunk alone: the ones that raise again are the culprits
+        and fail; the others produce what they would have produced alone. (Costs a step per request, only on
+        the rare step that fails.) Returns (chunks that ran, their samples, [(sequence, its error)])."""
+        if len(scheduled) == 1:
+            return [], {}, [(scheduled[0][0], err)]
+        ok, sampled, failed = [], {}, []
+        timing = dict(prepare=0.0, forward=0.0, sample=0.0)
+        for seq, n in scheduled:
+            try:
+                sampled |= self._compute([(seq, n)], timing)
+                ok.append((seq, n))
+            except Exception as alone:
+                failed.append((seq, alone))
+        return ok, sampled, failed
+
+    def _fail(self, seq: Sequence, err: BaseException) -> RequestOutput:
+        """End one request with an error and free its blocks; the rest of the batch is untouched."""
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        seq.metrics.finish_time = time.perf_counter()
+        self.counters["num_failed_requests"] += 1
+        out = self._output(seq, [], "")
+        out.error = err
+        return out
+
+    def _update(self, scheduled: list, sampled: dict, now: float) -> list[RequestOutput]:
+        """Advance the counters, append sampled tokens (and log-probs), finish, free, detokenize. A request whose
+        own bookkeeping raises (a detokenizer error, say) fails alone."""
+        outputs = []
+        for seq, n in scheduled:
+            try:
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens < seq.num_tokens:
+                    self.block_manager.cache_full_blocks(seq)
+                    continue  # a prefill chunk: nothing to sample yet
+                token, logprob = sampled[seq.request_id]
+                seq.append_token(token, now, self.config.max_model_len, logprob)
+                self.counters["num_generated_tokens"] += 1
                 self.block_manager.cache_full_blocks(seq)
-                continue  # a prefill chunk: nothing to sample yet
-            token, logprob = next(it)
-            seq.append_token(token, now, self.config.max_model_len, logprob)
-            self.counters["num_generated_tokens"] += 1
-            self.block_manager.cache_full_blocks(seq)
+                new_text = seq.detokenizer.step([token])
+            except Exception as err:
+                outputs.append(self._fail(seq, err))
+                continue
             if seq.is_finished:
                 seq.metrics.finish_time = now
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token], seq.detokenizer.step([token])))
+            outputs.append(self._output(seq, [token], new_text))
         return outputs
 
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
@@ -222,6 +270,10 @@ class Engine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+        failed = [i for i in ids if final[i].finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed (first: {failed[0]})") \
+                from final[failed[0]].error
         return [final[i] for i in ids]
 
     def load_weights(self, state_dict: dict) -> None:

@@ -57,10 +57,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # computing this request raised; the others in its batch went on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -87,9 +88,10 @@ class RequestOutput:
     text: str  # detokenized token_ids (specials skipped)
     new_text: str  # the part of `text` that is new in this step
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     metrics: RequestMetrics
     logprobs: list[float] | None = None  # one per token_ids entry; None unless SamplingParams.logprobs
+    error: BaseException | None = None  # what ended the request when finish_reason is "error"
 
 
 # --8<-- [start:sequence]

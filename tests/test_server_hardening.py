@@ -1,0 +1,212 @@
+"""The server under hostile input and faults (mlsys.server over real HTTP).
+
+- One request that breaks inside the engine ends alone with an OpenAI-shaped 500; the requests it shared
+  batches with return exactly what a separate engine gives them alone (the oracle: Engine.generate).
+- No input yields a 5xx: a list of known-nasty bodies (deep nesting, 5000-digit integers, NaN, lone surrogates,
+  invalid UTF-8, bodies over the size limit, chunked or declared), then property-based fuzzing with hypothesis:
+  random JSON built from the API's field names and extreme values, and random bytes. Every answer below 500
+  carries OpenAI's error shape.
+- An API key, when set, is checked the way OpenAI clients send it (Authorization: Bearer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlsys.data import make_corpus
+from mlsys.engine import Engine, EngineConfig, SamplingParams
+from mlsys.server import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, ServerThread, create_app
+
+MODEL = DEFAULT_MODEL_NAME
+PROMPTS = [line[: 8 + 4 * i] for i, line in enumerate(make_corpus(6, seed=11).splitlines())]
+
+
+def assert_openai_error(r: httpx.Response, status: int | None = None) -> dict:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if status is not None:
+        assert r.status_code == status, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and error["type"] == "invalid_request_error"
+    return error
+
+
+# ----------------------------------------------------------------------------------------------- one bad request
+@pytest.mark.timeout(120)
+def test_one_failing_request_leaves_its_batch_untouched(small_model, monkeypatch):
+    import mlsys.engine.engine as engine_module
+
+    bad_prompt, good = PROMPTS[1], [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=8))
+    bad_ids = engine.tokenizer.encode(bad_prompt, bos=True)
+    real = engine_module.sample
+
+    def faulty(logits, seqs):  # the bad request breaks at its third token, in the middle of everyone's decode
+        if any(s.prompt_token_ids == bad_ids and len(s.output_token_ids) >= 2 for s in seqs):
+            raise RuntimeError("injected fault in one request")
+        return real(logits, seqs)
+
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    alone = [Engine(small_model).generate([p], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+             for p in good]
+    app = create_app(engine)
+    with ServerThread(app, port=0) as server:
+        async def post_all() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                bodies = [{"model": MODEL, "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                          for p in [*good[:2], bad_prompt, good[2]]]
+                return await asyncio.gather(*(http.post(f"{server.url}/v1/completions", json=b) for b in bodies))
+
+        responses = asyncio.run(post_all())
+        steps_shared = engine.stats()["num_steps"] < 4 * 40  # they ran side by side, not one after another
+    texts = [r.json()["choices"][0]["text"] for r in (responses[0], responses[1], responses[3])]
+    assert texts == alone and steps_shared
+    bad = responses[2]
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "generation_failed"
+    assert "injected" not in bad.text
+    s = engine.stats()
+    assert s["num_failed_requests"] == 1 and s["num_free_blocks"] == s["num_total_blocks"]
+
+
+# ------------------------------------------------------------------------------------------------ hostile input
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model):
+    """A random-init tiny model with a short context: valid fuzzed requests finish in milliseconds."""
+    engine = Engine(tiny_model, config=EngineConfig(max_model_len=48, max_num_seqs=8))
+    app = create_app(engine)
+    with ServerThread(app, port=0) as server:
+        yield server, engine
+
+
+NASTY: list[tuple[str, bytes, int]] = [
+    ("deeply nested", b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    ("5000-digit integer", b'{"model": "mlsys-small", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("NaN temperature", b'{"model": "mlsys-small", "prompt": "a", "temperature": NaN}', 400),
+    ("Infinity max_tokens", b'{"model": "mlsys-small", "prompt": "a", "max_tokens": Infinity}', 400),
+    ("seed past 64 bits", b'{"model": "mlsys-small", "prompt": "a", "seed": 1180591620717411303424}', 400),
+    ("invalid UTF-8", b'{"model": "mlsys-small", "prompt": "\xff\xfe"}', 400),
+    ("lone surrogate in a key", b'{"model": "mlsys-small", "prompt": "a", "\\ud800": 1}', 400),
+    ("lone surrogate in the prompt", b'{"model": "mlsys-small", "prompt": "a\\udfff"}', 400),
+    ("lone surrogate in the model", b'{"model": "\\ud800", "prompt": "a"}', 404),
+    ("a JSON string", b'"hello"', 400),
+    ("empty body", b"", 400),
+    ("null bytes", b"\x00" * 64, 400),
+    ("huge token id", b'{"model": "mlsys-small", "prompt": [1, 99999999999999999999999]}', 400),
+    ("negative max_tokens", b'{"model": "mlsys-small", "prompt": "a", "max_tokens": -1}', 400),
+    ("bool as max_tokens", b'{"model": "mlsys-small", "prompt": "a", "max_tokens": true}', 400),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, body, status", NASTY, ids=[n for n, _, _ in NASTY])
+def test_nasty_bodies_get_a_4xx_in_openai_shape(tiny_server, name, body, status):
+    server, engine = tiny_server
+    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert_openai_error(r, status)
+
+
+@pytest.mark.timeout(60)
+def test_extreme_but_valid_values_generate(tiny_server):
+    """A temperature of 1e-300 (dividing the logits by it would overflow: treated as greedy, as vLLM does) and a
+    top_k past the vocabulary (no cut) are legal requests: they generate."""
+    server, _ = tiny_server
+    for extra in ({"temperature": 1e-300}, {"temperature": 0.7, "top_k": 10**30, "seed": -(2**63)}):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "ab", "max_tokens": 4, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_oversized_bodies_are_refused_before_they_are_read(tiny_server):
+    server, _ = tiny_server
+    big = b'{"model": "mlsys-small", "prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}'
+    assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=big, timeout=30), 413)
+
+    def chunks():  # no Content-Length: the limit is enforced while the body streams in
+        yield b'{"model": "mlsys-small", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b"a" * 65536
+
+    assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30), 413)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_routes_and_methods_answer_in_openai_shape(tiny_server):
+    server, _ = tiny_server
+    assert_openai_error(httpx.get(f"{server.url}/v1/nothing", timeout=10), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v1/completions", timeout=10), 405)
+
+
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
+          "ignore_eos", "n", "stop", "logprobs", "user", "echo", "best_of", "suffix", "logit_bias"]
+SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**200), max_value=2**200)
+           | st.floats(allow_nan=True, allow_infinity=True)
+           | st.text(alphabet=st.characters(codec=None) | st.sampled_from(["\ud800", "\udfff", "\x00"]), max_size=12)
+           | st.sampled_from([MODEL, 0, 1, -1, 2**63, 1e-320, "ab", [1, 2], {"include_usage": True}]))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=6) | st.sampled_from(FIELDS), inner, max_size=4),
+                    max_leaves=12)
+BODIES = st.fixed_dictionaries({"model": st.sampled_from([MODEL]) | JSON, "prompt": st.sampled_from(["ab"]) | JSON},
+                               optional={f: JSON for f in FIELDS if f not in ("model", "prompt")})
+
+
+EDGE_INTS = st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from([0, 1, 2**31, 2**63, 2**64, -(2**63)])
+EDGE_FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, 1e308])
+NEAR_VALID = st.fixed_dictionaries(  # a valid model and prompt, every other field at an edge: these reach the engine
+    {"model": st.just(MODEL), "prompt": st.sampled_from(["ab", ["ab"], [1, 2, 3]]) | st.lists(EDGE_INTS, max_size=3)},
+    # each field is mostly valid (one_of picks its branches evenly), so one edge value at a time gets through
+    optional={"max_tokens": st.integers(1, 8) | st.integers(1, 8) | st.integers(1, 8) | EDGE_INTS,
+              "temperature": st.floats(0, 2) | st.floats(0, 2) | st.floats(0, 2) | EDGE_FLOATS,
+              "top_k": st.none() | st.integers(1, 50) | st.integers(1, 50) | EDGE_INTS,
+              "seed": st.none() | st.integers(0, 100) | EDGE_INTS | st.sampled_from([2**64, 2**70, -(2**63) - 1]),
+              "top_p": st.just(1.0) | st.just(1.0) | st.just(1.0) | EDGE_FLOATS,
+              "stream": st.booleans(), "ignore_eos": st.booleans(),
+              "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": 1}, {}, None])})
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=NEAR_VALID | BODIES | JSON)
+def test_fuzzed_json_never_gets_a_5xx(tiny_server, body):
+    server, engine = tiny_server
+    r = httpx.post(f"{server.url}/v1/completions", content=json.dumps(body, allow_nan=True), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    if r.status_code == 200:
+        if "text/event-stream" in r.headers.get("content-type", ""):
+            assert r.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert r.json()["object"] == "text_completion"
+    else:
+        assert_openai_error(r)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=200))
+def test_fuzzed_bytes_never_get_a_5xx(tiny_server, raw):
+    server, _ = tiny_server
+    r = httpx.post(f"{server.url}/v1/completions", content=raw, timeout=30)
+    assert_openai_error(r)
+
+
+# ------------------------------------------------------------------------------------------------------ API key
+@pytest.mark.timeout(60)
+def test_api_key_is_checked_as_openai_clients_send_it(tiny_model):
+    app = create_app(Engine(tiny_model, config=EngineConfig(max_model_len=48)), api_key="sk-test")
+    with ServerThread(app, port=0) as server:
+        right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-test", max_retries=0)
+        assert right.completions.create(model=MODEL, prompt="ab", max_tokens=3).usage.completion_tokens >= 1
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL, prompt="ab", max_tokens=3)
+        r = httpx.get(f"{server.url}/v1/models", timeout=10)  # no header at all
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # health stays open
