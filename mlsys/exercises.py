@@ -13,6 +13,12 @@ Layout of a chapter's exercises/ folder:
 
 Distributed tasks run the attempt on real ranks with `run_ranks`; tasks marked `@task(..., gpu=True)` report
 "needs a GPU" on machines without CUDA instead of failing.
+
+The attempt runs in a child process, never in the checker's: an attempt that loops forever is stopped after
+`--time-limit` seconds per task (its ranks with it), one that calls sys.exit or os._exit, kills itself, floods
+the output or does not import is a FAIL with one line, and the next task still runs. The only way to PASS is to
+pass the checks (the child binds the task runner before it imports the attempt). This guards against mistakes,
+not against a determined adversary: the attempt is ordinary Python running with your permissions.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = REPO_ROOT / "tutorial"
+DEFAULT_TIME_LIMIT = 120.0  # seconds one task may take (--time-limit); a distributed task starts ranks in ~3 s
+OUTPUT_LIMIT = 16 << 20  # bytes an attempt may print (or write to any file) before its task fails
 
 
 @dataclass
@@ -91,22 +99,177 @@ def find(exercise_id: str) -> Exercise:
     raise LookupError(f"no exercise {exercise_id!r}; known: {known}")
 
 
-def check(exercise: Exercise, solution: bool = False, target: Path | None = None) -> list[Outcome]:
-    """Run every task of the exercise's checker against the attempt, the reference solution, or `target`."""
+def check(exercise: Exercise, solution: bool = False, target: Path | None = None,
+          time_limit: float = DEFAULT_TIME_LIMIT) -> list[Outcome]:
+    """Run every task of the exercise's checker against the attempt, the reference solution, or `target`.
+
+    The attempt never runs in this process: a child process (forked from a server that has torch imported, so it
+    starts in milliseconds) loads it and runs the tasks in order, reporting each outcome through a pipe. Whatever
+    the attempt does, the task it was in is a FAIL with one line: it hangs past `time_limit` seconds (the child's
+    whole process group, distributed ranks included, is killed), it ends the interpreter (sys.exit, os._exit, a
+    signal), it cannot be imported (a syntax error, an exception at import), or it prints more than
+    OUTPUT_LIMIT bytes. After a child dies, a fresh one goes on with the next task.
+    """
+    target = (target or (exercise.solution if solution else exercise.attempt)).resolve()
+    titles, gpu = _task_titles(exercise.checker)
+    outcomes: list[Outcome] = []
+    while len(outcomes) < len(titles):
+        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit)
+    return [Outcome(o.task, "NEEDS GPU", "this task runs on CUDA; no GPU here") if g and o.status == "GPU" else o
+            for o, g in zip(outcomes, gpu)]
+
+
+def _task_titles(checker: Path) -> tuple[list[str], list[bool]]:
+    """The checker's tasks, read without importing it: @task("title", gpu=...) decorators, in file order."""
+    import ast
+
+    titles, gpu = [], []
+    for node in ast.parse(checker.read_text(encoding="utf-8")).body:
+        for dec in getattr(node, "decorator_list", []):
+            if isinstance(dec, ast.Call) and getattr(dec.func, "id", "") == "task" and dec.args:
+                titles.append(ast.literal_eval(dec.args[0]))
+                gpu.append(any(k.arg == "gpu" and ast.literal_eval(k.value) for k in dec.keywords))
+    return titles, gpu
+
+
+_CONTEXT: Any = None
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        import multiprocessing as mp
+
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CONTEXT
+
+
+def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_limit: float) -> list[Outcome]:
+    """Run tasks first.. in one child; stop at the first task the child does not survive (or overruns)."""
+    import tempfile
+    import time
+
+    ctx = _context()
+    ours, theirs = ctx.Pipe(duplex=False)
+    with tempfile.NamedTemporaryFile(prefix="mlsys-attempt-", suffix=".log") as output:
+        child = ctx.Process(target=_child_main, args=(str(checker), str(target), first, theirs, output.name))
+        child.start()
+        theirs.close()
+        outcomes: list[Outcome] = []
+        deadline = time.monotonic() + time_limit
+        current = first
+        try:
+            while current < len(titles):
+                if ours.poll(max(0.0, min(0.2, deadline - time.monotonic()))):
+                    try:
+                        kind, *rest = ours.recv()
+                    except (EOFError, OSError):
+                        kind, rest = "died", []
+                    if kind == "start":
+                        current, deadline = rest[0], time.monotonic() + time_limit
+                        continue
+                    if kind == "outcome":
+                        outcomes.append(Outcome(*rest))
+                        current += 1
+                        continue
+                if not child.is_alive() or time.monotonic() > deadline:
+                    timed_out = child.is_alive()
+                    _kill_group(child)
+                    tail = _tail(output)
+                    why = (f"no result after {time_limit:g} s (an endless loop, or ranks waiting for each other?); "
+                           "the attempt's processes were stopped" if timed_out else _how_it_died(child.exitcode))
+                    outcomes.append(Outcome(titles[current], "FAIL", why + (f"; it printed: {tail}" if tail else "")))
+                    break
+        finally:
+            if child.is_alive():
+                _kill_group(child)
+            child.join(5)
+            ours.close()
+    return outcomes
+
+
+def _kill_group(child: Any) -> None:
+    """SIGKILL the child's whole process group: the child and anything it started (ranks, a fork server)."""
+    import os
+    import signal
+
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # killed before it made its group: kill the process itself
+        child.kill()
+    child.join(5)
+
+
+def _how_it_died(exitcode: int | None) -> str:
+    import signal
+
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"the attempt killed the checker's process ({name})"
+    return f"the attempt ended the checker's process (exit code {exitcode}, e.g. sys.exit or os._exit)"
+
+
+def _tail(output: Any, limit: int = 300) -> str:
+    """The last line the attempt printed, shortened: enough to recognise, never a flood."""
+    import os
+
+    try:
+        size = os.fstat(output.fileno()).st_size
+        output.seek(max(0, size - 4096))
+        lines = output.read().decode("utf-8", "replace").strip().splitlines()
+    except OSError:
+        return ""
+    return (lines[-1][:limit] + ("..." if len(lines[-1]) > limit else "")) if lines else ""
+
+
+def _child_main(checker: str, target: str, first: int, conn: Any, output_path: str) -> None:
+    """In the child: own process group, capped output, load checker and attempt, run tasks first.., report each."""
+    import os
+    import resource
+    import signal
+
+    os.setsid()  # a group of our own: the parent can kill us and everything we start in one call
+    output_fd = os.open(output_path, os.O_WRONLY | os.O_APPEND)
+    for fd in (1, 2):
+        os.dup2(output_fd, fd)  # the attempt's prints go to a file the parent reads the end of
+    os.close(output_fd)
+    run_task, send = _run_task, conn.send  # bound before the attempt is imported: it cannot swap them
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the cap a write fails with EFBIG instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
     import torch
 
-    target = target or (exercise.solution if solution else exercise.attempt)
-    attempt = load_module(target)
-    checker = load_module(exercise.checker)
-    tasks = [fn for fn in vars(checker).values() if callable(fn) and hasattr(fn, "__task__")]
-    outcomes = []
-    for fn in tasks:
-        title = fn.__task__["title"]
-        if fn.__task__["gpu"] and not torch.cuda.is_available():
-            outcomes.append(Outcome(title, "NEEDS GPU", "this task runs on CUDA; no GPU here"))
+    titles, gpu = _task_titles(Path(checker))
+    try:
+        checker_module = load_module(Path(checker))
+        tasks = [fn for fn in vars(checker_module).values() if callable(fn) and hasattr(fn, "__task__")]
+        attempt = load_module(Path(target))
+        load_error = None
+    except BaseException as err:  # a syntax error, an exception or sys.exit at import: every task fails with it
+        load_error, tasks = err, []
+    for i in range(first, len(titles)):
+        send(("start", i))
+        if load_error is not None:
+            send(("outcome", titles[i], "FAIL", "cannot import the attempt: " + _one_line(load_error, target)))
             continue
-        outcomes.append(_run_task(fn, title, attempt, target))
-    return outcomes
+        if gpu[i] and not torch.cuda.is_available():
+            send(("outcome", titles[i], "GPU", ""))
+            continue
+        outcome = run_task(tasks[i], titles[i], attempt, Path(target))
+        send(("outcome", outcome.task, outcome.status, outcome.detail))
+    sys.stdout.flush()
+    conn.close()
+
+
+def _one_line(err: BaseException, target: str) -> str:
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError: {err.msg} (line {err.lineno} of {Path(target).name})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == target]
+    where = f" (line {frames[-1].lineno} of {Path(target).name})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}".splitlines()[0][:300]
 
 
 def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Outcome:
@@ -115,13 +278,17 @@ def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Ou
     except NotImplementedError as err:
         return Outcome(title, "TODO", str(err) or "not implemented yet")
     except AssertionError as err:
-        return Outcome(title, "FAIL", str(err) or "assertion failed")
+        return Outcome(title, "FAIL", (str(err) or "assertion failed")[:500])
+    except SystemExit as err:
+        return Outcome(title, "FAIL", f"the attempt called sys.exit({err.code!r}); a check cannot pass that way")
     except Exception as err:
         if "NotImplementedError" in str(err):
             return Outcome(title, "TODO", "not implemented yet (raised on a rank)")
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == str(target)]
-        where = f" (line {frames[-1].lineno} of {target.name})" if frames else ""
-        return Outcome(title, "FAIL", f"{type(err).__name__}: {err}{where}".splitlines()[0])
+        if isinstance(err, OSError) and err.errno == 27:  # EFBIG: the output cap
+            return Outcome(title, "FAIL", f"the attempt printed more than {OUTPUT_LIMIT} bytes")
+        return Outcome(title, "FAIL", _one_line(err, str(target)))
+    except BaseException as err:  # KeyboardInterrupt raised by the attempt, GeneratorExit...
+        return Outcome(title, "FAIL", f"{type(err).__name__} raised by the attempt")
     return Outcome(title, "PASS")
 
 
@@ -160,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("exercise", help="an id such as ch01.1, or 'all'")
     parser.add_argument("--solution", action="store_true", help="check the reference solution instead")
     parser.add_argument("--file", type=Path, help="check this file instead of the exercise's stub")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help=f"seconds one task may run before it fails (default {DEFAULT_TIME_LIMIT:g})")
     args = parser.parse_args(argv)
+    if not args.time_limit > 0:
+        parser.error("--time-limit must be positive")
     try:
         chosen = all_exercises() if args.exercise == "all" else [find(args.exercise)]
     except LookupError as err:
@@ -172,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         target = (args.file or (exercise.solution if args.solution else exercise.attempt)).resolve()
         shown = target.relative_to(REPO_ROOT) if target.is_relative_to(REPO_ROOT) else target
         print(f"{exercise.exercise_id}: checking {which}, {shown}")
-        for outcome in check(exercise, args.solution, target):
+        for outcome in check(exercise, args.solution, target, args.time_limit):
             detail = f"\n            {outcome.detail}" if outcome.detail else ""
             print(f"  {outcome.status:<9} {outcome.task}{detail}")
             failed += outcome.status in ("FAIL", "TODO")
@@ -181,4 +352,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlsys import exercises  # the module by its real name, so the checker's child can find _child_main
+
+    sys.exit(exercises.main())

@@ -69,3 +69,81 @@ def test_a_crashing_distributed_attempt_fails_instead_of_hanging(tmp_path) -> No
     outcomes = exercises.check(exercises.find("ch01.2"), target=wrong)
     assert outcomes[0].status == "FAIL" and "rank 1 gives up" in outcomes[0].detail
     assert outcomes[1].status == "FAIL"  # always answering 0 is wrong for [0.5, 2.0, -1.0]
+
+
+# ----------------------------------------------------------------------------------------------- hostile attempts
+GOOD_SECOND = "def node_and_local_rank(rank, nproc):\n    return divmod(rank, nproc)\n"
+HOSTILE = {  # first function of ch01.1 misbehaving -> (status of each task, words in the first task's detail)
+    "hangs": ("def shard_bounds(n, r, w):\n    while True:\n        pass\n" + GOOD_SECOND,
+              ["FAIL", "PASS"], "no result after"),
+    "sys.exit(0)": ("import sys\ndef shard_bounds(n, r, w):\n    sys.exit(0)\n" + GOOD_SECOND,
+                    ["FAIL", "PASS"], "sys.exit(0)"),
+    "os._exit(0)": ("import os\ndef shard_bounds(n, r, w):\n    os._exit(0)\n" + GOOD_SECOND,
+                    ["FAIL", "PASS"], "exit code 0"),
+    "SIGKILL": ("import os, signal\ndef shard_bounds(n, r, w):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                + GOOD_SECOND, ["FAIL", "PASS"], "SIGKILL"),
+    "syntax error": ("def shard_bounds(n, r, w)\n    return 0, n\n" + GOOD_SECOND,
+                     ["FAIL", "FAIL"], "SyntaxError"),
+    "raises at import": ("x = 1\nraise RuntimeError('at import')\n" + GOOD_SECOND,
+                         ["FAIL", "FAIL"], "RuntimeError: at import (line 2"),
+    "sys.exit at import": ("import sys\nsys.exit(0)\n" + GOOD_SECOND, ["FAIL", "FAIL"], "SystemExit"),
+    "prints a flood": ("def shard_bounds(n, r, w):\n    while True:\n        print('x' * 65536)\n" + GOOD_SECOND,
+                       ["FAIL", "PASS"], "printed more than"),
+    "fakes a pass": ("import mlsys.exercises as e\n"
+                     "e._run_task = lambda fn, title, *a: e.Outcome(title, 'PASS')\n"
+                     "def shard_bounds(n, r, w):\n    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "expected"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", HOSTILE)
+def test_the_checker_survives_a_hostile_attempt(name, tmp_path) -> None:
+    """Whatever the attempt does, the task it was in FAILs with one line, the next task still runs, and the
+    command line exits 1: hangs (killed at the time limit), interpreter exits, signals, import errors, floods."""
+    source, statuses, words = HOSTILE[name]
+    attempt = tmp_path / "ex1_rank_arithmetic.py"
+    attempt.write_text(source)
+    outcomes = exercises.check(exercises.find("ch01.1"), target=attempt, time_limit=3)
+    assert [o.status for o in outcomes] == statuses, outcomes
+    assert words in outcomes[0].detail and "\n" not in outcomes[0].detail, outcomes[0].detail
+
+
+@pytest.mark.timeout(120)
+def test_a_hanging_distributed_attempt_is_stopped_with_all_its_ranks(tmp_path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    attempt = tmp_path / "ex2_first_collectives.py"
+    attempt.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        f"PIDS = {str(pids)!r}\n"
+        "def global_mean(local):\n"
+        "    if dist.get_world_size() == 1:\n"
+        "        return local.mean()\n"
+        "    open(os.path.join(PIDS, str(os.getpid())), 'w').close()\n"
+        "    dist.recv(torch.empty(1), src=(dist.get_rank() + 1) % dist.get_world_size())  # nobody sends\n"
+        "def argmax_rank(value):\n"
+        "    return 0\n")
+    outcomes = exercises.check(exercises.find("ch01.2"), target=attempt, time_limit=8)
+    assert outcomes[0].status == "FAIL" and "no result after 8 s" in outcomes[0].detail, outcomes
+    started = [int(p.name) for p in pids.iterdir()]
+    assert started  # the ranks did run
+    import os
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in started), "a rank outlived the checker's time limit"
+    assert exercises.main(["ch01.2", "--file", str(attempt), "--time-limit", "5"]) == 1
+    del os
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
+        return f.read().split(") ")[-1][0] != "Z"
