@@ -59,6 +59,8 @@ class Settings(cli.DistArgs):
             raise cli.UsageError("--micro-batches, --micro-batch-size and --seq-len must be at least 1")
         if self.seq_len > 64:
             raise cli.UsageError(f"--seq-len must be <= 64 (the tiny GPT's block size), got {self.seq_len}")
+        if not self.lr >= 0:
+            raise cli.UsageError(f"--lr must be >= 0, got {self.lr}")
 
 
 def build(args: Settings) -> tuple[GPT, list[torch.Tensor], list[torch.Tensor]]:

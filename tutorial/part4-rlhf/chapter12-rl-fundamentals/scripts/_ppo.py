@@ -68,6 +68,8 @@ class Settings(cli.Args, cli.PlotArgs):
     """Benchmark: one full run per seed (e.g. --seeds 0 1 2) and a table of steps and time to solve."""
 
     def validate(self) -> None:
+        if any(not 0 <= s < 2**32 for s in self.seeds):  # gymnasium's range
+            raise cli.UsageError(f"--seeds must lie in 0..2**32-1, got {self.seeds}")
         if min(self.num_envs, self.num_steps, self.num_minibatches, self.update_epochs, self.eval_every,
                self.eval_episodes, self.hidden) < 1:
             raise cli.UsageError("sizes (--num-envs, --num-steps, --num-minibatches, ...) must be >= 1")
