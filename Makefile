@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # cores busy. PYTEST_WORKERS=0 runs in one process (pytest's -n 0).
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup book serve test sweep check weights browser clean
+.PHONY: setup book serve test sweep check progress hint weights browser clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -48,6 +48,13 @@ sweep: $(STAMP)
 check: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }
 	$(PYTHON) -m mlsys.exercises $(EX) $(if $(SOLUTION),--solution)
+
+progress: $(STAMP)
+	$(PYTHON) -m mlsys.workshop progress
+
+hint: $(STAMP)
+	@test -n "$(EX)" || { echo "usage: make hint EX=ch05.2" >&2; exit 2; }
+	$(PYTHON) -m mlsys.workshop hint $(EX)
 
 weights: $(STAMP)
 	$(PYTHON) scripts/train_weights.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mlsys import exercises
@@ -147,3 +149,48 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
         return f.read().split(") ")[-1][0] != "Z"
+
+
+# ----------------------------------------------------------------------------------------------- wrong attempts
+WRONG = sorted(exercises.TUTORIAL.glob("part*/chapter*/exercises/wrong/ex*.py"))
+
+
+def _exercise_of(wrong) -> exercises.Exercise:
+    chapter = int(wrong.parent.parent.parent.name[len("chapter"):].split("-")[0])
+    number = int(wrong.name[2:].split("_")[0])
+    return exercises.find(f"ch{chapter:02d}.{number}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrong", WRONG, ids=lambda p: f"{p.parents[2].name[:9]}/{p.stem}")
+def test_a_stored_wrong_attempt_fails(wrong) -> None:
+    """exercises/wrong/ex<K>_<mistake>.py holds a plausible mistake (off by one, wrong reduction, forgot to divide
+    by the world size...): the checker must FAIL it, with no task left TODO."""
+    outcomes = exercises.check(_exercise_of(wrong), target=wrong, time_limit=60)
+    statuses = [o.status for o in outcomes]
+    assert "FAIL" in statuses and "TODO" not in statuses, outcomes
+
+
+def test_hint_files_belong_to_exercises() -> None:
+    known = {(e.checker.parent, e.exercise_id.split(".")[1]) for e in EXERCISES}
+    for hint in exercises.TUTORIAL.glob("part*/chapter*/exercises/hints/ex*.md"):
+        assert (hint.parent.parent, hint.stem[2:]) in known, f"{hint} names no exercise"
+
+
+def test_progress_and_hints(tmp_path, monkeypatch, capsys) -> None:
+    from mlsys import workshop
+
+    monkeypatch.setattr(workshop, "STATE", tmp_path)
+    one = [exercises.find("ch01.1")]
+    monkeypatch.setattr(exercises, "all_exercises", lambda: one)
+    assert workshop.main(["progress", "--solution"]) == 0
+    assert "ch01.1  PASS      2/2 tasks" in capsys.readouterr().out
+    cached = json.loads((tmp_path / "progress.json").read_text())
+    monkeypatch.setattr(exercises, "check", lambda *a, **k: pytest.fail("an unchanged attempt was run again"))
+    assert workshop.main(["progress", "--solution"]) == 0 and len(cached) == 1
+    hints = workshop.hints_of(one[0])
+    assert len(hints) >= 2
+    for i in range(1, len(hints) + 2):  # one more call than hints: it stays on the last
+        assert workshop.main(["hint", "ch01.1"]) == 0
+        assert f"hint {min(i, len(hints))} of {len(hints)}" in capsys.readouterr().out
+    assert workshop.main(["hint", "ch99.9"]) == 2
