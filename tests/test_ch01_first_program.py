@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -83,8 +84,9 @@ def test_env_check_require_gpu_fails_without_one() -> None:
 @pytest.mark.timeout(120)
 def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:
     out = tmp_path / "r.json"
-    proc = run([CH01 / "rendezvous.py", "-w", "3", "--json", out])
+    proc = run([CH01 / "rendezvous.py", "-w", "3", "--json", out, "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "steps.png").is_file()
     rows = json.loads(out.read_text())["results"]["rows"]
     for kind in ("tcp", "file"):
         mine = [r for r in rows if r["store"] == kind]
@@ -102,3 +104,15 @@ def test_verbose_traces_the_scripts_own_calls_only(tmp_path) -> None:
         # print_ordered's internal gathers are not traced; the worker's own final all_gather_object is
         assert called == ["all_gather", "all_reduce", "all_gather_object"], called
     assert "all_reduce(tensor[2]:float32, op=SUM)" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bare_program_runs_under_torchrun_and_fails_without_it() -> None:
+    """The lesson's minimal init_process_group program: a sum of ranks under torchrun, a clear error without it."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = run([*torchrun, CH01 / "_bare_init.py"], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 of 2: all_reduce gave 1", "rank 1 of 2: all_reduce gave 1"]
+    alone = run([CH01 / "_bare_init.py"], timeout=60)
+    assert alone.returncode != 0 and "RANK expected, but not set" in alone.stderr

@@ -111,3 +111,15 @@ def test_reference_is_the_plain_model_on_autograd() -> None:
     torch.testing.assert_close(out, y.detach(), rtol=0, atol=0)
     for (name, _), g in zip(params.items(), want):
         torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_ring_where_every_rank_sends_first_deadlocks_and_the_fixes_do_not(tmp_path) -> None:
+    out = tmp_path / "d.json"
+    proc = run([CH02 / "deadlock.py", "-w", 3, "--ring", "--numel", 64, "--deadlock-timeout", 1, "--json", out])
+    assert proc.returncode == 0, proc.stderr
+    for rank, held in enumerate(json.loads(out.read_text())["results"]["per_rank"]):
+        assert all(a["outcome"] != "completed" for a in held["naive"])  # gloo never buffers a send
+        assert all(info["from_rank"] == (rank - 1) % 3 for info in held["fixed"].values())
+    odd_pairs = run([CH02 / "deadlock.py", "-w", 3])
+    assert odd_pairs.returncode == 2 and "--ring" in odd_pairs.stderr

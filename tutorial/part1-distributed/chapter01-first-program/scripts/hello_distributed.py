@@ -14,6 +14,14 @@ How to run (any world size >= 1)
     ... --verbose          # trace every collective call on every rank
 
 Runtime on 2 cores: about 5 s (mostly starting the processes and importing torch), 4 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 8 --numel 2
+        -> eight ranks; the all_reduce row is [56.0, 64.0] on every rank (see expected_sum)
+    python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 3 --crash-rank 2
+        -> rank 2's traceback, the other ranks stopped within seconds, exit code 1
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py
+        -> the same output, with torchrun starting the two processes instead of the script
 """
 
 from __future__ import annotations

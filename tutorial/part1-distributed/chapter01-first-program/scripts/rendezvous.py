@@ -7,7 +7,8 @@ What it shows
     For each store every rank: registers its address under its own key, takes a ticket from an atomic counter
     (its arrival order), waits until every rank's key exists, reads all the addresses; then hands the store to
     gloo, which runs its own exchange through it to build a new process group. An all_reduce over that new group
-    is checked against W(W+1)/2. Rank 0 prints what each rank saw and how long each step took.
+    is checked against W(W+1)/2. Rank 0 prints what each rank saw and how long each step took, and draws the
+    steps as one bar per rank and store.
 
 How to run (any world size >= 1)
     python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py -w 4
@@ -17,6 +18,14 @@ Contract flags: --smoke uses 2 ranks and 1 round; --seed changes nothing, as not
 tickets differ between runs because the ranks race to the store, which is the point).
 
 Runtime on 2 cores: about 4 s (3 s with --smoke).
+
+Try next
+    python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py -w 6
+        -> six tickets 1..6 per store, in an order that changes from run to run
+    torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py
+        -> the same protocol inside a torchrun job: the hand-built stores sit beside torchrun's
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/_bare_init.py
+        -> no launcher, no store by hand: the bare init_process_group program
 """
 
 from __future__ import annotations
@@ -31,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start. Under torchrun it is taken from WORLD_SIZE."""
     rounds: int = 3
@@ -112,6 +121,30 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"world_size": ctx.world_size, "rows": rows}
 
 
+def draw(rows: list[dict], args: Settings) -> str:
+    """Per store, one bar per rank: the time of each step of the protocol, labelled with the rank's ticket."""
+    plt = plot.pyplot()
+    steps = [("rendezvous_ms", "open store + rendezvous (set, add, wait, get)"),
+             ("build_group_ms", "gloo's own exchange: ProcessGroupGloo(PrefixStore)"),
+             ("all_reduce_ms", "one all_reduce over the new group")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 1.6 + 0.45 * args.world_size), sharex=True)
+    for ax, kind in zip(axes, ("tcp", "file")):
+        mine = [r for r in rows if r["store"] == kind]
+        left = [0.0] * len(mine)
+        for key, label in steps:
+            widths = [r[key] for r in mine]
+            ax.barh([r["rank"] for r in mine], widths, left=left, label=label)
+            left = [a + b for a, b in zip(left, widths)]
+        for r, end in zip(mine, left):
+            ax.text(end, r["rank"], f" ticket {r['ticket']}", va="center", fontsize=8)
+        ax.set_yticks([r["rank"] for r in mine], [f"rank {r['rank']}" for r in mine])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms since the rank started this store")
+        ax.set_title(f"{kind} store ({'TCPStore hosted by rank 0' if kind == 'tcp' else 'FileStore'})")
+    axes[0].legend(loc="upper center", bbox_to_anchor=(1.05, -0.22), ncol=3, fontsize=8)
+    return str(plot.save(fig, args, "steps"))
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "rounds": 1}, world_sizes=lambda w: w >= 1,
                      world_sizes_text=">= 1")
@@ -124,6 +157,7 @@ def main() -> int:
     w = result["world_size"]
     if any(t != list(range(1, w + 1)) for t in tickets.values()):  # the counter must hand out each ticket once
         raise cli.SelfCheckFailed(f"arrival tickets {tickets} are not 1..{w} once each")
+    print(f"figure: {draw(rows, args)}")
     print(f"\nOK: on both stores, {w} ranks took tickets 1..{w} (one each), saw all {w} addresses, "
           f"and an all_reduce over the group built from the store gave {w * (w + 1) // 2} on every rank.")
     if args.json:

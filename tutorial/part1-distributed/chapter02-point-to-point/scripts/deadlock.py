@@ -12,10 +12,12 @@ What it shows
               buffering at all (a send may wait for its receive: NVIDIA/nccl issues 479 and 783).
     ORDERED   even ranks send then receive, odd ranks receive then send: completes.
     NONBLOCK  isend + irecv, then wait on both: completes, in any order.
+    --ring    the same three versions around a ring (every rank sends to its right neighbour first): the ring
+              deadlock the lesson describes, for any W >= 2.
     The two fixed versions check that each rank received its partner's tensor (exit 1 if not). The broken group
     is destroyed afterwards; the default group was never involved, so the job goes on normally.
 
-How to run (even world sizes)
+How to run (even world sizes; any W >= 2 with --ring)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py
     ... --deadlock-timeout 5        # wait longer before giving up on the naive version
@@ -23,6 +25,14 @@ How to run (even world sizes)
 Contract flags: --seed changes nothing here (the tensors hold rank numbers, so nothing is random).
 
 Runtime on 2 cores: about 8 s (two naive attempts of 2 s each, plus starting the ranks), 6 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py -w 3 --ring
+        -> a ring where every rank sends first: every rank times out after 2 s, then both fixes complete
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py --numel 1 --deadlock-timeout 5
+        -> a one-element swap still deadlocks on gloo; each naive attempt now waits 5 s
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py -w 3
+        -> a usage error (exit 2): pairs need an even world size, unless you pass --ring
 """
 
 from __future__ import annotations
@@ -44,8 +54,13 @@ class Settings(cli.DistArgs):
     """Elements (float32) in the large tensor each partner sends: 4M elements = 16 MiB."""
     deadlock_timeout: float = 2.0
     """Seconds the naive send may wait before it is declared deadlocked."""
+    ring: bool = False
+    """Exchange around a ring instead of in pairs: every rank sends to (r+1) % W, then receives from (r-1) % W.
+    Any world size >= 2 (with W = 2 the ring is the pair)."""
 
     def validate(self) -> None:
+        if not self.ring and self.world_size % 2:
+            raise cli.UsageError(f"pairs need an even world size, got {self.world_size} (or pass --ring)")
         if self.numel < 1:
             raise cli.UsageError(f"--numel must be at least 1, got {self.numel}")
         if not 0 < self.deadlock_timeout < self.timeout:
@@ -57,12 +72,19 @@ def partner_of(rank: int) -> int:
     return rank ^ 1  # pairs (0,1), (2,3), ...: flip the lowest bit
 
 
+def peers(ctx: RankContext, ring: bool) -> tuple[int, int]:
+    """(who I send to, who I receive from): my partner twice, or my right and left neighbours on the ring."""
+    if ring:
+        return (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
+    return partner_of(ctx.rank), partner_of(ctx.rank)
+
+
 def payload(rank: int, numel: int, device: torch.device) -> torch.Tensor:
     return torch.full((numel,), float(rank), device=device)  # rank r sends r's: easy to tell who sent what
 
 
 # --8<-- [start:naive]
-def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float) -> dict:
+def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float, ring: bool = False) -> dict:
     """Both partners send first. Run on a fresh gloo group whose timeout is short, so the deadlock ends in an error.
 
     A timed-out gloo send closes that group's connection to the peer, so the group is thrown away afterwards; the
@@ -70,10 +92,11 @@ def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float) -> dict:
     """
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=deadlock_timeout))  # collective
     mine, theirs = payload(ctx.rank, numel, torch.device("cpu")), torch.empty(numel)  # gloo group: CPU tensors
+    dst, src = peers(ctx, ring)  # the partner twice; with --ring, right and left neighbours
     start = time.perf_counter()
     try:
-        dist.send(mine, dst=partner_of(ctx.rank), group=group)  # waits for the partner's recv... which never comes
-        dist.recv(theirs, src=partner_of(ctx.rank), group=group)
+        dist.send(mine, dst=dst, group=group)  # waits for the partner's recv... which never comes
+        dist.recv(theirs, src=src, group=group)
         outcome = "completed"
     except RuntimeError as err:
         # Whichever partner's timer fires first reports "Timed out" and closes the connection; the other one,
@@ -88,27 +111,29 @@ def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float) -> dict:
     seconds = time.perf_counter() - start
     dist.destroy_process_group(group)
     return {"numel": numel, "outcome": outcome, "seconds": round(seconds, 3),
-            "received_ok": outcome == "completed" and bool((theirs == partner_of(ctx.rank)).all())}
+            "received_ok": outcome == "completed" and bool((theirs == src).all())}
 # --8<-- [end:naive]
 
 
 # --8<-- [start:fixed]
-def ordered_swap(ctx: RankContext, mine: torch.Tensor) -> torch.Tensor:
+def ordered_swap(ctx: RankContext, mine: torch.Tensor, ring: bool = False) -> torch.Tensor:
     """Break the symmetry: the even partner sends first, the odd one receives first."""
+    dst, src = peers(ctx, ring)
     theirs = torch.empty_like(mine)
     if ctx.rank % 2 == 0:
-        dist.send(mine, dst=partner_of(ctx.rank))
-        dist.recv(theirs, src=partner_of(ctx.rank))
+        dist.send(mine, dst=dst)
+        dist.recv(theirs, src=src)
     else:
-        dist.recv(theirs, src=partner_of(ctx.rank))
-        dist.send(mine, dst=partner_of(ctx.rank))
+        dist.recv(theirs, src=src)
+        dist.send(mine, dst=dst)
     return theirs
 
 
-def nonblocking_swap(ctx: RankContext, mine: torch.Tensor) -> torch.Tensor:
+def nonblocking_swap(ctx: RankContext, mine: torch.Tensor, ring: bool = False) -> torch.Tensor:
     """Post the send and the recv, then wait on both: neither call blocks, so the order does not matter."""
+    dst, src = peers(ctx, ring)
     theirs = torch.empty_like(mine)
-    requests = [dist.isend(mine, dst=partner_of(ctx.rank)), dist.irecv(theirs, src=partner_of(ctx.rank))]
+    requests = [dist.isend(mine, dst=dst), dist.irecv(theirs, src=src)]
     for request in requests:
         request.wait()
     return theirs
@@ -116,13 +141,13 @@ def nonblocking_swap(ctx: RankContext, mine: torch.Tensor) -> torch.Tensor:
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
-    naive = [naive_swap(ctx, numel, args.deadlock_timeout) for numel in (1, args.numel)]
+    naive = [naive_swap(ctx, numel, args.deadlock_timeout, args.ring) for numel in (1, args.numel)]
     mine = payload(ctx.rank, args.numel, ctx.device)
-    want = payload(partner_of(ctx.rank), args.numel, ctx.device)
+    want = payload(peers(ctx, args.ring)[1], args.numel, ctx.device)
     fixed = {}
     for name, swap in (("ordered send/recv", ordered_swap), ("isend + irecv + wait", nonblocking_swap)):
         start = time.perf_counter()
-        theirs = swap(ctx, mine)
+        theirs = swap(ctx, mine, args.ring)
         fixed[name] = {"seconds": round(time.perf_counter() - start, 4), "from_rank": int(theirs[0].item())}
         report.expect_equal(f"rank {ctx.rank} {name}", theirs, want)
 
@@ -132,7 +157,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             verdict = f"completed in {attempt['seconds']:.3f} s (this backend buffered the send)"
         else:
             verdict = f"deadlocked: {attempt['outcome']} after {attempt['seconds']:.1f} s"
-        lines.append(f"{'naive send/send':<22} {attempt['numel']:>8} elements: {verdict}")
+        lines.append(f"{'naive send-first':<22} {attempt['numel']:>8} elements: {verdict}")
     for name, info in fixed.items():
         lines.append(f"{name:<22} {args.numel:>8} elements: completed in {info['seconds']:.3f} s, "
                      f"got rank {info['from_rank']}'s tensor")
@@ -145,15 +170,17 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"numel": 1 << 16, "deadlock_timeout": 1.0},
-                     world_sizes=lambda w: w >= 2 and w % 2 == 0, world_sizes_text="2, 4, 6, ... (pairs of ranks)")
+                     world_sizes=lambda w: w >= 2, world_sizes_text=">= 2 (even, unless --ring)")
     result = launch(worker, args)
     if result is None:
         return 0
     hung = sum(a["outcome"] != "completed" for p in result["per_rank"] for a in p["naive"])
     total = sum(len(p["naive"]) for p in result["per_rank"])
-    print(f"naive version: {hung} of {total} rank-attempts deadlocked and were stopped by the "
+    print(f"naive version ({'ring' if args.ring else 'pairs'}, every rank sends first): {hung} of {total} "
+          "rank-attempts deadlocked and were stopped by the "
           f"{result['deadlock_timeout']} s timeout")
-    print("OK: the ordered and the non-blocking swaps delivered every partner's tensor")
+    print(f"OK: the ordered and the non-blocking swaps delivered every {'left neighbour' if args.ring else 'partner'}"
+          "'s tensor")
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)
     return 0

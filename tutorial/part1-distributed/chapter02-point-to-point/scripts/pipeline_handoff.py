@@ -19,6 +19,14 @@ How to run (any world size >= 2; --num-blocks must be >= the world size)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py
 
 Runtime on 2 cores: about 4 s with -w 4, 4 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py -w 2 --num-blocks 6
+        -> two stages of three blocks each; the gradients still match one process exactly
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py -w 4 --num-blocks 3
+        -> a usage error (exit 2): every stage needs at least one block
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py --no-pitfalls --verbose
+        -> only the pipeline, each send and recv of activations and gradients traced
 """
 
 from __future__ import annotations

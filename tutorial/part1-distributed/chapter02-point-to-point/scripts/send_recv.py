@@ -7,7 +7,9 @@ What it shows
            three ways: blocking calls in even/odd order, isend/irecv + wait(), and batch_isend_irecv (P2POp).
            Rank r must end up holding rank (r-1) % W's tensor.
     Every rank computes the value it must hold without any communication and compares (exit 1 on a mismatch).
-    Each pattern is repeated --repeats times; the mean time per rank and pattern is printed and saved in --json.
+    Each pattern is repeated --repeats times; the mean time per rank and pattern goes to --json only (W ranks on
+    2 shared cores time the scheduler, not the pattern). The figure draws the chain and the ring with the values
+    each rank really held.
 
 How to run (any world size >= 2)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 4
@@ -17,23 +19,32 @@ How to run (any world size >= 2)
 Contract flags: --seed changes nothing here (every value is a function of the rank, so nothing is random).
 
 Runtime on 2 cores: about 4 s with -w 4 (mostly starting the ranks), 3 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 5
+        -> an odd ring: the even/odd order still completes; the chain ends at rank 4 holding 0 + 10
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 2 --numel 2 --verbose
+        -> every send and recv of every rank on stderr, a line when it starts and one when it returns
+    torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py
+        -> the same checks under torchrun
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
-from mlsys.bench import load_average, steady_timing
+from mlsys import cli, plot, report
+from mlsys.bench import steady_timing
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (at least 2). Under torchrun it is taken from WORLD_SIZE."""
     numel: int = 1024
@@ -175,18 +186,54 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"world_size": ctx.world_size, "numel": args.numel, "repeats": args.repeats, "per_rank": everyone}
 
 
+def draw(result: dict, args: Settings) -> str:
+    """Left: the chain, each rank labelled with the first value it holds. Right: the ring, each arrow labelled
+    with the first value that travelled along it (what the receiver holds afterwards)."""
+    plt = plot.pyplot()
+    from matplotlib.patches import FancyArrowPatch
+
+    W = result["world_size"]
+    first = [p["values"] for p in result["per_rank"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.4, 1]})
+    box = dict(boxstyle="round", fc="#dbe9f6", ec="#33658a")
+    arrow = dict(arrowstyle="-|>", mutation_scale=18, lw=2, color="#33658a")
+    for r in range(W):  # chain: a row of ranks, r -> r+1
+        left.text(r, 0, f"rank {r}\nholds {first[r]['chain send/recv'][0]:g}", ha="center", va="center", bbox=box)
+        if r < W - 1:
+            left.add_patch(FancyArrowPatch((r + 0.3, 0), (r + 0.7, 0), **arrow))
+            left.text(r + 0.5, 0.12, f"+{r + 1}", ha="center", fontsize=9, color="#b23a48")
+    left.set_xlim(-0.6, W - 0.4)
+    left.set_ylim(-0.5, 0.5)
+    left.set_title("chain: rank r receives from r-1, adds r, sends to r+1\n(first element; rank 0 starts with 0)")
+    angle = [math.pi / 2 - 2 * math.pi * r / W for r in range(W)]  # ranks clockwise from the top
+    pos = [(math.cos(a), math.sin(a)) for a in angle]
+    for r in range(W):  # ring: r -> (r+1) % W, the arrow labelled with what arrived
+        dst = (r + 1) % W
+        (x0, y0), (x1, y1) = pos[r], pos[dst]
+        right.add_patch(FancyArrowPatch((x0 + 0.25 * (x1 - x0), y0 + 0.25 * (y1 - y0)),
+                                        (x0 + 0.75 * (x1 - x0), y0 + 0.75 * (y1 - y0)),
+                                        connectionstyle="arc3,rad=-0.2", **arrow))
+        got = first[dst]["ring isend/irecv"][0]
+        right.text(1.25 * (x0 + x1) / 2, 1.25 * (y0 + y1) / 2, f"{got:g}", ha="center", fontsize=9,
+                   color="#b23a48")
+        right.text(x0, y0, f"rank {r}\nowns {100 * r}", ha="center", va="center", bbox=box)
+    right.set_xlim(-1.6, 1.6)
+    right.set_ylim(-1.6, 1.6)
+    right.set_aspect("equal")
+    right.set_title("ring: every rank sends to (r+1) mod W at once\n(red: the first element that arrived)")
+    for ax in (left, right):
+        ax.axis("off")
+    return str(plot.save(fig, args, "chain_and_ring"))
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "numel": 8, "repeats": 3},
                      world_sizes=lambda w: w >= 2, world_sizes_text=">= 2 (point-to-point needs a peer)")
     result = launch(worker, args)
     if result is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    names = list(result["per_rank"][0]["times_us"])
-    rows = [{"pattern": n, **{f"rank {p['rank']} (us)": round(p["times_us"][n], 1) for p in result["per_rank"]}}
-            for n in names]
-    print(f"\nmean time per call, {result['numel']} float32 elements, {result['repeats']} repeats "
-          f"({load_average()}):")
-    print(report.table(rows))
+    # The mean times per pattern go to --json only: W ranks sharing 2 cores time the scheduler, not the patterns.
+    print(f"figure: {draw(result, args)}")
     print(f"OK: chain and ring values match the expected values on all {result['world_size']} ranks")
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)

@@ -10,6 +10,7 @@ What it shows
     from the seed without any communication, so each rank computes the numpy answer on its own and compares.
     A collective or op the backend refuses is reported as "unsupported on <backend>: <its error>" rather than a
     failure; only a wrong result fails the run (exit 1). The JSON lists each collective, supported?, checked ok.
+    The figure shows the (rank, element) grid before and after each of the eight basic collectives.
 
 How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 4
@@ -17,6 +18,14 @@ How to run (any world size from 1 to 8)
     ... --per-rank 3 --root 2     # 3 elements per piece, rank 2 is the root of the rooted collectives
 
 Runtime on 2 cores: about 4 s at -w 4 (process start-up dominates), 3 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 2 --root 1
+        -> the smallest grid: read each collective off the figure as a 2-row table
+    python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py --per-rank 3
+        -> pieces of 3 elements; the grids in the figure grow, the rules do not change
+    python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 4 --root 4
+        -> a usage error (exit 2): the root must be a rank of the world
 """
 
 from __future__ import annotations
@@ -28,12 +37,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     per_rank: int = 2
@@ -184,10 +193,48 @@ def run_case(ctx: RankContext, name: str, case: Case, x, X, args: Settings) -> d
         ctx.print(f"{name}: unsupported on {ctx.backend}: {reason}")
         return {"collective": name, "supported": False, "checked_ok": None, "reason": reason}
     ctx.print(f"{name}:")
+    held = [None] * ctx.world_size
+    if name in DRAWN:  # what every rank held before and after, for rank 0's figure
+        dist.all_gather_object(held, (_values(before), _values(after)))
     ctx.print_ordered(f"before {fmt(before):<{2 * ctx.world_size * args.per_rank + 1}} after {fmt(after)}")
     if expected is not None:
         report.expect_close(f"{name} on rank {ctx.rank}", after, np.asarray(expected, dtype=np.float32), rtol=1e-6)
-    return {"collective": name, "supported": True, "checked_ok": True}
+    return {"collective": name, "supported": True, "checked_ok": True, "held": held if name in DRAWN else None}
+
+
+def _values(t) -> list | None:
+    return None if t is None else [float(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
+
+
+DRAWN = ["broadcast", "scatter", "gather", "reduce", "all_gather", "all_reduce SUM", "reduce_scatter", "all_to_all"]
+
+
+def draw(rows: list[dict], args: Settings) -> str:
+    """One panel per collective: the (rank, element) grid before and after, as the lesson's table describes it."""
+    plt = plot.pyplot()
+    import seaborn as sns
+
+    shown = [r for r in rows if r.get("held")]
+    W = args.world_size
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown), 1.6 + 1.0 * W), squeeze=False)
+    for col, row in enumerate(shown):
+        for line, (label, side) in enumerate([("before", 0), ("after", 1)]):
+            cells = [h[side] for h in row["held"]]
+            width = max(len(c) for c in cells if c is not None)
+            grid = np.full((W, width), np.nan)  # NaN (blank) where a rank holds nothing defined
+            for r, c in enumerate(cells):
+                if c is not None:
+                    grid[r, :len(c)] = c
+            ax = axes[line, col]
+            sns.heatmap(grid, annot=width <= 16, fmt="g", cbar=False, cmap="crest", ax=ax, linewidths=0.5,
+                        annot_kws={"fontsize": 7})
+            ax.set_title(f"{row['collective']}\n{label}" if line == 0 else label, fontsize=9)
+            ax.set_yticklabels([f"rank {r}" for r in range(W)], rotation=0, fontsize=7)
+            ax.set_xticks([])
+    fig.suptitle(f"What each of {W} ranks holds before (top) and after (bottom) each collective "
+                 f"(root = rank {args.root}; blank = not defined on that rank)")
+    fig.tight_layout()
+    return str(plot.save(fig, args, "before_after"))
 
 
 def worker(ctx: RankContext, args: Settings) -> list[dict]:
@@ -208,11 +255,13 @@ def main() -> int:
     print(report.table([{"collective": r["collective"], "supported": "yes" if r["supported"] else "no",
                          "checked": "ok" if r["checked_ok"] else "-"} for r in rows]))
     supported = [r for r in rows if r["supported"]]
+    print(f"figure: {draw(rows, args)}")
     print(f"OK: {len(supported)} of {len(rows)} collectives supported on {args.backend} with W={args.world_size}; "
           "every supported one matches numpy on every rank")
     if args.json:
         report.write_json(args.json, {"world_size": args.world_size, "backend": args.backend,
-                                      "collectives": rows}, args)
+                                      "collectives": [{k: v for k, v in r.items() if k != "held"} for r in rows]},
+                          args)
     return 0
 
 

@@ -15,6 +15,14 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
 
 Runtime on 2 cores: about 4 s (process start-up dominates), 3 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 1
+        -> one rank: every composed operation reduces to the single-process numpy answer
+    python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 8 --extra-rows 0
+        -> even shards: averaging the per-rank means would now be right too (still checked)
+    torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
+        -> the same checks under torchrun
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 What it shows
     1. A trace of mlsys.collectives.ring_all_reduce on a tiny tensor (one element per chunk): after every step, what
-       each rank sent, received and holds -- the reduce-scatter phase, then the all-gather phase.
+       each rank sent, received and holds -- the reduce-scatter phase, then the all-gather phase; the figure
+       draws the same trace as one (rank, chunk) grid per step.
     2. For several lengths (1, W-1, W+1, 1001, and a few MiB), ring_all_reduce and dist.all_reduce give the same sum
        as numpy on the concatenated inputs; the bytes each rank handed to isend are counted and compared with
        mlsys.collectives.comm_volume("all_reduce", ...); both are timed (median of --repeats runs).
@@ -14,6 +15,14 @@ How to run (any world size from 1 to 8)
     ... --mib 16 --repeats 10     # a bigger tensor, more timing runs
 
 Runtime on 2 cores: about 6 s at -w 4 with the default 4 MiB, 4 s with --smoke.
+
+Try next
+    python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
+        -> a 3-rank trace: 2 reduce-scatter steps, then 2 all-gather steps, every chunk ending at 111
+    python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 8 --mib 1
+        -> 8 ranks: the trace grows to 14 steps; each rank sends 2(8-1)/8 = 1.75 N bytes
+    python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py --mib 16 --repeats 10
+        -> a bigger tensor and more timing runs for the comparison with dist.all_reduce
 """
 
 from __future__ import annotations
@@ -26,14 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.bench import load_average, steady_timing
 from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     mib: float = 4.0
@@ -60,14 +69,16 @@ def rank_input(seed: int, rank: int, numel: int) -> torch.Tensor:
 
 
 # --8<-- [start:trace]
-def traced_run(ctx: RankContext) -> None:
+def traced_run(ctx: RankContext) -> list[dict]:
     """Ring all-reduce of W elements (one per chunk), rank r holding 10^r in every slot: sums are readable."""
     x = torch.full((ctx.world_size,), 10.0 ** ctx.rank)  # (W,): chunk k is element k
     steps: list[str] = []
+    states = [{"phase": "start", "step": 0, "recv": None, "holds": x.tolist()}]  # for the figure
 
     def on_step(phase, step, send_i, recv_i, nbytes, chunks):  # called after each step, on every rank
         held = " ".join(f"{c.item():>{ctx.world_size}g}" for c in chunks)
         steps.append(f"{phase:<14} step {step}: sent chunk {send_i}, got chunk {recv_i} -> holds [{held}]")
+        states.append({"phase": phase, "step": step, "recv": recv_i, "holds": [c.item() for c in chunks]})
 
     ctx.print_ordered(f"start                                           -> holds "
                       f"[{' '.join(f'{v:>{ctx.world_size}g}' for v in x.tolist())}]")
@@ -76,6 +87,7 @@ def traced_run(ctx: RankContext) -> None:
         ctx.print_ordered(line)
     report.expect_equal(f"traced ring on rank {ctx.rank}", x, torch.full((ctx.world_size,), float(sum(
         10.0 ** r for r in range(ctx.world_size)))))
+    return states
 # --8<-- [end:trace]
 
 
@@ -125,9 +137,34 @@ def compare(ctx: RankContext, numel: int, args: Settings) -> dict:
 def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"world_size={ctx.world_size} backend={ctx.backend}: trace of a ring all-reduce of {ctx.world_size} "
               "elements (rank r starts with 10^r everywhere)")
-    traced_run(ctx)
+    trace = [None] * ctx.world_size
+    dist.all_gather_object(trace, traced_run(ctx))  # every rank's states, step by step, for rank 0's figure
     rows = [compare(ctx, n, args) for n in lengths(ctx.world_size, args.mib)]
-    return {"world_size": ctx.world_size, "backend": ctx.backend, "lengths": rows}
+    return {"world_size": ctx.world_size, "backend": ctx.backend, "lengths": rows, "trace": trace}
+
+
+def draw_trace(trace: list[list[dict]], args: Settings) -> str:
+    """One panel per step: the (rank, chunk) grid of partial sums, the chunk each rank just received outlined."""
+    plt = plot.pyplot()
+    import seaborn as sns
+
+    W, steps = len(trace), len(trace[0])
+    fig, axes = plt.subplots(1, steps, figsize=(1.2 + 1.0 * W * steps / 2, 0.9 + 0.45 * W), squeeze=False)
+    for i, ax in enumerate(axes[0]):
+        grid = np.array([rank[i]["holds"] for rank in trace])  # (W ranks, W chunks)
+        sns.heatmap(np.log10(grid), annot=grid, fmt="g", cbar=False, cmap="crest", vmin=0, vmax=W, ax=ax,
+                    linewidths=0.5, annot_kws={"fontsize": 7})
+        for r, rank in enumerate(trace):
+            if rank[i]["recv"] is not None:  # outline the chunk that arrived from rank r-1 in this step
+                ax.add_patch(plt.Rectangle((rank[i]["recv"], r), 1, 1, fill=False, edgecolor="red", lw=2))
+        state = trace[0][i]
+        ax.set_title("start" if state["phase"] == "start" else f"{state['phase']}\nstep {state['step']}",
+                     fontsize=9)
+        ax.set_xlabel("chunk", fontsize=8)
+        ax.set_yticklabels([f"rank {r}" for r in range(W)] if i == 0 else [], rotation=0, fontsize=8)
+    fig.suptitle(f"Ring all-reduce on {W} ranks, rank r starting with 10^r: red = the chunk received in that step")
+    fig.tight_layout()
+    return str(plot.save(fig, args, "ring_trace"))
 
 
 def volume_table(world_size: int, num_bytes: int) -> list[dict]:
@@ -153,6 +190,7 @@ def main() -> int:
           "(see comm_volume's docstring for what N is per collective):")
     table = volume_table(args.world_size, n_bytes)
     print(report.table(table, floatfmt=".4g"))
+    print(f"figure: {draw_trace(result.pop('trace'), args)}")
     exact = [row for row in result["lengths"] if row["numel"] % args.world_size == 0]  # W divides n: exact share
     print("\nOK: ring_all_reduce equals dist.all_reduce and the float64 sum for every length; the bytes sent, summed "
           "over ranks, equal W x comm_volume's 2(W-1)/W*N for every length" +

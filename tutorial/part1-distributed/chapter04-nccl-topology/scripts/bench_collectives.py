@@ -24,6 +24,14 @@ How to run (any world size >= 1; the busbw factors are defined for every n)
 Contract flags: --smoke sweeps 8 B .. 64 KiB with few iterations; --seed changes nothing (the data are fixed).
 
 Runtime on 2 cores: about 6 s (2 ranks, 8 B .. 32 MiB); --smoke about 4 s.
+
+Try next
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
+        -> the same sweep for all_gather: busbw uses the factor (n-1)/n
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
+        -> only the latency-bound end of the sweep: the time column barely moves
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
+        -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
 
 from __future__ import annotations

@@ -27,6 +27,14 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
 Runtime on 2 cores: about 12-25 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 5 s.
+
+Try next
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
+        -> two ranks: ring and tree take the same two steps, so the model has no crossover
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
+        -> eight ranks on two cores: more steps, more scheduler noise at small sizes
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 3
+        -> halving-doubling is skipped with a message: it needs a power of two
 """
 
 from __future__ import annotations

@@ -24,6 +24,14 @@ How to run (a single process: no ranks)
 Contract flags: --smoke skips the NCCL subprocess runs; --seed changes nothing.
 
 Runtime on 2 cores: about 2 s (no GPU); with GPUs add about 20 s for the Ring/Tree runs.
+
+Try next
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json topo.json
+        -> the same report, and every count in topo.json
+    NCCL_ALGO=Tree python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py
+        -> the knob table shows NCCL_ALGO=Tree (with 2+ GPUs, the Ring/Tree runs set it per run)
+    lscpu; nproc
+        -> compare with the CPU section: the script reads the same counts from /sys and /proc
 """
 
 from __future__ import annotations
