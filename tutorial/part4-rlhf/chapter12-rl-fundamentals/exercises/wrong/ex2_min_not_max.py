@@ -1,0 +1,24 @@
+"""Mistake for ch12.2: the loss takes the min of the negated terms (optimistic) instead of the max."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def clipped_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, clip_eps: float) -> Tensor:
+    """The scalar PPO policy loss (differentiable in logp_new); all inputs the same shape."""
+    ratio = torch.exp(logp_new - logp_old)
+    return torch.minimum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean()
+
+
+def clip_fraction(logp_new: Tensor, logp_old: Tensor, clip_eps: float) -> float:
+    """Share of samples whose ratio lies outside [1 - eps, 1 + eps]."""
+    ratio = torch.exp(logp_new - logp_old)
+    return ((ratio - 1).abs() > clip_eps).float().mean().item()
+
+
+def approx_kl(logp_new: Tensor, logp_old: Tensor) -> float:
+    """The k3 estimate of KL(old || new) from samples of the old policy: mean((ratio - 1) - log ratio), >= 0."""
+    log_ratio = (logp_new - logp_old).detach()
+    return (log_ratio.exp() - 1 - log_ratio).mean().item()
