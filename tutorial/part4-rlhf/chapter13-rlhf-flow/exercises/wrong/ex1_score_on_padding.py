@@ -1,0 +1,22 @@
+"""Mistake for ch13.1: the score goes on the last column of every row instead of the last REAL token."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    log_r = ref_logp - logp
+    return torch.expm1(log_r) - log_r  # expm1: no cancellation when r is close to 1
+
+
+def shape_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    rewards = -beta * kl * mask  # (B, L)
+    last = torch.full((kl.size(0),), kl.size(1) - 1)  # the last column
+    rows = torch.arange(kl.size(0))
+    rewards[rows, last] += scores.to(rewards.dtype)
+    return rewards
