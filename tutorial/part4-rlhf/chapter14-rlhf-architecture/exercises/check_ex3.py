@@ -1,0 +1,72 @@
+"""Checker for ch14.3 — the gap and weights against numpy on padded batches, the gap's expectation against
+torch.distributions' KL, and the corrected mean against the exact expectation under the current policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mlsys.exercises import task
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    b = -torch.rand(5, 7, generator=g, dtype=torch.float64) * 3
+    c = b + 0.5 * torch.randn(5, 7, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([7, 3, 1, 5, 6])
+    mask = (torch.arange(7)[None] < lengths[:, None]).double()
+    c = c + 100.0 * (1 - mask)  # garbage on padding must not leak in
+    return b, c, mask
+
+
+@task("off_policy_gap and importance_weights equal numpy on a padded batch (cap 2 and no cap)")
+def check_hand(ex) -> None:
+    b, c, mask = _batch(0)
+    B, C, M = b.numpy(), c.numpy(), mask.numpy()
+    want_gap = ((B - C) * M).sum() / M.sum()
+    got = ex.off_policy_gap(b, c, mask)
+    assert abs(got - want_gap) < 1e-9, f"gap {got}, want {want_gap} (mean over the {int(M.sum())} real tokens)"
+    for cap in (2.0, float("inf")):
+        want = np.where(M > 0, np.minimum(np.exp(np.where(M > 0, C - B, 0.0)), cap), 0.0)
+        got_w = ex.importance_weights(b, c, mask, cap)
+        assert tuple(got_w.shape) == want.shape, f"shape {tuple(got_w.shape)}, want {want.shape}"
+        assert np.allclose(got_w.numpy(), want), f"cap {cap}: weights differ, e.g. row 0 {got_w[0].tolist()}"
+
+
+@task("sampled from pi_behaviour: the gap estimates KL(behaviour || current); the corrected mean hits E_current[f]")
+def check_sampled(ex) -> None:
+    g = torch.Generator().manual_seed(1)
+    pb = torch.randn(8, generator=g, dtype=torch.float64).softmax(0)
+    pc = (pb.log() + 0.6 * torch.randn(8, generator=g, dtype=torch.float64)).softmax(0)
+    f = 2 * (pc - pb) / (pc - pb).abs().max()  # a quantity the policy change moves
+    x = torch.multinomial(pb, 200_000, replacement=True, generator=g).view(400, 500)
+    mask = torch.ones(400, 500, dtype=torch.float64)
+    b, c = pb.log()[x], pc.log()[x]
+    kl = torch.distributions.kl_divergence(torch.distributions.Categorical(probs=pb),
+                                           torch.distributions.Categorical(probs=pc)).item()
+    gap = ex.off_policy_gap(b, c, mask)
+    assert abs(gap - kl) < 0.01, f"gap {gap:.4f}, KL(behaviour || current) = {kl:.4f}"
+    exact_current, exact_behaviour = float((pc * f).sum()), float((pb * f).sum())
+    got = ex.corrected_mean(f[x], b, c, mask)
+    assert abs(got - exact_current) < 0.02, (f"corrected mean {got:.4f}, E_current[f] = {exact_current:.4f} "
+                                             f"(E_behaviour[f] = {exact_behaviour:.4f})")
+    assert abs(exact_current - exact_behaviour) > 0.1, "test case too easy"
+
+
+@task("measured: truncation trades bias for variance (a small cap moves the mean toward the uncorrected one)")
+def check_cap(ex) -> None:
+    g = torch.Generator().manual_seed(2)
+    pb = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    pc = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    f = torch.tensor([0.0, 0.0, 1.0, 2.0], dtype=torch.float64)
+    x = torch.multinomial(pb, 100_000, replacement=True, generator=g).view(100, 1000)
+    mask = torch.ones(100, 1000, dtype=torch.float64)
+    b, c = pb.log()[x], pc.log()[x]
+    exact = float((pc * f).sum())
+    full = ex.corrected_mean(f[x], b, c, mask)
+    capped = ex.corrected_mean(f[x], b, c, mask, cap=2.0)
+    want_capped = float((pb * torch.clamp(pc / pb, max=2.0) * f).sum())
+    assert abs(full - exact) < 0.05, f"uncapped {full:.3f}, exact {exact:.3f}"
+    assert abs(capped - want_capped) < 0.02, f"cap 2: {capped:.3f}, want E_b[min(w, 2) f] = {want_capped:.3f}"
+    w = ex.importance_weights(b, c, mask, 2.0)
+    assert float(w.max()) <= 2.0 + 1e-12, f"weights above the cap: max {float(w.max())}"
