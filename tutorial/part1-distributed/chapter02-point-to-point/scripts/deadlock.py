@@ -55,7 +55,7 @@ class Settings(cli.DistArgs):
     deadlock_timeout: float = 2.0
     """Seconds the naive send may wait before it is declared deadlocked."""
     ring: bool = False
-    """Exchange around a ring instead of in pairs: every rank sends to (r+1) % W, then receives from (r-1) % W.
+    """Exchange around a ring instead of in pairs: every rank sends to (r+1) mod W, then receives from (r-1) mod W.
     Any world size >= 2 (with W = 2 the ring is the pair)."""
 
     def validate(self) -> None:
