@@ -6,7 +6,8 @@ What it shows
               the last rank computes the loss and starts backward; each stage then receives d(loss)/d(output)
               from the next rank, backpropagates through its own layers, and sends d(loss)/d(input) to the
               previous one. The last rank's output and every parameter's gradient (gathered to rank 0) are
-              compared with the same model run in one process (tolerance 1e-6).
+              compared with the same model run in one process (tolerance 1e-6). The figure is a timeline of
+              the step: when each stage computed, sent, or waited in a recv.
     PITFALLS  (--pitfalls, on by default) two bugs that give a wrong answer without any error, each shown wrong,
               then right, with a check that the wrong version really differs:
               buffer reuse   the sender changes a tensor after isend() but before wait(): gloo reads the tensor
@@ -31,18 +32,19 @@ Try next
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks (= pipeline stages). Under torchrun it is taken from WORLD_SIZE."""
     num_blocks: int = 4
@@ -98,8 +100,18 @@ def reference(args: Settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 # --8<-- [start:pipeline]
-def pipeline_step(ctx: RankContext, args: Settings) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """One forward + backward of this rank's stage. Returns (output on the last rank else None, local grads)."""
+def pipeline_step(ctx: RankContext, args: Settings, events: list | None = None,
+                  ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """One forward + backward of this rank's stage. Returns (output on the last rank else None, local grads).
+    `events`, if given, receives (what, start, end) in time.perf_counter seconds for the timeline figure."""
+    events = [] if events is None else events
+    clock = [time.perf_counter()]
+
+    def mark(what: str) -> None:  # close the interval that began at the previous mark
+        now = time.perf_counter()
+        events.append((what, clock[0], now))
+        clock[0] = now
+
     full = build_model(args.num_blocks, args.hidden, args.seed)  # every rank builds it, keeps only its blocks
     mine = stage_blocks(args.num_blocks, ctx.rank, ctx.world_size)
     stage = nn.Sequential(*[full[i] for i in mine]).to(ctx.device)  # cuda:<local rank> under nccl, else cpu
@@ -111,21 +123,30 @@ def pipeline_step(ctx: RankContext, args: Settings) -> tuple[torch.Tensor | None
         inp = x
     else:
         inp = torch.empty(args.batch_size, args.hidden, device=ctx.device)
+        clock[0] = time.perf_counter()
         dist.recv(inp, src=ctx.rank - 1)
+        mark("waiting in recv")
         inp.requires_grad_(True)  # a leaf of this rank's graph: backward will fill inp.grad for the previous rank
+    clock[0] = time.perf_counter()
     out = stage(inp)
+    mark("forward")
     if not is_last:
         dist.send(out.detach(), dst=ctx.rank + 1)  # (batch, hidden)
+        mark("send")
 
     # backward: the last stage starts from the loss; the others from the gradient the next stage sends back
     if is_last:
         nn.functional.mse_loss(out, target).backward()
+        mark("backward")
     else:
         grad_out = torch.empty_like(out)  # d(loss)/d(out), (batch, hidden)
         dist.recv(grad_out, src=ctx.rank + 1)
+        mark("waiting in recv")
         out.backward(grad_out)  # chain rule: continues the backward pass the next rank began
+        mark("backward")
     if not is_first:
         dist.send(inp.grad, dst=ctx.rank - 1)  # d(loss)/d(inp): the previous stage's grad_out
+        mark("send")
 
     grads = {f"{i}.{name}": p.grad for i in mine for name, p in full[i].named_parameters()}  # full-model names
     return (out.detach().cpu() if is_last else None), {k: g.cpu() for k, g in grads.items()}
@@ -192,7 +213,12 @@ def run_pitfalls(ctx: RankContext) -> dict:
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
-    out, grads = pipeline_step(ctx, args)
+    events: list = []
+    pipeline_step(ctx, args)  # warm-up: a process's first backward also starts autograd's worker threads
+    dist.barrier()  # start together, so the timeline shows the hand-offs, not the start-up
+    out, grads = pipeline_step(ctx, args, events)
+    timeline: list = [None] * ctx.world_size
+    dist.all_gather_object(timeline, events)  # perf_counter is one clock for all processes of a machine
     ref_out, ref_grads = reference(args)  # every rank can compute it: same seed, same weights, same batch
     result: dict = {"stages": [list(stage_blocks(args.num_blocks, r, ctx.world_size)) for r in range(ctx.world_size)]}
     if out is not None:
@@ -208,6 +234,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         result["max_abs_diff_output"] = float((torch.tensor(gathered[-1]["out"]) - ref_out).abs().max())
         result["max_abs_diff_grad"] = max(float((g - ref_grads[k]).abs().max()) for k, g in all_grads.items())
         result["num_params_checked"] = len(all_grads)
+        result["timeline"] = timeline
     ctx.print_ordered(f"stage {ctx.rank}: blocks {list(stage_blocks(args.num_blocks, ctx.rank, ctx.world_size))}, "
                       f"{len(grads)} parameter gradients" + (f", output {tuple(out.shape)}" if out is not None else ""))
     if args.pitfalls and ctx.backend != "gloo":
@@ -219,6 +246,24 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return result
 
 
+def draw(timeline: list[list], args: Settings) -> str:
+    """One row per stage: when it computed forward or backward, sent, or waited in a recv."""
+    plt = plot.pyplot()
+    start = min(t0 for events in timeline for _, t0, _ in events)
+    colours = {"forward": "C0", "backward": "C2", "send": "C1", "waiting in recv": "#cccccc"}
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(timeline)))
+    for rank, events in enumerate(timeline):
+        for what, t0, t1 in events:
+            ax.barh(rank, 1e3 * (t1 - t0), left=1e3 * (t0 - start), color=colours[what], edgecolor="none")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+    ax.set_yticks(range(len(timeline)), [f"stage {r} (rank {r})" for r in range(len(timeline))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the ranks started the step together")
+    ax.set_title("One forward and backward through the pipeline: what each stage was doing")
+    return str(plot.save(fig, args, "timeline"))
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "hidden": 8},
                      world_sizes=lambda w: w >= 2, world_sizes_text=">= 2")
@@ -227,6 +272,7 @@ def main() -> int:
         return 0
     print(f"pipeline vs one process: max |output diff| = {result['max_abs_diff_output']:.2e}, "
           f"max |grad diff| = {result['max_abs_diff_grad']:.2e} over {result['num_params_checked']} parameters")
+    print(f"figure: {draw(result.pop('timeline'), args)}")
     for name, seen in result.get("pitfalls", {}).items():
         print(f"pitfall {name}: sent {seen['sent']}, buggy version received {seen['buggy_received']}, "
               f"fixed version received {seen['fixed_received']}")
