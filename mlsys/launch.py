@@ -11,11 +11,27 @@ Lifecycle of one rank (`_run_rank`): pick device and threads -> init_process_gro
 
 Spawning (`_spawn`): the parent hosts the rendezvous store itself on port 0, so the operating system picks a free port
 and two jobs started at the same moment can never collide (this is what torchrun's agent does too: every rank then
-connects to the store as a client). If MASTER_ADDR/MASTER_PORT are set, they are honoured instead. The parent then
-watches its children: the first rank that fails has its traceback printed under its rank number, the other ranks are
-terminated within a few seconds (they may be blocked inside a collective waiting for the dead rank), and the parent
-raises `JobFailed`, which `cli.run` turns into a non-zero exit. Children ask the kernel to kill them if the parent
-dies, so no rank outlives its job.
+connects to the store as a client). If MASTER_ADDR/MASTER_PORT are set, they are honoured instead and rank 0 hosts
+the store; the parent first checks that nothing already listens on that port, so a busy MASTER_PORT is a one-line
+error (exit 1) before any rank starts, not a traceback from rank 0.
+
+Watching (`_watch`): every rank sends the parent one message on its pipe, its result or its error report, stamped
+with the time it was sent; a rank that ends without one (os._exit(n), a signal such as SIGKILL, a segfault) is seen
+by its pipe's EOF and its exit code. The job stops when:
+
+- a rank fails. The parent listens FAILURE_WINDOW_S longer, because the peers of a failed rank fail too ("connection
+  closed by peer"), then names the rank that failed first (`_blame`): the earliest report, except that a rank that
+  died without a report is blamed ahead of every report not sent before the parent last saw it alive, since its
+  peers' errors are the consequence of its death and often reach the parent before the death itself is noticed. The
+  message gives the rank's traceback, or its exit code or signal ("killed by SIGSEGV"; a segfault also prints the
+  rank's Python stack, from faulthandler), and which ranks failed after it.
+- a rank straggles: once any rank has returned from the worker, the others have --timeout seconds to do the same;
+  a rank still running then ends the job with a one-line reason naming it. (A rank stuck in a collective fails on
+  its own, at the collective's timeout.)
+
+In every case the other ranks are terminated within a few seconds (they may be blocked inside a collective waiting
+for the dead rank) and the parent raises `JobFailed`, which `cli.run` turns into a non-zero exit. Children ask the
+kernel to kill them if the parent dies, so no rank outlives its job.
 """
 
 from __future__ import annotations
@@ -23,10 +39,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import errno
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -190,6 +209,7 @@ def _report(rank: int, err: BaseException) -> tuple[str, str, float]:
 def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
                 env: dict[str, str], conn: mp.connection.Connection) -> None:
     _die_with_parent(conn)
+    faulthandler.enable(all_threads=False)  # a segfault prints where this rank was, then kills it
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     sent = False
 
@@ -224,7 +244,7 @@ def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
     env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")}
     if "MASTER_PORT" in os.environ:  # the user's choice wins; rank 0 then hosts the store
-        env["MASTER_PORT"] = os.environ["MASTER_PORT"]
+        env["MASTER_PORT"] = str(_free_master_port(os.environ["MASTER_PORT"]))
         return env, None
     import torch.distributed as dist
 
@@ -234,6 +254,32 @@ def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
     env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")  # every rank joins as a client
     return env, store
 # --8<-- [end:rendezvous]
+
+
+def _free_master_port(text: str) -> int:
+    """The user's MASTER_PORT, checked before any rank starts: a busy port is a one-line error, not a traceback.
+
+    Rank 0 will listen on it on every interface, as the store does (with SO_REUSEADDR, so a port that a finished job
+    left in TIME_WAIT counts as free). Something could still take the port between this check and rank 0's bind;
+    that rare race ends as an ordinary failure of rank 0.
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise UsageError(f"MASTER_PORT must be a port number from 1 to 65535, got {text!r}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "launcher"
+            why = "is already in use" if err.errno == errno.EADDRINUSE else f"cannot be used ({err.strerror})"
+            raise JobFailed(0, f"{prog}: error: MASTER_PORT={port} {why} on this machine, so rank 0 cannot host "
+                               "the rendezvous store there; choose another port, or unset MASTER_PORT and the "
+                               "launcher picks a free one", 1) from None
+    return port
 
 
 def start_context() -> Any:
@@ -266,70 +312,143 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
             conns.append(ours)
             proc.start()
             theirs.close()
-        messages, failed = _watch(procs, conns)
+        ranks, stragglers = _watch(procs, conns, opts.timeout)
     finally:
         _terminate(procs)
         for conn in conns:
             conn.close()
         del store
+    for proc, seen in zip(procs, ranks):
+        if seen.gone is not None:  # exited before the parent stopped the job: its own exit code, not our SIGTERM
+            seen.exitcode = proc.exitcode
+    if stragglers:
+        raise _straggler_failure(stragglers, ranks, opts.timeout)
+    failed = _blame(ranks)
     if failed is not None:
-        raise _failure(failed, procs[failed].exitcode, messages)
-    return messages[0][1] if 0 in messages else None
+        raise _failure(failed, ranks)
+    message = ranks[0].message
+    return message[1] if message is not None and message[0] == "ok" else None
 
 
-def _watch(procs: list, conns: list) -> tuple[dict[int, tuple], int | None]:
-    """Wait until every rank has exited, or until one fails. Returns (messages, the rank that failed first or None).
+@dataclass
+class _Seen:
+    """What the parent saw of one rank. Times are time.time() (the ranks stamp their reports with it too)."""
 
-    When rank 1 raises, rank 0 usually fails a moment later because its peer went away. Both report, each with the
-    time of its failure; we keep listening briefly after the first failed exit and blame the earliest report.
+    message: tuple | None = None  # (kind, payload, when sent): "ok", "error", "selfcheck" or "usage"
+    gone: tuple[float, float] | None = None  # (last seen alive, first seen gone): when it exited, to within this
+    exitcode: int | None = None  # filled in once the parent has seen it exit
+
+    @property
+    def reported_error(self) -> bool:
+        return self.message is not None and self.message[0] != "ok"
+
+    @property
+    def died_silently(self) -> bool:
+        """Exited with a failure and no error report: os._exit(n), a signal, a segfault, the kernel's OOM killer."""
+        return self.gone is not None and not self.reported_error and self.exitcode not in (0, None)
+
+
+def _watch(procs: list, conns: list, timeout: float) -> tuple[list[_Seen], list[int]]:
+    """Wait until every rank has exited, one has failed, or one straggles. Returns (what we saw, the stragglers).
+
+    Each rank's pipe carries one message (its result or its error report); its EOF, or the process sentinel, says it
+    has exited. After the first sign of failure we keep listening for FAILURE_WINDOW_S, so the ranks that failed
+    as a consequence are seen too, and `_blame` picks the first. After the first rank returns from the worker, the
+    others have `timeout` seconds to do the same: a rank still running then is a straggler and the job stops.
+
+    Every return of `wait` is a snapshot: a rank whose handles were not ready was still alive at that moment. So a
+    rank first seen gone in this snapshot died between the previous snapshot and now: `_Seen.gone` keeps both ends.
     """
-    messages: dict[int, tuple] = {}
+    seen = [_Seen() for _ in procs]
     waiting: dict[Any, tuple[str, int]] = {}
     for rank, (proc, conn) in enumerate(zip(procs, conns)):
         waiting[proc.sentinel] = ("exit", rank)
         waiting[conn] = ("msg", rank)
-    failed_exit: int | None = None
-    deadline = None
+    window_end: float | None = None  # monotonic: stop listening then, after a failure
+    returned_by: float | None = None  # monotonic: the first rank returned from the worker; stragglers after that
+    snapshot = time.time()
     while any(kind == "exit" for kind, _ in waiting.values()):
+        now_m = time.monotonic()
+        if window_end is not None and now_m >= window_end:
+            break  # the listening window after a failure is over
+        if window_end is None and returned_by is not None and now_m >= returned_by + timeout:
+            running = [r for r, s in enumerate(seen) if s.message is None and s.gone is None]
+            return seen, running  # an empty list: every rank has its result in, some are slow to exit
         # wake at least every POLL_S: a Ctrl-C that the kernel hands to another thread of this process (the
         # store's) only sets a flag, and the main thread acts on it when it next runs Python code
-        timeout = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-        ready = mp.connection.wait(list(waiting), timeout)
-        if not ready:
-            if deadline is not None and time.monotonic() >= deadline:
-                break  # the listening window after a failure is over
-            continue
+        ends = [t for t in (window_end, None if returned_by is None else returned_by + timeout) if t is not None]
+        ready = mp.connection.wait(list(waiting), min([POLL_S, *(t - now_m for t in ends)]))
+        previous, snapshot = snapshot, time.time()
         for handle in ready:
             kind, rank = waiting.pop(handle)
             if kind == "msg":
                 try:
-                    messages[rank] = handle.recv()
-                except EOFError:
-                    pass
+                    seen[rank].message = handle.recv()
+                except EOFError:  # exited without a word: the sentinel will give the exit code
+                    seen[rank].gone = seen[rank].gone or (previous, snapshot)
+                    window_end = window_end or time.monotonic() + FAILURE_WINDOW_S
+                    continue
+                if seen[rank].reported_error:
+                    window_end = window_end or time.monotonic() + FAILURE_WINDOW_S
+                elif returned_by is None:
+                    returned_by = time.monotonic()
                 continue
             procs[rank].join()
-            if procs[rank].exitcode != 0 and failed_exit is None:
-                failed_exit, deadline = rank, time.monotonic() + FAILURE_WINDOW_S
-    if failed_exit is None:
-        return messages, None
-    errors = {r: m for r, m in messages.items() if m[0] != "ok"}
-    first = min(errors, key=lambda r: errors[r][2]) if errors else failed_exit
-    return messages, first
+            seen[rank].gone = seen[rank].gone or (previous, snapshot)
+            seen[rank].exitcode = procs[rank].exitcode
+            if procs[rank].exitcode != 0:
+                window_end = window_end or time.monotonic() + FAILURE_WINDOW_S
+    return seen, []
 
 
-def _failure(rank: int, exitcode: int | None, messages: dict[int, tuple]) -> JobFailed:
-    message = messages.get(rank)
-    if message is None:
-        how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
-        return JobFailed(rank, f"rank {rank} died ({how}) without a report; the other ranks were stopped", 1)
-    kind, text, _ = message
-    others = sorted(r for r, m in messages.items() if m[0] != "ok" and r != rank)
+def _blame(seen: list[_Seen]) -> int | None:
+    """The rank that failed first, or None if none failed.
+
+    Reports carry the time the rank sent them; a rank that died without one (os._exit, a signal, a segfault) has
+    only the interval in which the parent saw it go. Its peers then fail *because* it is gone ("connection closed
+    by peer") and report a moment later, often before the parent has even noticed the death: so a silent death is
+    blamed ahead of every report unless that report was sent before the dead rank was last seen alive.
+    """
+    reports = {r: s.message[2] for r, s in enumerate(seen) if s.reported_error}
+    silent = {r: s.gone for r, s in enumerate(seen) if s.died_silently}
+    first_report = min(reports, key=lambda r: reports[r]) if reports else None
+    if silent:
+        first_silent = min(silent, key=lambda r: (silent[r][1], silent[r][0], r))
+        if first_report is None or not reports[first_report] < silent[first_silent][0]:
+            return first_silent
+    return first_report
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _failure(rank: int, seen: list[_Seen]) -> JobFailed:
+    others = sorted(r for r, s in enumerate(seen) if r != rank and (s.reported_error or s.died_silently))
+    if seen[rank].reported_error:
+        kind, text, _ = seen[rank].message  # type: ignore[misc]
+    else:
+        kind, text = "died", f"rank {rank} died ({_how(seen[rank].exitcode)}) without a Python exception or report"
     if others:
-        note = (f"(job stopped: rank {rank} failed first; rank(s) {', '.join(map(str, others))} failed after it, "
+        after = ", ".join(f"{r} ({_how(seen[r].exitcode)})" if seen[r].died_silently else str(r) for r in others)
+        note = (f"(job stopped: rank {rank} failed first; rank(s) {after} failed after it, "
                 "waiting on a peer that was gone; any rank still running was terminated)")
     else:
         note = f"(job stopped: rank {rank} failed; the other ranks were terminated)"
     return JobFailed(rank, f"{text.rstrip()}\n{note}", 2 if kind == "usage" else 1)
+
+
+def _straggler_failure(stragglers: list[int], seen: list[_Seen], timeout: float) -> JobFailed:
+    returned = [r for r, s in enumerate(seen) if s.message is not None and s.message[0] == "ok"]
+    first = min(returned, key=lambda r: seen[r].message[2])  # type: ignore[index]
+    ranks = ", ".join(map(str, stragglers))
+    return JobFailed(stragglers[0], f"job stopped: rank(s) {ranks} still running {timeout:g} s after rank {first} "
+                     f"returned from the worker (--timeout {timeout:g}); they were terminated", 1)
 
 
 def _terminate(procs: list) -> None:

@@ -93,7 +93,60 @@ def test_failing_rank_stops_the_job_with_its_traceback(tmp_path) -> None:
     assert proc.returncode == 1
     assert "rank 1 failed" in proc.stderr and "ValueError: boom from the test job" in proc.stderr
     assert "Traceback" in proc.stderr
+    assert "(job stopped: rank 1 failed" in proc.stderr  # blamed: not rank 0 or 2, which fail because it is gone
+    assert "rank 0 failed:" not in proc.stderr and "rank 2 failed:" not in proc.stderr
     assert len(pids(tmp_path)) == 3 and wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "how"), [("exit", "exit code 3"), ("segv", "killed by SIGSEGV"),
+                                           ("kill", "killed by SIGKILL")])
+def test_rank_dying_without_a_report_is_blamed(mode: str, how: str, tmp_path) -> None:
+    """Rank 1 dies with no Python exception while rank 0 waits for it in all_reduce. Rank 0 then fails with
+    "connection closed" and its report reaches the launcher first, often before the death does: rank 1 is still
+    the one to blame, with its exit code or signal, and rank 0 is listed as failing after it."""
+    proc = run([JOB, "-w", "2", "--mode", mode, "--pid-dir", tmp_path, "--timeout", "300"], timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"rank 1 died ({how}) without a Python exception or report" in proc.stderr, proc.stderr[-3000:]
+    assert "(job stopped: rank 1 failed first; rank(s) 0 failed after it" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 0 failed:" not in proc.stderr  # the victim's traceback is not shown as the cause
+    if mode == "segv":
+        assert "Segmentation fault" in proc.stderr and "in worker" in proc.stderr  # faulthandler: where it died
+    assert len(pids(tmp_path)) == 2 and wait_dead(pids(tmp_path)) == []
+
+
+def test_blame_prefers_a_silent_death_unless_a_report_clearly_precedes_it() -> None:
+    from mlsys.launch import _blame, _Seen
+
+    dead = _Seen(gone=(100.0, 100.2), exitcode=-9)  # last seen alive at 100.0, seen gone at 100.2
+    victim = _Seen(message=("error", "connection closed", 100.1), gone=(100.2, 100.3), exitcode=1)
+    assert _blame([victim, dead]) == 1  # reported before the death was noticed, but after rank 1 was last alive
+    earlier = _Seen(message=("error", "boom", 99.5), gone=(99.6, 99.7), exitcode=1)
+    assert _blame([earlier, dead]) == 0  # sent before rank 1 was last seen alive: it failed first
+    assert _blame([_Seen(message=("ok", None, 99.0), gone=(99.0, 99.1), exitcode=0), dead]) == 1
+    assert _blame([_Seen(message=("ok", None, 99.0), gone=(99.0, 99.1), exitcode=0)]) is None
+
+
+@pytest.mark.timeout(120)
+def test_straggler_after_a_rank_returned_ends_the_job(tmp_path) -> None:
+    """Rank 0 returns; rank 1 sleeps far past --timeout with no collective left to time out: the launcher stops it."""
+    proc = run([JOB, "-w", "2", "--mode", "straggle", "--pid-dir", tmp_path, "--timeout", "3"], timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("job stopped: rank(s) 1 still running 3 s after rank 0 returned from the worker (--timeout 3); "
+            "they were terminated") in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert len(pids(tmp_path)) == 2 and wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(60)
+def test_busy_master_port_is_a_one_line_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run([JOB, "-w", "2"], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"job.py: error: MASTER_PORT={port} is already in use"), lines
 
 
 @pytest.mark.timeout(120)
