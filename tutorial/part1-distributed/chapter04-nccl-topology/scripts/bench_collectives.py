@@ -29,7 +29,7 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
         -> the same sweep for all_gather: busbw uses the factor (n-1)/n
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
-        -> only the latency-bound end of the sweep: the time column barely moves
+        -> only the latency-bound end: the time stays roughly flat (noisy on a busy machine)
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
