@@ -71,3 +71,44 @@ def expect_adamw_equal(name: str, got: torch.Tensor, want: torch.Tensor, args: R
     if share > MAX_ROUNDING_SHARE or diff.max().item() > 2 * args.steps * args.lr:
         raise cli.SelfCheckFailed(f"{name}: {share:.2%} of weights differ by more than {ORACLE_STEP_FRACTION} lr "
                                   f"(allowed {MAX_ROUNDING_SHARE:.1%}), max abs error {diff.max().item():.3g}")
+
+
+def memory_summary(rows: list[dict]) -> list[dict]:
+    """One row per (precision, stage) from zero.py's per-kind memory rows: bytes by kind and the worst ratio."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        row = out.setdefault((r["precision"], r["stage"]), {"precision": r["precision"], "stage": r["stage"]})
+        row[f"{r['kind']}_B"] = r["measured_B"]
+        row["off_formula"] = max(row.get("off_formula", 0.0), abs(float(r["ratio"]) - 1))
+        if r["kind"] == "total":
+            row["peak_B"] = r["peak_B"]
+    keys = ("precision", "stage", "params_B", "grads_B", "optimizer_B", "total_B", "peak_B")
+    return [{**{k: row[k] for k in keys}, "off_formula": f"{row['off_formula']:.1%}"} for row in out.values()]
+
+
+def draw_memory(args, rows: list[dict], world_size: int, num_params: int) -> None:
+    """zero_memory.png: per precision, stacked bars of the bytes one rank holds (params, grads, optimizer) per
+    stage, measured; a black tick marks the formula's total and a hollow box the peak during a step."""
+    from mlsys import plot
+
+    summary = memory_summary(rows)
+    precisions = list(dict.fromkeys(r["precision"] for r in summary))
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(1, len(precisions), figsize=(5.5 * len(precisions), 4), squeeze=False)
+    formula = {(r["precision"], r["stage"]): r["formula_B"] for r in rows if r["kind"] == "total"}
+    for ax, precision in zip(axes[0], precisions):
+        mine = [r for r in summary if r["precision"] == precision]
+        x = list(range(len(mine)))
+        bottom = [0.0] * len(mine)
+        for kind, color in (("params", "C0"), ("grads", "C1"), ("optimizer", "C2")):
+            kib = [r[f"{kind}_B"] / 1024 for r in mine]
+            ax.bar(x, kib, bottom=bottom, color=color, label=kind)
+            bottom = [b + k for b, k in zip(bottom, kib)]
+        ax.bar(x, [r["peak_B"] / 1024 for r in mine], fill=False, edgecolor="gray", linestyle="--", label="peak")
+        ax.scatter(x, [formula[(precision, r["stage"])] / 1024 for r in mine], marker="_", s=600, color="black",
+                   zorder=3, label="formula total")
+        ax.set_xticks(x, [f"stage {r['stage']}" for r in mine])
+        ax.set(ylabel="KiB held by one rank", title=f"{precision}: {num_params:,} parameters, W={world_size}")
+        ax.set_ylim(0, 1.4 * max(r["peak_B"] for r in mine) / 1024)  # room for the legend above the bars
+        ax.legend(fontsize="small", ncol=3, loc="upper right")
+    plot.save(fig, args, "zero_memory")

@@ -24,6 +24,14 @@ How to run (2 to 8 ranks)
 
 On gloo the all-reduce runs on the same CPU cores as the backward pass, so overlap gains less than on GPUs,
 where NCCL runs on its own stream. Runtime on 2 cores: about 20 s at -w 2, 4 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py --bucket-mb 0.01 0.1 1 10
+        -> very small buckets pay the per-call latency many times: bucketed and overlapped move toward naive
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py --n-embd 512 --repeats 5
+        -> a 4x bigger model: communication is a larger share of the step, and the versions spread apart
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py -w 4
+        -> four ranks on two cores: the ranks compete for the CPU, so every version slows, local included
 """
 
 from __future__ import annotations
@@ -79,7 +87,6 @@ def build(base: GPT, kind: str, bucket_mb: float) -> tuple[torch.nn.Module, torc
     return model, wrapped, torch.optim.SGD(model.parameters(), lr=1e-4)
 
 
-# --8<-- [start:step]
 def train_steps(model, wrapped, opt, x, y, steps: int) -> float:
     """Seconds per step on the SLOWEST rank, for `steps` steps started together after a barrier."""
     dist.barrier()
@@ -94,7 +101,6 @@ def train_steps(model, wrapped, opt, x, y, steps: int) -> float:
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is done when the last rank is done
     return elapsed.item() / steps
-# --8<-- [end:step]
 
 
 def versions(args: Settings) -> list[tuple[str, float]]:
@@ -153,6 +159,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "best_bucket_mb": best, "overlapped_over_torch": ratio, "overlapped_over_torch_per_size": per_size,
             "goal": GOAL, "goal_met": ratio <= GOAL, "allreduce_sent_bytes_per_rank": volume,
             "below_floor": below_floor, "load_average": load_average(),
+            "below_floor_text": ", ".join(below_floor) or "none",
+            "best_ms": {k: 1e3 * med[(k, best[k])] for k in best}
+            | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
             "world_size": ctx.world_size, "backend": ctx.backend}
 
 

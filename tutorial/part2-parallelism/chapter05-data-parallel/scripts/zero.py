@@ -17,6 +17,8 @@ What it shows
     zero_bytes_per_rank's 16 bytes/parameter accounting, in fp32 (4 + 4 + 8) and in mixed precision (bf16 params
     and grads, fp32 master + Adam m, v: 2 + 2 + 12), within 10%. The table also shows the transient peak (a
     gathered layer, a full gradient before its reduce-scatter) and the bytes each rank sends per step.
+    The memory table has one row per stage and precision (the busiest rank's bytes by kind, and the largest
+    distance of any kind from its formula); figure zero_memory.png draws the same bytes as stacked bars.
 
 How to run (world sizes 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 4
@@ -24,6 +26,16 @@ How to run (world sizes 1 to 8)
     add --stages 3 --precisions fp32 to run one variant
 
 Runtime on 2 cores: about 10 s at -w 4 (process start-up and the single-process reference included), 4-5 s --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 8 --precisions mixed
+        -> stage 3 holds 1/8 of everything; the optimizer bar of stages 1-3 shrinks to 1/8 of stage 0's
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 2 --layers 12 --stages 0 3
+        -> more blocks: stage 3's peak (root unit + one gathered block) becomes a smaller share of the model
+    python -c "import mlsys.memory as m; print([m.zero_bytes_per_rank(7e9, 8, s)['total'] // 2**30 for s in range(4)])"
+        -> the same formula for a 7B model on 8 ranks: [104.0, 35.0, 24.0, 13.0] GiB per rank at stages 0-3
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py --stages 3
+        -> stage 3 alone under torchrun; the same self-checks
 """
 
 from __future__ import annotations
@@ -35,7 +47,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _zero_common import build_model, expect_adamw_equal, make_optimizer, rank_batch, reference_adamw
+from _zero_common import (
+    build_model,
+    draw_memory,
+    expect_adamw_equal,
+    make_optimizer,
+    memory_summary,
+    rank_batch,
+    reference_adamw,
+)
 
 from mlsys import cli, report
 from mlsys.collectives import comm_volume
@@ -53,7 +73,7 @@ MIXED_ATOL = 1e-2  # mixed precision vs fp32 AdamW: bf16 rounds weights of size 
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
@@ -130,7 +150,6 @@ class FlatUnit:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=dtype, device=self.device)
 # --8<-- [end:flat]
 
-    # --8<-- [start:gather]
     def gather(self, comm: CommLog) -> None:
         """Stage 3: re-allocate the full buffer and all-gather every rank's shard into it (the views come back)."""
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
@@ -139,7 +158,6 @@ class FlatUnit:
     def free(self) -> None:
         """Stage 3: drop the full buffer's memory; the parameters keep their (now empty) views."""
         self.full.untyped_storage().resize_(0)
-    # --8<-- [end:gather]
 
     def alloc_grads(self) -> None:
         self.grad_full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -190,7 +208,6 @@ class CommLog:
 
 
 # ----------------------------------------------------------------------------------------------- memory
-# --8<-- [start:measure]
 def held_bytes(units: list[FlatUnit], opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds right now, by kind: the distinct storages behind each kind's tensors (a view costs
     nothing extra; a freed buffer counts 0). AdamW's m and v and the fp32 master copy count as optimizer state."""
@@ -210,7 +227,6 @@ def held_bytes(units: list[FlatUnit], opt: torch.optim.Optimizer) -> dict[str, i
                 held[kind] += storage.nbytes()
     held["total"] = sum(held.values())
     return held
-# --8<-- [end:measure]
 
 
 class Peak:
@@ -366,11 +382,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                 "held": held[0]["held"], "peak": held[0]["peak"], "formula": formula}
     if not ctx.is_main:
         return {}
-    for precision in args.precisions:
-        ctx.print(f"\nper-rank bytes, {precision} ({'4+4+8' if precision == 'fp32' else '2+2+12'} B/param), "
-                  f"busiest rank; peak includes gathered layers and full gradients before their reduce-scatter")
-        ctx.print(report.table([{k: v for k, v in r.items() if k != "precision"} for r in rows
-                                if r["precision"] == precision]))
+    ctx.print("\nbytes held between steps by the busiest rank (fp32: 4+4+8 B/param, mixed: 2+2+12); off_formula: the "
+              "largest |measured/formula - 1| of the four kinds; peak: the most held at once during a step")
+    ctx.print(report.table(memory_summary(rows)))
+    draw_memory(args, rows, W, psi)
     base = {p: runs.get(f"stage0_{p}", {}).get("sent_bytes_per_step") for p in args.precisions}
     ctx.print("\nper step: bytes one rank sends; loss after the last step; max |param - AdamW in one process| and "
               "max |param - the first stage run in the same precision|")
