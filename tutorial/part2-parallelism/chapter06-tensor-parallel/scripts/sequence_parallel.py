@@ -16,6 +16,14 @@ How to run
 
 Prints the equality checks, a table of saved activation bytes per rank (measured and formula) with the saving of
 SP over TP, and the per-rank bytes sent per block. Runtime on 2 cores: about 6 s; --smoke about 3 s.
+
+Try next
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/sequence_parallel.py -w 4 --tp-sizes 4 --seq 256
+        -> a longer sequence: every saved-bytes figure grows with it, and measured still equals the formula
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/sequence_parallel.py -w 2 --tp-sizes 2 --seq 127
+        -> 127 tokens cannot be split over 2 ranks for sequence parallelism: a one-line usage error, exit 2
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/sequence_parallel.py
+        -> the same checks under torchrun, at t = 1 (dense), 2 and 4
 """
 
 from __future__ import annotations

@@ -15,6 +15,14 @@ How to run
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_dtensor.py
 
 Prints one line per compared tensor with its max abs difference. Runtime on 2 cores: about 4 s; --smoke 3 s.
+
+Try next
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_dtensor.py -w 4
+        -> a 4-way split: each DTensor's local shard (to_local) is a quarter of the dense weight; still rounding only
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_dtensor.py -w 3
+        -> 32 tokens, 64 features and 48 vocabulary rows do not all divide by 3: a one-line usage error, exit 2
+    torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_dtensor.py --hidden 128
+        -> the same comparison under torchrun, with a wider MLP
 """
 
 from __future__ import annotations

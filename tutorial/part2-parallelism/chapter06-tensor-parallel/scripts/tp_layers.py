@@ -8,6 +8,8 @@ What it shows
     3. The Megatron MLP (column, GELU, row) against mlsys.model.MLP: output, input gradient and every weight
        gradient equal, with exactly ONE all-reduce forward and ONE backward, each of batch*seq*hidden*4 bytes.
     Every rank rebuilds the dense layers from the seed and compares; t = world size (any divisor of the sizes).
+    Figure tp_split.png: Y = XA (A = W transposed, shape (in, out)) split both ways, drawn from the shards the ranks
+    really held: each rank's block of A is located in the dense A (and checked to be that slice) before drawing.
 
 How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py -w 2
@@ -15,6 +17,14 @@ How to run
 
 Prints one line per check with its max abs error, and the collectives counted in the MLP.
 Runtime on 2 cores: about 3 s (mostly process start-up); --smoke the same.
+
+Try next
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py -w 4
+        -> four ranks: four stripes in the figure, and still one all-reduce forward and one backward in the MLP
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py -w 3
+        -> 64 is not divisible by 3: a one-line usage error (exit 2); add --hidden 48 and it runs
+    torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py --hidden 128
+        -> the same checks under torchrun; the all-reduce bytes double with the width
 """
 
 from __future__ import annotations
@@ -24,14 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import MLP, GPTConfig
 from mlsys.tensor_parallel import TPMLP, ColumnParallelLinear, RowParallelLinear, comm_log
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     batch: int = 4
     """Sequences in the batch."""
     seq: int = 16
@@ -56,7 +66,16 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, rows: list[dict]) ->
 
 
 # ----------------------------------------------------------------------------------------------- the two linears
-def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> None:
+def locate(shard: torch.Tensor, dense: torch.Tensor, dim: int) -> list[int]:
+    """[lo, hi) of `shard` inside `dense` along `dim`, found by search and checked to be that exact slice."""
+    n, t = shard.shape[dim], dense.shape[dim] // shard.shape[dim]
+    for lo in range(0, dense.shape[dim], n):
+        if torch.equal(dense.narrow(dim, lo, n), shard):
+            return [lo, lo + n]
+    raise cli.SelfCheckFailed(f"shard of shape {tuple(shard.shape)} is none of the {t} slices of {tuple(dense.shape)}")
+
+
+def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> dict:
     group, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     torch.manual_seed(args.seed)
     dense = torch.nn.Linear(args.hidden, 2 * args.hidden).to(device)  # the same on every rank: from the seed
@@ -87,6 +106,13 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> No
     check("row: input grad slice", h_mine.grad, h_ref.grad.chunk(t, -1)[r], rows)
     check("row: weight grad columns", row.weight.grad, ref.weight.grad.chunk(t, 1)[r], rows)
     check("row: bias grad (replicated)", row.bias.grad, ref.bias.grad, rows)
+    # where each rank's block sits in A = W^T (in, out): column-parallel owns columns, row-parallel owns rows
+    mine = {"column": locate(col.weight.detach().T, dense.weight.detach().T, 1),
+            "row": locate(row.weight.detach().T, ref.weight.detach().T, 0)}
+    every = [None] * t
+    dist.all_gather_object(every, mine)
+    return {"column": {"A": [args.hidden, 2 * args.hidden], "blocks": [e["column"] for e in every]},
+            "row": {"A": [2 * args.hidden, args.hidden], "blocks": [e["row"] for e in every]}}
 
 
 # ----------------------------------------------------------------------------------------------- the MLP
@@ -128,7 +154,7 @@ def megatron_mlp(args: Settings, rows: list[dict], device: torch.device) -> dict
 
 def worker(ctx: RankContext, args: Settings) -> dict:
     rows: list[dict] = []
-    column_and_row(args, rows, ctx.device)
+    split = column_and_row(args, rows, ctx.device)
     counts = megatron_mlp(args, rows, ctx.device)
     ctx.print(f"tensor-parallel size t={ctx.world_size}; activations (B, T, C) = "
               f"({args.batch}, {args.seq}, {args.hidden}), float32")
@@ -136,8 +162,55 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"MLP collectives: forward {counts['forward_all_reduces']} all-reduce, backward "
               f"{counts['backward_all_reduces']} all-reduce, {counts['all_reduce_bytes']:,} bytes each "
               f"(= batch*seq*hidden*4)")
-    return {"tp": ctx.world_size, "checks": rows, **counts,
+    if ctx.is_main:
+        draw(args, split, ctx.world_size)
+    return {"tp": ctx.world_size, "checks": rows, **counts, "split": split,
             "max_abs_err": max(row["max_abs_err"] for row in rows)}
+
+
+def draw(args: Settings, split: dict, t: int) -> None:
+    """Y = X A both ways: X (BT, in), A (in, out), Y (BT, out) as boxes, each rank's part in its own colour."""
+    plt = plot.pyplot()
+    from matplotlib.patches import Rectangle
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5))
+    bt = args.batch * args.seq
+    for ax, kind in zip(axes, ("column", "row")):
+        (n_in, n_out), blocks = split[kind]["A"], split[kind]["blocks"]
+        h = max(n_in, n_out) * 0.6  # X and Y drawn with one fixed height for their BT rows
+        gap = 0.6 * max(n_in, n_out)
+        boxes = {"X": (0, n_in), "A": (n_in + gap, n_out), "Y": (n_in + n_out + 2 * gap, n_out)}
+        for name, (x0, width) in boxes.items():
+            height = n_in if name == "A" else h
+            ax.add_patch(Rectangle((x0, 0), width, height, fill=False, lw=1.5, edgecolor="black", zorder=3))
+        whole = "X" if kind == "column" else "Y"  # the operand every rank holds in full
+        ax.add_patch(Rectangle((boxes[whole][0], 0), boxes[whole][1], h, color="gray", alpha=0.3))
+        ax.text(n_in + gap / 2, h / 2, "x", ha="center", va="center", fontsize=14)
+        ax.text(n_in + n_out + 1.5 * gap, h / 2, "=", ha="center", va="center", fontsize=14)
+        for r, (lo, hi) in enumerate(blocks):
+            c = colors[r % len(colors)]
+            if kind == "column":  # A's columns [lo, hi) -> Y's columns [lo, hi); X is whole on every rank
+                ax.add_patch(Rectangle((boxes["A"][0] + lo, 0), hi - lo, n_in, color=c, alpha=0.6))
+                ax.add_patch(Rectangle((boxes["Y"][0] + lo, 0), hi - lo, h, color=c, alpha=0.6))
+                ax.text(boxes["A"][0] + (lo + hi) / 2, n_in / 2, f"rank {r}\nA[:, {lo}:{hi}]\n({n_in}, {hi - lo})",
+                        ha="center", va="center", fontsize=7 if len(blocks) > 2 else 8)
+            else:  # A's rows [lo, hi) pair with X's columns [lo, hi); each rank makes a full-size partial Y
+                ax.add_patch(Rectangle((boxes["X"][0] + lo, 0), hi - lo, h, color=c, alpha=0.6))
+                ax.add_patch(Rectangle((boxes["A"][0], n_in - hi), n_out, hi - lo, color=c, alpha=0.6))
+                ax.text(boxes["A"][0] + n_out / 2, n_in - (lo + hi) / 2, f"rank {r}\nA[{lo}:{hi}, :]\n"
+                        f"({hi - lo}, {n_out})", ha="center", va="center", fontsize=8)
+        x_note = f"X ({bt}, {n_in})\nwhole on every rank" if kind == "column" else f"X ({bt}, {n_in})\nsplit by columns"
+        y_note = (f"Y ({bt}, {n_out})\nsplit by columns: Y_r = X A_r" if kind == "column"
+                  else f"Y ({bt}, {n_out}) = sum over r of X_r A_r\n(all-reduce, g)")
+        for name, note in (("X", x_note), ("A", f"A = W^T ({n_in}, {n_out})"), ("Y", y_note)):
+            x0, width = boxes[name]
+            ax.text(x0 + width / 2, -0.06 * n_in, note, ha="center", va="top", fontsize=9)
+        ax.set(xlim=(-5, boxes["Y"][0] + n_out + 5), ylim=(-0.4 * max(n_in, n_out), max(n_in, h) + 5), aspect="equal",
+               title=f"{kind}-parallel, t={t}: " + ("A split by columns (output features)" if kind == "column"
+                                                    else "A split by rows (input features)"))
+        ax.axis("off")
+    plot.save(fig, args, "tp_split")
 
 
 def main() -> int:

@@ -16,6 +16,14 @@ How to run
 
 Prints, per t, the worst error of each check, the collectives of one block and of the whole GPT step, and the
 ring bytes one rank sends per block. Runtime on 2 cores: about 5 s with 4 ranks; --smoke (2 ranks) about 3 s.
+
+Try next
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_transformer.py -w 4 --tp-sizes 2
+        -> two groups, ranks {0, 1} and {2, 3}, each on its own batch: a 2-way data x 2-way tensor parallel job
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_transformer.py -w 4 --tp-sizes 4 --n-head 2
+        -> 2 heads cannot be split over 4 ranks: a one-line usage error, exit 2
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_transformer.py --seq 64
+        -> twice the tokens: the per-block bytes double, the number of collectives does not change
 """
 
 from __future__ import annotations
