@@ -22,6 +22,15 @@ How to run (world size 2..8; use no more ranks than cores for a clean measuremen
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py
 
 Runtime on 2 cores: about 10 s with -w 2, 3 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --micro-batches 1 2 4 8 16
+        -> more micro-batches: the formula's bubble (p-1)/(m+p-1) falls toward 0; compare the measured points
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 4
+        -> four stages on two cores: ranks wait for a core, not only for each other, so expect the measured bubble
+           to sit above the formula
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --timeline-m 8
+        -> the timeline figure drawn at m = 8: GPipe's long run of forwards, 1F1B's alternation, the same gaps
 """
 
 from __future__ import annotations
@@ -84,7 +93,6 @@ def build(args: Settings, m: int) -> tuple[torch.nn.Module, list, list]:
     return stage, list(x.chunk(m)), list(y.chunk(m))
 
 
-# --8<-- [start:measure]
 def measure(args: Settings, schedule: str, m: int) -> dict:
     """Run warm-up + timed steps; rank 0 gets every stage's events and the median bubble."""
     stage, xs, ys = build(args, m)
@@ -106,7 +114,6 @@ def measure(args: Settings, schedule: str, m: int) -> dict:
     return {"measured": best["mean"], "forward_ms": 1000 * statistics.mean(ops["F"]),
             "backward_ms": 1000 * statistics.mean(ops["B"]), "per_stage": best["per_stage"], "span_s": best["span"],
             "all_steps": [s["mean"] for s in steps], "timeline": best["timeline"], "memory": memory}
-# --8<-- [end:measure]
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:

@@ -12,12 +12,22 @@ What it shows
     3. The loss, every gradient and every parameter after the step equal a single-process GPT trained on the
        whole batch (the reference's gradients and weights are sharded the same way and compared shard by shard).
 
+    Figure mesh.png: the ranks placed by the groups the run built, one panel per pipeline stage.
+
 How to run (world size = dp * tp * pp)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py               # 8 ranks, 2x2x2
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 4 --dp 1 --tp 2 --pp 2
     torchrun --nproc-per-node 8 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py
 
 Runtime on 2 cores: about 8 s for the default 8 ranks and 2 steps (8 processes share 2 cores), 6 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 4 --dp 1 --tp 2 --pp 2
+        -> no data parallelism: one pipeline of two stages, each split over two ranks; the same checks
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 4 --dp 2 --tp 1 --pp 2
+        -> two pipeline replicas without tensor parallelism: the TP groups are single ranks
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 6
+        -> 6 ranks are not 2 x 2 x 2: a one-line usage error, exit 2
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 from mlsys.mesh import ParallelMesh, compare_with_device_mesh
 from mlsys.model import GPT, GPTConfig
@@ -38,7 +48,7 @@ from mlsys.tensor_parallel import TPGPT, shard_gpt
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 8
     """Number of ranks: dp * tp * pp. Under torchrun it is taken from WORLD_SIZE."""
     dp: int = 2
@@ -78,7 +88,6 @@ class Settings(cli.DistArgs):
             raise cli.UsageError(f"--lr must be positive, got {self.lr}")
 
 
-# --8<-- [start:stage]
 class TPStage(nn.Module):
     """Layers [first, last) of a tensor-parallel GPT, as a pipeline stage (the interface of pipeline.GPTStage).
 
@@ -111,7 +120,6 @@ class TPStage(nn.Module):
         if self.is_last:
             x = TPGPT.head(self, x)  # (B, T, V) full-vocabulary logits
         return x
-# --8<-- [end:stage]
 
 
 def make_stage(model: GPT, mesh: ParallelMesh) -> TPStage:
@@ -199,6 +207,37 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             for d in ("dp", "tp", "pp")}, "steps": rows}
 
 
+def draw(args: Settings, groups: dict[str, list[list[int]]]) -> None:
+    """mesh.png: one panel per pipeline stage, a dp x tp grid of ranks in each. A rank's place is read from the
+    groups the run built (and checked against init_device_mesh): column = index in its TP group, row = index in its
+    DP group, panel = index in its PP group. Boxes of one colour form a TP group; arrows join a pipeline."""
+    plt = plot.pyplot()
+    where = {}
+    for dim in ("tp", "dp", "pp"):
+        for group in groups[dim]:
+            for i, rank in enumerate(group):
+                where.setdefault(rank, {})[dim] = i
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, args.pp, figsize=(2.2 + 2.0 * args.pp * args.tp, 1.4 + 1.2 * args.dp), squeeze=False)
+    for rank, c in where.items():
+        ax = axes[0][c["pp"]]
+        tp_group = next(i for i, g in enumerate(groups["tp"]) if rank in g)
+        ax.add_patch(plt.Rectangle((c["tp"] + 0.1, -c["dp"] - 0.9), 0.8, 0.8,
+                                   color=colors[tp_group % len(colors)], alpha=0.5))
+        ax.text(c["tp"] + 0.5, -c["dp"] - 0.5, f"rank {rank}", ha="center", va="center", fontsize=9)
+    for s, ax in enumerate(axes[0]):
+        ax.set(xlim=(0, args.tp), ylim=(-args.dp, 0), title=f"pipeline stage {s}", aspect="equal")
+        ax.set_xticks([i + 0.5 for i in range(args.tp)], [f"tp {i}" for i in range(args.tp)])
+        ax.set_yticks([-i - 0.5 for i in range(args.dp)], [f"dp {i}" for i in range(args.dp)])
+        ax.grid(False)
+        if s + 1 < args.pp:
+            ax.annotate("", xy=(1.12, 0.5), xytext=(1.0, 0.5), xycoords="axes fraction",
+                        arrowprops={"arrowstyle": "->", "lw": 1.5}, annotation_clip=False)
+    fig.suptitle(f"dp={args.dp} x tp={args.tp} x pp={args.pp}: a row of one colour is a TP group, a column a DP "
+                 "group, the same cell across stages a pipeline", fontsize=9)
+    plot.save(fig, args, "mesh")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"steps": 1, "seq_len": 8, "micro_batch_size": 1},
                      world_sizes=lambda w: 1 <= w <= 16, world_sizes_text="1..16 (= dp * tp * pp)")
@@ -213,6 +252,7 @@ def main() -> int:
           f"per pipeline (1F1B), SGD lr={args.lr}: the 3-D run against one process on the whole batch")
     print(report.table(result["steps"], floatfmt=".6g"))
     print("OK: loss, every gradient shard and every parameter shard after each step equal the single-process model")
+    draw(args, result["groups"])
     if args.json:
         report.write_json(args.json, result, args)
     return 0

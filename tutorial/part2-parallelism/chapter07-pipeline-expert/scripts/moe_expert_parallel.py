@@ -24,6 +24,16 @@ How to run (W must divide the number of experts)
     ... --top-k 1 --no-renormalize --capacity-factor 1.0      # Switch-style routing
 
 Runtime on 2 cores: about 5 s at -w 2, 3 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py \
+        --top-k 1 --no-renormalize --capacity-factor 1.0
+        -> Switch-style top-1 routing: every drop now drops the whole token (fully_dropped equals dropped)
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py --skew 0
+        -> unshifted inputs: the router spreads tokens almost evenly; from factor 1.25 up nothing drops, and the
+           aux loss has nothing left to fix
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py -w 3
+        -> 3 ranks cannot share 4 experts evenly: a one-line usage error, exit 2
 """
 
 from __future__ import annotations
@@ -158,7 +168,6 @@ class MoE(nn.Module):
         self.experts = ExpertBank(args.num_experts, args.hidden, generator=gen)
 
 
-# --8<-- [start:dense]
 def dense_forward(moe: MoE, x: torch.Tensor, groups: int, factor: float) -> tuple[torch.Tensor, dict]:
     """x (G*N, C), split into `groups` capacity groups of N tokens -> y (G*N, C) and routing statistics."""
     a = moe.args
@@ -175,7 +184,6 @@ def dense_forward(moe: MoE, x: torch.Tensor, groups: int, factor: float) -> tupl
         experts_all.append(experts)
         aux.append(load_balancing_loss(probs, experts))
     return torch.cat(ys), {"keep": torch.cat(keeps), "experts": torch.cat(experts_all), "aux": torch.stack(aux)}
-# --8<-- [end:dense]
 
 
 # --8<-- [start:all_to_all]
@@ -198,7 +206,6 @@ class AllToAll(torch.autograd.Function):
 # --8<-- [end:all_to_all]
 
 
-# --8<-- [start:ep_forward]
 def ep_forward(gate: nn.Linear, bank: ExpertBank, x: torch.Tensor, args: Settings, factor: float,
                group=None) -> tuple[torch.Tensor, dict]:
     """This rank's tokens x (N, C) through the expert-parallel layer -> y (N, C), routing statistics."""
@@ -233,7 +240,6 @@ def ep_forward(gate: nn.Linear, bank: ExpertBank, x: torch.Tensor, args: Setting
     y = torch.zeros_like(x).index_add(0, tok, weights[tok, slot, None] * returned)
     return y, {"keep": keep, "experts": experts, "aux": load_balancing_loss(probs, experts),
                "sent_rows": in_splits, "received_rows": out_splits}
-# --8<-- [end:ep_forward]
 
 
 def make_data(args: Settings, rank: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +272,6 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-# --8<-- [start:check]
 def check_against_dense(ctx: RankContext, args: Settings) -> dict:
     """One forward + backward, expert-parallel vs dense in one process: outputs, drops, loss and gradients."""
     W, local = ctx.world_size, args.num_experts // ctx.world_size
@@ -299,7 +304,6 @@ def check_against_dense(ctx: RankContext, args: Settings) -> dict:
     stats = balance_stats(ref["experts"], ref["keep"], args.num_experts)
     return {"loss": total.item(), "loss_dense": loss_ref.item(), "sent_rows": info["sent_rows"],
             "received_rows": info["received_rows"], **stats}
-# --8<-- [end:check]
 
 
 def drop_table(ctx: RankContext, args: Settings) -> list[dict]:
@@ -325,7 +329,6 @@ def drop_table(ctx: RankContext, args: Settings) -> list[dict]:
     return rows
 
 
-# --8<-- [start:train]
 def train_balance(ctx: RankContext, args: Settings, aux_weight: float) -> dict:
     """Expert-parallel Adam training; load statistics of the first and last step."""
     W, local = ctx.world_size, args.num_experts // ctx.world_size
@@ -348,7 +351,6 @@ def train_balance(ctx: RankContext, args: Settings, aux_weight: float) -> dict:
                         "drop_rate": s["dropped"] / s["assignments"],
                         "mse": float(gathered(mse).mean()), "aux": float(gathered(aux).mean())})
     return {"aux_weight": aux_weight, "first": history[0], "last": history[-1]}
-# --8<-- [end:train]
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:

@@ -26,6 +26,16 @@ How to run
     ... --layout 8 8 1 1                                     # cost one layout (dp tp pp ep) and explain it
 
 Runtime: well under a second (the suite runs the same with --smoke).
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
+        --model mistral-7b --gpus 8 --global-batch 64 --layout 8 1 1 1 --zero-stage 0
+        -> plain data parallelism for a 7B model does not fit in 80 GiB; --zero-stage 3 makes it fit
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
+        --model llama-3-8b --gpus 8 --global-batch 64
+        -> one node: the ranking of every layout of 8 GPUs for an 8B model, and the pick
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py --gpus 7
+        -> 7 GPUs leave no layout that satisfies the divisibility rules: a one-line error, exit 2
 """
 
 from __future__ import annotations
@@ -173,7 +183,6 @@ def inside_node(span: int, args: Settings) -> bool:
     return args.gpus <= args.gpus_per_node or (span <= args.gpus_per_node and args.gpus_per_node % span == 0)
 
 
-# --8<-- [start:cost]
 def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> dict:
     """Memory per GPU, bytes per step and the step-time estimate of one layout (raises ValueError if invalid)."""
     s = model.shape
@@ -219,7 +228,6 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
             **{f"{k}_GB_sent": v / 1e9 for k, v in sent.items()}, **{f"t_{k}": v for k, v in time.items()},
             "fits": total <= args.gpu_mem_gib * GIB * (1 - args.reserve),
             "inside_node": [k for k in ("tp", "dp", "pp", "ep") if inside_node(span[k], args)]}
-# --8<-- [end:cost]
 
 
 def candidates(model: Model, args: Settings) -> tuple[list[dict], dict[str, int]]:

@@ -18,6 +18,15 @@ How to run (world size 1..8, at most --layers)
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 8
 
 Runtime on 2 cores: about 5 s with -w 4 --micro-batches 8, 3 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 2
+        -> fewer micro-batches than stages: 1F1B's warm-up is capped at m, both schedules still match one process
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --double
+        -> float64: the differences from the one-process reference shrink to float64 rounding (tests ask 1e-12)
+    torchrun --nproc-per-node 2 \
+        tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 4
+        -> two stages under torchrun; stage 0 holds at most 2 micro-batches under 1F1B, 4 under GPipe
 """
 
 from __future__ import annotations

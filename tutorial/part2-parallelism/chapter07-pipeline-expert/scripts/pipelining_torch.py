@@ -15,6 +15,14 @@ How to run (world size 2..4, at most --layers)
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py
 
 Runtime on 2 cores: about 6 s with -w 4, 4 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py --micro-batches 2
+        -> PyTorch's Schedule1F1B refuses fewer micro-batches than stages: the script prints its error, checks GPipe
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py -w 2 --micro-batches 8
+        -> two stages, eight micro-batches: both of PyTorch's schedules match ours and one process
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py
+        -> the same cross-check under torchrun
 """
 
 from __future__ import annotations
