@@ -6,12 +6,15 @@
 - the three hand-written DDP versions (mlsys.ddp) on real ranks against single-process training on the global batch
   AND against torch.nn.parallel.DistributedDataParallel, after several SGD steps, with and without no_sync
   gradient accumulation; their all-reduce counts and bytes; the comm-volume formula 2(W-1)/W x bytes;
-- the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof.
+- the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof;
+- the plain PyTorch recipe (ddp_recipe.py): DistributedSampler gives every rank an equal share with the padding
+  counted, and forgetting set_epoch is caught.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -210,3 +213,27 @@ def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:
     shards = r["shards"]
     assert shards[0]["first token"] == 0 and shards[1]["first token"] == shards[0]["last token"] + 1
     assert r["rank_loss_last"][0] != r["rank_loss_last"][1]  # different data on each rank
+
+
+# ----------------------------------------------------------------------------------------------- the plain recipe
+@pytest.mark.timeout(120)
+def test_ddp_recipe_sampler_gives_equal_padded_shares(tmp_path) -> None:
+    """W = 2 does not divide the smoke run's windows: every rank still reads ceil(n / 2) per epoch (the sampler
+    pads), the in-run checks of cover and padding pass, and the loss falls."""
+    out = tmp_path / "recipe.json"
+    proc = run([CH05 / "ddp_recipe.py", "-w", "2", "--smoke", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())["results"]
+    n = r["num_windows"]
+    assert n % 2, "the smoke corpus should exercise the padding"
+    epochs = {row["epoch"] for row in r["rows"]}
+    for e in epochs:
+        assert [row["windows"] for row in r["rows"] if row["epoch"] == e] == [math.ceil(n / 2)] * 2
+    assert r["epoch_losses"][-1] < r["epoch_losses"][0]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_recipe_without_set_epoch_fails_its_self_check() -> None:
+    proc = run([CH05 / "ddp_recipe.py", "--smoke", "--no-set-epoch"], timeout=110)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "set_epoch" in proc.stdout + proc.stderr

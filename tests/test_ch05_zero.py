@@ -25,8 +25,10 @@ W, LAYERS = 3, 2  # 3 does not divide the unit sizes: the padding is exercised
 @pytest.fixture(scope="module")
 def zero_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero") / "zero.json"
-    proc = run([CH05 / "zero.py", "-w", str(W), "--layers", str(LAYERS), "--steps", "2", "--json", out], timeout=110)
+    proc = run([CH05 / "zero.py", "-w", str(W), "--layers", str(LAYERS), "--steps", "2", "--json", out,
+                "--plot-dir", out.parent], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out.parent / "zero_memory.png").is_file()
     return json.loads(out.read_text())["results"]
 
 
@@ -185,3 +187,14 @@ def test_adamw_oracle_tolerates_rounding_flips_but_not_a_wrong_shard() -> None:
     wrong_shard[25_000:50_000] += 0.2 * Args.lr  # one of four shards off by a fifth of a step
     with pytest.raises(SelfCheckFailed, match="of weights differ"):
         common.expect_adamw_equal("shard", wrong_shard, want, Args)
+
+
+def test_memory_summary_has_one_row_per_stage_and_adds_up(zero_run: dict) -> None:
+    """The printed table and the stacked bars: one row per (precision, stage), the kinds adding up to the total."""
+    summary = common.memory_summary(zero_run["memory"])
+    assert [(r["precision"], r["stage"]) for r in summary] == [(p, s) for p in ("fp32", "mixed") for s in range(4)]
+    for r in summary:
+        assert r["params_B"] + r["grads_B"] + r["optimizer_B"] == r["total_B"] <= r["peak_B"]
+    mixed = {r["stage"]: r for r in summary if r["precision"] == "mixed"}
+    assert mixed[1]["optimizer_B"] < mixed[0]["optimizer_B"] and mixed[2]["grads_B"] < mixed[1]["grads_B"]
+    assert mixed[3]["params_B"] < mixed[2]["params_B"]

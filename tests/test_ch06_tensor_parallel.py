@@ -173,3 +173,15 @@ def test_layers_count_one_all_reduce_each_way(tmp_path_factory) -> None:
     assert res["forward_all_reduces"] == res["backward_all_reduces"] == 1
     assert res["all_reduce_bytes"] == 4 * 4 * 16 * 4 and res["max_abs_err"] < 1e-5
     assert len(res["checks"]) == 13
+
+
+@pytest.mark.timeout(120)
+def test_layers_figure_blocks_tile_a_in_rank_order(tmp_path_factory) -> None:
+    """The split tp_layers.py draws is read from the real shards: rank r owns the r-th block of A's columns
+    (column-parallel) and of A's rows (row-parallel), and the blocks tile A."""
+    plots = tmp_path_factory.mktemp("tp_split")
+    res = run_json(tmp_path_factory, CH06 / "tp_layers.py", "-w", "2", "--hidden", "16", "--seq", "4",
+                   "--plot-dir", plots)
+    assert res["split"]["column"] == {"A": [16, 32], "blocks": [[0, 16], [16, 32]]}
+    assert res["split"]["row"] == {"A": [32, 16], "blocks": [[0, 16], [16, 32]]}
+    assert (plots / "tp_split.png").is_file()

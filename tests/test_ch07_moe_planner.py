@@ -250,8 +250,9 @@ def test_mesh_3d_run_equals_single_process(tmp_path):
     init_device_mesh inside the run, loss and every gradient/parameter shard against one process."""
     out = tmp_path / "mesh.json"
     proc = run([CH07 / "mesh_3d.py", "-w", "4", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "1",
-                "--seq-len", "8", "--json", out], timeout=110)
+                "--seq-len", "8", "--json", out, "--plot-dir", tmp_path], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "mesh.png").is_file()
     r = json.loads(out.read_text())["results"]
     assert r["groups"]["tp"] == [[0, 1], [2, 3]] and r["groups"]["pp"] == [[0, 2], [1, 3]]
     step = r["steps"][0]

@@ -18,15 +18,16 @@ How to run (world sizes 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py -w 2
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py
 
-Runtime on 2 cores: about 8 s at -w 2, 4 s with --smoke.
+Runtime on 2 cores: about 8-14 s at -w 2 (process start-up included), 5 s with --smoke.
 
 Try next
-    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py -w 3
-        -> W no longer divides the windows: the table shows the sampler padding the last rank with repeats
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py -w 4
+        -> a quarter of the windows each; where W does not divide them, the sampler repeats a few so that every
+           rank runs the same number of steps (the self-check counts them)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py --no-set-epoch
         -> forget sampler.set_epoch: every epoch reads the same order, and the self-check says so (exit 1)
-    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py
-        -> the same program under torchrun: each rank reads a quarter of the windows per epoch
+    torchrun --nproc-per-node 3 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py
+        -> the same program under torchrun: each rank reads a third of the windows per epoch
 """
 
 from __future__ import annotations
