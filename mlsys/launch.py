@@ -21,8 +21,8 @@ by its pipe's EOF and its exit code. The job stops when:
 
 - a rank fails. The parent listens FAILURE_WINDOW_S longer, because the peers of a failed rank fail too ("connection
   closed by peer"), then names the rank that failed first (`_blame`): the earliest report, except that a rank that
-  died without a report is blamed ahead of every report not sent before the parent last saw it alive, since its
-  peers' errors are the consequence of its death and often reach the parent before the death itself is noticed. The
+  died without a report is blamed ahead of every report not sent clearly before (DEATH_SLACK_S) the parent last saw
+  it alive, since its peers' errors are the consequence of its death and often reach the parent first. The
   message gives the rank's traceback, or its exit code or signal ("killed by SIGSEGV"; a segfault also prints the
   rank's Python stack, from faulthandler), and which ranks failed after it.
 - a rank straggles: once any rank has returned from the worker, the others have --timeout seconds to do the same;
@@ -61,6 +61,7 @@ __all__ = ["JobFailed", "RankContext", "launch", "resolve_backend", "start_conte
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then this long before SIGKILL
 FAILURE_WINDOW_S = 1.0  # after a failed exit, how long to wait for the other ranks' reports
 POLL_S = 0.5  # the parent's longest sleep while it watches the ranks
+DEATH_SLACK_S = 0.5  # a report must precede a silent death by this much to be blamed ahead of it (see _blame)
 
 
 @dataclass
@@ -406,15 +407,18 @@ def _blame(seen: list[_Seen]) -> int | None:
 
     Reports carry the time the rank sent them; a rank that died without one (os._exit, a signal, a segfault) has
     only the interval in which the parent saw it go. Its peers then fail *because* it is gone ("connection closed
-    by peer") and report a moment later, often before the parent has even noticed the death: so a silent death is
-    blamed ahead of every report unless that report was sent before the dead rank was last seen alive.
+    by peer") and report a moment later, often before the parent has even noticed the death: a dying process closes
+    its files one by one and can be preempted in between, so its peers may see their sockets close before the
+    parent sees its pipe close. So a silent death is blamed ahead of every report unless that report was sent
+    clearly before the dead rank was last seen alive: by more than DEATH_SLACK_S.
     """
     reports = {r: s.message[2] for r, s in enumerate(seen) if s.reported_error}
     silent = {r: s.gone for r, s in enumerate(seen) if s.died_silently}
     first_report = min(reports, key=lambda r: reports[r]) if reports else None
     if silent:
         first_silent = min(silent, key=lambda r: (silent[r][1], silent[r][0], r))
-        if first_report is None or not reports[first_report] < silent[first_silent][0]:
+        last_alive = silent[first_silent][0]
+        if first_report is None or not reports[first_report] < last_alive - DEATH_SLACK_S:
             return first_silent
     return first_report
 

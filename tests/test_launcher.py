@@ -121,8 +121,10 @@ def test_blame_prefers_a_silent_death_unless_a_report_clearly_precedes_it() -> N
     dead = _Seen(gone=(100.0, 100.2), exitcode=-9)  # last seen alive at 100.0, seen gone at 100.2
     victim = _Seen(message=("error", "connection closed", 100.1), gone=(100.2, 100.3), exitcode=1)
     assert _blame([victim, dead]) == 1  # reported before the death was noticed, but after rank 1 was last alive
-    earlier = _Seen(message=("error", "boom", 99.5), gone=(99.6, 99.7), exitcode=1)
-    assert _blame([earlier, dead]) == 0  # sent before rank 1 was last seen alive: it failed first
+    close = _Seen(message=("error", "connection closed", 99.9), gone=(100.2, 100.3), exitcode=1)
+    assert _blame([close, dead]) == 1  # a dying rank's sockets can close before its pipe to the launcher does
+    earlier = _Seen(message=("error", "boom", 99.0), gone=(99.1, 99.2), exitcode=1)
+    assert _blame([earlier, dead]) == 0  # sent clearly before rank 1 was last seen alive: it failed first
     assert _blame([_Seen(message=("ok", None, 99.0), gone=(99.0, 99.1), exitcode=0), dead]) == 1
     assert _blame([_Seen(message=("ok", None, 99.0), gone=(99.0, 99.1), exitcode=0)]) is None
 
