@@ -33,6 +33,9 @@ def check_tree(ex) -> None:
         seen, frontier, depth = [0], [0], 0
         while frontier:
             frontier = [c for r in frontier for c in ex.tree_children(r, world_size)]
+            outside = [c for c in frontier if not 0 <= c < world_size]
+            assert not outside, f"W={world_size}: tree_children names ranks {outside}, which do not exist"
+            assert len(seen) + len(frontier) <= world_size, f"W={world_size}: the tree visits a rank twice"
             seen += frontier
             depth += bool(frontier)
         assert sorted(seen) == list(range(world_size)), f"W={world_size}: the tree reaches {sorted(seen)}"
@@ -44,8 +47,12 @@ def check_tree(ex) -> None:
 
 @task("tree_broadcast gives every rank rank 0's tensor (1, 2 and 5 ranks)")
 def check_tree_broadcast(ex) -> None:
-    for world_size in (1, 2, 5):
+    for world_size in (1, 2, 5):  # a wrong tree could hang the job: check it on paper first
+        for r in range(world_size):
+            children = ex.tree_children(r, world_size)
+            assert all(0 < c < world_size for c in children), "fix tree_children first (task 2)"
+            assert r == 0 or ex.tree_parent(r) in range(r), "fix tree_parent first (task 2)"
         data = [(torch.arange(7.0) + 100 * r,) for r in range(world_size)]  # rank r starts with its own values
-        got = run_ranks(ex, "tree_broadcast", data)
+        got = run_ranks(ex, "tree_broadcast", data, timeout=20)
         want = torch.arange(7.0).tolist()
         assert got == [want] * world_size, f"W={world_size}: ranks hold {got}, expected {want} everywhere"

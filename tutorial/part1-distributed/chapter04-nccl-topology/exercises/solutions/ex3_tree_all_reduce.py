@@ -1,0 +1,53 @@
+"""Reference solution for ch04.3 — all-reduce up and down a binary tree."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def tree_parent(rank: int) -> int | None:
+    return None if rank == 0 else (rank - 1) // 2
+
+
+def tree_children(rank: int, world_size: int) -> list[int]:
+    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
+
+
+def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    rank = dist.get_rank()
+    parent, children = tree_parent(rank), tree_children(rank, dist.get_world_size())
+    total = tensor.clone()
+    incoming = torch.empty_like(tensor)
+    for child in children:  # up: each child's subtree sum
+        dist.recv(incoming, child)
+        total += incoming
+    if parent is not None:
+        dist.send(total, parent)
+        dist.recv(total, parent)  # down: the finished sum, from the root through our parent
+    for work in [dist.isend(total, child) for child in children]:
+        work.wait()
+    return total
+
+
+def run_and_count(tensor: torch.Tensor) -> dict:
+    sent = {"elements": 0, "messages": 0}
+    real_send, real_isend = dist.send, dist.isend
+
+    def send(t, *args, **kwargs):
+        sent["elements"] += t.numel()
+        sent["messages"] += 1
+        return real_send(t, *args, **kwargs)
+
+    def isend(t, *args, **kwargs):
+        sent["elements"] += t.numel()
+        sent["messages"] += 1
+        return real_isend(t, *args, **kwargs)
+
+    dist.send, dist.isend = send, isend
+    original = tensor.clone()
+    try:
+        out = tree_all_reduce(tensor)
+    finally:
+        dist.send, dist.isend = real_send, real_isend
+    return {"result": out.tolist(), "input_unchanged": bool(torch.equal(tensor, original)), **sent}
