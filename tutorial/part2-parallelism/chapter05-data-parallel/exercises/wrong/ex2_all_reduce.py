@@ -1,0 +1,23 @@
+"""A mistake for ch05.2: all-reduces the whole gradient and slices it afterwards (right numbers, no saving)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    padded = -(-numel // world_size) * world_size  # ceil(numel / W) * W in integers
+    size = padded // world_size
+    return padded, rank * size, (rank + 1) * size
+
+
+def reduce_scatter_grad(grad: torch.Tensor) -> torch.Tensor:
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    padded, lo, hi = shard_bounds(grad.numel(), world_size, rank)
+    flat = torch.zeros(padded, dtype=grad.dtype)
+    flat[:grad.numel()] = grad.flatten()
+    dist.all_reduce(flat)
+    return flat[lo:hi] / world_size

@@ -1,0 +1,38 @@
+"""A mistake for ch05.3: the reduce-scattered gradient is not divided by W (a sum, not the mean)."""
+
+import torch
+import torch.distributed as dist
+
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def zero_bytes_per_rank(num_params, world_size, stage):
+    params = 2 * num_params / (world_size if stage >= 3 else 1)
+    grads = 2 * num_params / (world_size if stage >= 2 else 1)
+    optimizer = 12 * num_params / (world_size if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+def zero2_train(init, grads, lr, momentum):
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    numel = init.numel()
+    padded = -(-numel // world_size) * world_size
+    size = padded // world_size
+    full = torch.zeros(padded)
+    full[:numel] = init
+    buf = torch.zeros(size)
+    for grad in grads:
+        flat = torch.zeros(padded)
+        flat[:numel] = grad
+        g = torch.empty(size)
+        REDUCE_SCATTER(g, flat)
+        buf.mul_(momentum).add_(g)
+        mine = full[rank * size:(rank + 1) * size] - lr * buf
+        ALL_GATHER(full, mine.contiguous())
+    return {"params": full[:numel].clone(), "state_numel": buf.numel()}
+
+
+def run_train(init, grads, lr, momentum):
+    out = zero2_train(init.clone(), [g.clone() for g in grads], lr, momentum)
+    return {"params": torch.as_tensor(out["params"]).tolist(), "state_numel": int(out["state_numel"])}
