@@ -1,0 +1,57 @@
+"""A mistake for ch07.1: p - stage warm-up forwards instead of p - 1 - stage."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mlsys.data import Tokenizer, get_batch, make_corpus
+from mlsys.model import GPT, GPTConfig
+from mlsys.pipeline import run_pipeline_step, split_gpt
+
+
+def one_f_one_b_order(stage: int, num_stages: int, num_micro: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s operations under 1F1B, as ("F", micro-batch) and ("B", micro-batch) pairs, in order.
+
+    Warm-up: min(p - 1 - stage, m) forwards (the last stage has no warm-up). Steady state: one forward, then one
+    backward, until all m forwards are done. Cool-down: the backwards that are left. Forwards and backwards each go
+    in micro-batch order 0, 1, ..., m-1. Example, p=2, m=3: stage 0 -> F0 F1 B0 F2 B1 B2; stage 1 -> F0 B0 F1 B1 F2 B2.
+    """
+    warmup = min(num_stages - stage, num_micro)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(num_micro - warmup, num_micro)]
+
+
+def bubble_from_timeline(events: list[list[dict]]) -> list[float]:
+    """The idle fraction of every stage. events[s] lists stage s's operations as dicts with "start" and "end".
+
+    The step lasts from the earliest start on any stage to the latest end on any stage; a stage's idle fraction is
+    1 - (its total compute time) / (that span).
+    """
+    span = max(e["end"] for s in events for e in s) - min(e["start"] for s in events for e in s)
+    return [1.0 - sum(e["end"] - e["start"] for e in stage) / span for stage in events]
+
+
+def pipelined_gradients(seed: int, num_micro: int) -> dict:
+    """(Given.) One pipelined step of a 3-block tiny GPT with your 1F1B order; runs on every rank of a real job.
+
+    Returns this stage's largest |gradient difference| from the whole model in one process, and the most
+    micro-batches it held between forward and backward.
+    """
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.preset("tiny", n_layer=3))
+    tokens = Tokenizer().encode_corpus(make_corpus(100, seed))
+    x, y = get_batch(tokens, 2 * num_micro, 16, torch.Generator().manual_seed(seed))  # (2m, 16) each
+    p, rank = dist.get_world_size(), dist.get_rank()
+    stage = split_gpt(model, p)[rank]
+    out = run_pipeline_step(stage, list(range(p)), list(x.chunk(num_micro)), list(y.chunk(num_micro)),
+                            schedule=one_f_one_b_order)
+    model(x, y)[1].backward()  # the oracle: the whole model, the whole batch, one process
+    diff = 0.0
+    for name, param in stage.named_parameters():
+        full = stage.global_name(name)
+        want = model.wte.weight.grad if full == "lm_head.weight" else model.get_parameter(full).grad
+        diff = max(diff, float((param.grad - want).abs().max()))
+    return {"max_grad_diff": diff, "peak_in_flight": out["peak_in_flight"]}
