@@ -25,6 +25,14 @@ How to run
     python .../batching_bench.py --request-rate 40 --repeats 2   # Poisson arrivals: a latency view
 
 Runtime on 2 cores: about 20 s (3 runs of each scheduler), 4 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --long-fraction 0
+        -> no long answers: static batches drain evenly, and the gap between the schedulers shrinks
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --max-num-batched-tokens 2048
+        -> a bigger token budget: the first step admits all 32 seats at once instead of about 15
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --request-rate 10 --repeats 1
+        -> slow arrivals: both servers keep up, throughput just tracks the arrival rate, TTFT tells them apart
 """
 
 from __future__ import annotations

@@ -20,6 +20,16 @@ How to run
     python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
 
 Runtime on 2 cores: about 12 s, 5 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
+        -> longer contexts: each sequence's KV cache is 3x bigger, so the kv_mib column and the per-sequence
+           cost grow, and tokens/s level off at a smaller batch
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --batch-sizes 1 4 16 64 128
+        -> past the batch sizes of the default run: see whether tokens/s keep falling once the KV cache and
+           the activations outgrow the CPU's caches
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --threads 2
+        -> two threads for matrices this small: expect little gain, often a loss, from the extra thread
 """
 
 from __future__ import annotations

@@ -14,12 +14,23 @@ What it shows
     collector held off during the trace, the load average printed beside), and TTFT / TPOT / end-to-end
     latency from the engine's request metrics. Self-check: the traced request's tokens equal
     mlsys.model.generate's greedy output for the same prompt, computed alone with a contiguous cache.
+    FIGURE  kv_cache.png (into --plot-dir): after every step, the tokens the traced request holds in the KV
+    cache and the slots its blocks claim, and the blocks each running sequence holds, read from the engine's
+    own sequences (num_computed_tokens, block_table).
 
 How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py
     python .../request_lifecycle.py --prompt '{"name": "grace", ' --max-tokens 40 --background 0
 
 Runtime on 2 cores: about 3 s, 2 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 0
+        -> the request alone: every decode step computes one token, and the forward pass gets shorter
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 15
+        -> 15 neighbours: the traced request's TPOT grows, because each of its steps now carries 16 sequences
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --max-tokens 120
+        -> a longer answer: in kv_cache.png the request crosses more 16-token block boundaries
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
@@ -42,7 +53,7 @@ STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     prompt: str = '{"name": "ada", "age": '
     """The traced request's prompt (characters of the JSON-record alphabet)."""
     max_tokens: int = 48
@@ -74,10 +85,11 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
     ids = encode_prompt(engine.tokenizer, prompt)  # 1. tokenize
     t_tok = time.perf_counter() - t0
     rid = engine.add_request(ids, params, arrival_time=t0)  # 2. queue (WAITING)
-    steps, chunks, stream_s, final = [], [], [], None
+    steps, chunks, stream_s, kv, final = [], [], [], [], None
     while final is None:
         outputs = engine.step()  # 3-6. schedule, prepare, forward, sample, detokenize (one iteration)
         timing = dict(engine.last_step_timing)
+        kv.append(kv_snapshot(engine))  # who holds how much KV cache after this step (for the figure)
         mine = [o for o in outputs if o.request_id == rid]
         if not mine:
             continue  # a step without us (not possible here: we are admitted in the first step)
@@ -91,8 +103,49 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
                       "new_text": out.new_text})
         chunks.append(event)
         final = out if out.finished else None
-    return {"ids": ids, "final": final, "steps": steps, "chunks": chunks, "tokenize_s": t_tok, "stream_s": stream_s}
+    return {"ids": ids, "final": final, "steps": steps, "chunks": chunks, "tokenize_s": t_tok, "stream_s": stream_s,
+            "rid": rid, "kv": kv}
 # --8<-- [end:trace]
+
+
+def kv_snapshot(engine: Engine) -> dict[str, tuple[int, list[int]]]:
+    """request id -> (tokens whose K/V are cached, its block table), for every running sequence."""
+    return {s.request_id: (s.num_computed_tokens, list(s.block_table)) for s in engine.scheduler.running}
+
+
+def draw_kv(tr: dict, block_size: int, num_blocks: int, args: Settings) -> None:
+    """Left: the traced request's cached tokens and claimed slots per step. Right: the pool of physical blocks at
+    the traced request's last step, each block coloured by the sequence that owns it."""
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.2]})
+    mine = [(i, snap[tr["rid"]]) for i, snap in enumerate(tr["kv"]) if tr["rid"] in snap]
+    steps = [i for i, _ in mine]
+    axes[0].step(steps, [len(t) * block_size for _, (_, t) in mine], where="post", label="slots its blocks claim")
+    axes[0].plot(steps, [n for _, (n, _) in mine], "o-", ms=3, label="tokens with K/V in the cache")
+    axes[0].set(xlabel="engine step (0 = its prefill)", ylabel="token slots",
+                title=f"the traced request: one block per {block_size} tokens")
+    axes[0].legend(loc="upper left")
+    last = tr["kv"][steps[-1]]
+    cols = 16
+    owner = [-1] * num_blocks
+    order = sorted(last, key=lambda r: r != tr["rid"])  # traced request first: colour C0
+    for k, r in enumerate(order):
+        for logical, phys in enumerate(last[r][1]):
+            owner[phys] = k
+            if r == tr["rid"]:
+                axes[1].text(phys % cols, phys // cols, str(logical), ha="center", va="center", color="white")
+    colours = ["#ffffff"] + [plt.cm.tab10(k % 10) for k in range(len(order))]
+    grid = [[owner[i] + 1 for i in range(row * cols, min(num_blocks, (row + 1) * cols))]
+            for row in range(-(-num_blocks // cols))]
+    from matplotlib.colors import ListedColormap
+    axes[1].imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1, aspect="auto")
+    axes[1].set_xticks([x - 0.5 for x in range(cols + 1)], labels=[])
+    axes[1].set_yticks([y - 0.5 for y in range(len(grid) + 1)], labels=[])
+    axes[1].grid(color="0.3", lw=0.5)
+    axes[1].set(title=f"the pool of {num_blocks} blocks at step {steps[-1]}: colour = owning sequence",
+                xlabel="physical block id (row by row); numbers: the traced request's logical blocks")
+    fig.tight_layout()
+    plot.save(fig, args, "kv_cache")
 
 
 def stage_table(tr: dict) -> list[dict]:
@@ -157,6 +210,7 @@ def main() -> None:
         engine.step()
     report.expect_equal("KV blocks in use after all requests", engine.stats()["num_used_blocks"], 0)
     engine.check_invariants()
+    draw_kv(tr, engine.config.block_size, engine.config.num_blocks, args)
     if args.json:
         report.write_json(args.json, {"prompt_ids": tr["ids"], "token_ids": out.token_ids, "text": out.text,
                                       "finish_reason": out.finish_reason, "ttft_ms": lat["ttft"] * 1e3,
@@ -164,7 +218,9 @@ def main() -> None:
                                       "steps": tr["steps"], "stages": stages, "share_%": share,
                                       "forward_share": share["forward"] / 100,
                                       "decode_median_ms": decode_median,
-                                      "num_steps": len(tr["steps"]), "load_average": bench.load_average()},
+                                      "num_steps": len(tr["steps"]), "block_size": engine.config.block_size,
+                                      "max_kv_blocks": max(len(s[tr["rid"]][1]) for s in tr["kv"] if tr["rid"] in s),
+                                      "load_average": bench.load_average()},
                           args)
 
 

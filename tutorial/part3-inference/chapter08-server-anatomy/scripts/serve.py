@@ -19,6 +19,16 @@ How to run
     --port 0 (the default) asks the OS for a free port and prints it. --smoke: one request, then exit.
 
 Runtime on 2 cores: about 4 s (start-up, four requests, shutdown), 3 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --port 8000 --forever
+        -> then, from a second terminal, the curl command above: one `data: {...}` line per step, then
+           `data: [DONE]`; stop the server with Ctrl-C
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "mlsys-small", "prompt": "{", "max_tokens": 999}'
+        -> (server running) a 400 in OpenAI's error format: prompt + max_tokens exceed the 256 positions
+    curl http://127.0.0.1:8000/health
+        -> (server running) the engine's counters: running and waiting requests, free KV blocks
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ How to run
     python .../vs_transformers.py --batch-size 32 --max-tokens 128
 
 Runtime on 2 cores: about 15 s, 4 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/vs_transformers.py --batch-size 1
+        -> one sequence: the same tokens; every implementation is now dominated by per-step overhead
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/vs_transformers.py --batch-size 32 --max-tokens 128
+        -> a bigger batch and longer answers: the tokens still match, and tokens/s rise for all three
 """
 
 from __future__ import annotations
