@@ -245,6 +245,20 @@ def test_discounted_return_and_crossing() -> None:
     assert rv.running_mean_drop(curve, window=20)["drop"] == 0.0  # a steady climb never falls
 
 
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_clip_objective_figure_is_min_of_clipped_and_unclipped(adv: float) -> None:
+    """ppo_cartpole.clip_objective (the lesson's figure): -loss = min(rho A, clip(rho) A), and its slope is 0 exactly
+    where the clipped term wins (rho > 1 + eps for A > 0, rho < 1 - eps for A < 0), A elsewhere."""
+    pc = load_script(CH12 / "ppo_cartpole.py")
+    eps = 0.2
+    ratios = np.array([0.5, 0.79, 0.9, 1.0, 1.1, 1.21, 1.5])
+    objective, slope = pc.clip_objective(ratios, adv, eps)
+    np.testing.assert_allclose(objective, np.minimum(ratios * adv, np.clip(ratios, 1 - eps, 1 + eps) * adv),
+                               rtol=1e-12, atol=1e-12)
+    flat = ratios > 1 + eps if adv > 0 else ratios < 1 - eps
+    np.testing.assert_allclose(slope, np.where(flat, 0.0, adv), rtol=1e-9, atol=1e-12)
+
+
 def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
     """reinforce_vs_ppo.actor_gradient: -mean(A * grad log pi(a|s)); check against per-sample autograd sums."""
     rv = load_script(CH12 / "reinforce_vs_ppo.py")

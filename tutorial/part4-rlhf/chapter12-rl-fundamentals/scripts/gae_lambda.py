@@ -28,6 +28,15 @@ What it prints
     noise alone would give. Figures: gae_bias_variance.png, gae_advantages.png.
 
 Runtime on 2 cores: about 20 s (training the policy, refitting the critic, 2 x 8,192 rollouts); --smoke 4 s.
+
+Try next
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --train-steps 20480
+        -> a better policy and critic: compare the bias^2 at lambda = 0 and where the lowest MSE lands
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --rollouts 16
+        -> fewer rollouts per state: the variance column is the same in expectation, but the bias^2 left at
+           lambda = 1 grows, because its sampling-noise part is variance / --rollouts
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --horizon 100
+        -> shorter rollouts sum fewer random rewards: expect less variance at lambda = 1
 """
 
 from __future__ import annotations

@@ -28,12 +28,26 @@ How to run
 What it prints
     The settings, the median and max approx-KL and clip fraction over the updates, the evaluations (env steps,
     seconds, mean return with sampled actions, mean greedy return), and the verdict: solved after how many env
-    steps and seconds, or "NOT SOLVED" and exit 1. Figure: learning_curve.png in --plot-dir.
+    steps and seconds, or "NOT SOLVED" and exit 1. Figures in --plot-dir: learning_curve.png, and clip_objective.png
+    (one sample's clipped objective against the ratio for A = +1 and A = -1, from mlsys.rl.ppo_policy_loss).
 
 Runtime on 2 cores: about 15 s of CPU to solve with the default seed (a tqdm bar on a terminal); --seeds 0 1 2
 about three times that; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
 The machinery (actor-critic, rollouts, the PPO update, the loop) is in _ppo.py, which the chapter's other two
 scripts share; this file is the run sheet, the figure and the solve check.
+
+Try next
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --lr 0.03
+        -> 30x the learning rate: approx-KL and clip fraction an order of magnitude above the default run's; the
+           easy task may still be solved, the diagnostics line shows the damage
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py \\
+        --clip-eps 100 --update-epochs 40 --lr 0.01
+        -> no clipping and 40 epochs per batch: clip fraction 0, approx-KL in whole nats, an evaluation return that
+           jumps between evaluations and equals the greedy one (the policy collapsed to near-deterministic actions)
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --env-id MountainCar-v0
+        -> a sparse reward sampling almost never finds: "NOT SOLVED" and exit code 1
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --seeds 0 1 2
+        -> the benchmark: steps and seconds to solve for three seeds, about three times the default run
 """
 
 from __future__ import annotations
@@ -42,7 +56,45 @@ import numpy as np
 import torch
 from _ppo import Settings, train
 
-from mlsys import cli, plot, report
+from mlsys import cli, plot, report, rl
+
+
+# --8<-- [start:clip_curve]
+def clip_objective(ratios: np.ndarray, advantage: float, clip_eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """PPO's per-sample objective -loss and its slope d(objective)/d(ratio), computed with the real loss
+    (mlsys.rl.ppo_policy_loss) one sample at a time: logp_old = 0, logp_new = log(ratio). Shapes (len(ratios),)."""
+    objective, slope = [], []
+    for r in ratios:
+        logp_new = torch.tensor([float(np.log(r))], dtype=torch.float64, requires_grad=True)
+        loss, _ = rl.ppo_policy_loss(logp_new, torch.zeros(1, dtype=torch.float64),
+                                     torch.tensor([advantage], dtype=torch.float64), clip_eps)
+        loss.backward()
+        objective.append(-loss.item())
+        slope.append(-logp_new.grad.item() / r)  # d/d ratio = d/d logp / ratio
+    return np.array(objective), np.array(slope)
+# --8<-- [end:clip_curve]
+
+
+def plot_clip_objective(args: Settings) -> None:
+    """The clipped objective against the ratio for A = +1 and A = -1, beside the unclipped ratio * A."""
+    plt = plot.pyplot()
+    ratios = np.linspace(0.3, 1.8, 301)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, adv in zip(axes, (1.0, -1.0)):
+        objective, slope = clip_objective(ratios, adv, args.clip_eps)
+        flat = np.abs(slope) < 1e-12  # where the clipped term wins: no gradient
+        ax.plot(ratios, ratios * adv, "--", color="gray", lw=1, label="unclipped: ratio x A")
+        ax.plot(ratios, objective, color="C0", lw=2, label="PPO: min(ratio x A, clip(ratio) x A)")
+        ax.fill_between(ratios, -2, 2, where=flat, color="C3", alpha=0.12, label="gradient 0 (clipped)")
+        for x in (1 - args.clip_eps, 1 + args.clip_eps):
+            ax.axvline(x, color="gray", lw=0.8, ls=":")
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set(xlabel="probability ratio rho = pi_new / pi_old", ylim=(-1.9, 1.9),
+               title=f"A = {adv:+g} (" + ("a good action: flat above 1 + eps)" if adv > 0
+                                          else "a bad action: flat below 1 - eps)"))
+        ax.legend(fontsize=8, loc="lower right" if adv > 0 else "upper right")
+    axes[0].set_ylabel("objective per sample (-loss)")
+    plot.save(fig, args, "clip_objective")
 
 
 def plot_run(run: dict, args: Settings) -> None:
@@ -82,6 +134,7 @@ def main() -> int:
         print(report.table([{k: round(v, 1) if isinstance(v, float) else v for k, v in e.items()}
                             for e in runs[0]["evals"]]))
         plot_run(runs[0], args)
+        plot_clip_objective(args)
     rows = [{"seed": r["seed"], "solved": r["solved"], "env steps": r["steps"], "seconds": round(r["seconds"], 1),
              "eval return": r["eval_return"]} for r in runs]
     print("\n" + report.table(rows))

@@ -25,6 +25,15 @@ What it prints
     Figures: return_curves.png, grad_variance.png.
 
 Runtime on 2 cores: about 25 s (two training runs, a tqdm bar on a terminal, then 16 batches); --smoke 4 s.
+
+Try next
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py --reinforce-lr 0.003
+        -> a smaller REINFORCE step: on seed 0 it barely moves within the budget (the reason 1e-2 is the default)
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py --total-steps 100000
+        -> twice the budget: does REINFORCE win back its fall and reach 475? the table's last columns say
+    python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py \\
+        --snapshot-steps 20480 --num-batches 32
+        -> the variance measured at a better policy, over more batches: compare the three rows' ratios
 """
 
 from __future__ import annotations
