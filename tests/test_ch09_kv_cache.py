@@ -244,6 +244,28 @@ def test_calculator_row_by_hand() -> None:
     assert mqa["_bytes"]["per_token"] == 131072 // 8
 
 
+def test_calculator_own_model_from_hf_config(tmp_path) -> None:
+    """--config: a Llama-3-8B config.json gives the built-in row, parameters rebuilt from the shape."""
+    mod = load_script(CH09 / "kv_calculator.py")
+    ref = kvm.MODEL_SHAPES["llama-3-8b"]
+    cfg = {"model_type": "llama", "num_hidden_layers": ref.num_layers, "hidden_size": ref.hidden_size,
+           "num_attention_heads": ref.num_heads, "num_key_value_heads": ref.num_kv_heads,
+           "intermediate_size": ref.intermediate_size, "vocab_size": ref.vocab_size}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    own = mod.shape_from_hf_config(str(path))
+    assert own.num_params == ref.num_params and own.head_dim == ref.head_dim
+    args = mod.Settings()
+    row, want = mod.model_row(own, args, 80 * kvm.GIB), mod.model_row(ref, args, 80 * kvm.GIB)
+    assert row["_bytes"] == want["_bytes"] and row["max requests"] == want["max requests"]
+    del cfg["num_key_value_heads"]  # no GQA key: every head has its own K and V
+    path.write_text(json.dumps(cfg))
+    assert mod.shape_from_hf_config(str(path)).num_kv_heads == ref.num_heads
+    path.write_text("{}")
+    with pytest.raises(mod.cli.UsageError):
+        mod.shape_from_hf_config(str(path))
+
+
 def test_calculator_weights_too_big_and_bad_flags(tmp_path, monkeypatch, capsys) -> None:
     from mlsys import cli
 

@@ -15,11 +15,26 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-70b --gpu h200 \
         --prompt-len 4000 --max-new-tokens 1000
 
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config path/to/config.json
+
 Runtime on 2 cores: about 2 s (importing torch dominates), the same with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config path/to/config.json
+        -> your own model: download its config.json from its Hugging Face page (Llama, Mistral, Qwen2-style
+           decoders); the row shows its KiB per token and how many requests fit
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --dtype fp8
+        -> an 8-bit cache and 8-bit weights: half the bytes per token, and Llama-3-70B now fits on one GPU
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-8b --kv-heads 1
+        -> a multi-query variant: 8x less cache per token than Llama-3-8B's 8 KV heads, 8x the requests
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --prompt-len 32000 --max-new-tokens 1000
+        -> long-context requests: the requests that fit fall to a handful per GPU
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 from mlsys import cli, report
@@ -46,6 +61,8 @@ class Settings(cli.Args):
     """Tokens per KV block: capacity is counted in whole blocks."""
     kv_heads: int = 0
     """Override the number of KV heads (e.g. 1 for a multi-query variant); 0 keeps the model's."""
+    config: str = ""
+    """Path to a Hugging Face config.json of a Llama-style model (your own): its row replaces --model."""
 
     def validate(self) -> None:
         if self.model != "all" and self.model not in kvm.MODEL_SHAPES:
@@ -62,6 +79,27 @@ class Settings(cli.Args):
             raise cli.UsageError("--prompt-len must be >= 1 and --max-new-tokens >= 0")
         if self.block_size < 1 or self.kv_heads < 0:
             raise cli.UsageError("--block-size must be >= 1 and --kv-heads >= 0")
+        if self.config:
+            shape_from_hf_config(self.config)  # raises UsageError with the reason
+
+
+def shape_from_hf_config(path: str) -> kvm.ModelShape:
+    """A ModelShape from a Hugging Face config.json (Llama, Mistral, Qwen2 and similar decoders). The parameter
+    count is rebuilt from the shape (kvm.llama_num_params: untied embeddings, gated MLP, no biases)."""
+    try:
+        with open(path) as f:
+            c = json.load(f)
+        heads = int(c["num_attention_heads"])
+        shape = kvm.ModelShape(
+            name=str(c.get("_name_or_path") or c.get("model_type") or "config"), num_layers=int(c["num_hidden_layers"]),
+            hidden_size=int(c["hidden_size"]), num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
+            num_params=0, source=path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise cli.UsageError(f"--config {path}: cannot read a Llama-style config.json ({err!r})") from None
+    return dataclasses.replace(shape, num_params=kvm.llama_num_params(shape))
 
 
 # --8<-- [start:row]
@@ -106,8 +144,14 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={})
     gpu_gib = args.gpu_mem_gib or kvm.GPU_MEMORY_GIB[args.gpu]
     gpu_name = f"{gpu_gib:g} GiB" if args.gpu_mem_gib else f"{args.gpu} ({gpu_gib:g} GiB nominal)"
-    names = list(kvm.MODEL_SHAPES) if args.model == "all" else [args.model]
-    rows = [model_row(kvm.MODEL_SHAPES[n], args, gpu_gib * kvm.GIB) for n in names]
+    shapes = dict(kvm.MODEL_SHAPES)
+    if args.config:
+        own = shape_from_hf_config(args.config)
+        shapes[own.name] = own
+        print(f"{args.config}: {own.num_layers} layers, {own.num_heads} query / {own.num_kv_heads} KV heads of "
+              f"{own.head_dim}, about {own.num_params / 1e9:.2f} B parameters (rebuilt from the shape)")
+    names = [own.name] if args.config else list(kvm.MODEL_SHAPES) if args.model == "all" else [args.model]
+    rows = [model_row(shapes[n], args, gpu_gib * kvm.GIB) for n in names]
     print(f"KV cache in {args.dtype} on {gpu_name}, {args.reserve_fraction:.0%} reserved, requests of "
           f"{args.prompt_len} + {args.max_new_tokens} tokens, blocks of {args.block_size}\n")
     print(report.table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], floatfmt=".4g"))
@@ -116,7 +160,7 @@ def main() -> int:
             print(f"\n{r['model']}: the weights ({r['weights GiB']:.1f} GiB) do not fit in "
                   f"{gpu_gib * (1 - args.reserve_fraction):.1f} GiB: no room for any KV cache "
                   "(shard it over more GPUs, chapter 6, or quantize the weights).")
-    for s in (kvm.MODEL_SHAPES[n] for n in names):
+    for s in (shapes[n] for n in names):
         if s.num_kv_heads != s.num_heads and not args.kv_heads:
             print(f"\n{s.name}: GQA, {s.num_heads // s.num_kv_heads} query heads share each KV head, so its cache "
                   f"is {s.num_heads // s.num_kv_heads}x smaller than the same model with full multi-head attention.")

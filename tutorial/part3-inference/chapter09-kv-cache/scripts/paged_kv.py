@@ -20,6 +20,14 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --num-requests 24 --block-size 8
 
 Runtime on 2 cores: about 15 s (the two engine runs), 4 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --block-size 16
+        -> bigger blocks: more of each sequence's last block sits empty, so the paged waste grows
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --block-size 1
+        -> one token per block: no waste at all, but block tables as long as the sequences
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --pool-seqs 4
+        -> a pool twice as big: fewer preemptions, and the reservation run admits twice as many sequences
 """
 
 from __future__ import annotations

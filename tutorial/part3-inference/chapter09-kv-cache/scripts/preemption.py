@@ -19,6 +19,14 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 14 --device cuda
 
 Runtime on 2 cores: about 6 s, 3 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 12
+        -> exactly one full-length sequence fits: fewer sequences run at once, more steps, the same tokens
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 11
+        -> too small for one 96-token sequence: the engine refuses at start-up with a one-line error (exit 2)
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --mfu 0.2 --pcie-gbps 25
+        -> a slower prefill and a slower bus: the recompute/swap ratio moves, read it in the cost table
 """
 
 from __future__ import annotations

@@ -25,6 +25,14 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32 --shots 3
 
 Runtime on 2 cores: about 10 s, 4 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --shots 6
+        -> a longer shared system prompt: more prompt tokens come from the cache, the first edge gets longer
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --block-size 4
+        -> smaller blocks: more of the shared prefix fits in whole blocks, and the tree gets deeper
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32
+        -> more requests: the same first edge, more children below it
 """
 
 from __future__ import annotations
@@ -35,14 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, format_record, sample_record
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     num_requests: int = 16
     """Requests sharing the system prompt (one arrives per engine step)."""
     shots: int = 2
@@ -148,6 +156,48 @@ def tree_lines(cache, tok: Tokenizer, max_chars: int = 36) -> list[str]:
 # --8<-- [end:tree]
 
 
+def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_nodes: int = 24) -> None:
+    """The radix tree as boxes: each edge's text, its tokens and blocks, and how many requests' token sequences
+    (prompt + output) run through it. Depth left to right, siblings top to bottom."""
+    plt = plot.pyplot()
+    boxes: list[tuple[int, float, str, int]] = []  # (depth, y, label, parent index)
+    leaf = [0]
+
+    def walk(node, depth: int, path: list[int], parent: int) -> float:
+        kids = sorted(node.children.values(), key=lambda c: c.blocks[0])
+        ys = []
+        for child in kids:
+            if len(boxes) >= max_nodes:
+                break
+            full = path + list(child.key)
+            text = tok.decode(list(child.key), skip_special=False).replace("<bos>", "^").replace("<eos>", "$")
+            text = text if len(text) <= 22 else text[:10] + " .. " + text[-8:]
+            n_req = sum(seq[: len(full)] == full for seq in seqs)
+            idx = len(boxes)
+            boxes.append((depth, 0.0, f"{text}\n{len(child.key)} tokens, {len(child.blocks)} block(s)\n"
+                                      f"{n_req} request(s)", parent))
+            y = walk(child, depth + 1, full, idx) if child.children else float(leaf[0])
+            if not child.children:
+                leaf[0] += 1
+            boxes[idx] = (depth, y, boxes[idx][2], parent)
+            ys.append(y)
+        return sum(ys) / len(ys) if ys else float(leaf[0])
+
+    root_y = walk(cache.root, 1, [], -1)
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.55 * (leaf[0] + 1))))
+    ax.text(0, root_y, "root", ha="center", va="center", bbox={"boxstyle": "round", "fc": "0.9"})
+    for depth, y, label, parent in boxes:
+        px, py = (0, root_y) if parent < 0 else (boxes[parent][0] * 3, boxes[parent][1])
+        ax.plot([px, depth * 3], [py, y], color="0.6", lw=1, zorder=0)
+        ax.text(depth * 3, y, label, ha="center", va="center", fontsize=7, family="monospace",
+                bbox={"boxstyle": "round", "fc": "#dbe9f6" if depth == 1 else "#fde0c5"})
+    ax.set_xlim(-1, 3 * max((b[0] for b in boxes), default=1) + 2)
+    ax.set_ylim(leaf[0], -1)
+    ax.axis("off")
+    ax.set_title(f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens)")
+    plot.save(fig, args, "radix_tree")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"num_requests": 4, "shots": 1, "max_tokens": 8})
     torch.manual_seed(args.seed)
@@ -206,6 +256,7 @@ def main() -> int:
           + (f"Below it, {tree['first_edge_children']} children for {len(prompts)} requests: one per distinct next "
              "block (completed by generated tokens); requests that wrote the same block share one child."
              if tree["first_edge_children"] else "No request generated enough tokens to complete the next block."))
+    draw_tree(cache, tok, [p + o for p, o in zip(prompts, on["outputs"])], args)
     engine.check_invariants()
     report.expect_equal("reference counts after every request finished", max(pool.ref_counts), 0)
     for r in runs.values():
