@@ -20,6 +20,13 @@ How to run
     python .../chunked_prefill.py --budgets 512 64 16 --long-len 240
 
 Runtime on 2 cores: about 15 s, 4 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --budgets 512 16
+        -> a very small budget: the decoders' ITL spikes shrink further, the long prompts' TTFT grows further
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --long-len 60
+        -> short "long" prompts: a whole prefill costs little more than a decode step, and chunking has
+           little left to smooth
 """
 
 from __future__ import annotations

@@ -19,6 +19,14 @@ How to run
     python .../cuda_graphs.py --sizes 1 2 4 8 16 32 64 --iters 200     # on a GPU
 
 Runtime: about 8 s on 2 CPU cores (3 s with --smoke); about 20 s on an H100.
+
+Try next
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --sizes 1 3 8
+        -> graphs of 1, 3 and 8: batches of 2 pad to 3, of 4 to 7 pad to 8; the padding check still holds
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --temperature 0.5
+        -> a sharper softmax: the 20,000 Gumbel-max draws still match softmax(logits / T)
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --device cuda
+        -> on a machine with a GPU: real capture and replay, and the eager-vs-graph timing table
 """
 
 from __future__ import annotations

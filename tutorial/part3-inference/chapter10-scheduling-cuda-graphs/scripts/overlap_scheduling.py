@@ -21,6 +21,12 @@ How to run
     python .../overlap_scheduling.py --batch-sizes 1 16 64 --steps 40 --device cuda
 
 Runtime on 2 cores: about 15 s, 4 s with --smoke. Needs two free cores to show any gain on a CPU.
+
+Try next
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5
+        -> more alternating rounds: the speed-ups settle; on a CPU expect them near 1 either way
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --threads 2
+        -> the forward now wants both cores, and the scheduler's thread has none left to hide in
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@ How to run
 
 Runtime on 2 cores: about 10 s, 3 s with --smoke. Timings move with the machine's load: compare shares,
 not absolute milliseconds, across runs.
+
+Try next
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --prompt-len 200
+        -> longer contexts: the forward grows faster with B (more KV to gather and attend over), and the share
+           outside the forward shrinks
+    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --threads 2
+        -> two threads: the op count does not change; see whether the forward gets faster at all at these sizes
 """
 
 from __future__ import annotations
