@@ -19,6 +19,14 @@ How to run
 
 Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
 shared machine are noisy; the interleaving keeps the comparison fair, not the absolute numbers.
+
+Try next
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --beta 0.04 --kl-target 0
+        -> DeepSeekMath's fixed beta instead of the controller: compare the kl column and the largest KL
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --group-size 8
+        -> 4 prompts x 8 responses per iteration: GRPO's baseline is a bigger group, PPO sees fewer prompts
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40
+        -> twice as long: do the KL spikes settle as beta grows? the extremes lines say
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ def plot_runs(histories: dict[str, list[dict]], args: Settings) -> None:
         axes[2].plot(it, [h["kl"] for h in history], label=algo)
     axes[0].set(xlabel="iteration", ylabel="mean reward-model score", title="reward")
     axes[1].set(xlabel="iteration", ylabel="mean rule score", title="rule score (the 'human')")
+    if args.kl_target:
+        axes[2].axhline(args.kl_target, color="gray", ls="--", lw=1, label="target")
     axes[2].set(xlabel="iteration", ylabel="nats per response", title="KL(pi || pi_ref)")
     for ax in axes:
         ax.legend()

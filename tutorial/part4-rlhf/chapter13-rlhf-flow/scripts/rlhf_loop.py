@@ -28,6 +28,16 @@ asserts its gain over three seeds.
 
 Runtime on 2 cores: 25-45 s for 24 iterations and the two evaluations on a busy machine (a tqdm bar on a
 terminal), 10 s with --smoke.
+
+Try next
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --kl-target 0 --beta 0
+        -> no KL penalty: the reward still rises, the KL grows to many nats, and section 3 shows the hacking: rule
+           score and well-formed share of the trained policy far below the SFT model's
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
+        -> no critic, group baseline, KL in the loss; no token table at the end (no per-token values)
+    python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --k-beta 2
+        -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column with the
+           default run's
 """
 
 from __future__ import annotations
@@ -125,6 +135,49 @@ def print_phases(batch: RolloutBatch, stats: dict, args: Settings) -> None:
     print(f"   sync      Engine.load_weights(actor.state_dict()): {1e3 * stats['sync_s']:.1f} ms\n")
 
 
+def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
+    """The RLHF loop as a diagram, each box labelled with what iteration 1 of this run actually did."""
+    plt = plot.pyplot()
+    B, T = batch.ids.shape
+    L = batch.mask.size(1)
+    critic = "critic values V (B, L)\n" if args.algo == "ppo" else ""
+    top, bottom, cols = 2.6, 0.6, (1.2, 5.0, 8.8)  # box centres: top row left to right, bottom right to left
+    boxes = [
+        (cols[0], top, f"1. generate\nmlsys.engine, temperature 1\nids (B, T) = ({B}, {T})\n"
+                       f"mean {stats['response_len']:.0f} response tokens"),
+        (cols[1], top, f"2. score: forward passes\nactor, reference: log pi (B, L)\n"
+                       f"(B, L) = ({B}, {L})\n{critic}reward model R (B,): mean {stats['reward']:+.2f}"),
+        (cols[2], top, "3. KL penalty\nk1_t = log pi - log pi_ref\n" + (
+                       f"r_t = -beta k1_t, plus R at the end\nbeta = {stats['beta']:.2f}" if args.algo == "ppo"
+                       else f"beta x k3 goes into the loss\nbeta = {stats['beta']:.2f}")),
+        (cols[2], bottom, "4. advantages\n" + ("GAE over response tokens\n(gamma 1, lambda 0.95), whitened"
+                                               if args.algo == "ppo" else "R minus its group's mean,\n"
+                                               f"over its std (groups of {args.group_size})")),
+        (cols[1], bottom, f"5. update\n{PPOConfig.ppo_epochs} epochs x {PPOConfig.num_minibatches} minibatches\n"
+                          "clipped loss on the actor" + ("\nvalue loss on the critic" if args.algo == "ppo" else "")
+                          + f"\nclip fraction {stats['clip_frac']:.2f}"),
+        (cols[0], bottom, "6. sync\nEngine.load_weights(actor)\nthe next batch samples\nfrom the new policy"),
+    ]
+    fig, ax = plt.subplots(figsize=(12, 4.6))
+    for x, y, text in boxes:
+        ax.text(x, y, text, ha="center", va="center", fontsize=8.5,
+                bbox={"boxstyle": "round,pad=0.5", "fc": "#eef3fb", "ec": "#4a72b0"})
+    arrow = {"arrowstyle": "-|>", "color": "#4a72b0", "lw": 1.5}
+    half = 1.5  # about half a box's width, in data units
+    for a, b in zip(cols, cols[1:]):
+        ax.annotate("", (b - half, top), (a + half, top), arrowprops=arrow)
+        ax.annotate("", (a + half, bottom), (b - half, bottom), arrowprops=arrow)
+    ax.annotate("", (cols[2], bottom + 0.75), (cols[2], top - 0.75), arrowprops=arrow)
+    ax.annotate("", (cols[0], top - 0.75), (cols[0], bottom + 0.75), arrowprops=arrow)
+    ax.annotate(f"{B} prompts\n'{{\"name\": ...'", (cols[0] - half, top), (-1.4, top), ha="center",
+                va="center", fontsize=8.5, arrowprops=arrow)
+    ax.text(cols[1], (top + bottom) / 2, f"one {args.algo.upper()} iteration of this run (iteration 1)",
+            ha="center", va="center", fontsize=10, style="italic")
+    ax.set(xlim=(-2.1, 10.7), ylim=(-0.3, 3.5))
+    ax.axis("off")
+    plot.save(fig, args, "loop")
+
+
 def plot_history(history: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
@@ -191,6 +244,7 @@ def main() -> int:
     stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
                                   seed=args.seed * 10_000, algo=args.algo)
     print_phases(batch, stats, args)
+    plot_loop(batch, stats, args)
     gap = ((batch.engine_logprobs - batch.extra["logprobs"]).abs() * batch.mask).max().item()
     report.expect_close("engine log-probs vs the trainer's recomputation", gap, 0.0, atol=1e-4)
     print(f"   The engine's log-prob of each token it sampled, recomputed by the trainer with a plain forward: "
