@@ -24,6 +24,14 @@ How to run
     ... --rollout-batch 1024 --prompt-len 2048 --response-len 2048 --recompute selective
 
 Runtime: under a second of arithmetic (about 2 s with the imports); the same with --smoke.
+
+Try next
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py \\
+        --rollout-batch 1024 --recompute selective
+        -> four times the rollouts in flight and more activations kept: a bigger KV cache and training peak
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py \\
+        --actor llama-3-70b --critic llama-3-8b
+        -> the lesson's second run: a 70B actor with an 8B critic and reward model shifts where the memory goes
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ How to run
 The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/rlhf.py).
 Prints one table per placement (seconds per phase and idle per rank), the equality check and the async effect.
 Runtime on 2 cores: about 30 s; --smoke about 10 s.
+
+Try next
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
+        -> one trainer and two rollout ranks: the same equality checks; on 2 cores three processes share the CPUs,
+           so read the idle % column before the throughput
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py --iterations 12
+        -> a longer run: the async off-policy gap per iteration, and whether the reward curves separate
 """
 
 from __future__ import annotations

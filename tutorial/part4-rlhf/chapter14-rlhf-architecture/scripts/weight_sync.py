@@ -21,6 +21,12 @@ How to run
 
 Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each) and the checks.
 Runtime on 2 cores: about 15 s (gloo over loopback); --smoke about 4 s.
+
+Try next
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
+        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; more buckets, more calls
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py --bucket-mb 64
+        -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank
 """
 
 from __future__ import annotations
