@@ -211,3 +211,19 @@ def test_traced_request_stages_against_the_steps_that_ran(small_model):
     assert table["prefill: forward"]["calls"] == 1 and table["decode: forward"]["calls"] == 9
     assert table["stream (SSE chunks)"]["calls"] == len(tr["chunks"]) == 10
     assert table["decode: forward"]["ms"] >= sum(forwards[1:]) - eps
+
+
+def test_lifecycle_kv_snapshots_hold_whole_blocks(small_model):
+    """request_lifecycle.py's KV figure: after every step each running sequence holds exactly the blocks its cached
+    tokens need (ceil(tokens / block_size)), and the traced request's table only grows."""
+    mod = load_script(CH08 / "request_lifecycle.py")
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=3))
+    engine.add_request('{"name": "', SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    tr = mod.trace_request(engine, '{"name": "ada", "age": ', SamplingParams(max_tokens=30))
+    bs = engine.config.block_size
+    for snap in tr["kv"]:
+        for tokens, table in snap.values():
+            assert len(table) == -(-tokens // bs), (tokens, table)
+    mine = [snap[tr["rid"]][1] for snap in tr["kv"] if tr["rid"] in snap]
+    assert all(a == b[: len(a)] for a, b in zip(mine, mine[1:]))

@@ -222,3 +222,16 @@ def test_speedup_cap_with_every_draft_accepted() -> None:
     mod = load_script(CH11 / "spec_vs_k.py")
     for k, c_t, c_d in [(1, 1.0, 0.5), (4, 1.3, 0.55), (8, 2.0, 0.1)]:
         assert mod.predicted_speedup(1.0, k, c_t, c_t, c_d) == pytest.approx((k + 1) / (k * c_d / c_t + 1))
+
+
+def test_recorded_steps_for_the_figure(models) -> None:
+    """speculative.py's figure: each step emits its accepted drafts plus one target token, and the steps together
+    give the target's greedy tokens."""
+    target, draft = models
+    mod = load_script(CH11 / "speculative.py")
+    prompt = TOK.encode('{"name": "', bos=True)
+    steps = mod.record_steps(target, draft, prompt, k=4, max_new=40)
+    for st in steps:
+        assert 0 <= st["accepted"] <= 4 and st["new"][:-1] == st["drafts"][: st["accepted"]]
+    ref = generate(target, torch.tensor([prompt]), 40)[0, len(prompt):].tolist()
+    assert [t for st in steps for t in st["new"]][:40] == ref

@@ -19,6 +19,15 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --num-samples 40
 
 Runtime on 2 cores: about 20 s, 5 s with --smoke.
+
+Try next
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --temperature 2
+        -> a hot sampler that picks unlikely characters: expect the masked outputs still all to validate and
+           the unmasked ones to fail more often
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --temperature 0
+        -> greedy: every sample of a budget is the same document, and it validates
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --num-samples 40
+        -> five times the samples per budget: the validity curves in the figure get smoother
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 4 8 --repeats 5
 
 Runtime on 2 cores: about 25 s, 5 s with --smoke. Timings are only as good as the machine is idle.
+
+Try next
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 4 8 12 16
+        -> larger k: tokens per target forward level off, while the draft's cost keeps growing with k
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --max-new-tokens 40
+        -> shorter answers: fewer steps per run, so the timings are noisier; compare with the cost model
 """
 
 from __future__ import annotations

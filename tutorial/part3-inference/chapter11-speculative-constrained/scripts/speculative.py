@@ -13,6 +13,8 @@ What it shows
        variation distance to p), then run on the real models.
     5. Hugging Face assisted generation (`generate(..., assistant_model=...)`) on the same two models
        (mlsys.model.to_hf_model) gives the same greedy tokens.
+    FIGURE  steps.png (into --plot-dir): the first steps of a greedy run with --k on the first prompt, one row
+    per step: accepted drafts, the rejected draft, drafts never judged, and the target's correction or bonus.
     Speed is measured by spec_vs_k.py.
 
 How to run
@@ -20,6 +22,14 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 6 --num-prompts 8
 
 Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two models, about 3 min, once).
+
+Try next
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
+        -> a longer guess in the traced step: more tokens can be accepted, and more are thrown away on a miss
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --ks 1 16
+        -> k = 16: still exactly the target's tokens; the tokens per target forward stop growing long before 16
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --num-samples 200000
+        -> ten times the draws of the acceptance rule: the empirical distribution sits even closer to p
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.data import Tokenizer, format_record, sample_record
 from mlsys.model import generate, num_params, to_hf_model
 from mlsys.speculative import CachedModel, expected_tokens_per_step, spec_step, speculative_generate, verify_sampled
@@ -37,7 +47,7 @@ from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     num_prompts: int = 4
     """Prompts: <bos> and the first few characters of a record drawn from the data grammar."""
     max_new_tokens: int = 72
@@ -78,6 +88,55 @@ def trace_one_step(target, draft, prompt: list[int], k: int) -> dict:
             "new": tok.decode(new, skip_special=False), "target_cache": f"{before} -> {before + k + 1} -> "
             f"{tgt.cache_len}", "draft_cache": f"{before} -> {before + k} -> {drf.cache_len}"}
 # --8<-- [end:trace]
+
+
+def record_steps(target, draft, prompt: list[int], k: int, max_new: int) -> list[dict]:
+    """Greedy spec_step from the prompt until max_new tokens: each step's drafts, accepted count and new tokens."""
+    cap = len(prompt) + max_new + k + 1
+    tgt, drf = CachedModel(target, cap), CachedModel(draft, cap)
+    tgt.feed(prompt[:-1])
+    drf.feed(prompt[:-1])
+    seq, steps = list(prompt), []
+    while len(seq) - len(prompt) < max_new:
+        new, j, drafts = spec_step(tgt, drf, seq, k, temperature=0.0)
+        steps.append({"drafts": drafts, "accepted": j, "new": new})
+        seq += new
+    return steps
+
+
+def draw_steps(steps: list[dict], k: int, args: Settings, max_rows: int = 14) -> None:
+    """One row per step: k draft cells (accepted / rejected / never judged) and the target's own token."""
+    from matplotlib.patches import Patch, Rectangle
+
+    plt = plot.pyplot()
+    tok, rows = Tokenizer(), steps[:max_rows]
+
+    def show(t: int) -> str:  # a visible space, escapes for <eos> and the like
+        return repr(tok.decode([t], skip_special=False))[1:-1].replace(" ", "\u2423")
+
+    colours = {"accepted": "#7fc97f", "rejected": "#f0027f", "unjudged": "#dddddd", "correction": "#386cb0",
+               "bonus": "#9467bd"}
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * (k + 2), 0.42 * len(rows) + 1.2))
+    for r, st in enumerate(rows):
+        j = st["accepted"]
+        for i, d in enumerate(st["drafts"]):
+            kind = "accepted" if i < j else "rejected" if i == j else "unjudged"
+            ax.add_patch(Rectangle((i, r), 0.95, 0.9, color=colours[kind]))
+            ax.text(i + 0.47, r + 0.45, show(d), ha="center",
+                    va="center", fontsize=8, family="monospace")
+        kind = "bonus" if j == k else "correction"
+        ax.add_patch(Rectangle((k + 0.6, r), 0.95, 0.9, color=colours[kind]))
+        ax.text(k + 1.07, r + 0.45, show(st["new"][-1]), ha="center",
+                va="center", fontsize=8, family="monospace", color="white")
+    ax.set_xlim(-0.2, k + 1.8)
+    ax.set_ylim(len(rows), -0.2)
+    ax.set_xticks([i + 0.47 for i in range(k)] + [k + 1.07], [f"d{i + 1}" for i in range(k)] + ["target"])
+    ax.set_yticks([r + 0.45 for r in range(len(rows))], [f"step {r}" for r in range(len(rows))])
+    ax.grid(False)
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in colours.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(f"greedy speculative decoding, k = {k}: one row per target forward", fontsize=10)
+    plot.save(fig, args, "steps")
 
 
 # --8<-- [start:greedy_check]
@@ -166,6 +225,11 @@ def main() -> int:
           f"the step emits {step['new']!r}")
     print(f"   target cache length {step['target_cache']} (rollback), draft cache {step['draft_cache']}\n")
 
+    steps = record_steps(target, draft, prompts[0], args.k, args.max_new_tokens)
+    ref = generate(target, torch.tensor([prompts[0]]), args.max_new_tokens)[0, len(prompts[0]):].tolist()
+    report.expect_equal("recorded steps vs target greedy", [t for st in steps for t in st["new"]][: len(ref)], ref)
+    draw_steps(steps, args.k, args)
+
     # 2. greedy == target greedy, for every k
     rows = greedy_vs_target(target, draft, prompts, args.ks, args.max_new_tokens)
     print("2. greedy speculative decoding vs the target's greedy decoding (same tokens: checked)")
@@ -209,7 +273,8 @@ def main() -> int:
                                       "alpha_per_position_sampled": sampled, "rule_empirical": emp.tolist(),
                                       "alpha_greedy": alpha_greedy, "alpha_sampled": alpha_sampled,
                                       "sampling_accepts": more, "alpha_greedy_min": min(alphas),
-                                      "alpha_greedy_max": max(alphas),
+                                      "alpha_greedy_max": max(alphas), "figure_steps": min(len(steps), 14),
+                                      "figure_all_accepted": sum(st["accepted"] == args.k for st in steps[:14]),
                                       "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
     return 0
 
