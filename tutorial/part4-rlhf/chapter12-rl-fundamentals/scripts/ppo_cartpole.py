@@ -38,8 +38,8 @@ scripts share; this file is the run sheet, the figure and the solve check.
 
 Try next
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --lr 0.03
-        -> 30x the learning rate: approx-KL and clip fraction an order of magnitude above the default run's; the
-           easy task may still be solved, the diagnostics line shows the damage
+        -> 30x the learning rate: approx-KL about an order of magnitude above the default run's, the clip fraction
+           several times higher; the easy task may still be solved, the diagnostics line shows the damage
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py \\
         --clip-eps 100 --update-epochs 40 --lr 0.01
         -> no clipping and 40 epochs per batch: clip fraction 0, approx-KL in whole nats, an evaluation return that
