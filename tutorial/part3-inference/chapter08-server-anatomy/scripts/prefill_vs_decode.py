@@ -23,8 +23,8 @@ Runtime on 2 cores: about 12 s, 5 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
-        -> longer contexts: each sequence's KV cache is 3x bigger, so the kv_mib column and the per-sequence
-           cost grow, and tokens/s level off at a smaller batch
+        -> longer contexts: each sequence's KV cache is about 3x bigger, so the kv_mib column and the
+           per-sequence cost grow; watch whether tokens/s now level off at a smaller batch
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --batch-sizes 1 4 16 64 128
         -> past the batch sizes of the default run: see whether tokens/s keep falling once the KV cache and
            the activations outgrow the CPU's caches

@@ -15,6 +15,8 @@ What it shows
        dispatches ops. On a GPU the forward is an asynchronous launch, so the CPU work hides behind the GPU's
        execution, if there is any left once the launches are done: the GPU rows add the same pair of
        engines with CUDA graphs (EngineConfig.cuda_graph_sizes), where the launch is one replay.
+    3. FIGURE timeline.png (into --plot-dir): a few real decode steps of each engine at --timeline-batch
+       sequences, drawn from the engines' own stage timings on two lanes: the main thread and the forward.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -32,11 +34,12 @@ Try next
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.overlap import OverlapEngine
@@ -45,7 +48,7 @@ from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     num_requests: int = 12
     """Requests in the correctness run."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
@@ -60,6 +63,8 @@ class Settings(cli.Args):
     """torch intra-op threads (the worker thread's forward uses these)."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
+    timeline_batch: int = 8
+    """Sequences decoding in the timeline figure's steps."""
 
     def validate(self) -> None:
         if not 1 <= self.num_requests <= 64:
@@ -68,6 +73,8 @@ class Settings(cli.Args):
             raise cli.UsageError("--batch-sizes must be in 1..128")
         if not 2 <= self.prompt_len <= 150 or not 2 <= self.steps <= 60 or not 1 <= self.rounds <= 20:
             raise cli.UsageError("--prompt-len must be in 2..150, --steps in 2..60, --rounds in 1..20")
+        if not 1 <= self.timeline_batch <= 128:
+            raise cli.UsageError("--timeline-batch must be in 1..128")
         if self.threads < 1:
             raise cli.UsageError("--threads must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -142,6 +149,58 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
 # --8<-- [end:timing]
 
 
+def record_timeline(model, args: Settings, device: str, steps: int = 4) -> dict[str, list[tuple[float, dict]]]:
+    """A few decode steps of each engine: (start of the step in ms from the first, the step's stage timings)."""
+    out = {}
+    for name, cls in (("plain", Engine), ("overlap", OverlapEngine)):
+        engine = decode_engine(model, args.timeline_batch, args.prompt_len, steps + 4, device, engine_cls=cls)
+        engine.step()  # warm-up; an OverlapEngine's pipeline is full afterwards
+        rows, t_first = [], None
+        with bench.steady_timing():
+            for _ in range(steps):
+                t = time.perf_counter()
+                t_first = t if t_first is None else t_first
+                engine.step()
+                rows.append(((t - t_first) * 1e3, dict(engine.last_step_timing)))
+        if isinstance(engine, OverlapEngine):
+            engine.close()
+        out[name] = rows
+    return out
+
+
+def draw_timeline(tl: dict, args: Settings) -> None:
+    """Two lanes per engine: the main thread (schedule+prepare, sample+commit) and the forward."""
+    from matplotlib.patches import Patch
+
+    plt = plot.pyplot()
+    colours = {"schedule + prepare": "C0", "forward": "C1", "sample + detokenize": "C2", "waiting": "0.85"}
+    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    for ax, (name, rows) in zip(axes, tl.items()):
+        for start, t in rows:
+            ms = {k: v * 1e3 for k, v in t.items() if isinstance(v, float)}
+            if name == "plain":  # everything in line on one thread
+                sp = ms["schedule"] + ms["prepare"]
+                ax.broken_barh([(start, sp)], (1, 0.8), color=colours["schedule + prepare"])
+                ax.broken_barh([(start + sp, ms["forward"])], (0, 0.8), color=colours["forward"])
+                ax.broken_barh([(start + sp + ms["forward"], ms["sample"] + ms["detokenize"])], (1, 0.8),
+                               color=colours["sample + detokenize"])
+            else:  # launch, then step N+1's CPU work while N's forward runs in the worker
+                s0 = start + ms["launch"]
+                fwd_end = s0 + ms["overlapped"] + ms["forward"]
+                ax.broken_barh([(s0, fwd_end - s0)], (0, 0.8), color=colours["forward"])
+                ax.broken_barh([(s0, ms["overlapped"])], (1, 0.8), color=colours["schedule + prepare"])
+                ax.broken_barh([(s0 + ms["overlapped"], ms["forward"])], (1, 0.8), color=colours["waiting"])
+                ax.broken_barh([(fwd_end, ms["sample"] + ms["detokenize"])], (1, 0.8),
+                               color=colours["sample + detokenize"])
+        ax.set_yticks([0.4, 1.4], ["forward", "main thread"])
+        ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding", fontsize=10)
+    axes[1].set_xlabel("time (ms) from the first step's start")
+    axes[0].legend(handles=[Patch(color=c, label=n) for n, c in colours.items()], fontsize=8, ncol=4,
+                   loc="lower right", bbox_to_anchor=(1.0, 1.15))
+    fig.tight_layout()
+    plot.save(fig, args, "timeline")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"num_requests": 6, "batch_sizes": [1, 16], "steps": 6, "rounds": 1})
     torch.manual_seed(args.seed)
@@ -159,6 +218,7 @@ def main() -> int:
     print(f"   {bench.load_average()}")
     print("   saved: plain - overlap per step; at most the plain engine's sched+prep, the CPU work that can hide behind"
           " the forward (overlap sched+prep: the same work, done while the forward ran)")
+    draw_timeline(record_timeline(model, args, device), args)
     if args.json:
         report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
                                       "load_average": bench.load_average()}, args)

@@ -12,7 +12,8 @@ What it shows
     3. The cost of the mask per token: one row lookup in the precomputed token tables against trying every
        token on the NFA (what an interpreting parser does), next to the model's own forward time. Both give the
        same mask (checked on every state the decodes visit).
-    4. A figure: valid share against the budget, with and without the mask.
+    4. Figures: valid share against the budget, with and without the mask (validity_vs_budget.png); the mask
+       itself along two real masked outputs, at the tightest budget and at the largest (mask.png).
 
 How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py
@@ -187,6 +188,35 @@ def draw(rows: list[dict], args: Settings) -> None:
     plot.save(fig, args, "validity_vs_budget")
 
 
+def draw_masks(fsm: SchemaFSM, outputs: list[tuple[int, str]], args: Settings) -> list[dict]:
+    """The mask at every position of real outputs: vocabulary (rows) x position (columns); light = allowed,
+    dark = the character the model chose. Returns, per output, how many positions allowed one token only."""
+    plt = plot.pyplot()
+    from matplotlib.colors import ListedColormap
+
+    tok = fsm.tok
+    fig, axes = plt.subplots(len(outputs), 1, figsize=(13, 3.6 * len(outputs)))
+    forced = []
+    for ax, (budget, text) in zip(axes, outputs):
+        ids = tok.encode(text) + [tok.eos_id]
+        grid = torch.zeros(tok.vocab_size, len(ids))
+        for i, chosen in enumerate(ids):
+            grid[:, i] = fsm.mask(fsm.walk(text[:i]), budget - i).float()
+            grid[chosen, i] = 2
+        forced.append({"budget": budget, "positions": len(ids), "one_choice": int(((grid > 0).sum(0) == 1).sum())})
+        ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(["white", "#9ecae1", "#08306b"]))
+        ax.set_xticks(range(len(ids)), [c if c != " " else "\u2423" for c in text] + ["$"], fontsize=7,
+                      family="monospace")
+        ax.set_yticks(range(tok.vocab_size), [t if len(t) == 1 else t.strip("<>")[:3] for t in tok.itos], fontsize=5,
+                      family="monospace")
+        ax.grid(False)
+        ax.set(ylabel="next token", title=f"budget {budget}: {forced[-1]['one_choice']} of {len(ids)} positions "
+                                          "allow exactly one token (light: allowed, dark: chosen; $ = <eos>)")
+    fig.tight_layout()
+    plot.save(fig, args, "mask")
+    return forced
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"num_samples": 2})
     torch.manual_seed(args.seed)
@@ -210,6 +240,7 @@ def main() -> int:
           "(every masked output parsed and validated: checked)")
     print("   " + report.table(rows, floatfmt=".0f").replace("\n", "\n   "))
     print(f"   at the tightest budget ({lo}): {examples[0]}\n   at {budgets[-1]}: {examples[-1]}")
+    forced = draw_masks(fsm, [(lo, examples[0]), (budgets[-1], examples[-1])], args)
     extra = {}
     for name, schema, budgets2 in (("any JSON", {}, [1, 2, 12, 40]), ("other schema", OTHER_SCHEMA, [None, 60])):
         other = SchemaFSM(schema)
@@ -231,6 +262,7 @@ def main() -> int:
     if args.json:
         results = {"nfa_states": len(fsm.nfa.edges), "dfa_states": len(fsm.trans), "min_length": fsm.min_length,
                    "rows": rows, "examples": examples, "other": extra, "mask_cost": cost,
+                   "forced": forced,
                    "load_average": bench.load_average()}
         report.write_json(args.json, results, args)
     return 0
