@@ -21,7 +21,7 @@ Runtime on 2 cores: about 2 s (importing torch dominates), the same with --smoke
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config path/to/config.json
-        -> your own model: download its config.json from its Hugging Face page (Llama, Mistral, Qwen2-style
+        -> your own model: download its config.json from its Hugging Face page (Llama- or Mistral-style
            decoders); the row shows its KiB per token and how many requests fit
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --dtype fp8
         -> an 8-bit cache and 8-bit weights: half the bytes per token, and Llama-3-70B now fits on one GPU
@@ -84,8 +84,9 @@ class Settings(cli.Args):
 
 
 def shape_from_hf_config(path: str) -> kvm.ModelShape:
-    """A ModelShape from a Hugging Face config.json (Llama, Mistral, Qwen2 and similar decoders). The parameter
-    count is rebuilt from the shape (kvm.llama_num_params: untied embeddings, gated MLP, no biases)."""
+    """A ModelShape from a Hugging Face config.json (Llama, Mistral and similar decoders). The KV
+    shape is exact; the parameter count is rebuilt from the shape (kvm.llama_num_params: untied embeddings, gated
+    MLP, no biases), so for other layouts (tied embeddings, biases) the weights are approximate."""
     try:
         with open(path) as f:
             c = json.load(f)
