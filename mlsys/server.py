@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import queue
 import sys
 import threading
@@ -56,6 +57,7 @@ from mlsys.engine.tokenizer import encode_prompt
 DEFAULT_MODEL_NAME = "mlsys-small"
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused before it is parsed (413)
+BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is refused (408): a half-sent body holds nothing
 GENERATION_FAILED = "the server failed while generating this request; other requests were not affected"
 
 
@@ -236,6 +238,7 @@ class AsyncEngine:
         self.num_received = 0  # requests handed to the engine thread
         self.num_aborted = 0  # requests whose client went away before they finished
         self.num_failed = 0  # requests ended by an error inside the engine
+        self.num_finished = 0  # requests whose last output reached their handler
         self._snapshot: dict = engine.stats()  # replaced (never mutated) by the engine thread after every step
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: Exception | None = None  # set if the engine thread itself failed
@@ -359,6 +362,7 @@ class AsyncEngine:
                     self.num_failed += 1
                     raise out
                 finished = out.finished
+                self.num_finished += finished
                 yield out
         finally:  # runs on normal exit, on an exception, and when the client's task is cancelled
             self.queues.pop(request_id, None)
@@ -369,11 +373,12 @@ class AsyncEngine:
 
 
 # ================================================================================================ the app
-def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine).
 
     With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401
-    otherwise); /health stays open for load balancers."""
+    otherwise); /health stays open for load balancers. A body that stalls for `body_timeout` s gets a 408."""
     front = AsyncEngine(engine)
 
     def check_key(request: Request) -> None:
@@ -427,7 +432,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request)
-        req = parse_completion_request(await read_body(request), engine, model_name)
+        req = parse_completion_request(await read_body(request, timeout=body_timeout), engine, model_name)
         front.check_alive()  # before a stream starts: its status line must say 503
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
@@ -449,14 +454,23 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     return app
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float = BODY_TIMEOUT_S) -> bytes:
     """The request body, refused (413) as soon as it is known to exceed `limit`: from Content-Length before
-    reading anything, or while it streams in (a chunked body has no length up front)."""
+    reading anything, or while it streams in (a chunked body has no length up front). A client that stops
+    sending for `timeout` seconds mid-body gets a 408, so a half-sent body cannot hold a handler (or shutdown)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise RequestError(f"request body not received within {timeout:g} s", status=408,
+                               code="request_timeout") from None
         size += len(chunk)
         if size > limit:
             raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
@@ -506,19 +520,40 @@ async def _collect(outputs: AsyncIterator[RequestOutput], request: Request) -> R
 
 
 # ============================================================================= a server in a thread
+class _CutCounter(logging.Filter):
+    """Counts the tasks uvicorn cancels at the end of a graceful shutdown and drops its log lines about them
+    (one traceback per cut request otherwise): ServerThread.stop reports the count instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel %s running task"):
+            self.cut += int(record.args[0])
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
 class ServerThread:
     """uvicorn serving `app` from a background thread: for tests, scripts and notebooks.
 
     `port=0` asks the OS for a free port; `.port` and `.url` tell which one it got once `start()` returns.
+    `stop()` drains: the socket stops accepting, requests in flight run to their end for up to `grace_seconds`,
+    then whatever is left is cut (its task cancelled, its request aborted, its KV blocks freed).
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 grace_seconds: float = 10.0) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=max(grace_seconds, 1e-3))  # uvicorn reads 0 as "no limit"
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-        self.host, self.port = host, port
+        self.host, self.port, self.grace_seconds = host, port, grace_seconds
+        self.front: AsyncEngine | None = getattr(getattr(app, "state", None), "async_engine", None)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
@@ -530,11 +565,31 @@ class ServerThread:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
+    def stop(self, timeout: float | None = None) -> dict[str, int]:
+        """Drain and stop; returns {"in_flight", "drained", "cut"}: HTTP requests being handled when stop began
+        (streams, plain completions, bodies still arriving), how many ended by themselves, how many were cut at
+        the grace period (or by `force()`). uvicorn's per-task traceback for a cut is replaced by that count."""
+        in_flight = len(self.server.server_state.tasks)
+        cuts = _CutCounter()
+        log = logging.getLogger("uvicorn.error")
+        log.addFilter(cuts)
+        try:
+            self.server.should_exit = True
+            self.thread.join(timeout if timeout is not None else self.grace_seconds + 30.0)
+        finally:
+            log.removeFilter(cuts)
         if self.thread.is_alive():
             raise RuntimeError("the server thread did not stop")
+        return {"in_flight": in_flight, "drained": max(in_flight - cuts.cut, 0), "cut": cuts.cut}
+
+    def force(self) -> None:
+        """Stop draining now (a second Ctrl-C): cut every request still in flight, as the grace period would."""
+        loop = self.front._loop if self.front is not None else None
+        if loop is None:
+            self.server.force_exit = True
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has already closed: nothing left to cut
+            loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self.server.server_state.tasks)])
 
     @property
     def url(self) -> str:

@@ -7,12 +7,21 @@
   random JSON built from the API's field names and extreme values, and random bytes. Every answer below 500
   carries OpenAI's error shape.
 - An API key, when set, is checked the way OpenAI clients send it (Authorization: Bearer).
+- Shutdown: a body that stops arriving gets a 408 and cannot hold a shutdown; serve.py under SIGTERM drains the
+  stream in flight and exits 0, under SIGINT with no grace cuts it and exits 130, with no traceback either way,
+  and says what it drained and cut. Off loopback it warns; with --api-key it answers only keyed clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -20,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import scripts_dir
 from mlsys.data import make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.server import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, ServerThread, create_app
@@ -210,3 +220,93 @@ def test_api_key_is_checked_as_openai_clients_send_it(tiny_model):
         r = httpx.get(f"{server.url}/v1/models", timeout=10)  # no header at all
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # health stays open
+
+
+# ---------------------------------------------------------------------------------------------------- shutdown
+def stalled_body(url: str) -> socket.socket:
+    """A client that sends its headers and half its body, then nothing."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 500\r\n\r\n{\"model\": ")
+    return sock
+
+
+@pytest.mark.timeout(60)
+def test_a_half_sent_body_gets_a_408_and_cannot_hold_shutdown(tiny_model):
+    engine = Engine(tiny_model)
+    with ServerThread(create_app(engine, body_timeout=0.5), port=0) as server:
+        sock = stalled_body(server.url)
+        sock.settimeout(30)
+        answer = sock.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer[:200]
+        assert '"request_timeout"' in answer
+        sock.close()
+    server = ServerThread(create_app(Engine(tiny_model)), port=0, grace_seconds=0.5).start()  # 30 s body timeout
+    sock = stalled_body(server.url)
+    t0 = time.monotonic()
+    while not server.server.server_state.tasks:  # the server has the request and waits for its body
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.01)  # waiting for the server thread to accept, not standing in for work
+    drain = server.stop()
+    assert drain == {"in_flight": 1, "drained": 0, "cut": 1}
+    sock.close()
+
+
+def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, str(scripts_dir(8) / "serve.py"), "--forever", "--max-tokens", "8",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "until Ctrl-C or SIGTERM" in line:  # printed once the signal handlers are in place
+            return proc, re.search(r"http://\S+", line).group(0)
+    proc.kill()
+    raise AssertionError(f"serve.py did not start: {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, grace, code", [(signal.SIGTERM, "10", 0), (signal.SIGINT, "0", 130)],
+                         ids=["sigterm-drains", "sigint-cuts-at-grace"])
+def test_serve_drains_or_cuts_on_a_signal_then_exits_without_a_traceback(sig, grace, code):
+    proc, url = start_serve("--grace-seconds", grace)
+    events, error = [], None
+    try:
+        body = {"model": MODEL, "prompt": "{", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 1:
+                    proc.send_signal(sig)  # the stream is in flight
+    except httpx.HTTPError as err:
+        error = err
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and "Traceback" not in out, err[-2000:]
+    assert f"{signal.Signals(sig).name}: not accepting new connections" in out
+    assert "0 KV blocks in use" in out
+    if sig == signal.SIGTERM:  # 10 s is plenty for one stream: it ends with [DONE]
+        assert error is None and events[-1] == "data: [DONE]"
+        assert "drained 1 of 1 request(s) in flight, cut 0" in out
+    else:  # no grace: the stream is cut before its end
+        assert error is not None or events[-1] != "data: [DONE]"
+        assert "drained 0 of 1 request(s) in flight, cut 1" in out
+
+
+@pytest.mark.timeout(120)
+def test_serve_warns_off_loopback_and_uses_its_api_key(tmp_path):
+    done = subprocess.run([sys.executable, str(scripts_dir(8) / "serve.py"), "--smoke", "--host", "0.0.0.0",
+                           "--api-key", "sekrit", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warning: --host 0.0.0.0 accepts connections from other machines" in done.stderr
+    assert "--api-key" not in done.stderr  # the key is set: no advice to set one
+    proc, url = start_serve("--api-key", "sekrit")
+    try:
+        plain = httpx.get(f"{url}/v1/models")
+        assert plain.status_code == 401 and plain.json()["error"]["code"] == "invalid_api_key"
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)
+        assert keyed.models.list().data[0].id == MODEL
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

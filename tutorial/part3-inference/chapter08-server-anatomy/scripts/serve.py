@@ -18,6 +18,13 @@ How to run
                print(c.completions.create(model='mlsys-small', prompt='{', max_tokens=40).choices[0].text)"
     --port 0 (the default) asks the OS for a free port and prints it. --smoke: one request, then exit.
 
+Stopping: Ctrl-C (SIGINT) or SIGTERM (what `kill`, systemd and Kubernetes send) stop accepting connections, let
+the requests in flight finish for up to --grace-seconds, cut the rest, print what was drained and what was cut,
+and exit (130 after Ctrl-C, 0 after SIGTERM). A second signal cuts at once. A client that stops sending half-way
+through its body gets a 408 after 30 s, so it cannot hold the shutdown either.
+Exposed: --host 0.0.0.0 lets other machines in and prints a warning; add --api-key KEY so that only clients that
+send `Authorization: Bearer KEY` (the openai client's api_key) get an answer.
+
 Runtime on 2 cores: about 4 s (start-up, four requests, shutdown), 3 s with --smoke.
 
 Try next
@@ -34,7 +41,9 @@ Try next
 from __future__ import annotations
 
 import json
-import time
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 
 import httpx
@@ -62,6 +71,10 @@ class Settings(cli.Args):
     """Tokens each demo request asks for."""
     threads: int = 1
     """torch intra-op threads. 1: the tiny model's matrices are too small to split, extra threads only wait."""
+    api_key: str = ""
+    """If set, /v1 routes answer only requests with `Authorization: Bearer <key>` (empty: no key)."""
+    grace_seconds: float = 10.0
+    """On Ctrl-C or SIGTERM, how long requests in flight may run on before they are cut."""
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -72,17 +85,23 @@ class Settings(cli.Args):
             raise cli.UsageError("--max-num-seqs and --threads must be at least 1")
         if not 1 <= self.max_tokens <= 200:
             raise cli.UsageError(f"--max-tokens must lie in 1..200, got {self.max_tokens}")
+        if not 0 <= self.grace_seconds <= 3600:
+            raise cli.UsageError(f"--grace-seconds must lie in 0..3600, got {self.grace_seconds}")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 PROMPT = '{"name": "grace", '
 
 
 # --8<-- [start:client]
-def demo(base: str, max_tokens: int, smoke: bool) -> dict:
+def demo(base: str, max_tokens: int, smoke: bool, api_key: str = "") -> dict:
     """Real requests over HTTP (the smoke run sends only the first); returns what came back."""
     import openai
 
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="not-needed")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key or "not-needed")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     plain = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens,
                                        temperature=0)
     print(f"POST /v1/completions (stream=false) ->\n{json.dumps(plain.model_dump(exclude_none=True), indent=1)}\n")
@@ -90,12 +109,12 @@ def demo(base: str, max_tokens: int, smoke: bool) -> dict:
     if smoke:
         return result
     print("GET /health ->", httpx.get(f"{base}/health").json())
-    print("GET /v1/models ->", httpx.get(f"{base}/v1/models").json()["data"], "\n")
+    print("GET /v1/models ->", httpx.get(f"{base}/v1/models", headers=headers).json()["data"], "\n")
     body = {"model": DEFAULT_MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "stream": True}
     streamed, lines = [], []
     print("POST /v1/completions (stream=true) -> Server-Sent Events:")
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=60) as response:
         for line in response.iter_lines():
             if line:  # a blank line ends each event
                 lines.append(line)
@@ -103,37 +122,78 @@ def demo(base: str, max_tokens: int, smoke: bool) -> dict:
                 streamed.append(json.loads(line[6:])["choices"][0]["text"])
     print(f"  {lines[0]}\n  ... {len(lines) - 3} more, one per step, with texts {streamed[1:9]} ...\n"
           f"  {lines[-2]}\n  {lines[-1]}")
-    bad = httpx.post(f"{base}/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "", "max_tokens": 5})
+    bad = httpx.post(f"{base}/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "", "max_tokens": 5},
+                     headers=headers)
     print(f"\nPOST with an empty prompt -> {bad.status_code} {bad.json()['error']['message']!r}")
     return {**result, "stream_text": "".join(streamed), "stream_events": len(lines), "bad_status": bad.status_code}
 # --8<-- [end:client]
 
 
-def main() -> None:
+class StopSignals:
+    """While serving: the first SIGINT or SIGTERM asks for a drain, a second one cuts what is left."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the first signal's number
+        self.event = threading.Event()
+        self.server: ServerThread | None = None
+
+    def __enter__(self) -> StopSignals:
+        self.saved = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+            print(f"\n{signal.Signals(signum).name}: not accepting new connections; letting requests in flight "
+                  f"finish (a second Ctrl-C cuts them)", flush=True)
+            self.event.set()
+        elif self.server is not None:
+            print(f"{signal.Signals(signum).name} again: cutting the requests still in flight", flush=True)
+            self.server.force()
+
+
+def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"port": 0, "serve_seconds": 0.0, "forever": False, "max_tokens": 8})
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    if args.host not in LOOPBACK:
+        print(f"warning: --host {args.host} accepts connections from other machines: anyone who reaches this port "
+              f"can use the model{'' if args.api_key else ' (add --api-key KEY to require a key)'}", file=sys.stderr)
     model = load_pretrained("small")
     engine = Engine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs))
     # the oracle, no HTTP: the engine's own greedy output
     expected = Engine(model).generate([PROMPT], SamplingParams(max_tokens=args.max_tokens))[0].text
-    server = ServerThread(create_app(engine), host=args.host, port=args.port).start()
+    app = create_app(engine, api_key=args.api_key or None)
+    server = ServerThread(app, host=args.host, port=args.port, grace_seconds=args.grace_seconds).start()
+    signals = StopSignals()
+    signals.server = server
     try:
         print(f"serving {DEFAULT_MODEL_NAME} on {server.url} (OpenAI base_url {server.url}/v1)\n")
-        result = demo(server.url, args.max_tokens, args.smoke)
+        result = demo(server.url, args.max_tokens, args.smoke, args.api_key)
         report.expect_equal("text of stream=false vs the engine", result["plain_text"], expected)
         if "stream_text" in result:
             report.expect_equal("text of stream=true vs the engine", result["stream_text"], expected)
             report.expect_equal("status of a bad request", result["bad_status"], 400)
         print("\nself-check: the answers over HTTP equal the engine's greedy output")
         if args.forever or args.serve_seconds > 0:
-            until = "Ctrl-C" if args.forever else f"{args.serve_seconds:g} s"
-            print(f"serving on {server.url} until {until}", flush=True)
-            deadline = float("inf") if args.forever else time.monotonic() + args.serve_seconds
-            while time.monotonic() < deadline and server.thread.is_alive():
-                time.sleep(0.2)  # the server thread does the work; this one only waits for the deadline
-    finally:
-        server.stop()
+            until = "Ctrl-C or SIGTERM" if args.forever else f"{args.serve_seconds:g} s"
+            with signals:  # the main thread only waits: the server thread does the work
+                print(f"serving on {server.url} until {until}", flush=True)
+                signals.event.wait(None if args.forever else args.serve_seconds)
+                drain = server.stop()
+        else:
+            drain = server.stop()
+    except BaseException:
+        if server.thread.is_alive():  # an error in the demo: stop without waiting for anyone
+            server.force()
+            server.stop()
+        raise
+    print(f"drained {drain['drained']} of {drain['in_flight']} request(s) in flight, cut {drain['cut']} "
+          f"(grace period {args.grace_seconds:g} s)")
     stats = engine.stats()
     print(f"shut down cleanly: {stats['num_steps']} engine steps, {stats['num_generated_tokens']} tokens generated, "
           f"{stats['num_used_blocks']} KV blocks in use")
@@ -141,7 +201,8 @@ def main() -> None:
     engine.check_invariants()
     if args.json:
         report.write_json(args.json, {**result, "expected_text": expected, "port": server.port,
-                                      "engine_steps": stats["num_steps"]}, args)
+                                      "engine_steps": stats["num_steps"], "shutdown": drain}, args)
+    return 130 if signals.received == signal.SIGINT else 0
 
 
 if __name__ == "__main__":
