@@ -26,8 +26,10 @@ by its pipe's EOF and its exit code. The job stops when:
   message gives the rank's traceback, or its exit code or signal ("killed by SIGSEGV"; a segfault also prints the
   rank's Python stack, from faulthandler), and which ranks failed after it.
 - a rank straggles: once any rank has returned from the worker, the others have --timeout seconds to do the same;
-  a rank still running then ends the job with a one-line reason naming it. (A rank stuck in a collective fails on
-  its own, at the collective's timeout.)
+  a rank still running then ends the job with a one-line reason naming it.
+- a rank makes no collective progress: the process group's timeout is --timeout, so ranks waiting in a collective
+  for a rank that never joins it fail after --timeout ("Timed out waiting ..." on gloo). When every failure is such
+  a timeout, the ranks still running without a report are the ones the others waited for, and they are named.
 
 In every case the other ranks are terminated within a few seconds (they may be blocked inside a collective waiting
 for the dead rank) and the parent raises `JobFailed`, which `cli.run` turns into a non-zero exit. Children ask the
@@ -204,7 +206,8 @@ def _report(rank: int, err: BaseException) -> tuple[str, str, float]:
         return "selfcheck", f"self-check failed on rank {rank}: {err}", time.time()
     if isinstance(err, UsageError):
         return "usage", f"rank {rank}: error: {err}", time.time()
-    return "error", f"rank {rank} failed:\n{traceback.format_exc()}", time.time()
+    kind = "timeout" if "Timed out" in str(err) or "timed out" in str(err) else "error"  # gloo's and the store's
+    return kind, f"rank {rank} failed:\n{traceback.format_exc()}", time.time()
 
 
 def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
@@ -324,6 +327,9 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
             seen.exitcode = proc.exitcode
     if stragglers:
         raise _straggler_failure(stragglers, ranks, opts.timeout)
+    stuck = _stuck(ranks)
+    if stuck:
+        raise _stuck_failure(stuck, ranks, opts.timeout)
     failed = _blame(ranks)
     if failed is not None:
         raise _failure(failed, ranks)
@@ -421,6 +427,24 @@ def _blame(seen: list[_Seen]) -> int | None:
         if first_report is None or not reports[first_report] < last_alive - DEATH_SLACK_S:
             return first_silent
     return first_report
+
+
+def _stuck(seen: list[_Seen]) -> list[int]:
+    """Ranks that made no collective progress: every failure is a collective timing out, and these ranks, with no
+    report, were still running when the parent stopped listening. They never joined the collective the others
+    waited in (a loop, a deadlock, a slow rank), so they, not the ranks that timed out, are to blame."""
+    failed = [s for s in seen if s.reported_error or s.died_silently]
+    if not failed or any(s.died_silently or s.message[0] != "timeout" for s in failed):  # type: ignore[index]
+        return []
+    return [r for r, s in enumerate(seen) if s.message is None and s.gone is None]
+
+
+def _stuck_failure(stuck: list[int], seen: list[_Seen], timeout: float) -> JobFailed:
+    waited = ", ".join(str(r) for r, s in enumerate(seen) if s.reported_error)
+    ranks = ", ".join(map(str, stuck))
+    return JobFailed(stuck[0], f"job stopped: rank(s) {ranks} made no collective progress: rank(s) {waited} timed "
+                     f"out after {timeout:g} s (--timeout) in a collective that rank(s) {ranks} never joined; "
+                     f"they were terminated", 1)
 
 
 def _how(exitcode: int | None) -> str:

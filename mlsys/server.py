@@ -554,6 +554,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.host, self.port, self.grace_seconds = host, port, grace_seconds
         self.front: AsyncEngine | None = getattr(getattr(app, "state", None), "async_engine", None)
+        self._forced = 0  # tasks force() cancelled
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
@@ -580,7 +581,8 @@ class ServerThread:
             log.removeFilter(cuts)
         if self.thread.is_alive():
             raise RuntimeError("the server thread did not stop")
-        return {"in_flight": in_flight, "drained": max(in_flight - cuts.cut, 0), "cut": cuts.cut}
+        cut = min(cuts.cut + self._forced, in_flight)  # a task force() cancelled is not cancelled twice
+        return {"in_flight": in_flight, "drained": in_flight - cut, "cut": cut}
 
     def force(self) -> None:
         """Stop draining now (a second Ctrl-C): cut every request still in flight, as the grace period would."""
@@ -588,8 +590,13 @@ class ServerThread:
         if loop is None:
             self.server.force_exit = True
             return
+
+        def cut_all() -> None:
+            for task in list(self.server.server_state.tasks):
+                self._forced += int(task.cancel())  # False for a task that has already ended
+
         with contextlib.suppress(RuntimeError):  # the loop has already closed: nothing left to cut
-            loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self.server.server_state.tasks)])
+            loop.call_soon_threadsafe(cut_all)
 
     @property
     def url(self) -> str:

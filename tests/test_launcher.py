@@ -159,10 +159,14 @@ def test_selfcheck_failure_exits_1_with_a_message() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_collective_timeout_fails_instead_of_hanging() -> None:
-    proc = run([JOB, "-w", "2", "--mode", "stall", "--timeout", "3"], timeout=100)  # a hang fails run() itself
-    assert proc.returncode == 1, proc.stderr
-    assert "rank 0 failed" in proc.stderr
+def test_no_collective_progress_names_the_rank_the_others_waited_for(tmp_path) -> None:
+    """Rank 1 never joins the all_reduce; ranks 0 and 2 time out in it after --timeout. Rank 1 is named, not them."""
+    proc = run([JOB, "-w", "3", "--mode", "stall", "--timeout", "3", "--pid-dir", tmp_path], timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("job stopped: rank(s) 1 made no collective progress: rank(s) 0, 2 timed out after 3 s (--timeout) in a "
+            "collective that rank(s) 1 never joined; they were terminated") in proc.stderr.splitlines(), \
+        proc.stderr[-3000:]
+    assert len(pids(tmp_path)) == 3 and wait_dead(pids(tmp_path)) == []
 
 
 @pytest.mark.timeout(120)

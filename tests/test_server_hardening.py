@@ -264,19 +264,22 @@ def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig, grace, code", [(signal.SIGTERM, "10", 0), (signal.SIGINT, "0", 130)],
-                         ids=["sigterm-drains", "sigint-cuts-at-grace"])
-def test_serve_drains_or_cuts_on_a_signal_then_exits_without_a_traceback(sig, grace, code):
+@pytest.mark.parametrize("sig, grace, code, twice", [(signal.SIGTERM, "10", 0, False), (signal.SIGINT, "0", 130, False),
+                                                     (signal.SIGINT, "60", 130, True)],
+                         ids=["sigterm-drains", "sigint-cuts-at-grace", "second-sigint-cuts-at-once"])
+def test_serve_drains_or_cuts_on_a_signal_then_exits_without_a_traceback(sig, grace, code, twice):
     proc, url = start_serve("--grace-seconds", grace)
     events, error = [], None
     try:
-        body = {"model": MODEL, "prompt": "{", "max_tokens": 200, "stream": True}
+        body = {"model": MODEL, "prompt": "{", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line:
                     events.append(line)
-                if len(events) == 1:
-                    proc.send_signal(sig)  # the stream is in flight
+                    if len(events) == 1:
+                        proc.send_signal(sig)  # with the stream in flight
+                    if twice and len(events) == 3:  # draining has begun: the second signal cuts
+                        proc.send_signal(sig)
     except httpx.HTTPError as err:
         error = err
     out, err = proc.communicate(timeout=60)
@@ -287,9 +290,10 @@ def test_serve_drains_or_cuts_on_a_signal_then_exits_without_a_traceback(sig, gr
     if sig == signal.SIGTERM:  # 10 s is plenty for one stream: it ends with [DONE]
         assert error is None and events[-1] == "data: [DONE]"
         assert "drained 1 of 1 request(s) in flight, cut 0" in out
-    else:  # no grace: the stream is cut before its end
+    else:  # no grace, or a second signal: the stream is cut before its end
         assert error is not None or events[-1] != "data: [DONE]"
         assert "drained 0 of 1 request(s) in flight, cut 1" in out
+        assert (f"{signal.Signals(sig).name} again: cutting" in out) == twice
 
 
 @pytest.mark.timeout(120)
