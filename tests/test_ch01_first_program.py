@@ -106,13 +106,39 @@ def test_verbose_traces_the_scripts_own_calls_only(tmp_path) -> None:
     assert "all_reduce(tensor[2]:float32, op=SUM)" in proc.stderr
 
 
-@pytest.mark.timeout(120)
-def test_bare_program_runs_under_torchrun_and_fails_without_it() -> None:
-    """The lesson's minimal init_process_group program: a sum of ranks under torchrun, a clear error without it."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = run([*torchrun, CH01 / "_bare_init.py"], timeout=110)
+def bare_spawn_reference(world_size: int, numel: int, seed: int) -> np.ndarray:
+    """The sum bare_spawn.py's all_reduce must give: each rank's seeded tensor, summed by numpy."""
+    import torch
+
+    per_rank = [torch.randn(numel, generator=torch.Generator().manual_seed(seed + r), dtype=torch.float64).numpy()
+                for r in range(world_size)]
+    return np.sum(per_rank, axis=0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 3, 5])
+def test_bare_spawn_all_reduce_matches_numpy(world_size: int, tmp_path) -> None:
+    """The book-free mp.spawn program: every rank reports, rank 0's sum equals numpy's."""
+    out = tmp_path / "r.json"
+    proc = run([CH01 / "bare_spawn.py", "-w", world_size, "--numel", 6, "--seed", 7, "--json", out], timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 of 2: all_reduce gave 1", "rank 1 of 2: all_reduce gave 1"]
-    alone = run([CH01 / "_bare_init.py"], timeout=60)
-    assert alone.returncode != 0 and "RANK expected, but not set" in alone.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert sorted(line.split(":")[0] for line in lines) == [f"rank {r} of {world_size}" for r in range(world_size)]
+    np.testing.assert_allclose(json.loads(out.read_text())["results"]["sum"],
+                               bare_spawn_reference(world_size, 6, 7), rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(180)
+def test_bare_spawn_runs_under_torchrun_and_reports_a_crashing_rank(tmp_path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = tmp_path / "r.json"
+    proc = run([*torchrun, CH01 / "bare_spawn.py", "--numel", 3, "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sum(line.startswith("rank ") and "of 2" in line for line in proc.stdout.splitlines()) == 2
+    np.testing.assert_allclose(json.loads(out.read_text())["results"]["sum"], bare_spawn_reference(2, 3, 0),
+                               rtol=0, atol=1e-12)
+    # mp.spawn passes on one failed process's traceback (not always the rank that crashed) and stops the rest
+    crash = run([CH01 / "bare_spawn.py", "-w", 3, "--crash-rank", 1], timeout=110)
+    assert crash.returncode == 1, crash.stderr[-3000:]
+    assert "a rank failed; the others were terminated" in crash.stderr
+    assert "terminated with the following error" in crash.stderr

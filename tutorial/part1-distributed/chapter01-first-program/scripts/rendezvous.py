@@ -24,7 +24,7 @@ Try next
         -> six tickets 1..6 per store, in an order that changes from run to run
     torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py
         -> the same protocol inside a torchrun job: the hand-built stores sit beside torchrun's
-    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/_bare_init.py
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py
         -> no launcher, no store by hand: the bare init_process_group program
 """
 

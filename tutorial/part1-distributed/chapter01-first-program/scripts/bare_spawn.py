@@ -1,0 +1,127 @@
+"""The whole distributed program with nothing from this book: torch.multiprocessing.spawn starts the ranks.
+
+This is the program most tutorials begin with, and the one to copy into a notebook or a workshop: it imports
+only torch and the standard library. It sets the rendezvous address itself, starts W processes with
+`torch.multiprocessing.spawn`, and in each one joins the process group, runs one all_reduce, checks it against a
+sum computed with no communication, and leaves the group. The book's launcher (mlsys.launch) does the same job;
+chapter 1's lesson shows what it adds on top and why.
+
+    python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 4
+    torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py
+    python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 1
+
+Under torchrun the script does not spawn: torchrun has already started one copy per rank and set RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so each copy runs the worker directly.
+Exit codes: 0 the all_reduce matched, 1 a rank failed or the check failed, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+# --8<-- [start:worker]
+def rank_tensor(rank: int, numel: int, seed: int) -> torch.Tensor:
+    """What rank `rank` contributes: random numbers from its own seed, so any process can recompute them."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed + rank), dtype=torch.float64)
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """One rank. mp.spawn calls worker(i, *args) with i = 0..W-1 in W fresh processes."""
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # set by torchrun; with spawn, one machine: = rank
+    device = torch.device(f"cuda:{local_rank}" if args.backend == "nccl" else "cpu")
+    if args.backend == "nccl":
+        torch.cuda.set_device(device)
+    # env:// rendezvous: MASTER_ADDR and MASTER_PORT come from the environment, rank and size from the call
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size)
+    try:
+        if rank == args.crash_rank:
+            raise RuntimeError(f"rank {rank} crashes on purpose (--crash-rank)")
+        x = rank_tensor(rank, args.numel, args.seed).to(device)
+        dist.all_reduce(x)  # in place: every rank now holds the element-wise sum over all ranks
+        # the check: the same sum computed here, with no communication, from every rank's seed
+        expected = sum(rank_tensor(r, args.numel, args.seed) for r in range(world_size))
+        err = (x.cpu() - expected).abs().max().item()
+        # one write per line: print's separate writes of text and newline can interleave between processes
+        sys.stdout.write(f"rank {rank} of {world_size}: all_reduce sum[:2] = "
+                         f"[{x[0].item():.4f}, {x[1 % args.numel].item():.4f}], max error vs local sum {err:.1e}\n")
+        sys.stdout.flush()
+        if err > 1e-9 * world_size:
+            raise RuntimeError(f"rank {rank}: all_reduce differs from the local sum by {err:.3g}")
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"settings": vars(args) | {"world_size": world_size},
+                           "results": {"sum": x.cpu().tolist(), "max_error": err}}, f, indent=1)
+    finally:
+        dist.destroy_process_group()  # leave the group, error or not
+# --8<-- [end:worker]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-w", "--world-size", type=int, default=4, help="number of ranks to spawn (default 4)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="auto: nccl with one GPU per rank, else gloo")
+    parser.add_argument("--numel", type=int, default=8, help="elements per rank's tensor (default 8)")
+    parser.add_argument("--crash-rank", type=int, default=-1, help="this rank raises after joining the group")
+    parser.add_argument("--seed", type=int, default=0, help="seed of rank 0's tensor; rank r uses seed + r")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: 2 ranks, 4 elements")
+    parser.add_argument("--json", default="", help="rank 0 writes its settings and results here")
+
+    def usage_error(message: str) -> None:  # one line and exit code 2, like every script in the book
+        print(f"{os.path.basename(sys.argv[0])}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = usage_error
+    args = parser.parse_args()
+    if args.smoke:  # the smoke preset changes the defaults; flags given explicitly still win
+        parser.set_defaults(world_size=2, numel=4)
+        args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    if args.backend == "auto":
+        args.backend = "nccl" if gpus >= args.world_size and dist.is_nccl_available() else "gloo"
+    if args.world_size < 1 or args.numel < 1:
+        usage_error(f"-w and --numel must be >= 1, got {args.world_size} and {args.numel}")
+    if args.backend == "nccl" and gpus < int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)):
+        usage_error(f"--backend nccl needs one GPU per rank; this machine has {gpus}")
+    return args
+
+
+# --8<-- [start:main]
+def free_port() -> int:
+    """A port the OS says is free now. It is closed again before rank 0 binds it, so another program can take it
+    in between: the race the book's launcher avoids by binding the store itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    args = parse_args()
+    if "RANK" in os.environ:  # torchrun started this copy and set the rendezvous: just be one rank
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return 0
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the children inherit the environment
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    try:
+        mp.spawn(worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    except mp.ProcessRaisedException as err:  # a rank raised: spawn stopped the others and passes its traceback
+        print(f"a rank failed; the others were terminated.\n{err}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as err:  # a rank died without a Python exception (a signal, os._exit)
+        print(f"a rank died: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # required: spawn re-imports this file in every child
+    sys.exit(main())
+# --8<-- [end:main]
