@@ -172,3 +172,62 @@ def test_ring_script_counts_the_formula_bytes(tmp_path) -> None:
     big = res["lengths"][-1]
     assert big["ring_bytes_sent_max"] == big["formula_bytes_sent"] == 2 * 2 * 13107 * 4 // 3
     assert "reduce-scatter step 1: sent chunk" in proc.stdout and "all-gather     step 1" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------ async handles, subgroups
+def async_worker(ctx, numel: int) -> dict:
+    mod = load_script(CH03 / "async_ops.py")
+    gen = torch.Generator().manual_seed(ctx.rank)
+    x, mats = torch.randn(numel, generator=gen), [torch.randn(16, 16, generator=gen) for _ in range(2)]
+    a, b = x.clone(), x.clone()
+    mod.overlapped(a, mats)
+    mod.sequential(b, mats)
+    return {"overlapped": a.tolist(), "sequential": b.tolist(), "demo": mod.handle_demo(ctx)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_all_reduce_after_wait_is_the_numpy_sum(world_size: int) -> None:
+    from mlsys.launch import launch
+
+    results = launch(async_worker, 1000, world_size=world_size, backend="gloo", timeout=60)
+    inputs = np.stack([torch.randn(1000, generator=torch.Generator().manual_seed(r)).numpy()
+                       for r in range(world_size)]).astype(np.float64)
+    np.testing.assert_allclose(results["overlapped"], inputs.sum(0), rtol=1e-5, atol=1e-5)
+    assert results["overlapped"] == results["sequential"]  # bit for bit: the same collective, only timed apart
+    assert results["demo"]["completed_after_wait"] is True
+
+
+def groups_worker(ctx, R: int, C: int) -> list[dict]:
+    import torch.distributed as dist
+
+    mod = load_script(CH03 / "subgroups.py")
+    rows, cols = mod.make_groups(R, C)
+    i, j = divmod(ctx.rank, C)
+    x = torch.tensor([float(ctx.rank), float(ctx.rank) ** 2])
+    out = {k: v.tolist() for k, v in mod.in_groups(x, rows[i], cols[j], C).items()}
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, out)
+    return gathered
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("R, C", [(2, 2), (2, 3), (3, 2)])
+def test_row_and_column_groups_against_numpy(R: int, C: int) -> None:
+    """Rank g at (i, j) = divmod(g, C) holds [g, g^2]: its row's sum, its column's vectors, the column's top."""
+    from mlsys.launch import launch
+
+    per_rank = launch(groups_worker, R, C, world_size=R * C, backend="gloo", timeout=60)
+    g = np.arange(R * C, dtype=np.float64)
+    grid = np.stack([g, g ** 2], axis=-1).reshape(R, C, 2)
+    for rank, got in enumerate(per_rank):
+        i, j = divmod(rank, C)
+        np.testing.assert_array_equal(got["row_sum"], grid[i].sum(0))
+        np.testing.assert_array_equal(got["col_gather"], grid[:, j])
+        np.testing.assert_array_equal(got["col_top"], grid[0, j])
+
+
+@pytest.mark.timeout(60)
+def test_subgroups_refuses_a_grid_that_does_not_fit() -> None:
+    proc = run([CH03 / "subgroups.py", "-w", 6, "--rows", 4])
+    assert proc.returncode == 2 and "--rows must divide the world size 6" in proc.stderr
