@@ -123,3 +123,24 @@ def test_ring_where_every_rank_sends_first_deadlocks_and_the_fixes_do_not(tmp_pa
         assert all(info["from_rank"] == (rank - 1) % 3 for info in held["fixed"].values())
     odd_pairs = run([CH02 / "deadlock.py", "-w", 3])
     assert odd_pairs.returncode == 2 and "--ring" in odd_pairs.stderr
+
+
+# ----------------------------------------------------------------------------------------------- debugging
+@pytest.mark.timeout(120)
+def test_debug_tools_name_the_mismatch_the_late_rank_and_the_waiting_line(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = run([CH02 / "debugging.py", "-w", 3, "--smoke", "--json", out], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]
+    assert "Ranks 2 failed to pass monitoredBarrier" in result["barrier_error_rank0"]  # rank 2 is the late one
+    frames = result["stack_rank0"]
+    assert " in recv" in frames[0] and any("debugging.py" in f and "in where_it_hangs" in f for f in frames)
+    assert "TensorShape=[4]" in proc.stdout and "TensorShape=[5]" in proc.stdout  # both sides of the mismatch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_unchecked_mismatch_fails_the_job_without_hanging(world_size: int) -> None:
+    proc = run([CH02 / "debugging.py", "--unchecked", "--smoke", "-w", world_size], timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "killed by SIGABRT" in proc.stderr or "self-check failed" in proc.stderr, proc.stderr[-3000:]
