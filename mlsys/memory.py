@@ -83,29 +83,37 @@ def transformer_params(num_layers: int, hidden: int, num_heads: int, num_kv_head
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, num_heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
+                               sequence_parallel: bool = False, recompute: str = "none", dtype_bytes: float = 2,
+                               dropout: bool = True) -> float:
+    """Activation bytes one transformer layer keeps for backward, for one micro-batch.
 
     From "Reducing Activation Recomputation in Large Transformer Models" (Korthikanti et al.,
-    https://arxiv.org/abs/2205.05198), Table 2, with s = seq, b = micro_batch, h = hidden, a = heads, t = tp:
+    https://arxiv.org/abs/2205.05198), Table 2, with s = seq, b = micro_batch, h = hidden, a = heads, t = tp, at
+    the paper's defaults (16-bit activations, 1-byte dropout masks):
         none:       s*b*h * (10 + 24/t + 5*a*s/(h*t))     (sequence parallel: s*b*h/t * (34 + 5*a*s/h))
         selective:  s*b*h * (10 + 24/t)                   (sequence parallel: s*b*h/t * 34)  attention scores
                                                            are recomputed (or never stored, as with FlashAttention)
         full:       2*s*b*h                                only the layer's input is kept; everything is recomputed
-    The paper derives it for a GPT-3-shaped layer (MLP 4h, multi-head attention, dropout masks of 1 byte); for
-    other shapes it is an estimate. t = 1 gives the unsharded s*b*h*(34 + 5*a*s/h).
+    The same count, item by item, for other widths d = dtype_bytes and without dropout: kept whole on every rank,
+    the two LayerNorm inputs and the inputs of the QKV and first MLP projections (4 sbh values) and the two dropout
+    masks after attention and MLP (2 sbh bytes); split by t, q, k, v, the output projection's input, the MLP's
+    hidden before and after GELU (12 sbh values); per head, the (s x s) softmax output (a s^2 b values), plus its
+    dropout mask and dropped-out copy. The paper derives it for a GPT-3-shaped layer (MLP 4h, multi-head
+    attention); for other shapes it is an estimate. chapter 5's recompute.py measures it on the book's GPT.
     """
     s, b, h, a, t = (_pos_int(n, v) for n, v in (("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden),
                                                   ("num_heads", num_heads), ("tp", tp)))
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    d, mask = _pos("dtype_bytes", dtype_bytes), (1.0 if dropout else 0.0)
     sbh = s * b * h
     if recompute == "full":
-        return 2.0 * sbh
-    attention_scores = 5 * a * s / h if recompute == "none" else 0.0
+        return d * sbh
+    whole, split = 4 * d + 2 * mask, 12 * d  # per s*b*h: 10 and 24 at the paper's d = 2 with dropout
+    scores = (d + (mask + d) * dropout) * a * s / h if recompute == "none" else 0.0  # 5as/h at the paper's
     if sequence_parallel:
-        return sbh / t * (34 + attention_scores)
-    return sbh * (10 + 24 / t + attention_scores / t)
+        return sbh / t * (whole + split + scores)
+    return sbh * (whole + split / t + scores / t)
 
 
 def in_flight_micro_batches(pp: int, num_micro: int, schedule: str = "1f1b") -> int:

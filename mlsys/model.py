@@ -107,6 +107,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.core = causal_attention  # softmax(q k^T) v; chapter 5 swaps in a recomputed (checkpointed) version
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -118,7 +119,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, start_pos)  # (B, H, start_pos + T, D)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0)  # (B, H, T, D)
+        y = self.core(q, k, v, self.dropout if self.training else 0.0)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again: (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

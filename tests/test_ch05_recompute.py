@@ -1,0 +1,54 @@
+"""Chapter 5 recomputation: what autograd keeps, measured, against the Korthikanti et al. count and exact tensor
+sizes; checkpointed gradients against the model's own forward and backward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import load_script, run, scripts_dir
+from mlsys import memory
+from mlsys.model import GPT, GPTConfig
+
+SCRIPT = scripts_dir(5) / "recompute.py"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch, seq", [(2, 64), (3, 96)])
+def test_kept_bytes_match_the_tensor_sizes_and_the_count(batch: int, seq: int, tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = run([SCRIPT, "--batch", batch, "--seq", seq, "--layers", 1, "--repeats", 1, "--json", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = json.loads(out.read_text())["results"]["kept_bytes"]
+    h, a = 128, 4  # the "small" preset
+    assert kept["full"] == batch * seq * h * 4  # the block's fp32 input, nothing else
+    assert kept["none"] - kept["selective"] == a * seq * seq * batch * 4  # exactly the (s x s) probabilities
+    assert kept["fused"] - kept["selective"] == a * seq * batch * 4  # the fused kernel's log-sum-exp per row
+    for setting, recompute in (("none", "none"), ("selective", "selective")):
+        count = memory.activation_bytes_per_layer(seq, batch, h, a, recompute=recompute, dtype_bytes=4,
+                                                  dropout=False)
+        assert kept[setting] == pytest.approx(count, rel=0.01), setting  # LayerNorm's statistics are the rest
+
+
+def test_the_count_at_the_papers_defaults_is_table_2() -> None:
+    s, b, h, a = 2048, 1, 4096, 32
+    assert memory.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert memory.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(
+        s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+
+
+@pytest.mark.parametrize("setting", ["none", "fused", "selective", "full"])
+def test_recomputation_leaves_the_gradients_of_the_plain_model(setting: str) -> None:
+    mod = load_script(SCRIPT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny")).train()
+    idx = torch.randint(model.config.vocab_size, (2, 32))
+    targets = torch.randint(model.config.vocab_size, (2, 32))
+    _, loss = model(idx, targets)  # the model's own forward, no recomputation
+    loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    _, grads = mod.one_step(model, setting, idx, targets)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,189 @@
+"""Activation recomputation (checkpointing): keep less for the backward pass, compute part of the forward again.
+
+What it shows
+    1. What one transformer layer of the book's GPT keeps for its backward pass, measured, not estimated: every
+       tensor autograd saves passes through torch.autograd.graph.saved_tensors_hooks, and the script adds up the
+       distinct storages (the weights left out: they are kept anyway). Four settings:
+         none       keep everything autograd wants (attention computed the textbook way: the (s x s) matrix
+                    of attention probabilities is materialised and kept)
+         fused      keep everything, with PyTorch's fused attention kernel, which never stores the (s x s) matrix
+         selective  recompute only the attention core, softmax(q k^T) v, in the backward pass
+                    (torch.utils.checkpoint around that one function, as Megatron-LM's selective recomputation)
+         full       recompute the whole layer: torch.utils.checkpoint around each block keeps only its input
+       Each is shown in units of s*b*h bytes next to mlsys.memory.activation_bytes_per_layer, the count of
+       Korthikanti et al. taken item by item for this run's 4-byte values and no dropout. (At --batch 1 the math
+       attention's q, k, v stay views of the fused qkv output, whose whole storage is then counted: about 8 sbh
+       over the count.)
+    2. What it costs: one training step (forward + backward) of the whole model for each setting, median of
+       --repeats, against the flop count's prediction for full recomputation (8ND instead of 6ND: one more
+       forward). Gradients are checked equal to the plain run's for every setting.
+
+How to run
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 512
+
+Runtime on 2 cores: about 6 s at the defaults, 3 s with --smoke.
+
+Try next
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128 --seq 512
+        -> (one at a time) the attention matrix grows with s^2: "none" grows faster than the others
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+
+from mlsys import bench, cli, memory, report
+from mlsys.model import GPT, GPTConfig, causal_attention
+
+
+@dataclass
+class Settings(cli.Args):
+    batch: int = 2
+    """Sequences per step (b)."""
+    seq: int = 256
+    """Tokens per sequence (s), at most 256 (the model's positions)."""
+    layers: int = 4
+    """Transformer layers of the model timed in part 2."""
+    repeats: int = 5
+    """Timed training steps per setting; the median is reported (after one warm-up step)."""
+
+    def validate(self) -> None:
+        if not 1 <= self.seq <= 256 or self.batch < 1 or self.layers < 1 or self.repeats < 1:
+            raise cli.UsageError("--seq must lie in 1..256, --batch, --layers and --repeats must be >= 1")
+
+
+SETTINGS = ("none", "fused", "selective", "full")
+
+
+# --8<-- [start:settings]
+def configure(model: GPT, setting: str) -> None:
+    """Put one recomputation setting into the model's layers (the weights are untouched)."""
+    for block in model.h:
+        block.attn.core = causal_attention
+        block.recompute = setting == "full"
+        if setting == "selective":  # only the attention core is recomputed in the backward pass
+            block.attn.core = partial(checkpoint, causal_attention, use_reentrant=False)
+
+
+def forward(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's forward, with every block under torch.utils.checkpoint where full recomputation is on."""
+    x = model.drop(model.wte(idx) + model.wpe(torch.arange(idx.shape[1])))
+    for block in model.h:
+        x = checkpoint(block, x, use_reentrant=False) if block.recompute else block(x)
+    logits = model.lm_head(model.ln_f(x))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def kernel(setting: str):
+    """The textbook attention (the math backend materialises softmax(q k^T)) except for the fused setting."""
+    if setting == "fused":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return sdpa_kernel(SDPBackend.MATH)
+# --8<-- [end:settings]
+
+
+# --8<-- [start:measure]
+def saved_bytes(fn, params: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn() runs its forward, leaving out the
+    weights (`params`: their storages' addresses), which are kept anyway."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()  # views of one storage count once
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+# --8<-- [end:measure]
+
+
+def layer_bytes(model: GPT, setting: str, x: torch.Tensor) -> int:
+    """What one block keeps for backward under `setting`."""
+    block = model.h[0]
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    configure(model, setting)
+    with kernel(setting):
+        if block.recompute:
+            return saved_bytes(lambda: checkpoint(block, x, use_reentrant=False), params)
+        return saved_bytes(lambda: block(x), params)
+
+
+def one_step(model: GPT, setting: str, idx, targets) -> tuple[float, dict]:
+    """Seconds of one forward + backward under `setting`, and the gradients it produced."""
+    configure(model, setting)
+    model.zero_grad(set_to_none=True)
+    with kernel(setting):
+        t0 = time.perf_counter()
+        forward(model, idx, targets).backward()
+        seconds = time.perf_counter() - t0
+    return seconds, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"batch": 2, "seq": 64, "layers": 2, "repeats": 2})
+    torch.manual_seed(args.seed)
+    config = GPTConfig.preset("small", n_layer=args.layers)
+    model = GPT(config).train()
+    b, s, h, a = args.batch, args.seq, config.n_embd, config.n_head
+    sbh = s * b * h
+    x = torch.randn(b, s, h, requires_grad=True)
+    idx = torch.randint(config.vocab_size, (b, s))
+    targets = torch.randint(config.vocab_size, (b, s))
+
+    def formula(recompute: str) -> float:  # the Korthikanti et al. count for this run: 4-byte values, no dropout
+        return memory.activation_bytes_per_layer(s, b, h, a, recompute=recompute, dtype_bytes=4, dropout=False)
+
+    # fused kernels never store the (s x s) matrix: the count without it is the selective one
+    estimate = {"none": formula("none"), "fused": formula("selective"), "selective": formula("selective"),
+                "full": formula("full")}
+    times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+    grads: dict[str, dict] = {}
+    with bench.steady_timing():
+        for rep in range(args.repeats + 1):  # round-robin over the settings, so drift hits all alike
+            for setting in SETTINGS:
+                seconds, grads[setting] = one_step(model, setting, idx, targets)
+                if rep:  # the first round is a warm-up
+                    times[setting].append(seconds)
+    rows = []
+    for setting in SETTINGS:
+        for name, g in grads[setting].items():  # recomputation must not change the gradients
+            report.expect_close(f"{setting}: grad of {name}", g, grads["none"][name], rtol=1e-4, atol=1e-6)
+        kept = layer_bytes(model, setting, x)
+        rows.append({"setting": setting, "kept per layer (MiB)": kept / 2**20, "kept / sbh": kept / sbh,
+                     "formula / sbh": estimate[setting] / sbh,
+                     "step (ms)": 1e3 * statistics.median(times[setting])})
+    base = rows[0]["step (ms)"]
+    for row in rows:
+        row["step / none"] = row["step (ms)"] / base
+    print(f"one layer of the book's GPT (h={h}, a={a}) at s={s}, b={b}, fp32, no dropout; steps of {args.layers} "
+          f"layers, median of {args.repeats} ({bench.load_average()})")
+    print(report.table(rows, floatfmt=".3g"))
+    flops_ratio = memory.train_flops(1, 1, "full") / memory.train_flops(1, 1)
+    print(f"attention matrix, a*s*s*b*4 bytes = {a * s * s * b * 4 / sbh:.3g} sbh: kept by none, not by fused or "
+          f"selective. full keeps the layer input only ({4 * sbh / sbh:.0f} sbh in fp32)")
+    print(f"full recomputation: step {rows[3]['step / none']:.2f}x of none; the flop count predicts "
+          f"{flops_ratio:.2f}x (one more forward: 8ND instead of 6ND)")
+    print("OK: gradients equal with every setting")
+    kept = {r["setting"]: r["kept / sbh"] for r in rows}
+    kept_bytes = {r["setting"]: round(r["kept per layer (MiB)"] * 2**20) for r in rows}
+    if args.json:
+        report.write_json(args.json, {"rows": rows, "kept_sbh": kept, "kept_bytes": kept_bytes,
+                                      "formula_sbh": {r["setting"]: r["formula / sbh"] for r in rows},
+                                      "full_step_ratio": rows[3]["step / none"], "flops_ratio": flops_ratio,
+                                      "attention_matrix_sbh": a * s * s * b * 4 / sbh}, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
