@@ -52,3 +52,37 @@ def test_recomputation_leaves_the_gradients_of_the_plain_model(setting: str) -> 
     _, grads = mod.one_step(model, setting, idx, targets)
     for name, g in grads.items():
         torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- mixed precision
+MIXED = scripts_dir(5) / "mixed_precision.py"
+
+
+def test_underflow_shares_match_numpy_float16() -> None:
+    import numpy as np
+
+    mod = load_script(MIXED)
+    values = torch.tensor([1e-9, -2e-8, 4e-8, 1e-7, -3e-6, 5e-5, 1e-3, 0.5, 300.0, 0.0, 7e4], dtype=torch.float32)
+    for scale in (1.0, 2.0**8, 2.0**16):
+        got = mod.underflow(values, torch.float16, scale)
+        scaled = values.numpy().astype(np.float64)[values.numpy() != 0] * scale
+        with np.errstate(over="ignore"):
+            cast = scaled.astype(np.float16)
+        tiny = np.finfo(np.float16).smallest_normal
+        assert got["zero"] == pytest.approx(np.mean(cast == 0))
+        assert got["subnormal"] == pytest.approx(np.mean((cast != 0) & (np.abs(cast) < tiny)))
+        assert got["inf"] == pytest.approx(np.mean(np.isinf(cast)))
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    proc = run([MIXED, "-w", 2, "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]
+    runs = {r["run"]: r for r in result["runs"]}
+    assert runs["fsdp-bf16"]["all_gather MiB"] * 2 == runs["fp32"]["all_gather MiB"] > 0
+    assert runs["fsdp-bf16"]["reduce_scatter MiB"] == runs["fp32"]["reduce_scatter MiB"] > 0
+    assert result["fsdp_bf16_all_bytes_ratio"] == 0.5
+    assert result["max_gap"] <= 0.05
+    assert result["bf16_zero"] == 0.0  # bf16 has fp32's exponent range
