@@ -188,7 +188,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"formats": formats(), "underflow": under, "runs": rows,
             "losses": {run: r["losses"] for run, r in runs.items()},
             "fsdp_bf16_bytes_ratio": rows[3]["vs fp32 bytes"], "fsdp_bf16_all_bytes_ratio": rows[4]["vs fp32 bytes"],
-            "fp16_zero_unscaled": under[0]["zero"], "fp16_subnormal_unscaled": under[0]["subnormal"], "fp16_zero_scaled_2_16": under[2]["zero"],
+            "fp16_zero_unscaled": under[0]["zero"], "fp16_subnormal_unscaled": under[0]["subnormal"],
+            "fp16_zero_scaled_2_16": under[2]["zero"],
             "bf16_zero": under[3]["zero"], "max_gap": max(r["max |loss - fp32|"] for r in rows)}
 
 
