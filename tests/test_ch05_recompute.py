@@ -86,3 +86,23 @@ def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(tmp_path) -> None:
     assert result["fsdp_bf16_all_bytes_ratio"] == 0.5
     assert result["max_gap"] <= 0.05
     assert result["bf16_zero"] == 0.0  # bf16 has fp32's exponent range
+
+
+# ----------------------------------------------------------------------------------------------- local SGD, DiLoCo
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_local_sgd_and_diloco_send_one_model_per_round(world_size: int, tmp_path) -> None:
+    from mlsys.model import num_params
+
+    out = tmp_path / "r.json"
+    proc = run([scripts_dir(5) / "local_sgd.py", "-w", world_size, "--steps", 12, "--sync-every", 4, "--json", out,
+                "--plot-dir", tmp_path], timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())["results"]
+    model_bytes = 4 * num_params(GPT(GPTConfig.preset("tiny", n_layer=2)))  # tied embedding counted once
+    rows = {r["run"]: r for r in result["rows"]}
+    assert rows["sync"]["MiB all-reduced per rank"] * 2**20 == pytest.approx(12 * model_bytes)
+    for run_name in ("local", "diloco"):
+        assert rows[run_name]["MiB all-reduced per rank"] * 2**20 == pytest.approx(3 * model_bytes)
+    assert result["identity_gap"] < 1e-5
+    assert (tmp_path / "loss_vs_bytes.png").exists()
