@@ -103,24 +103,24 @@ def causal_attention(q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.core = causal_attention  # softmax(q k^T) v; chapter 5 swaps in a recomputed (checkpointed) version
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        return x.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        B, T, _ = x.shape  # the head count follows from the width: fewer heads on a tensor-parallel rank
+        return x.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
     def forward(self, x, kv_cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # 3 x (B, T, C)
         q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v, start_pos)  # (B, H, start_pos + T, D)
         y = self.core(q, k, v, self.dropout if self.training else 0.0)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # heads side by side again: (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # heads side by side again: (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -185,3 +185,28 @@ def test_layers_figure_blocks_tile_a_in_rank_order(tmp_path_factory) -> None:
     assert res["split"]["column"] == {"A": [16, 32], "blocks": [[0, 16], [16, 32]]}
     assert res["split"]["row"] == {"A": [32, 16], "blocks": [[0, 16], [16, 32]]}
     assert (plots / "tp_split.png").is_file()
+
+
+# ----------------------------------------------------------------------------------------------- FSDP2 x TP and HSDP
+@pytest.mark.parametrize("H,D,tp", [(4, 16, 2), (4, 16, 4), (6, 8, 3), (4, 16, 1)])
+def test_head_order_gives_each_rank_its_own_heads_q_k_v(H: int, D: int, tp: int) -> None:
+    """After the permutation, rank r's contiguous block of the fused (3C, C) weight is, row for row, the q rows,
+    then the k rows, then the v rows of heads r*H/tp .. (r+1)*H/tp - 1, read from the dense weight by head."""
+    C = H * D
+    w = torch.randn(3 * C, C)
+    permuted = w[load_script(CH06 / "fsdp_tp.py").head_order(C, tp)]
+    by_head = w.view(3, H, D, C)  # (q|k|v, head, row within head, in)
+    per = H // tp
+    for r, block in enumerate(permuted.chunk(tp)):
+        want = torch.cat([by_head[part, r * per:(r + 1) * per].reshape(-1, C) for part in range(3)])
+        assert torch.equal(block, want)
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_tp_and_hsdp_equal_one_process(tmp_path_factory) -> None:
+    res = run_json(tmp_path_factory, CH06 / "fsdp_tp.py", "-w", "4", "--smoke")
+    assert res["fsdp_tp"]["mesh"] == {"dp": 2, "tp": 2} and res["hsdp"]["mesh"] == {"replicate": 2, "shard": 2}
+    for run_ in res.values():
+        assert run_["max_abs_diff"] < 2e-5 and run_["full_shape"] == [256, 64]
+    assert res["fsdp_tp"]["local_shape"] == [64, 64]  # a quarter: split by tp, then by dp
+    assert res["hsdp"]["local_shape"] == [128, 64]  # a half: sharded in a group of 2, replicated across groups

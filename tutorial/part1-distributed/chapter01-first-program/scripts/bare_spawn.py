@@ -13,6 +13,13 @@ chapter 1's lesson shows what it adds on top and why.
 Under torchrun the script does not spawn: torchrun has already started one copy per rank and set RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so each copy runs the worker directly.
 Exit codes: 0 the all_reduce matched, 1 a rank failed or the check failed, 2 bad flags.
+
+Try next
+    python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 2
+        -> rank 2 raises after joining; spawn terminates the others and reports the first failure it
+           noticed (usually rank 2's, sometimes a survivor's broken connection); exit 1
+    python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 8 --numel 1000000
+        -> eight ranks, a million numbers each: the same sum, still checked with no communication
 """
 
 from __future__ import annotations
