@@ -554,9 +554,11 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.host, self.port, self.grace_seconds = host, port, grace_seconds
         self.front: AsyncEngine | None = getattr(getattr(app, "state", None), "async_engine", None)
-        self._forced = 0  # tasks force() cancelled
+        self._forced: set = set()  # the tasks force() cancelled
+        self._cuts = _CutCounter()  # from the start: a second signal may cut before stop() begins
 
     def start(self, timeout: float = 30.0) -> ServerThread:
+        logging.getLogger("uvicorn.error").addFilter(self._cuts)
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:  # uvicorn sets it once the socket listens
@@ -570,18 +572,21 @@ class ServerThread:
         """Drain and stop; returns {"in_flight", "drained", "cut"}: HTTP requests being handled when stop began
         (streams, plain completions, bodies still arriving), how many ended by themselves, how many were cut at
         the grace period (or by `force()`). uvicorn's per-task traceback for a cut is replaced by that count."""
-        in_flight = len(self.server.server_state.tasks)
-        cuts = _CutCounter()
-        log = logging.getLogger("uvicorn.error")
-        log.addFilter(cuts)
+        at_stop = set(self.server.server_state.tasks)  # one C-level copy under the GIL
+        deadline = time.monotonic() + (timeout if timeout is not None else self.grace_seconds + 30.0)
         try:
             self.server.should_exit = True
-            self.thread.join(timeout if timeout is not None else self.grace_seconds + 30.0)
+            while self.thread.is_alive() and time.monotonic() < deadline:
+                # Short waits: Python runs a signal handler (a second Ctrl-C calling force()) only between
+                # bytecodes of the main thread, and a long join may never see the signal if the kernel
+                # delivered it to another thread.
+                self.thread.join(0.05)
         finally:
-            log.removeFilter(cuts)
+            logging.getLogger("uvicorn.error").removeFilter(self._cuts)
         if self.thread.is_alive():
             raise RuntimeError("the server thread did not stop")
-        cut = min(cuts.cut + self._forced, in_flight)  # a task force() cancelled is not cancelled twice
+        in_flight = len(at_stop | self._forced)  # force() may have run first and its tasks ended already
+        cut = min(self._cuts.cut + len(self._forced), in_flight)  # a task force() cancelled is not cancelled twice
         return {"in_flight": in_flight, "drained": in_flight - cut, "cut": cut}
 
     def force(self) -> None:
@@ -593,7 +598,9 @@ class ServerThread:
 
         def cut_all() -> None:
             for task in list(self.server.server_state.tasks):
-                self._forced += int(task.cancel())  # False for a task that has already ended
+                if task.cancel():  # False for a task that has already ended
+                    self._forced.add(task)
+            loop.call_later(0.05, cut_all)  # and any request whose headers were still on their way: until the end
 
         with contextlib.suppress(RuntimeError):  # the loop has already closed: nothing left to cut
             loop.call_soon_threadsafe(cut_all)

@@ -205,7 +205,7 @@ def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:
     out = tmp_path / "r.json"
-    proc = run([*TORCHRUN, "--nproc-per-node", str(nproc), HELLO, "--smoke", "--json", out,
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), HELLO, "--smoke", "--json", out,
                 "--plot-dir", tmp_path], timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())["results"]
@@ -214,7 +214,7 @@ def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_torchrun_world_size_mismatch_is_a_usage_error() -> None:
-    proc = run([*TORCHRUN, "--nproc-per-node", "1", JOB, "-w", "3"], timeout=110)
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", JOB, "-w", "3"], timeout=110)
     assert proc.returncode != 0
     assert "disagrees with torchrun's WORLD_SIZE=1" in proc.stderr
 

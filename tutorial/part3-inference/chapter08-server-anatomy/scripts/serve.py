@@ -44,6 +44,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -183,7 +184,9 @@ def main() -> int:
             until = "Ctrl-C or SIGTERM" if args.forever else f"{args.serve_seconds:g} s"
             with signals:  # the main thread only waits: the server thread does the work
                 print(f"serving on {server.url} until {until}", flush=True)
-                signals.event.wait(None if args.forever else args.serve_seconds)
+                until_t = float("inf") if args.forever else time.monotonic() + args.serve_seconds
+                while not signals.event.wait(0.1) and time.monotonic() < until_t:
+                    pass  # short waits, so that a signal's handler runs at once (see ServerThread.stop)
                 drain = server.stop()
         else:
             drain = server.stop()
