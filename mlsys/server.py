@@ -527,8 +527,11 @@ class _CutCounter(logging.Filter):
     def __init__(self) -> None:
         super().__init__()
         self.cut = 0
+        self.thread_id: int | None = None  # the server thread whose records these are: others pass untouched
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread_id:  # another server in this process (each has its own thread)
+            return True
         if str(record.msg).startswith("Cancel %s running task"):
             self.cut += int(record.args[0])
             return False
@@ -560,6 +563,7 @@ class ServerThread:
     def start(self, timeout: float = 30.0) -> ServerThread:
         logging.getLogger("uvicorn.error").addFilter(self._cuts)
         self.thread.start()
+        self._cuts.thread_id = self.thread.ident
         deadline = time.monotonic() + timeout
         while not self.server.started:  # uvicorn sets it once the socket listens
             if not self.thread.is_alive() or time.monotonic() > deadline:
