@@ -51,7 +51,7 @@ class Exercise:
 @dataclass
 class Outcome:
     task: str
-    status: str  # "PASS", "FAIL", "TODO" or "NEEDS GPU"
+    status: str  # "PASS", "FAIL", "TODO", "NEEDS GPU", or "SKIPPED" (check(stop_at_fail=True) only)
     detail: str = ""
 
 
@@ -100,7 +100,7 @@ def find(exercise_id: str) -> Exercise:
 
 
 def check(exercise: Exercise, solution: bool = False, target: Path | None = None,
-          time_limit: float = DEFAULT_TIME_LIMIT) -> list[Outcome]:
+          time_limit: float = DEFAULT_TIME_LIMIT, stop_at_fail: bool = False) -> list[Outcome]:
     """Run every task of the exercise's checker against the attempt, the reference solution, or `target`.
 
     The attempt never runs in this process: a child process (forked from a server that has torch imported, so it
@@ -108,13 +108,18 @@ def check(exercise: Exercise, solution: bool = False, target: Path | None = None
     the attempt does, the task it was in is a FAIL with one line: it hangs past `time_limit` seconds (the child's
     whole process group, distributed ranks included, is killed), it ends the interpreter (sys.exit, os._exit, a
     signal), it cannot be imported (a syntax error, an exception at import), or it prints more than
-    OUTPUT_LIMIT bytes. After a child dies, a fresh one goes on with the next task.
+    OUTPUT_LIMIT bytes. After a child dies, a fresh one goes on with the next task. With `stop_at_fail`, the tasks
+    after the first FAIL are not run (status "SKIPPED"): enough to know that an attempt fails.
     """
     target = (target or (exercise.solution if solution else exercise.attempt)).resolve()
     titles, gpu = _task_titles(exercise.checker)
     outcomes: list[Outcome] = []
     while len(outcomes) < len(titles):
-        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit)
+        if stop_at_fail and any(o.status == "FAIL" for o in outcomes):
+            outcomes += [Outcome(title, "SKIPPED", "not run: an earlier task failed") for title in
+                         titles[len(outcomes):]]
+            break
+        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit, stop_at_fail)
     return [Outcome(o.task, "NEEDS GPU", "this task runs on CUDA; no GPU here") if g and o.status == "GPU" else o
             for o, g in zip(outcomes, gpu)]
 
@@ -145,8 +150,10 @@ def _context() -> Any:
     return _CONTEXT
 
 
-def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_limit: float) -> list[Outcome]:
-    """Run tasks first.. in one child; stop at the first task the child does not survive (or overruns)."""
+def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_limit: float,
+               stop_at_fail: bool = False) -> list[Outcome]:
+    """Run tasks first.. in one child; stop at the first task the child does not survive (or overruns), or with
+    `stop_at_fail` at the first FAIL."""
     import tempfile
     import time
 
@@ -172,6 +179,8 @@ def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_
                     if kind == "outcome":
                         outcomes.append(Outcome(*rest))
                         current += 1
+                        if stop_at_fail and outcomes[-1].status == "FAIL":
+                            break  # the finally below stops the child
                         continue
                 if not child.is_alive() or time.monotonic() > deadline:
                     timed_out = child.is_alive()
