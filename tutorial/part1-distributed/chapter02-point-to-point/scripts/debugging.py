@@ -91,10 +91,9 @@ def mismatched_all_reduce(ctx: RankContext, group: dist.ProcessGroup) -> dict:
 
 
 # --8<-- [start:late]
-def late_rank(ctx: RankContext, args: Settings) -> dict:
+def late_rank(ctx: RankContext, args: Settings, group: dist.ProcessGroup) -> dict:
     """Every rank but the last calls monitored_barrier; the last is stuck in a recv that rank 0 answers only
     after its barrier has given up, then arrives too late."""
-    group = short_group(args.wait_timeout)
     late, wait = ctx.world_size - 1, timedelta(seconds=args.barrier_timeout)
     error = None
     if ctx.rank == late:
@@ -110,9 +109,8 @@ def late_rank(ctx: RankContext, args: Settings) -> dict:
 
 
 # --8<-- [start:hang]
-def where_it_hangs(ctx: RankContext, args: Settings) -> dict:
+def where_it_hangs(ctx: RankContext, args: Settings, group: dist.ProcessGroup) -> dict:
     """Ranks 0 and 1 both recv first (a deadlock). Half-way through the wait, faulthandler dumps the stack."""
-    group = short_group(args.wait_timeout)
     if ctx.rank > 1:
         return {}
     with tempfile.TemporaryFile("w+") as dump:
@@ -140,6 +138,7 @@ def short_path(frame: str) -> str:
 
 def unchecked(ctx: RankContext, args: Settings) -> None:
     """The mismatch on a plain group: whatever each rank sees, nobody gets a right answer, so the job fails."""
+    dist.barrier()
     seen = mismatched_all_reduce(ctx, short_group(args.wait_timeout))  # gloo may abort this process in here
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, seen)
@@ -154,9 +153,14 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
     W, r = ctx.world_size, ctx.rank
     if args.unchecked:
         return unchecked(ctx, args)
-    checked = mismatched_all_reduce(ctx, short_group(args.wait_timeout, detail=True))
-    barrier = late_rank(ctx, args)
-    hang = where_it_hangs(ctx, args)
+    # Every group is created up front, while the ranks are in step: creating a group is itself a wait bounded by
+    # its timeout, and after the late-rank scenario the ranks are seconds apart.
+    dist.barrier()
+    groups = [short_group(args.wait_timeout, detail=True), short_group(args.wait_timeout),
+              short_group(args.wait_timeout)]
+    checked = mismatched_all_reduce(ctx, groups[0])
+    barrier = late_rank(ctx, args, groups[1])
+    hang = where_it_hangs(ctx, args, groups[2])
     everyone = [None] * W
     dist.all_gather_object(everyone, {"checked": checked, "barrier": barrier, "hang": hang})
 
