@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -165,10 +166,21 @@ def _exercise_of(wrong) -> exercises.Exercise:
 @pytest.mark.parametrize("wrong", WRONG, ids=lambda p: f"{p.parents[2].name[:9]}/{p.stem}")
 def test_a_stored_wrong_attempt_fails(wrong) -> None:
     """exercises/wrong/ex<K>_<mistake>.py holds a plausible mistake (off by one, wrong reduction, forgot to divide
-    by the world size...): the checker must FAIL it, with no task left TODO."""
-    outcomes = exercises.check(_exercise_of(wrong), target=wrong, time_limit=60)
+    by the world size...): the checker must FAIL it, with no task before the failure left TODO (a wrong attempt is
+    a whole attempt). The tasks after the first FAIL are not run: the suite only needs to know that it fails."""
+    outcomes = exercises.check(_exercise_of(wrong), target=wrong, time_limit=60, stop_at_fail=True)
     statuses = [o.status for o in outcomes]
     assert "FAIL" in statuses and "TODO" not in statuses, outcomes
+
+
+def test_every_exercise_is_listed_in_its_lesson() -> None:
+    """A reader finds the exercises in the lesson: each id appears in its chapter's README with its check command."""
+    for e in EXERCISES:
+        lesson = (e.checker.parent.parent / "README.md").read_text(encoding="utf-8")
+        listed = re.search(rf"\*\*{re.escape(e.exercise_id)} ", lesson)
+        checked = re.search(rf"make check EX={re.escape(e.exercise_id)}(?!\d)", lesson)
+        assert listed and checked, (
+            f"{e.exercise_id} ({e.attempt.name}) is not listed in the Exercises section of its lesson")
 
 
 def test_hint_files_belong_to_exercises() -> None:

@@ -1,0 +1,22 @@
+"""A mistake for ch03.4: one tensor reduced over the row and then over the column, in place (the whole grid's sum)."""
+
+import torch
+import torch.distributed as dist
+
+
+def grid_sums(x, rows):
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    cols = world_size // rows
+    row_groups = [dist.new_group([i * cols + j for j in range(cols)]) for i in range(rows)]
+    col_groups = [dist.new_group([i * cols + j for i in range(rows)]) for j in range(cols)]
+    row, col = row_groups[rank // cols], col_groups[rank % cols]
+    dist.all_reduce(x, group=row)
+    row_sum = x.clone()
+    dist.all_reduce(x, group=col)
+    return {"row_sum": row_sum, "col_sum": x, "row_rank": dist.get_rank(row), "col_rank": dist.get_rank(col)}
+
+
+def run_grid(x, rows):
+    out = grid_sums(x.clone(), rows)
+    return {"row_sum": torch.as_tensor(out["row_sum"]).tolist(), "col_sum": torch.as_tensor(out["col_sum"]).tolist(),
+            "row_rank": int(out["row_rank"]), "col_rank": int(out["col_rank"])}
