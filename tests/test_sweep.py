@@ -1,14 +1,14 @@
 """Every distributed script, at every world size from 1 to 8: its self-check passes or it refuses the size.
 
 A self-check that fails at a world size the script accepts is a bug the reader finds by typing `-w 3`. One case
-per chapter runs that chapter's distributed scripts at sizes 1..8 with --smoke from one parent process
+per group of up to three scripts of a chapter runs them at sizes 1..8 with --smoke from one parent process
 (tests/fixtures/sweep.py: torch imported once, the launcher's fork server started once), so the sweep costs about
 the work itself. A size may be refused with the contract's usage error (exit 2, one line naming the sizes
 supported); any other exit code fails the case. Part II's equality checks (sharded == dense, within rounding) are
 swept again at their default sizes, where rounding in small gradients matters most.
 
 These cases carry the `sweep` marker: `make test` leaves them out to stay within its 10 minutes, `make sweep`
-runs them (about 10 minutes on 2 cores), and CI (.ci/run) runs both.
+runs them (about 20 minutes on 2 cores), and CI (.ci/run) runs both.
 
     make sweep                                       # all of it
     python -m pytest tests/test_sweep.py -m sweep -k chapter05
@@ -25,6 +25,9 @@ from conftest import ROOT, chapter_scripts, run
 
 DISTRIBUTED = [s for s in chapter_scripts() if "DistArgs" in s.read_text()]
 BY_CHAPTER = {ch: list(scripts) for ch, scripts in groupby(DISTRIBUTED, key=lambda s: s.parent.parent.name)}
+# At most three scripts per case, so the two pytest workers share a long chapter and no case nears its timeout.
+CASES = {f"{ch}-{i // 3 + 1}": scripts[i:i + 3] for ch, scripts in BY_CHAPTER.items()
+         for i in range(0, len(scripts), 3)}
 SIZES = list(range(1, 9))
 SWEEP = ROOT / "tests" / "fixtures" / "sweep.py"
 
@@ -44,14 +47,14 @@ def sweep(scripts: list, sizes: list[int], *flags: str, timeout: float = 500) ->
 
 
 def test_every_distributed_script_is_swept() -> None:
-    assert sum(map(len, BY_CHAPTER.values())) == len(DISTRIBUTED) >= 20
+    assert sum(map(len, CASES.values())) == len(DISTRIBUTED) >= 20
 
 
 @pytest.mark.sweep
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("chapter", sorted(BY_CHAPTER))
-def test_self_checks_hold_at_every_world_size(chapter: str) -> None:
-    sweep(BY_CHAPTER[chapter], SIZES, "--smoke", timeout=880)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_self_checks_hold_at_every_world_size(case: str) -> None:
+    sweep(CASES[case], SIZES, "--smoke", timeout=880)
 
 
 # Part II scripts whose self-check is an equality (sharded result == single-process result): default sizes.

@@ -90,6 +90,7 @@ def naive_swap(ctx: RankContext, numel: int, deadlock_timeout: float, ring: bool
     A timed-out gloo send closes that group's connection to the peer, so the group is thrown away afterwards; the
     default group (used by everything else) never saw these calls.
     """
+    dist.barrier()  # in step first: creating the group is itself a wait bounded by the short timeout
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=deadlock_timeout))  # collective
     mine, theirs = payload(ctx.rank, numel, torch.device("cpu")), torch.empty(numel)  # gloo group: CPU tensors
     dst, src = peers(ctx, ring)  # the partner twice; with --ring, right and left neighbours
