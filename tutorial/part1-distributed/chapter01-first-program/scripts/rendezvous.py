@@ -1,7 +1,9 @@
 """Rendezvous by hand: build a process group from a bare key-value store, once over TCP and once over a file.
 
 What it shows
-    init_process_group hides a small protocol. This script does it step by step, for two kinds of store:
+    Under init_process_group sits a key-value store that every rank can reach. This script builds a process
+    group from a bare store by hand, with a small rendezvous protocol of its own (more than torch runs: see
+    `rendezvous` below), for two kinds of store:
       tcp   a TCPStore server hosted by rank 0 on a port the kernel picks (what env:// and tcp:// use);
       file  a FileStore: a file every rank can open (what file:// uses; on a cluster, a shared disk).
     For each store every rank: registers its address under its own key, takes a ticket from an atomic counter
@@ -57,7 +59,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
 
 
 def open_store(kind: str, ctx: RankContext, tmpdir: str | None) -> dist.Store:
-    """Rank 0 creates the store; its address reaches the others over the job's existing group."""
+    """Rank 0 creates the store. Only its address travels over the job's existing group, standing in for what a
+    launcher hands every rank before any group exists (MASTER_ADDR and MASTER_PORT, or a tcp:// or file:// URL);
+    everything after that goes through the new store alone."""
     if kind == "tcp":
         server = dist.TCPStore("127.0.0.1", 0, ctx.world_size, is_master=True, wait_for_workers=False) \
             if ctx.rank == 0 else None
