@@ -55,6 +55,10 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def n_kv_head(self) -> int:  # key/value heads: as many as query heads (mlsys.llama has fewer with GQA)
+        return self.n_head
+
     @classmethod
     def preset(cls, name: str, vocab_size: int | None = None, **overrides) -> GPTConfig:
         if name not in PRESETS:
@@ -151,6 +155,21 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), kv_cache, start_pos)
         return x + self.mlp(self.ln_2(x))
 
+    # The serving seams: the engine's runner computes attention itself, over its paged cache, on packed (N, C)
+    # rows; these give it the block's own pieces around that attention (mlsys.llama has the same three).
+    def attention_qkv(self, x: torch.Tensor, pos=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, C) residual rows -> q, k, v (N, H, D) each: the input norm and the projections."""
+        q, k, v = self.attn.c_attn(self.ln_1(x)).chunk(3, dim=-1)
+        return tuple(t.unflatten(-1, (-1, self.attn.head_dim)) for t in (q, k, v))
+
+    def attention_out(self, y: torch.Tensor) -> torch.Tensor:
+        """Attention output (N, H * D) -> (N, C): the output projection."""
+        return self.attn.c_proj(y)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, C) residual rows -> the MLP's contribution (N, C), norm included."""
+        return self.mlp(self.ln_2(x))
+
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -174,6 +193,19 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.h
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Packed token ids and their positions (N,) -> residual rows (N, C), and what attention needs to know
+        of the positions besides (nothing: GPT-2's positions are in the rows already)."""
+        return self.wte(ids) + self.wpe(positions), None
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual rows (..., C) -> logits (..., V): the final norm and the head."""
+        return self.lm_head(self.ln_f(x))
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
         """One empty `KVCache` per layer, on the model's device and dtype."""

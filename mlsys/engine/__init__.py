@@ -15,10 +15,16 @@ The parts, each a file (vLLM's and SGLang's names for them):
     sampler.py       sample: greedy / temperature / top-k, one seeded generator per request
     tokenizer.py     encode_prompt, IncrementalDetokenizer
     engine.py        Engine, EngineConfig: the step loop tying them together
+    llm.py           LLM: vLLM's offline interface (LLM(model=...).generate) on top of Engine
+
+    from mlsys.engine import LLM, SamplingParams
+    outputs = LLM(model="small").generate(['{"name": "ada", '], SamplingParams(max_tokens=40))
+    print(outputs[0].outputs[0].text)
 """
 
 from mlsys.engine.block_manager import BlockManager, BlockPool
 from mlsys.engine.engine import Engine, EngineConfig
+from mlsys.engine.llm import LLM
 from mlsys.engine.model_runner import ModelInput, ModelRunner
 from mlsys.engine.radix_cache import RadixCache
 from mlsys.engine.request import RequestMetrics, RequestOutput, SamplingParams, Sequence, SequenceStatus
@@ -26,7 +32,7 @@ from mlsys.engine.scheduler import Scheduler, SchedulerOutput
 from mlsys.engine.tokenizer import IncrementalDetokenizer
 
 __all__ = [
-    "BlockManager", "BlockPool", "Engine", "EngineConfig", "IncrementalDetokenizer", "ModelInput", "ModelRunner",
+    "BlockManager", "BlockPool", "Engine", "EngineConfig", "IncrementalDetokenizer", "LLM", "ModelInput", "ModelRunner",
     "RadixCache", "RequestMetrics", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput", "Sequence",
     "SequenceStatus",
 ]

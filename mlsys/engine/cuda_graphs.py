@@ -121,24 +121,24 @@ class CUDAGraphRunner:
         """The decode step on static buffers: reads b's inputs, writes b.logits and b.next_ids.
         Fixed shapes, no .item(), no Python branch on tensor values: this is what a graph records."""
         model, r = self.runner.model, self.runner
-        B, H, D = b.input_ids.size(0), r.n_head, r.head_dim
-        x = model.wte(b.input_ids) + model.wpe(b.positions)  # (B, C)
+        B, H, H_kv, D = b.input_ids.size(0), r.n_head, r.n_kv_head, r.head_dim
+        x, pos = model.embed(b.input_ids, b.positions)  # (B, C)
         visible = self.key_pos[None, :] <= b.positions[:, None]  # (B, Kmax): keys up to each position
         mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         mask = mask[:, None, None, :]  # (B, 1, 1, Kmax) additive, as the eager runner's
-        for i, block in enumerate(model.h):
-            q, k, v = block.attn.c_attn(block.ln_1(x)).view(B, 3, H, D).unbind(1)  # 3 x (B, H, D)
-            k_pool, v_pool = self.k_cache_ext[i], self.v_cache_ext[i]  # (nb + 1, bs, H, D)
-            k_pool.view(-1, H, D).index_copy_(0, b.slot_mapping, k)
-            v_pool.view(-1, H, D).index_copy_(0, b.slot_mapping, v)
-            keys = F.embedding(b.block_tables, k_pool.view(k_pool.size(0), -1))  # (B, max_blocks, bs * H * D)
+        for i, block in enumerate(model.blocks):
+            q, k, v = block.attention_qkv(x, pos)  # (B, H, D), (B, H_kv, D) x 2
+            k_pool, v_pool = self.k_cache_ext[i], self.v_cache_ext[i]  # (nb + 1, bs, H_kv, D)
+            k_pool.view(-1, H_kv, D).index_copy_(0, b.slot_mapping, k)
+            v_pool.view(-1, H_kv, D).index_copy_(0, b.slot_mapping, v)
+            keys = F.embedding(b.block_tables, k_pool.view(k_pool.size(0), -1))  # (B, max_blocks, bs * H_kv * D)
             values = F.embedding(b.block_tables, v_pool.view(v_pool.size(0), -1))
-            keys = keys.view(B, -1, H, D).transpose(1, 2)  # (B, H, Kmax, D)
-            values = values.view(B, -1, H, D).transpose(1, 2)
+            keys = keys.view(B, -1, H_kv, D).transpose(1, 2).repeat_interleave(H // H_kv, dim=1)  # (B, H, Kmax, D)
+            values = values.view(B, -1, H_kv, D).transpose(1, 2).repeat_interleave(H // H_kv, dim=1)
             y = F.scaled_dot_product_attention(q.view(B, 1, H, D).transpose(1, 2), keys, values, attn_mask=mask)
-            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(B, H * D))  # (B, C)
-            x = x + block.mlp(block.ln_2(x))
-        logits = model.lm_head(model.ln_f(x))  # (B, V)
+            x = x + block.attention_out(y.transpose(1, 2).reshape(B, H * D))  # (B, C)
+            x = x + block.feed_forward(x)
+        logits = model.head(x)  # (B, V)
         next_ids = gumbel_sample(logits, b.temperature, b.noise)  # (B,)
         if b.logits is None:
             b.logits, b.next_ids = logits, next_ids

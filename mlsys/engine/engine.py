@@ -85,8 +85,8 @@ class Engine:
         # the caller's model; new weights reach the engine only through load_weights().
         self.model = copy.deepcopy(model).to(c.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer()
-        if self.tokenizer.vocab_size != model.config.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, the model {model.config.vocab_size}")
+        if self.tokenizer.vocab_size > model.config.vocab_size:  # a checkpoint's embedding may be padded larger
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {model.config.vocab_size}")
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.scheduling)
         self.runner = ModelRunner(self.model, c.num_blocks, c.block_size, c.device)

@@ -1,4 +1,7 @@
-"""Runs the GPT's weights over a packed batch, reading and writing a paged KV cache.
+"""Runs the model's weights over a packed batch, reading and writing a paged KV cache.
+
+The model is the book's GPT or a Llama-style checkpoint (mlsys.llama); the runner reaches it only through
+embed / blocks / head and each block's attention_qkv / attention_out / feed_forward.
 
 `mlsys.model.GPT.forward` takes a rectangle (B, T) of tokens that all start at
 the same position. A serving step is ragged: one request prefills 40 prompt
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mlsys.model import GPT
+from mlsys.model import GPT  # or mlsys.llama.Llama: the runner uses only the seams both models have
 
 
 @dataclass
@@ -67,11 +70,12 @@ class ModelRunner:
         self.device = torch.device(device)
         c = model.config
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.n_head, self.head_dim = c.n_head, c.head_dim
-        dtype = model.wte.weight.dtype
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        dtype = next(model.parameters()).dtype
         # --8<-- [start:kv_pool]
-        # The KV pool: for each layer, K and V of every block, (num_blocks, block_size, H, D).
-        shape = (c.n_layer, num_blocks, block_size, c.n_head, c.head_dim)
+        # The KV pool: for each layer, K and V of every block, (num_blocks, block_size, H_kv, D). H_kv is the
+        # number of key/value heads: all the heads for the book's GPT, fewer with grouped-query attention.
+        shape = (c.n_layer, num_blocks, block_size, c.n_kv_head, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         # --8<-- [end:kv_pool]
@@ -158,30 +162,30 @@ class ModelRunner:
         return [order[:cut], order[cut:]]
 
     # --8<-- [start:attention]
-    def attention(self, layer: int, attn, x: torch.Tensor, m: ModelInput) -> torch.Tensor:
-        """x (N, C) -> (N, C): one layer's self-attention over the paged cache."""
-        N, C = x.shape
-        H, D = self.n_head, self.head_dim
-        q, k, v = attn.c_attn(x).view(N, 3, H, D).unbind(1)  # 3 x (N, H, D)
-        k_pool, v_pool = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, bs, H, D)
-        k_pool.view(-1, H, D).index_copy_(0, m.slot_mapping, k)  # write this step's keys into their slots
-        v_pool.view(-1, H, D).index_copy_(0, m.slot_mapping, v)
+    def attention(self, layer: int, q, k, v, m: ModelInput) -> torch.Tensor:
+        """q (N, H, D), k, v (N, H_kv, D) -> (N, H * D): one layer's self-attention over the paged cache."""
+        N, H, D = q.shape
+        k_pool, v_pool = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, bs, H_kv, D)
+        k_pool.view(-1, *k.shape[1:]).index_copy_(0, m.slot_mapping, k)  # write this step's keys into their slots
+        v_pool.view(-1, *v.shape[1:]).index_copy_(0, m.slot_mapping, v)
         if len(m.groups) == 1:
-            return attn.c_proj(self.attend(q, k_pool, v_pool, m.groups[0]))
-        y = q.new_empty(N, C)
+            return self.attend(q, k_pool, v_pool, m.groups[0])
+        y = q.new_empty(N, H * D)
         for g in m.groups:  # at most two: see split_by_shape
             y.index_copy_(0, g.token_index, self.attend(q.index_select(0, g.token_index), k_pool, v_pool, g))
-        return attn.c_proj(y)
+        return y
 
     def attend(self, q: torch.Tensor, k_pool, v_pool, g: AttnGroup) -> torch.Tensor:
         """q (N_g, H, D) of one group -> attention output (N_g, H * D)."""
-        H, D = self.n_head, self.head_dim
+        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         S, Qmax = g.num_seqs, g.max_query_len
-        # gather each sequence's blocks in table order: one row of bs * H * D numbers per block
-        keys = F.embedding(g.block_tables, k_pool.view(self.num_blocks, -1))  # (S, max_blocks, bs * H * D)
+        # gather each sequence's blocks in table order: one row of bs * H_kv * D numbers per block
+        keys = F.embedding(g.block_tables, k_pool.view(self.num_blocks, -1))  # (S, max_blocks, bs * H_kv * D)
         values = F.embedding(g.block_tables, v_pool.view(self.num_blocks, -1))
-        keys = keys.view(S, -1, H, D).transpose(1, 2)  # (S, H, Kmax = max_blocks * bs, D)
-        values = values.view(S, -1, H, D).transpose(1, 2)
+        keys = keys.view(S, -1, H_kv, D).transpose(1, 2)  # (S, H_kv, Kmax = max_blocks * bs, D)
+        values = values.view(S, -1, H_kv, D).transpose(1, 2)
+        if H_kv != H:  # grouped-query attention: KV head j serves query heads j*H/H_kv .. (j+1)*H/H_kv - 1
+            keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
         if Qmax == 1:  # decode only: one query per sequence, already in order
             queries = q.view(S, 1, H, D).transpose(1, 2)  # (S, H, 1, D)
         else:
@@ -195,14 +199,15 @@ class ModelRunner:
     # --8<-- [start:forward]
     @torch.inference_mode()
     def execute(self, m: ModelInput, all_logits: bool = False) -> torch.Tensor:
-        """The GPT's forward on the packed batch -> logits (R, V) at m.logits_indices
+        """The model's forward on the packed batch -> logits (R, V) at m.logits_indices
         (or (N, V) for every packed token with all_logits, e.g. to verify draft tokens)."""
         model = self.model
-        x = model.wte(m.input_ids) + model.wpe(m.positions)  # (N, C)
-        for i, block in enumerate(model.h):
-            x = x + self.attention(i, block.attn, block.ln_1(x), m)
-            x = x + block.mlp(block.ln_2(x))
+        x, pos = model.embed(m.input_ids, m.positions)  # (N, C); pos: rotary angles for Llama, else None
+        for i, block in enumerate(model.blocks):
+            q, k, v = block.attention_qkv(x, pos)  # norm + projections: (N, H, D), (N, H_kv, D) x 2
+            x = x + block.attention_out(self.attention(i, q, k, v, m))
+            x = x + block.feed_forward(x)
         if not all_logits:
             x = x[m.logits_indices]  # only the rows we sample from pay for the (C, V) head
-        return model.lm_head(model.ln_f(x))
+        return model.head(x)
     # --8<-- [end:forward]

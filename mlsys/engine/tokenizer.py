@@ -45,3 +45,42 @@ class IncrementalDetokenizer:
         self.text += new_text
         return new_text
 # --8<-- [end:detok]
+
+
+class HFTokenizer:
+    """A checkpoint folder's tokenizer.json (Hugging Face `tokenizers`) behind the book tokenizer's interface:
+    vocab_size, bos_id / eos_id / pad_id, encode(text, bos=...), decode(ids). Subword tokens may end in half a
+    UTF-8 character; IncrementalDetokenizer above holds such text back until the character is complete."""
+
+    def __init__(self, path, bos_id: int | None = None, eos_id: int | None = None):
+        from tokenizers import Tokenizer as _Tokenizer  # lazy: only checkpoint folders need it
+
+        self.tok = _Tokenizer.from_file(str(path))
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + ([self.eos_id] if eos and self.eos_id is not None else [])
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+
+class TokenIdsOnly:
+    """For a checkpoint folder without a tokenizer.json: prompts must be token ids, and no text is streamed."""
+
+    def __init__(self, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+        self.vocab_size, self.bos_id, self.eos_id, self.pad_id = vocab_size, bos_id, eos_id, None
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        raise ValueError("this checkpoint has no tokenizer.json: give prompts as token ids "
+                         "({'prompt_token_ids': [...]})")
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return ""

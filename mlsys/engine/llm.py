@@ -1,0 +1,97 @@
+"""vLLM's offline interface on top of the engine: LLM(model=...).generate(prompts, SamplingParams).
+
+    from mlsys.engine import LLM, SamplingParams
+    llm = LLM(model="small")                       # the book's trained GPT, or a checkpoint folder's path
+    outputs = llm.generate(['{"name": "ada", ', {"prompt_token_ids": [1, 20, 21]}], SamplingParams(max_tokens=20))
+    for out in outputs:
+        print(out.prompt, out.outputs[0].text, out.outputs[0].token_ids)
+
+The names are vLLM's (`LLM`, `RequestOutput.outputs[0]`, `CompletionOutput.text/token_ids/finish_reason`) so that
+code written against this book reads like code written against vLLM. `Engine` stays the layer below: `llm.engine`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlsys.engine.engine import Engine, EngineConfig
+from mlsys.engine.request import SamplingParams
+from mlsys.engine.tokenizer import HFTokenizer, TokenIdsOnly
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+def load_model(model: str):
+    """(model, tokenizer or None) for one of the book's trained models ("small", "draft") or a checkpoint folder
+    (its tokenizer.json when it has one; a folder without one serves token-id prompts only)."""
+    from mlsys.checkpoint import CheckpointError
+    from mlsys.checkpoint import load_pretrained as load_folder
+    from mlsys.weights import RECIPES
+    from mlsys.weights import load_pretrained as load_book
+
+    if model in RECIPES:
+        return load_book(model), None
+    folder = Path(model)
+    if not folder.is_dir():
+        raise CheckpointError(f"model {model!r} is neither a book model ({', '.join(sorted(RECIPES))}) nor a "
+                              f"checkpoint folder")
+    net, _ = load_folder(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    first = lambda v: v[0] if isinstance(v, list) and v else v  # eos_token_id may be a list
+    bos, eos = first(config.get("bos_token_id")), first(config.get("eos_token_id"))
+    if not (folder / "tokenizer.json").exists():
+        return net, TokenIdsOnly(config["vocab_size"], bos, eos)
+    return net, HFTokenizer(folder / "tokenizer.json", bos, eos)
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        """model: "small", "draft" or a folder; engine_args: EngineConfig's fields (block_size,
+        enable_prefix_caching, max_num_seqs, max_model_len, ...)."""
+        net, tokenizer = load_model(model)
+        self.engine = Engine(net, tokenizer, EngineConfig(**engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Complete every prompt (a string, a {"prompt": str} or {"prompt_token_ids": [...]} dict, or a list of
+        them); outputs in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        texts, inputs = [], []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    texts.append(None)
+                    inputs.append(list(p["prompt_token_ids"]))
+                    continue
+                p = p["prompt"]
+            if not isinstance(p, str):
+                raise TypeError(f"a prompt is a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p)}")
+            texts.append(p)
+            inputs.append(p)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        finals = self.engine.generate(inputs, params)
+        return [RequestOutput(o.request_id, text, o.prompt_token_ids,
+                              [CompletionOutput(0, o.text, o.token_ids, o.finish_reason, o.logprobs)])
+                for text, o in zip(texts, finals)]

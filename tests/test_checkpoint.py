@@ -1,0 +1,315 @@
+"""Checkpoint folders and the Llama-style decoder against transformers.
+
+Small random-init models are built by `transformers` and written with `save_pretrained` (nothing is downloaded);
+mlsys.checkpoint reads the folder, and the logits and greedy tokens must equal transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mlsys.checkpoint import CheckpointError, load_pretrained  # noqa: E402
+from mlsys.llama import LlamaConfig, rope_frequencies  # noqa: E402
+from mlsys.model import generate  # noqa: E402
+
+VOCAB = 101
+LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+KINDS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(LLAMA)),
+    "llama-mha-bias-tied": ("LlamaConfig", "LlamaForCausalLM",
+                            dict(LLAMA, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
+    "llama3-rope-scaling": ("LlamaConfig", "LlamaForCausalLM",
+                            dict(LLAMA, num_key_value_heads=1, rope_parameters=dict(
+                                rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "qwen2-gqa": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA, rope_parameters=dict(rope_type="default",
+                                                                                       rope_theta=1e6))),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2,
+                                                   n_head=4, activation_function="gelu_new")),
+}
+
+
+def build(kind: str, folder, **save) -> torch.nn.Module:
+    config_name, model_name, kwargs = KINDS[kind]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+    with torch.no_grad():  # biases are zero at init: give them values, or a missing bias would go unnoticed
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(folder, **save)
+    # generate() would otherwise stop at, or with min_new_tokens suppress, the config's <eos> (Llama: id 2);
+    # the comparisons below are of plain greedy tokens, eos or not (the engine runs with ignore_eos)
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build(request.param, folder)
+    ours, _ = load_pretrained(folder)
+    return request.param, hf, ours
+
+
+def test_logits_equal_transformers(pair) -> None:
+    kind, hf, ours = pair
+    ids = torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    got, _ = ours(ids)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_cached_decoding_gives_the_greedy_tokens_of_transformers_generate(pair) -> None:
+    kind, hf, ours = pair
+    prompt = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                               pad_token_id=0)
+    assert torch.equal(generate(ours, prompt, 24), expected)
+    assert torch.equal(generate(ours, prompt, 24, use_cache=False), expected)  # the cache changes nothing
+
+
+def test_gqa_cache_holds_only_the_kv_heads(tmp_path) -> None:
+    build("llama-gqa", tmp_path)
+    model, config = load_pretrained(tmp_path)
+    cache = model.new_kv_cache(batch_size=1, max_len=10)
+    assert cache[0].k.shape == (1, config.num_key_value_heads, 10, config.head_dim) == (1, 2, 10, 16)
+
+
+def test_llama3_frequencies_follow_the_published_rule() -> None:
+    """Llama 3's RoPE scaling, checked frequency by frequency against its definition: wavelengths below
+    original/high_freq_factor kept, above original/low_freq_factor divided by factor, a blend in between."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    c = LlamaConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, rope_theta=500000.0,
+                    rope_scaling=scaling)
+    plain = LlamaConfig(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, rope_theta=500000.0)
+    scaled, base = rope_frequencies(c), rope_frequencies(plain)
+    wavelength = 2 * torch.pi / base
+    short, long = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert short.any() and long.any() and (~short & ~long).any()
+    assert torch.equal(scaled[short], base[short])
+    torch.testing.assert_close(scaled[long], base[long] / 8)
+    mid = ~short & ~long
+    assert ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all()
+
+
+def test_a_sharded_checkpoint_loads_the_same(tmp_path) -> None:
+    hf = build("llama-gqa", tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    ours, _ = load_pretrained(tmp_path)
+    ids = torch.arange(30)[None] % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[0], hf(ids).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_weights_load_and_decode(tmp_path) -> None:
+    build("qwen2-gqa", tmp_path)
+    model, _ = load_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    out = generate(model, torch.tensor([[1, 2, 3]]), 5)
+    assert out.shape == (1, 8)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no-config", "no config.json"),
+    ("bad-json", "not valid JSON"),
+    ("unsupported", "architecture 'MistralForCausalLM' is not supported; supported: GPT2LMHeadModel, "
+                    "LlamaForCausalLM, Qwen2ForCausalLM"),
+    ("no-weights", "no model.safetensors"),
+    ("missing-shard", "listed in the index but missing"),
+    ("broken-weights", "not a readable safetensors file"),
+    ("wrong-shape", "the weights do not fit the config"),
+    ("missing-field", "needs the field 'hidden_size'"),
+    ("not-a-folder", "not a folder"),
+])
+def test_a_broken_folder_is_one_line_naming_the_problem(tmp_path, damage, message) -> None:
+    folder = tmp_path / "ckpt"
+    build("llama-gqa", folder, max_shard_size="40KB" if damage == "missing-shard" else "1GB")
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "no-config":
+        (folder / "config.json").unlink()
+    elif damage == "bad-json":
+        (folder / "config.json").write_text("{not json")
+    elif damage == "unsupported":
+        (folder / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"])))
+    elif damage == "no-weights":
+        (folder / "model.safetensors").unlink()
+    elif damage == "missing-shard":
+        next(folder.glob("model-*.safetensors")).unlink()
+    elif damage == "broken-weights":
+        (folder / "model.safetensors").write_bytes(b"\x00" * 100)
+    elif damage == "wrong-shape":
+        (folder / "config.json").write_text(json.dumps(dict(config, intermediate_size=80)))
+    elif damage == "missing-field":
+        del config["hidden_size"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif damage == "not-a-folder":
+        folder = folder / "config.json"
+    with pytest.raises(CheckpointError) as err:
+        load_pretrained(folder)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------ through the serving engine
+ENGINE_SETTINGS = {
+    "paged": dict(block_size=4),
+    "prefix-cache": dict(block_size=4, enable_prefix_caching=True),
+    "chunked-prefill": dict(block_size=4, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_blocks=12, max_num_seqs=4, max_model_len=40),  # 4 x up to 10 blocks
+    "static": dict(block_size=8, scheduling="static", max_num_seqs=2),
+}
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen2-gqa", "llama3-rope-scaling"])
+def served(request, tmp_path_factory):
+    """A checkpoint whose vocabulary is the book's character tokenizer's, and transformers' greedy tokens for
+    four prompts that share a prefix (the prefix cache has something to reuse)."""
+    from mlsys.data import Tokenizer
+
+    kind = request.param
+    _, _, kwargs = KINDS[kind]
+    folder = tmp_path_factory.mktemp(kind + "-engine")
+    KINDS[kind + "-v"] = (KINDS[kind][0], KINDS[kind][1], dict(kwargs, vocab_size=Tokenizer().vocab_size))
+    try:
+        hf = build(kind + "-v", folder)
+    finally:
+        del KINDS[kind + "-v"]
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, Tokenizer().vocab_size, (9,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, Tokenizer().vocab_size, (n,), generator=g).tolist() for n in (1, 4, 7, 12)]
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=17, do_sample=False,
+                              pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    model, _ = load_pretrained(folder)
+    return model, prompts, expected
+
+
+@pytest.mark.parametrize("setting", sorted(ENGINE_SETTINGS) + ["overlap", "cuda-graph-path"])
+def test_the_engine_serves_a_checkpoint_with_transformers_greedy_tokens(served, setting) -> None:
+    from mlsys.engine import Engine, EngineConfig, SamplingParams
+    from mlsys.engine.overlap import OverlapEngine
+
+    model, prompts, expected = served
+    if setting == "overlap":  # chapter 10: the next step's schedule while this one computes
+        engine = OverlapEngine(model, config=EngineConfig(block_size=4))
+    elif setting == "cuda-graph-path":  # chapter 10's static decode path (uncaptured on a CPU)
+        engine = Engine(model, config=EngineConfig(block_size=4, cuda_graph_sizes=[1, 2, 4]))
+    else:
+        engine = Engine(model, config=EngineConfig(**ENGINE_SETTINGS[setting]))
+    params = SamplingParams(max_tokens=17, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    if setting == "prefix-cache":
+        outs = engine.generate(prompts, params)  # again: every prompt's shared blocks are now cached
+        assert [o.token_ids for o in outs] == expected
+        assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 4 * 8
+    if setting == "cuda-graph-path":
+        assert engine.runner.num_graph_steps > 0  # decode steps went through the static buffers
+    if setting == "preemption":
+        assert engine.scheduler.num_preemptions > 0  # the tokens above came through recomputation
+    if setting == "chunked-prefill":
+        assert engine.counters["num_steps"] > 4 * 2  # prompts of 10..21 tokens in chunks of at most 7
+    assert engine.block_manager.pool.num_available == engine.config.num_blocks  # nothing leaked
+
+
+def test_the_kv_pool_is_sized_by_kv_heads(served) -> None:
+    from mlsys.engine import Engine, EngineConfig
+
+    model, _, _ = served
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=40))
+    c = model.config
+    assert engine.runner.k_cache.shape == (c.num_hidden_layers, 40, 4, c.num_key_value_heads, c.head_dim)
+    assert engine.runner.kv_cache_bytes == 2 * c.num_hidden_layers * 40 * 4 * c.num_key_value_heads * c.head_dim * 4
+
+
+# ------------------------------------------------------------------------ vLLM's interface
+def byte_level_bpe(folder, vocab_size: int) -> None:
+    """A small byte-level BPE trained on a few lines with `tokenizers`, saved as the folder's tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = ["the cat sat on the mat", "naïve café — déjà vu", "数据并行 and 张量并行", "emoji 🙂 and more 🙂"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_llm_generate_with_a_folder_and_its_tokenizer(tmp_path) -> None:
+    from tokenizers import Tokenizer
+
+    from mlsys.engine import LLM, SamplingParams
+
+    _, _, kwargs = KINDS["qwen2-gqa"]
+    KINDS["qwen2-bpe"] = (KINDS["qwen2-gqa"][0], KINDS["qwen2-gqa"][1], dict(kwargs, vocab_size=400))
+    try:
+        hf = build("qwen2-bpe", tmp_path)
+    finally:
+        del KINDS["qwen2-bpe"]
+    byte_level_bpe(tmp_path, 400)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    llm = LLM(model=str(tmp_path), block_size=4, enable_prefix_caching=True)
+    prompts = ["the cat", "déjà", {"prompt_token_ids": [5, 6, 7]}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else tok.encode(prompt).ids
+        assert out.prompt_token_ids == ids and out.prompt == (None if isinstance(prompt, dict) else prompt)
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            expected = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                                   pad_token_id=0)[0, len(ids):].tolist()
+        completion = out.outputs[0]
+        assert completion.token_ids == expected and completion.finish_reason == "length"
+        if "\ufffd" not in tok.decode(expected):  # random weights: the tokens may not be whole characters
+            assert completion.text == tok.decode(expected)
+
+
+def test_streamed_text_of_subword_tokens_is_the_text() -> None:
+    """Byte-level BPE tokens may split a character (é, 数, 🙂 are 2 to 4 bytes): fed one token at a time, the
+    incremental detokenizer holds text back until each character is whole, and the pieces add up to the text."""
+    import tempfile
+    from pathlib import Path
+
+    from mlsys.engine.tokenizer import HFTokenizer, IncrementalDetokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        byte_level_bpe(Path(folder), 300)
+        tok = HFTokenizer(Path(folder) / "tokenizer.json", bos_id=0, eos_id=1)
+    text = "naïve café, 数据并行 🙂 déjà"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some token really is part of a character
+    detok, pieces = IncrementalDetokenizer(tok, [0]), []
+    for i in ids:
+        piece = detok.step([i])
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    assert "".join(pieces) == text == detok.text
+
+
+def test_llm_without_a_tokenizer_takes_token_ids_only(tmp_path) -> None:
+    from mlsys.engine import LLM, SamplingParams
+
+    build("llama-gqa", tmp_path)
+    llm = LLM(model=str(tmp_path), block_size=8)
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer.json: give prompts as token ids"):
+        llm.generate("text")
+    with pytest.raises(CheckpointError, match="neither a book model"):
+        LLM(model=str(tmp_path / "nowhere"))
