@@ -242,15 +242,28 @@ def num_params(model: nn.Module, non_embedding: bool = False) -> int:
 # ------------------------------------------------------------- generation
 
 
-def sample_next(logits, temperature: float = 0.0, top_k: int | None = None, generator=None):
-    """logits (B, V) -> next ids (B,). temperature 0 means greedy (argmax)."""
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
+def filter_logits(logits, temperature: float, top_k: int | None = None, top_p: float | None = None):
+    """The logits (B, V) a sampler draws from: divided by the temperature, then everything outside the top k
+    and outside the nucleus (the fewest most likely tokens whose probability reaches top_p) set to -inf."""
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = F.softmax(ordered, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
+        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the first token always stays
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return logits
+
+
+def sample_next(logits, temperature: float = 0.0, top_k: int | None = None, generator=None,
+                top_p: float | None = None):
+    """logits (B, V) -> next ids (B,). temperature 0 means greedy (argmax)."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
@@ -258,6 +271,7 @@ def sample_next(logits, temperature: float = 0.0, top_k: int | None = None, gene
 def generate(
     model: GPT, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
     generator: torch.Generator | None = None, use_cache: bool = True, eos_id: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """Extend the prompt idx (B, T0) by up to max_new_tokens -> (B, T0 + n). A row that
     emitted eos_id repeats it; all rows done ends the loop. Dropout on? Call model.eval()."""
@@ -268,7 +282,7 @@ def generate(
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
     logits, _ = model(idx, kv_cache=cache)  # prefill: (B, T0, V)
     for _ in range(max_new_tokens):
-        next_id = sample_next(logits[:, -1], temperature, top_k, generator)  # (B,)
+        next_id = sample_next(logits[:, -1], temperature, top_k, generator, top_p)  # (B,)
         if eos_id is not None:
             next_id = next_id.masked_fill(done, eos_id)
             done |= next_id == eos_id

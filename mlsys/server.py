@@ -141,8 +141,10 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     if not _is_number(temperature) or not 0 <= temperature <= 2:
         raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
     top_p = body.get("top_p", 1.0)
-    if top_p not in (1, 1.0, None):
-        raise RequestError("top_p other than 1 is not supported by this server; use top_k", param="top_p")
+    if top_p is None:
+        top_p = 1.0
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise RequestError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
     top_k = body.get("top_k")
     if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
         raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
@@ -164,7 +166,8 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
-                            seed=seed % 2**64 if seed is not None else None, ignore_eos=flags["ignore_eos"])
+                            top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
+                            ignore_eos=flags["ignore_eos"])
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
 

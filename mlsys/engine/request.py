@@ -34,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 32  # generate at most this many tokens
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_k: int | None = None  # keep the k most likely tokens before sampling
+    top_p: float = 1.0  # then keep the fewest most likely tokens whose probability reaches top_p (nucleus)
     seed: int | None = None  # a private torch.Generator per request: same seed, same tokens
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept)
     ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
@@ -47,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.stop_token_ids = tuple(self.stop_token_ids)
 # --8<-- [end:sampling_params]
 

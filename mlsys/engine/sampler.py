@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mlsys.engine.request import Sequence
-from mlsys.model import sample_next
+from mlsys.model import filter_logits, sample_next
 
 
 # --8<-- [start:sample]
@@ -34,7 +34,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             gen = seq.generator
             if gen is not None and gen.device != row.device:
                 row = row.cpu()  # per-request generators live on the CPU
-            next_ids[i] = sample_next(row, p.temperature, p.top_k, gen)[0]
+            next_ids[i] = sample_next(row, p.temperature, p.top_k, gen, p.top_p)[0]
     return next_ids.tolist()
 # --8<-- [end:sample]
 
@@ -43,8 +43,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[float | None]:
     """log p(token) of each row's sampled token, for the rows whose request asked (SamplingParams.logprobs);
     None for the others. The distribution is the one `sample` drew from: the raw softmax for a greedy row,
-    softmax(logits / temperature) with everything below the k-th largest masked to -inf for a sampling row
-    (the same ops as `sample_next`, so a top-k token's log-prob is renormalised over the k kept tokens)."""
+    softmax(logits / temperature) with everything outside the top k and the top-p nucleus masked to -inf for
+    a sampling row (`filter_logits`, as `sample_next`: a kept token's log-prob is renormalised over the kept
+    tokens)."""
     out: list[float | None] = [None] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.logprobs and s.params.temperature == 0]
     if greedy:  # one batched log_softmax over all greedy rows: (G, V) -> (G,)
@@ -52,13 +53,10 @@ def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list
         logp = torch.log_softmax(logits[rows].float(), dim=-1).gather(1, ids[rows][:, None]).squeeze(1)
         for i, lp in zip(greedy, logp.tolist()):
             out[i] = lp
-    for i, seq in enumerate(seqs):  # sampling rows: each has its own temperature and top_k
+    for i, seq in enumerate(seqs):  # sampling rows: each has its own temperature, top_k and top_p
         p = seq.params
         if p.logprobs and p.temperature > 0:
-            row = logits[i : i + 1].float() / p.temperature  # (1, V), exactly as sample_next scales it
-            if p.top_k is not None:
-                kth = torch.topk(row, min(p.top_k, row.size(-1))).values[:, -1:]  # (1, 1)
-                row = row.masked_fill(row < kth, float("-inf"))
+            row = filter_logits(logits[i : i + 1].float(), p.temperature, p.top_k, p.top_p)  # as sample_next
             out[i] = torch.log_softmax(row, dim=-1)[0, token_ids[i]].item()
     return out
 # --8<-- [end:logprobs]
