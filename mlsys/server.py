@@ -91,7 +91,7 @@ class CompletionRequest:
 _ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
              "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
              "frequency_penalty", "logit_bias"}
-_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,), "stop": (None, [], ""),
+_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,),
             "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
             "logit_bias": (None, {})}
 
@@ -151,6 +151,10 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
         raise RequestError(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) for x in stop):
+        raise RequestError("'stop' must be a string or a list of at most 4 strings", param="stop")
     flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
     for key, value in flags.items():
         if not isinstance(value, bool):
@@ -167,7 +171,7 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
                             top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
-                            ignore_eos=flags["ignore_eos"])
+                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x))
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
 
@@ -579,7 +583,9 @@ class ServerThread:
         """Drain and stop; returns {"in_flight", "drained", "cut"}: HTTP requests being handled when stop began
         (streams, plain completions, bodies still arriving), how many ended by themselves, how many were cut at
         the grace period (or by `force()`). uvicorn's per-task traceback for a cut is replaced by that count."""
-        at_stop = set(self.server.server_state.tasks)  # one C-level copy under the GIL
+        # one C-level copy under the GIL; a task already done (its answer sent, its removal from the set still
+        # queued on the loop) was not in flight
+        at_stop = {task for task in set(self.server.server_state.tasks) if not task.done()}
         deadline = time.monotonic() + (timeout if timeout is not None else self.grace_seconds + 30.0)
         try:
             self.server.should_exit = True

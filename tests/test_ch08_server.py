@@ -147,6 +147,13 @@ def test_token_id_prompt_and_seeded_sampling(small_model, served, client):
                                       extra_body={"top_k": 5}).choices[0].text for _ in range(2))
     want = Engine(small_model).generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=7))
     assert a == b == want[0].text
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=40, temperature=0,
+                                        stop=[", ", "zzz"], extra_body={"ignore_eos": True}).choices[0]
+    full = reference(small_model, [PROMPTS[5]], 40)[0].text
+    assert ", " in full and stopped.text == full[: full.find(", ")] and stopped.finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=40, temperature=0,
+                                       stop=", ", stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == stopped.text
     nucleus = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=20, temperature=1.0, seed=7,
                                         top_p=0.8).choices[0].text
     want = Engine(small_model).generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=1.0, top_p=0.8, seed=7))
@@ -199,6 +206,8 @@ BAD = [  # (body, status, words the message must contain)
     ({"model": MODEL, "prompt": "abc", "n": 2}, 400, "n=2 is not supported"),
     ({"model": MODEL, "prompt": "abc", "top_k": 0}, 400, "'top_k' must be a positive integer"),
     ({"model": MODEL, "prompt": "abc", "top_p": 0}, 400, "'top_p' must be a number in (0, 1]"),
+    ({"model": MODEL, "prompt": "abc", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 strings"),
+    ({"model": MODEL, "prompt": "abc", "stop": [1]}, 400, "'stop' must be a string or a list"),
     ({"model": MODEL, "prompt": "abc", "top_p": 1.01}, 400, "'top_p' must be a number in (0, 1]"),
     ({"model": MODEL, "prompt": "abc", "foo": 1}, 400, "unrecognized request argument 'foo'"),
 ]

@@ -60,3 +60,64 @@ def test_the_engine_samples_inside_the_nucleus_with_its_logprob(small_model) -> 
     narrow = SamplingParams(max_tokens=24, temperature=1.3, top_p=1e-6, seed=0, ignore_eos=True)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     assert engine.generate(prompts[:1], narrow)[0].token_ids == engine.generate(prompts[:1], greedy)[0].token_ids
+
+
+# ------------------------------------------------------------------------ stop strings
+def run_streamed(engine, prompt, params) -> tuple[list[str], object]:
+    rid = engine.add_request(prompt, params)
+    pieces, final = [], None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                pieces.append(out.new_text)
+                final = out if out.finished else None
+    return pieces, final
+
+
+@pytest.mark.parametrize("engine_kind", ["plain", "overlap"])
+def test_stop_strings_end_the_text_where_they_first_appear(small_model, engine_kind) -> None:
+    from mlsys.engine.overlap import OverlapEngine
+
+    make = OverlapEngine if engine_kind == "overlap" else Engine
+    engine = make(small_model, config=EngineConfig(block_size=8))
+    tok = engine.tokenizer
+    prompt = '{"name": "ada", '
+    base = engine.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True))[0]
+    full, ids = base.text, base.token_ids
+    for stops in ([full[20:23]], [full[30:32], full[12:16]], ["never in it \u00e9"], [full[5:6], full[4:9]]):
+        pieces, out = run_streamed(engine, prompt, SamplingParams(max_tokens=60, ignore_eos=True, stop=stops))
+        if not any(s in full for s in stops):
+            assert out.finish_reason == "length" and out.text == full and out.token_ids == ids
+            continue
+        # oracle: the fewest tokens whose decoded text contains a stop string, and that text up to the first one
+        k = next(k for k in range(1, len(ids) + 1) if any(s in tok.decode(ids[:k]) for s in stops))
+        text = tok.decode(ids[:k])
+        cut = min(i for i in (text.find(s) for s in stops) if i >= 0)
+        assert out.finish_reason == "stop" and out.token_ids == ids[:k]
+        assert out.text == text[:cut] == "".join(pieces)
+        sent = ""
+        for piece in pieces:  # no stop string is ever streamed, not even in part beyond what the text keeps
+            sent += piece
+            assert not any(s in sent for s in stops) and full.startswith(sent)
+
+
+def test_stop_strings_cut_inside_a_subword_token(tmp_path) -> None:
+    """With byte-level BPE a stop string may end in the middle of a token: the text is cut there."""
+    from test_checkpoint import KINDS, build, byte_level_bpe
+
+    from mlsys.engine import LLM
+
+    _, _, kwargs = KINDS["llama-gqa"]
+    KINDS["llama-bpe"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1], dict(kwargs, vocab_size=300))
+    try:
+        build("llama-bpe", tmp_path)
+    finally:
+        del KINDS["llama-bpe"]
+    byte_level_bpe(tmp_path, 300)
+    llm = LLM(model=str(tmp_path), block_size=4)
+    base = llm.generate("the cat", SamplingParams(max_tokens=40, ignore_eos=True))[0].outputs[0]
+    text = base.text
+    assert len(text) > 12
+    stop = text[7:10]
+    out = llm.generate("the cat", SamplingParams(max_tokens=40, ignore_eos=True, stop=stop))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]

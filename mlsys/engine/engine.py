@@ -34,7 +34,7 @@ from mlsys.engine.model_runner import ModelRunner
 from mlsys.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
 from mlsys.engine.sampler import sample, sampled_logprobs
 from mlsys.engine.scheduler import Scheduler
-from mlsys.engine.tokenizer import IncrementalDetokenizer, encode_prompt
+from mlsys.engine.tokenizer import IncrementalDetokenizer, StopStrings, encode_prompt
 from mlsys.model import GPT
 
 
@@ -122,6 +122,7 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, arrival_time, eos_token_id=self.tokenizer.eos_id)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            seq.stop_strings = StopStrings(params.stop) if any(params.stop) else None
             self.requests[rid] = seq
             self.scheduler.add(seq)
         return rid
@@ -234,7 +235,7 @@ class Engine:
                 seq.append_token(token, now, self.config.max_model_len, logprob)
                 self.counters["num_generated_tokens"] += 1
                 self.block_manager.cache_full_blocks(seq)
-                new_text = seq.detokenizer.step([token])
+                new_text = self._detokenize(seq, token)
             except Exception as err:
                 outputs.append(self._fail(seq, err))
                 continue
@@ -245,12 +246,23 @@ class Engine:
             outputs.append(self._output(seq, [token], new_text))
         return outputs
 
+    @staticmethod
+    def _detokenize(seq: Sequence, token: int) -> str:
+        """The text a sampled token adds, after the request's stop strings (which may finish it)."""
+        new_text = seq.detokenizer.step([token])
+        if seq.stop_strings is not None:
+            new_text = seq.stop_strings.step(new_text, final=seq.is_finished)
+            if seq.stop_strings.stopped and not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+        return new_text
+
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
         finished = seq.is_finished
+        text = seq.stop_strings.text if seq.stop_strings is not None else seq.detokenizer.text
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), new_token_ids=list(new_ids),
-            text=seq.detokenizer.text, new_text=new_text, finished=finished,
+            text=text, new_text=new_text, finished=finished,
             finish_reason=seq.status.value if finished else None, metrics=seq.metrics,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
         )

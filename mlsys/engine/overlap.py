@@ -143,11 +143,12 @@ class OverlapEngine(Engine):
             assert seq.output_token_ids.pop() == PLACEHOLDER
             seq.append_token(token, now, self.config.max_model_len, logprob)  # the plain engine's finish rules
             self.counters["num_generated_tokens"] += 1
+            new_text = self._detokenize(seq, token)  # a stop string may finish it too
             if seq.is_finished:
                 seq.metrics.finish_time = now
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token], seq.detokenizer.step([token])))
+            outputs.append(self._output(seq, [token], new_text))
         return outputs
 
     def _fix_next(self, tokens: dict) -> None:

@@ -37,6 +37,7 @@ class SamplingParams:
     top_p: float = 1.0  # then keep the fewest most likely tokens whose probability reaches top_p (nucleus)
     seed: int | None = None  # a private torch.Generator per request: same seed, same tokens
     stop_token_ids: tuple[int, ...] = ()  # finish when one of these is generated (it is kept)
+    stop: tuple[str, ...] = ()  # finish where the text first contains one of these (left out of the text)
     ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
     logprobs: bool = False  # also return log p(token) of each sampled token, under the distribution it was
     # drawn from: softmax(logits / temperature) after the top-k filter when sampling, the raw softmax when greedy
@@ -51,6 +52,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 # --8<-- [end:sampling_params]
 
 
@@ -118,6 +120,7 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.detokenizer = None  # set by the engine when it has a tokenizer
+        self.stop_strings = None  # a StopStrings filter on the text, when params.stop has any
 
     @property
     def token_ids(self) -> list[int]:  # prompt + generated: what the KV cache holds, in order

@@ -84,3 +84,33 @@ class TokenIdsOnly:
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return ""
+
+
+class StopStrings:
+    """OpenAI's and vLLM's `stop`: end a request where its text first contains one of these strings, the string
+    itself left out. While streaming, the last len(longest stop) - 1 characters are held back, since they may be
+    the start of a stop string that the next token completes; they are sent once they cannot be (or at the end)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.seen = ""  # the text so far, cut at a stop string once one is found
+        self.sent = 0  # characters of `seen` already streamed
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return self.seen[: self.sent]
+
+    def step(self, new_text: str, final: bool) -> str:
+        """The detokenizer's new text in -> the part that may be streamed now."""
+        if self.stopped:
+            return ""
+        start = max(0, len(self.seen) - self.hold)  # a stop string may begin in the held-back tail
+        self.seen += new_text
+        hits = [i for i in (self.seen.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.seen, self.stopped, final = self.seen[: min(hits)], True, True
+        end = len(self.seen) if final else max(self.sent, len(self.seen) - self.hold)
+        piece, self.sent = self.seen[self.sent : end], end
+        return piece
