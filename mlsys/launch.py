@@ -38,6 +38,7 @@ kernel to kill them if the parent dies, so no rank outlives its job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -314,7 +315,8 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
                                    args=(rank, worker, worker_args, opts, env, theirs))
             procs.append(proc)  # before start: a Ctrl-C inside start() must still find it in the finally
             conns.append(ours)
-            proc.start()
+            with _interrupt_after():  # so that a started rank always has its pid, for _terminate to stop it
+                proc.start()
             theirs.close()
         ranks, stragglers = _watch(procs, conns, opts.timeout)
     finally:
@@ -335,6 +337,26 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
         raise _failure(failed, ranks)
     message = ranks[0].message
     return message[1] if message is not None and message[0] == "ok" else None
+
+
+@contextlib.contextmanager
+def _interrupt_after():
+    """Hold a Ctrl-C back until the block ends, then raise it. Process.start() learns a forkserver child's pid
+    only after the child exists; a KeyboardInterrupt in between left a running rank with no pid: _terminate
+    could not stop it (an orphan, and the store's shutdown waited for its connection)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread receives Python's signal handlers
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pending and callable(previous):
+            previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+        elif pending and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 @dataclass

@@ -269,3 +269,21 @@ def test_two_node_torchrun_on_one_machine(tmp_path) -> None:
     result = json.loads((tmp_path / "node0.json").read_text())["results"]  # global rank 0 lives on node 0
     assert result["world_size"] == 2 and result["ok"] is True
     assert not (tmp_path / "node1.json").exists()  # only rank 0 reports
+
+
+def test_a_ctrl_c_while_a_rank_starts_is_raised_once_it_has_started() -> None:
+    """The launcher holds a Ctrl-C back while Process.start() runs (a started rank must have its pid, or nothing
+    can stop it), then raises it."""
+    from mlsys.launch import _interrupt_after
+
+    reached_end, before = False, signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a script
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _interrupt_after():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # a handler that raised would have raised by now, before the next line
+                reached_end = True
+        assert reached_end
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
