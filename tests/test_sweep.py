@@ -11,12 +11,14 @@ These cases carry the `sweep` marker: `make test` leaves them out to stay within
 runs them (about 20 minutes on 2 cores), and CI (.ci/run) runs both.
 
     make sweep                                       # all of it
+    MLSYS_SWEEP_REPORT=sweep.jsonl make sweep        # and append every (script, size, exit code) to a file
     python -m pytest tests/test_sweep.py -m sweep -k chapter05
 """
 
 from __future__ import annotations
 
 import json
+import os
 from itertools import groupby
 
 import pytest
@@ -39,6 +41,10 @@ def sweep(scripts: list, sizes: list[int], *flags: str, timeout: float = 500) ->
                for r in (json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("SWEEP "))}
     wanted = [(s.name, w) for s in scripts for w in sizes]
     assert sorted(results) == sorted(wanted), f"the sweep stopped early:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if os.environ.get("MLSYS_SWEEP_REPORT"):  # a file to append the exit codes to, for the record
+        with open(os.environ["MLSYS_SWEEP_REPORT"], "a", encoding="utf-8") as report:
+            report.write(json.dumps({"flags": list(flags), "codes": [[s, w, c] for (s, w), c in results.items()]})
+                         + "\n")
     failed = {key: code for key, code in results.items() if code not in (0, 2)}
     assert not failed, f"(script, world size): exit code {failed}\n{proc.stderr[-5000:]}"
     for script in scripts:
