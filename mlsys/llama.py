@@ -81,7 +81,6 @@ class LlamaConfig:
         return self.num_key_value_heads
 
 
-# --8<-- [start:rope]
 def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     """(head_dim / 2,) angular frequency of each pair of dimensions: theta^(-2i / head_dim), and with Llama 3's
     scaling, long wavelengths slowed down by `factor` (smoothly between the low and high frequency bounds)."""
@@ -105,7 +104,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     layout Hugging Face's Llama uses, not adjacent pairs); cos, sin are (T, D) with each angle twice."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
-# --8<-- [end:rope]
 
 
 class RMSNorm(nn.Module):

@@ -183,20 +183,37 @@ def test_killed_parent_leaves_no_orphans(tmp_path) -> None:
     assert wait_dead(pids(tmp_path)) == []
 
 
+def as_from_a_terminal() -> None:
+    """Ctrl-C as a shell leaves it to a program it starts: SIGINT at its default and not blocked. A test worker may
+    carry a different state (an ignored disposition and a blocked mask are inherited through exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def signal_state(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "(gone)"
+    return " ".join(line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 @pytest.mark.timeout(120)
 def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
     parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--pid-dir", str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=as_from_a_terminal)
     deadline = time.monotonic() + 60
     while len(pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
+    state = signal_state(parent.pid)
     parent.send_signal(signal.SIGINT)
     try:
         _, err = parent.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         parent.kill()
         _, err = parent.communicate()
-        pytest.fail(f"the launcher was still running 30 s after SIGINT; its stderr:\n{err[-3000:]}")
+        pytest.fail(f"the launcher was still running 30 s after SIGINT ({state}); its stderr:\n{err[-3000:]}")
     assert parent.returncode != 0, err
     assert wait_dead(pids(tmp_path)) == []
 
