@@ -61,12 +61,12 @@ def test_help_and_bad_flags_in_a_real_process(name) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
-def test_smoke_run(script, tmp_path, record_property) -> None:
+def test_smoke_run(script, tmp_path, record_property, preloaded) -> None:
     out = tmp_path / "results.json"
     args = [script, "--smoke", "--json", out]
     if "PlotArgs" in script.read_text():  # the script draws: give it a figure dir
         args += ["--plot-dir", tmp_path / "figures"]
-    proc = timed_run(script_id(script), args, record_property, timeout=170)
+    proc = timed_run(script_id(script), args, record_property, runner=preloaded, timeout=170)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     doc = json.loads(out.read_text())
     assert doc["results"], "the JSON results are empty"
