@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -380,6 +381,26 @@ class AsyncEngine:
 
 
 # ================================================================================================ the app
+class _MarkAnswered:
+    """ASGI middleware: remembers each request's task once the last byte of its response has been handed to the
+    server. Such a task may still be finishing when shutdown counts what is in flight; it is not."""
+
+    def __init__(self, app: Any, answered: weakref.WeakSet) -> None:
+        self.app, self.answered = app, answered
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        task = asyncio.current_task()  # uvicorn runs the whole request in this one task
+
+        async def marking_send(message: dict) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.answered.add(task)
+
+        await self.app(scope, receive, marking_send)
+
+
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
                body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine).
@@ -403,6 +424,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         await front.stop()
 
     app = FastAPI(title="mlsys inference server", lifespan=lifespan)
+    app.state.answered = weakref.WeakSet()  # tasks whose response is complete (ServerThread.stop reads it)
+    app.add_middleware(_MarkAnswered, answered=app.state.answered)
     app.state.async_engine = front
     started = int(time.time())
 
@@ -564,6 +587,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.host, self.port, self.grace_seconds = host, port, grace_seconds
         self.front: AsyncEngine | None = getattr(getattr(app, "state", None), "async_engine", None)
+        self.answered = getattr(getattr(app, "state", None), "answered", ())  # requests already answered
         self._forced: set = set()  # the tasks force() cancelled
         self._cuts = _CutCounter()  # from the start: a second signal may cut before stop() begins
 
@@ -583,9 +607,10 @@ class ServerThread:
         """Drain and stop; returns {"in_flight", "drained", "cut"}: HTTP requests being handled when stop began
         (streams, plain completions, bodies still arriving), how many ended by themselves, how many were cut at
         the grace period (or by `force()`). uvicorn's per-task traceback for a cut is replaced by that count."""
-        # one C-level copy under the GIL; a task already done (its answer sent, its removal from the set still
-        # queued on the loop) was not in flight
-        at_stop = {task for task in set(self.server.server_state.tasks) if not task.done()}
+        # one C-level copy under the GIL; a task whose answer is complete was not in flight, even if it has not
+        # returned yet (or its removal from the set is still queued on the loop)
+        at_stop = {task for task in set(self.server.server_state.tasks)
+                   if not task.done() and task not in self.answered}
         deadline = time.monotonic() + (timeout if timeout is not None else self.grace_seconds + 30.0)
         try:
             self.server.should_exit = True
@@ -611,7 +636,7 @@ class ServerThread:
 
         def cut_all() -> None:
             for task in list(self.server.server_state.tasks):
-                if task.cancel():  # False for a task that has already ended
+                if task not in self.answered and task.cancel():  # False for a task that has already ended
                     self._forced.add(task)
             loop.call_later(0.05, cut_all)  # and any request whose headers were still on their way: until the end
 

@@ -340,3 +340,34 @@ def test_serve_warns_off_loopback_and_uses_its_api_key(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
     assert proc.returncode == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_request_already_answered_is_not_counted_in_flight() -> None:
+    """A handler may still be running after the last byte of its answer went out (here it lingers 3 s on purpose);
+    a shutdown at that moment has nothing in flight to drain or cut."""
+    import weakref
+
+    from mlsys.server import _MarkAnswered
+
+    async def endpoint(scope, receive, send):  # a raw ASGI app: answer, then keep running
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})  # startup / shutdown: nothing to do
+                if message["type"] == "lifespan.shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+        await asyncio.sleep(3)
+
+    class State:
+        answered = weakref.WeakSet()
+
+    app = _MarkAnswered(endpoint, State.answered)
+    app.state = State
+    server = ServerThread(app, grace_seconds=10).start()
+    assert httpx.get(f"{server.url}/", timeout=30).text == "ok"
+    assert len(server.server.server_state.tasks) == 1  # the handler is still running
+    counts = server.stop()
+    assert counts == {"in_flight": 0, "drained": 0, "cut": 0}, counts
