@@ -177,7 +177,8 @@ NEAR_VALID = st.fixed_dictionaries(  # a valid model and prompt, every other fie
               "temperature": st.floats(0, 2) | st.floats(0, 2) | st.floats(0, 2) | EDGE_FLOATS,
               "top_k": st.none() | st.integers(1, 50) | st.integers(1, 50) | EDGE_INTS,
               "seed": st.none() | st.integers(0, 100) | EDGE_INTS | st.sampled_from([2**64, 2**70, -(2**63) - 1]),
-              "top_p": st.just(1.0) | st.just(1.0) | st.just(1.0) | EDGE_FLOATS,
+              "top_p": st.just(1.0) | st.floats(0.01, 1.0) | st.floats(0.01, 1.0) | EDGE_FLOATS,
+              "stop": st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | SCALARS,
               "stream": st.booleans(), "ignore_eos": st.booleans(),
               "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": 1}, {}, None])})
 
