@@ -281,3 +281,20 @@ def test_calculator_weights_too_big_and_bad_flags(tmp_path, monkeypatch, capsys)
             cli.parse(mod.Settings, argv=flags)
         assert exc.value.code == 2, flags
         assert len(capsys.readouterr().err.strip().splitlines()) == 1, flags
+
+
+# ------------------------------------------------------------------------------------------------- GQA memory
+@pytest.mark.timeout(120)
+def test_gqa_pool_bytes_and_concurrency(tmp_path_factory) -> None:
+    """The pool the engine allocates holds 2 * L * H_kv * D * 4 bytes per token (kv_memory's formula, and the
+    tensors' own byte count); a quarter of the K/V heads buys four times the blocks in the same budget, and no
+    fewer sequences per step."""
+    r = run_json(tmp_path_factory, CH09 / "gqa_memory.py", "--smoke", "--kv-heads", "2")
+    mha, gqa = r["runs"]["MHA"], r["runs"]["GQA"]
+    layers, head_dim = 2, 128 // 8  # the --smoke model: 2 layers, hidden 128, 8 heads
+    for run, kv_heads in ((mha, 8), (gqa, 2)):
+        assert run["bytes_per_token"] == kvm.kv_bytes_per_token(layers, kv_heads, head_dim, 4)
+        assert run["pool_bytes"] == run["num_blocks"] * 16 * run["bytes_per_token"] <= 256 * 1024
+        assert run["generated"] == 8 * 16  # every request to its length
+    assert gqa["num_blocks"] == 4 * mha["num_blocks"]
+    assert gqa["mean_running"] >= mha["mean_running"] and gqa["steps"] <= mha["steps"]
