@@ -52,6 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlsys.chat import ChatError, chat_body, chat_chunk, normalize_messages, render_book, render_template
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
 
@@ -95,6 +96,13 @@ _ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "
 _NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,),
             "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
             "logit_bias": (None, {})}
+# /v1/chat/completions: messages instead of a prompt, and the chat API's own optional fields
+_CHAT_ACCEPTED = (_ACCEPTED - {"prompt", "best_of", "echo", "suffix"}) | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"}
+_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED}, "logprobs": (False, None),
+                 "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
+                 "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
 
 
 def _is_int(x: Any) -> bool:
@@ -106,8 +114,11 @@ def _is_number(x: Any) -> bool:
 
 
 # --8<-- [start:validate]
-def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> CompletionRequest:
-    """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad."""
+def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: bool = False,
+                             chat_template: str | None = None) -> CompletionRequest:
+    """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
+    chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
+    accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -117,11 +128,11 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
     for key in body:
-        if key not in _ACCEPTED:
+        if key not in accepted:
             raise RequestError(f"unrecognized request argument {key!r}", param=key)
-        if key in _NEUTRAL and body[key] not in _NEUTRAL[key]:
+        if key in neutral and body[key] not in neutral[key]:
             raise RequestError(f"{key}={body[key]!r} is not supported by this server", param=key)
-    for key in ("model", "prompt"):
+    for key in ("model", "messages" if chat else "prompt"):
         if key not in body:
             raise RequestError(f"missing required argument {key!r}", param=key)
     if not isinstance(body["model"], str):
@@ -129,9 +140,13 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
     if body["model"] != model_name:
         raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
                            status=404, param="model", code="model_not_found")
-    ids = _prompt_ids(body["prompt"], engine)
+    ids = _chat_ids(body["messages"], engine, chat_template) if chat else _prompt_ids(body["prompt"], engine)
     max_len = engine.config.max_model_len
-    max_tokens = body.get("max_tokens", 16)  # OpenAI's default
+    if chat:  # the chat API's default: as many tokens as the context leaves
+        given = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = max(1, max_len - len(ids)) if given is None else given
+    else:
+        max_tokens = body.get("max_tokens", 16)  # OpenAI's default
     if not _is_int(max_tokens):
         raise RequestError(f"'max_tokens' must be an integer, got {max_tokens!r}", param="max_tokens")
     if max_tokens < 1 or len(ids) + max_tokens > max_len:
@@ -175,6 +190,22 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str) -> Com
                             ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x))
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
+
+
+def _chat_ids(messages: Any, engine: Engine, template: str | None) -> list[int]:
+    """The messages rendered by the checkpoint's chat template, or by the book's (the last user message)."""
+    tok = engine.tokenizer
+    try:
+        messages = normalize_messages(messages)
+        if template is None:
+            return encode_prompt(tok, render_book(messages))
+        special = getattr(tok, "token_text", lambda i: "")
+        text = render_template(template, messages, special(tok.bos_id), special(tok.eos_id))
+        return tok.encode(text)  # the template writes the special tokens it wants
+    except ChatError as err:
+        raise RequestError(str(err), param=err.param) from None
+    except ValueError as err:  # a character outside the model's alphabet
+        raise RequestError(f"'messages' cannot be tokenized: {err}", param="messages") from None
 
 
 def _prompt_ids(prompt: Any, engine: Engine) -> list[int]:
@@ -402,8 +433,10 @@ class _MarkAnswered:
 
 
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app: /v1/completions, /v1/models, /health over one AsyncEngine (app.state.async_engine).
+               body_timeout: float = BODY_TIMEOUT_S, chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health over one AsyncEngine
+    (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template) or, without one,
+    the book's template (mlsys/chat.py).
 
     With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401
     otherwise); /health stays open for load balancers. A body that stalls for `body_timeout` s gets a 408."""
@@ -461,13 +494,21 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     # --8<-- [start:completions]
     @app.post("/v1/completions")
     async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, chat=True)
+
+    async def answer(request: Request, chat: bool):
         check_key(request)
-        req = parse_completion_request(await read_body(request, timeout=body_timeout), engine, model_name)
+        req = parse_completion_request(await read_body(request, timeout=body_timeout), engine, model_name, chat,
+                                       chat_template)
         front.check_alive()  # before a stream starts: its status line must say 503
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
         if req.stream:
-            return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage),
+            return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage, chat),
                                      media_type="text/event-stream")
         try:
             final = await _collect(outputs, request)
@@ -477,8 +518,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
             raise RequestError(GENERATION_FAILED, status=500, code="generation_failed") from None
         if final is None:  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
-        body = completion_body(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final))
-        return JSONResponse(body)
+        shape = chat_body if chat else completion_body
+        return JSONResponse(shape(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final)))
     # --8<-- [end:completions]
 
     return app
@@ -510,20 +551,27 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: floa
 
 # --8<-- [start:stream]
 async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, created: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE]."""
+                  include_usage: bool, chat: bool = False) -> AsyncIterator[bytes]:
+    """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE].
+    A chat stream opens with the assistant's role and carries its text as deltas (mlsys/chat.py)."""
     last = None
     try:
+        if chat:
+            yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         async for out in outputs:
             last = out
-            if out.new_text or out.finished:
+            if chat and (out.new_text or out.finished):
+                delta = {"content": out.new_text} if out.new_text else {}
+                yield sse_event(chat_chunk(rid, model, created, delta, finish_reason_of(out)))
+            elif out.new_text or out.finished:
                 yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out)))
     except Exception:  # the engine failed mid-stream: tell the client in-band, then end the stream
         yield sse_event(RequestError(GENERATION_FAILED, status=500, code="generation_failed").body())
     finally:
         await outputs.aclose()  # a cancelled stream (client gone) closes the generator: its abort is queued
     if include_usage and last is not None:
-        yield sse_event(completion_body(rid, model, created, "", None, usage_of(last), with_choice=False))
+        yield sse_event(chat_chunk(rid, model, created, None, usage=usage_of(last)) if chat else
+                        completion_body(rid, model, created, "", None, usage_of(last), with_choice=False))
     yield sse_event("[DONE]")
 # --8<-- [end:stream]
 

@@ -161,6 +161,47 @@ def test_token_id_prompt_and_seeded_sampling(small_model, served, client):
 
 
 @pytest.mark.timeout(60)
+def test_chat_completions_plain_and_streamed_with_the_book_template(small_model, served, client):
+    """The book's template prompts with the last user message: the chat answer is the completion of that text."""
+    messages = [{"role": "system", "content": "ignored by the book's models"},
+                {"role": "user", "content": [{"type": "text", "text": PROMPTS[4]}]}]
+    want = reference(small_model, [PROMPTS[4]], 20, ignore_eos=True)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == want.text and choice.finish_reason == "length"
+    assert chat.usage.prompt_tokens == len(want.prompt_token_ids) and chat.usage.completion_tokens == 20
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+BAD_CHAT = [
+    ({"model": MODEL}, "missing required argument 'messages'"),
+    ({"model": MODEL, "messages": []}, "'messages' must be a non-empty list"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "{"}]}, "'messages[0].role' must be one of"),
+    ({"model": MODEL, "messages": [{"role": "system", "content": "{"}]}, "there is none"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "must be a string or a list of text parts"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "n": 2}, "n=2 is not supported"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {"type": "json_object"}},
+     "is not supported by this server"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "prompt": "{"}, "unrecognized request"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 0}, "between 1"),
+]
+
+
+@pytest.mark.parametrize("body, words", BAD_CHAT, ids=[str(i) for i in range(len(BAD_CHAT))])
+def test_bad_chat_requests_get_a_clear_400(served, body, words):
+    r = httpx.post(f"{served[0].url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.timeout(60)
 def test_sse_wire_format(served):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{served[0].url}/v1/completions", json=body) as r:

@@ -313,3 +313,39 @@ def test_llm_without_a_tokenizer_takes_token_ids_only(tmp_path) -> None:
         llm.generate("text")
     with pytest.raises(CheckpointError, match="neither a book model"):
         LLM(model=str(tmp_path / "nowhere"))
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.timeout(120)
+def test_chat_with_a_checkpoint_template_renders_as_transformers_does(tmp_path) -> None:
+    """The server renders a checkpoint's chat template; transformers' apply_chat_template on the same tokenizer is
+    the oracle for the prompt's token ids, and the answer is the engine's greedy completion of those ids."""
+    import openai
+
+    from mlsys.engine import LLM, SamplingParams
+    from mlsys.server import ServerThread, create_app
+
+    _, _, kwargs = KINDS["llama-gqa"]
+    KINDS["llama-chat"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
+                           dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
+    try:
+        build("llama-chat", tmp_path)
+    finally:
+        del KINDS["llama-chat"]
+    byte_level_bpe(tmp_path, 300)  # "<s>" is id 0, "</s>" id 1
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
+    oracle = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
+                                                  eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    rendered = oracle.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+    llm = LLM(model=str(tmp_path), block_size=4)
+    want = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    with ServerThread(create_app(llm.engine, "tiny-chat", chat_template=CHAT_TEMPLATE)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(ids) and ids[0] == 0  # the template's <s>
+    assert chat.choices[0].message.content == want.outputs[0].text

@@ -71,6 +71,10 @@ class HFTokenizer:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
+    def token_text(self, token_id: int | None) -> str:
+        """The text of one token (a chat template writes <s>, </s> and the like by name); "" for None."""
+        return "" if token_id is None else (self.tok.id_to_token(token_id) or "")
+
 
 class TokenIdsOnly:
     """For a checkpoint folder without a tokenizer.json: prompts must be token ids, and no text is streamed."""

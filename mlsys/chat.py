@@ -1,0 +1,101 @@
+"""OpenAI's chat format over the engine: a list of messages becomes one prompt, and answers take the chat shapes.
+
+A chat model is a completion model with a convention for turning messages into text: its chat template. A
+checkpoint folder carries one in tokenizer_config.json (a Jinja template, rendered here the way Hugging Face's
+`apply_chat_template` does: `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`). The book's own
+models were never trained on conversations, so their documented template is the simplest honest one:
+
+    BOOK TEMPLATE: the prompt is <bos> followed by the content of the LAST user message; system and earlier turns
+    are not shown to the model (it has no notion of roles). `"messages": [{"role": "user", "content": "{"}]` is
+    the chat form of `"prompt": "{"`.
+
+Answers: a `chat.completion` with `choices[0].message = {"role": "assistant", "content": text}`; streamed, a
+`chat.completion.chunk` whose first delta is the role, then one delta of content per step, then an empty delta
+with the finish_reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatError(ValueError):
+    """A messages list the server refuses (a 400); `param` names the offending field."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """[{"role", "content"}] with content as one string (a list of {"type": "text", "text"} parts is joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ChatError(f"'{where}' must be an object", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ChatError(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ChatError(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": ...}} (this server "
+                                f"reads text only)", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ChatError(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def render_book(messages: list[dict[str, str]]) -> str:
+    """The book template: the last user message's content (the caller adds <bos> when it encodes it)."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users or not users[-1]:
+        raise ChatError("the book's models are prompted with the last user message, and there is none (or it is "
+                        "empty)")
+    return users[-1]
+
+
+def render_template(template: str, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = "") -> str:
+    """A checkpoint's Jinja chat template, rendered as Hugging Face renders it (sandboxed)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatError(f"the chat template refused these messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                bos_token=bos_token, eos_token=eos_token)
+    except TemplateError as err:
+        raise ChatError(f"the chat template failed: {err}") from None
+
+
+def chat_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+              usage: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
+               usage: dict | None = None) -> dict:
+    """One streamed chunk; delta None: the usage-only chunk (no choices), as OpenAI sends it last."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
