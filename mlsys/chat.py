@@ -99,3 +99,21 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, fi
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+def template_of(folder) -> str | None:
+    """The chat template a checkpoint folder ships in tokenizer_config.json (the default one if it names several),
+    or None."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

@@ -349,3 +349,32 @@ def test_chat_with_a_checkpoint_template_renders_as_transformers_does(tmp_path) 
                                               extra_body={"ignore_eos": True})
     assert chat.usage.prompt_tokens == len(ids) and ids[0] == 0  # the template's <s>
     assert chat.choices[0].message.content == want.outputs[0].text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "ids-only"])
+def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer, preloaded) -> None:
+    from conftest import run as plain_run
+    from conftest import scripts_dir
+
+    run = preloaded.run if preloaded is not None else plain_run
+
+    _, _, kwargs = KINDS["qwen2-gqa"]
+    KINDS["qwen2-serve"] = (KINDS["qwen2-gqa"][0], KINDS["qwen2-gqa"][1], dict(kwargs, vocab_size=300))
+    try:
+        build("qwen2-serve", tmp_path / "tiny-qwen")
+    finally:
+        del KINDS["qwen2-serve"]
+    if with_tokenizer:
+        byte_level_bpe(tmp_path / "tiny-qwen", 300)
+    out = tmp_path / "r.json"
+    proc = run([scripts_dir(8) / "serve.py", "--model", tmp_path / "tiny-qwen", "--smoke", "--json", out],
+               timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "serving tiny-qwen on http://127.0.0.1:" in proc.stdout
+    result = json.loads(out.read_text())["results"]
+    assert result["plain_text"] == result["expected_text"] and result["usage"]["completion_tokens"] == 8
+    assert (result["expected_text"] != "") == with_tokenizer
+    if with_tokenizer:
+        bad = run([scripts_dir(8) / "serve.py", "--model", tmp_path / "nowhere"], timeout=60)
+        assert bad.returncode == 2 and "neither 'small', 'draft' nor a checkpoint folder" in bad.stderr

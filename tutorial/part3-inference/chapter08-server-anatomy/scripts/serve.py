@@ -36,6 +36,11 @@ Try next
         -> (server running) a 400 in OpenAI's error format: prompt + max_tokens exceed the 256 positions
     curl http://127.0.0.1:8000/health
         -> (server running) the engine's counters: running and waiting requests, free KV blocks
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"model": "mlsys-small", "messages": [{"role": "user", "content": "{"}], "max_tokens": 40}'
+        -> (server running) the chat form: the book's model is prompted with the last user message
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --model path/to/checkpoint --forever
+        -> your own GPT-2, Llama or Qwen2 folder (config.json + safetensors), with its tokenizer and chat template
 """
 
 from __future__ import annotations
@@ -46,18 +51,23 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import torch
 
 from mlsys import cli, report
+from mlsys.chat import template_of
 from mlsys.engine import Engine, EngineConfig, SamplingParams
+from mlsys.engine.llm import load_model
 from mlsys.server import DEFAULT_MODEL_NAME, ServerThread, create_app
-from mlsys.weights import load_pretrained
 
 
 @dataclass
 class Settings(cli.Args):
+    model: str = "small"
+    """The book's "small" or "draft" model, or a Hugging Face checkpoint folder (config.json + *.safetensors of a
+    GPT-2, Llama or Qwen2; its tokenizer.json and chat template are used when it has them)."""
     host: str = "127.0.0.1"
     """Address to bind. The default accepts connections from this machine only."""
     port: int = 0
@@ -78,6 +88,8 @@ class Settings(cli.Args):
     """On Ctrl-C or SIGTERM, how long requests in flight may run on before they are cut."""
 
     def validate(self) -> None:
+        if self.model not in ("small", "draft") and not Path(self.model).is_dir():
+            raise cli.UsageError(f"--model {self.model!r} is neither 'small', 'draft' nor a checkpoint folder")
         if not 0 <= self.port <= 65535:
             raise cli.UsageError(f"--port must lie in 0..65535, got {self.port}")
         if self.serve_seconds < 0:
@@ -97,22 +109,21 @@ PROMPT = '{"name": "grace", '
 
 
 # --8<-- [start:client]
-def demo(base: str, max_tokens: int, smoke: bool, api_key: str = "") -> dict:
+def demo(base: str, max_tokens: int, smoke: bool, api_key: str = "", model: str = DEFAULT_MODEL_NAME,
+         prompt: str | list[int] = PROMPT) -> dict:
     """Real requests over HTTP (the smoke run sends only the first); returns what came back."""
     import openai
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key or "not-needed")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    plain = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens,
-                                       temperature=0)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
     print(f"POST /v1/completions (stream=false) ->\n{json.dumps(plain.model_dump(exclude_none=True), indent=1)}\n")
     result = {"plain_text": plain.choices[0].text, "usage": plain.usage.model_dump(exclude_none=True)}
     if smoke:
         return result
     print("GET /health ->", httpx.get(f"{base}/health").json())
     print("GET /v1/models ->", httpx.get(f"{base}/v1/models", headers=headers).json()["data"], "\n")
-    body = {"model": DEFAULT_MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     streamed, lines = [], []
     print("POST /v1/completions (stream=true) -> Server-Sent Events:")
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=60) as response:
@@ -123,7 +134,7 @@ def demo(base: str, max_tokens: int, smoke: bool, api_key: str = "") -> dict:
                 streamed.append(json.loads(line[6:])["choices"][0]["text"])
     print(f"  {lines[0]}\n  ... {len(lines) - 3} more, one per step, with texts {streamed[1:9]} ...\n"
           f"  {lines[-2]}\n  {lines[-1]}")
-    bad = httpx.post(f"{base}/v1/completions", json={"model": DEFAULT_MODEL_NAME, "prompt": "", "max_tokens": 5},
+    bad = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "", "max_tokens": 5},
                      headers=headers)
     print(f"\nPOST with an empty prompt -> {bad.status_code} {bad.json()['error']['message']!r}")
     return {**result, "stream_text": "".join(streamed), "stream_events": len(lines), "bad_status": bad.status_code}
@@ -164,17 +175,25 @@ def main() -> int:
     if args.host not in LOOPBACK:
         print(f"warning: --host {args.host} accepts connections from other machines: anyone who reaches this port "
               f"can use the model{'' if args.api_key else ' (add --api-key KEY to require a key)'}", file=sys.stderr)
-    model = load_pretrained("small")
-    engine = Engine(model, config=EngineConfig(max_num_seqs=args.max_num_seqs))
+    model, tokenizer = load_model(args.model)  # a folder: its own tokenizer, or token ids only
+    name = {"small": DEFAULT_MODEL_NAME, "draft": "mlsys-draft"}.get(args.model) or Path(args.model).resolve().name
+    prompt: str | list[int] = PROMPT
+    if tokenizer is not None:
+        try:
+            tokenizer.encode(PROMPT)
+        except ValueError:  # a folder without tokenizer.json: the demo sends token ids
+            prompt = list(range(1, 9))
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs))
     # the oracle, no HTTP: the engine's own greedy output
-    expected = Engine(model).generate([PROMPT], SamplingParams(max_tokens=args.max_tokens))[0].text
-    app = create_app(engine, api_key=args.api_key or None)
+    expected = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=args.max_tokens))[0].text
+    template = template_of(args.model) if Path(args.model).is_dir() else None
+    app = create_app(engine, name, api_key=args.api_key or None, chat_template=template)
     server = ServerThread(app, host=args.host, port=args.port, grace_seconds=args.grace_seconds).start()
     signals = StopSignals()
     signals.server = server
     try:
-        print(f"serving {DEFAULT_MODEL_NAME} on {server.url} (OpenAI base_url {server.url}/v1)\n")
-        result = demo(server.url, args.max_tokens, args.smoke, args.api_key)
+        print(f"serving {name} on {server.url} (OpenAI base_url {server.url}/v1)\n")
+        result = demo(server.url, args.max_tokens, args.smoke, args.api_key, name, prompt)
         report.expect_equal("text of stream=false vs the engine", result["plain_text"], expected)
         if "stream_text" in result:
             report.expect_equal("text of stream=true vs the engine", result["stream_text"], expected)
