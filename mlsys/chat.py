@@ -82,17 +82,17 @@ def render_template(template: str, messages: list[dict[str, str]], bos_token: st
 
 
 def chat_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-              usage: dict) -> dict:
+              usage: dict, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish_reason}],
             "usage": usage}
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage: dict | None = None) -> dict:
+               usage: dict | None = None, logprobs: dict | None = None) -> dict:
     """One streamed chunk; delta None: the usage-only chunk (no choices), as OpenAI sends it last."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": choices}

@@ -93,14 +93,14 @@ class CompletionRequest:
 _ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
              "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
              "frequency_penalty", "logit_bias"}
-_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None), "logprobs": (None,),
+_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None),
             "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
             "logit_bias": (None, {})}
 # /v1/chat/completions: messages instead of a prompt, and the chat API's own optional fields
 _CHAT_ACCEPTED = (_ACCEPTED - {"prompt", "best_of", "echo", "suffix"}) | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls"}
-_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED}, "logprobs": (False, None),
+_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED},
                  "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
                  "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
 
@@ -181,13 +181,20 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
                            param="stream_options")
     if options and not flags["stream"]:
         raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    logprobs = body.get("logprobs")  # chat: true/false; completions: how many alternatives (0: none)
+    if chat and logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError(f"'logprobs' must be true or false, got {logprobs!r}", param="logprobs")
+    if not chat and logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
+        raise RequestError(f"logprobs={logprobs!r} is not supported by this server: 0 returns the log-prob of "
+                           f"each sampled token; alternatives are not returned yet", param="logprobs")
     if temperature < SAMPLING_EPS:  # below this, dividing the logits overflows: treated as greedy, as vLLM does
         temperature = 0.0
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
                             top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
-                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x))
+                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x),
+                            logprobs=logprobs is True if chat else logprobs is not None)
     return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
 # --8<-- [end:validate]
 
@@ -241,14 +248,29 @@ def sse_event(payload: dict | str) -> bytes:
 
 
 def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage: dict | None = None, with_choice: bool = True) -> dict:
+                    usage: dict | None = None, with_choice: bool = True, logprobs: dict | None = None) -> dict:
     """An OpenAI `text_completion` object: the whole answer, or one streamed chunk of it."""
-    choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
+    choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}] if with_choice else []
     body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if usage is not None:
         body["usage"] = usage
     return body
 # --8<-- [end:sse]
+
+
+def logprobs_of(out: RequestOutput, tokenizer, chat: bool, new_only: bool = False) -> dict | None:
+    """The log-probs block of a choice, for the tokens of `out` (or only this step's): OpenAI's completions shape
+    (tokens, token_logprobs, text_offset) or its chat shape (content: token, logprob, bytes); None if not asked."""
+    if out.logprobs is None:
+        return None
+    ids = out.new_token_ids if new_only else out.token_ids
+    values = out.logprobs[len(out.logprobs) - len(ids):]
+    tokens = [tokenizer.decode([i]) for i in ids]
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
+                            for t, lp in zip(tokens, values)]}
+    offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
 def usage_of(out: RequestOutput) -> dict:
@@ -508,7 +530,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
         if req.stream:
-            return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage, chat),
+            return StreamingResponse(_stream(outputs, rid, model_name, created, req.include_usage, chat,
+                                             engine.tokenizer),
                                      media_type="text/event-stream")
         try:
             final = await _collect(outputs, request)
@@ -519,7 +542,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         if final is None:  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         shape = chat_body if chat else completion_body
-        return JSONResponse(shape(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final)))
+        return JSONResponse(shape(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final),
+                                  logprobs=logprobs_of(final, engine.tokenizer, chat)))
     # --8<-- [end:completions]
 
     return app
@@ -551,7 +575,7 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: floa
 
 # --8<-- [start:stream]
 async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, created: int,
-                  include_usage: bool, chat: bool = False) -> AsyncIterator[bytes]:
+                  include_usage: bool, chat: bool = False, tokenizer: Any = None) -> AsyncIterator[bytes]:
     """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE].
     A chat stream opens with the assistant's role and carries its text as deltas (mlsys/chat.py)."""
     last = None
@@ -560,11 +584,14 @@ async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, c
             yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         async for out in outputs:
             last = out
-            if chat and (out.new_text or out.finished):
+            speaks = out.new_text or out.finished or (out.logprobs is not None and out.new_token_ids)
+            if chat and speaks:
                 delta = {"content": out.new_text} if out.new_text else {}
-                yield sse_event(chat_chunk(rid, model, created, delta, finish_reason_of(out)))
-            elif out.new_text or out.finished:
-                yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out)))
+                yield sse_event(chat_chunk(rid, model, created, delta, finish_reason_of(out),
+                                           logprobs=logprobs_of(out, tokenizer, True, new_only=True)))
+            elif speaks:
+                yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out),
+                                                logprobs=logprobs_of(out, tokenizer, False, new_only=True)))
     except Exception:  # the engine failed mid-stream: tell the client in-band, then end the stream
         yield sse_event(RequestError(GENERATION_FAILED, status=500, code="generation_failed").body())
     finally:

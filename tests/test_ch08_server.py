@@ -181,6 +181,27 @@ def test_chat_completions_plain_and_streamed_with_the_book_template(small_model,
     assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
 
 
+@pytest.mark.timeout(60)
+def test_logprobs_of_the_sampled_tokens_plain_streamed_and_chat(small_model, served, client):
+    """logprobs=0 (completions) and logprobs=true (chat): each sampled token's log-prob, equal to the engine's."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=True, ignore_eos=True)
+    want = Engine(small_model).generate([PROMPTS[3]], params)[0]
+    common = dict(model=MODEL, max_tokens=12, temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt=PROMPTS[3], logprobs=0, **common).choices[0]
+    assert plain.text == want.text and "".join(plain.logprobs.tokens) == want.text
+    assert plain.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    assert plain.logprobs.text_offset[0] == 0 and plain.logprobs.text_offset[1] == len(plain.logprobs.tokens[0])
+    streamed = [lp for c in client.completions.create(prompt=PROMPTS[3], logprobs=0, stream=True, **common)
+                if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want.logprobs, abs=1e-6)
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    chat = client.chat.completions.create(messages=messages, logprobs=True, **common).choices[0]
+    assert [t.logprob for t in chat.logprobs.content] == pytest.approx(want.logprobs, abs=1e-6)
+    assert "".join(t.token for t in chat.logprobs.content) == chat.message.content == want.text
+    plain = client.completions.create(prompt=PROMPTS[3], **common).choices[0]
+    assert plain.logprobs is None  # not asked for
+
+
 BAD_CHAT = [
     ({"model": MODEL}, "missing required argument 'messages'"),
     ({"model": MODEL, "messages": []}, "'messages' must be a non-empty list"),
@@ -192,12 +213,17 @@ BAD_CHAT = [
      "is not supported by this server"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "prompt": "{"}, "unrecognized request"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 0}, "between 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": 1}, "must be true or false"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": True, "top_logprobs": 3},
+     "top_logprobs=3 is not supported"),
+    ({"model": MODEL, "prompt": "{", "logprobs": 2}, "alternatives are not returned yet"),
 ]
 
 
 @pytest.mark.parametrize("body, words", BAD_CHAT, ids=[str(i) for i in range(len(BAD_CHAT))])
 def test_bad_chat_requests_get_a_clear_400(served, body, words):
-    r = httpx.post(f"{served[0].url}/v1/chat/completions", json=body, timeout=30)
+    route = "chat/completions" if "messages" in body or "prompt" not in body else "completions"
+    r = httpx.post(f"{served[0].url}/v1/{route}", json=body, timeout=30)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
