@@ -435,8 +435,8 @@ class AsyncEngine:
 
 # ================================================================================================ the app
 class _MarkAnswered:
-    """ASGI middleware: remembers each request's task once the last byte of its response has been handed to the
-    server. Such a task may still be finishing when shutdown counts what is in flight; it is not."""
+    """ASGI middleware: remembers each request's task as its last response bytes are handed to the server. Such a
+    task may still be finishing when shutdown counts what is in flight; it is not."""
 
     def __init__(self, app: Any, answered: weakref.WeakSet) -> None:
         self.app, self.answered = app, answered
@@ -447,9 +447,9 @@ class _MarkAnswered:
         task = asyncio.current_task()  # uvicorn runs the whole request in this one task
 
         async def marking_send(message: dict) -> None:
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self.answered.add(task)
+                self.answered.add(task)  # before the bytes go out: once the client has them, the mark is there
+            await send(message)
 
         await self.app(scope, receive, marking_send)
 
