@@ -77,8 +77,10 @@ def render_template(template: str, messages: list[dict[str, str]], bos_token: st
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                 bos_token=bos_token, eos_token=eos_token)
-    except TemplateError as err:
-        raise ChatError(f"the chat template failed: {err}") from None
+    except ChatError:
+        raise
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as err:  # whatever the messages
+        raise ChatError(f"the chat template failed on these messages: {err}") from None  # make it do
 
 
 def chat_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,

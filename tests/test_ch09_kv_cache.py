@@ -298,3 +298,11 @@ def test_gqa_pool_bytes_and_concurrency(tmp_path_factory) -> None:
         assert run["generated"] == 8 * 16  # every request to its length
     assert gqa["num_blocks"] == 4 * mha["num_blocks"]
     assert gqa["mean_running"] >= mha["mean_running"] and gqa["steps"] <= mha["steps"]
+
+
+def test_gqa_memory_refuses_a_budget_too_small_for_one_sequence() -> None:
+    from conftest import run
+
+    proc = run([CH09 / "gqa_memory.py", "--kv-kib", "1"], timeout=60)
+    assert proc.returncode == 2 and "cannot hold one 64-token sequence" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

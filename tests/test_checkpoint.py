@@ -378,3 +378,8 @@ def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer, preloaded
     if with_tokenizer:
         bad = run([scripts_dir(8) / "serve.py", "--model", tmp_path / "nowhere"], timeout=60)
         assert bad.returncode == 2 and "neither 'small', 'draft' nor a checkpoint folder" in bad.stderr
+        (tmp_path / "broken").mkdir()
+        (tmp_path / "broken" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        bad = run([scripts_dir(8) / "serve.py", "--model", tmp_path / "broken"], timeout=60)
+        assert bad.returncode == 2 and "needs the field 'vocab_size'" in bad.stderr, bad.stderr[-1000:]
+        assert "Traceback" not in bad.stderr

@@ -372,3 +372,27 @@ def test_a_request_already_answered_is_not_counted_in_flight() -> None:
     assert len(server.server.server_state.tasks) == 1  # the handler is still running
     counts = server.stop()
     assert counts == {"in_flight": 0, "drained": 0, "cut": 0}, counts
+
+
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]) | JSON,
+                                           "content": st.sampled_from(["{", ""]) | JSON}), max_size=3) | JSON
+CHAT_BODIES = st.fixed_dictionaries({"model": st.sampled_from([MODEL]) | JSON, "messages": MESSAGES},
+                                    optional={f: JSON for f in ["max_tokens", "max_completion_tokens", "temperature",
+                                                                "top_p", "stop", "logprobs", "top_logprobs", "n",
+                                                                "stream", "response_format", "tools", "seed"]})
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=CHAT_BODIES | JSON)
+def test_fuzzed_chat_json_never_gets_a_5xx(tiny_server, body):
+    server, _ = tiny_server
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body, allow_nan=True), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    if r.status_code == 200:
+        if "text/event-stream" in r.headers.get("content-type", ""):
+            assert r.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert r.json()["object"] == "chat.completion"
+    else:
+        assert_openai_error(r)

@@ -85,7 +85,7 @@ class LLM:
                     texts.append(None)
                     inputs.append(list(p["prompt_token_ids"]))
                     continue
-                p = p["prompt"]
+                p = p.get("prompt")
             if not isinstance(p, str):
                 raise TypeError(f"a prompt is a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p)}")
             texts.append(p)

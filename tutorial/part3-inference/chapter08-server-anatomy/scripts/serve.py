@@ -58,6 +58,7 @@ import torch
 
 from mlsys import cli, report
 from mlsys.chat import template_of
+from mlsys.checkpoint import CheckpointError
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.llm import load_model
 from mlsys.server import DEFAULT_MODEL_NAME, ServerThread, create_app
@@ -175,7 +176,10 @@ def main() -> int:
     if args.host not in LOOPBACK:
         print(f"warning: --host {args.host} accepts connections from other machines: anyone who reaches this port "
               f"can use the model{'' if args.api_key else ' (add --api-key KEY to require a key)'}", file=sys.stderr)
-    model, tokenizer = load_model(args.model)  # a folder: its own tokenizer, or token ids only
+    try:
+        model, tokenizer = load_model(args.model)  # a folder: its own tokenizer, or token ids only
+    except CheckpointError as err:  # a broken folder: one line, exit 2
+        raise cli.UsageError(str(err)) from None
     name = {"small": DEFAULT_MODEL_NAME, "draft": "mlsys-draft"}.get(args.model) or Path(args.model).resolve().name
     prompt: str | list[int] = PROMPT
     if tokenizer is not None:

@@ -69,6 +69,12 @@ class Settings(cli.Args):
             raise cli.UsageError(f"--kv-heads {self.kv_heads} must divide --heads {self.heads}")
         if self.prompt_len + self.max_tokens > 512:
             raise cli.UsageError("--prompt-len + --max-tokens must be at most 512")
+        mha_bytes = 2 * self.layers * self.hidden * 4  # per token, float32 K and V with every head
+        blocks_per_seq = -(-(self.prompt_len + self.max_tokens) // self.block_size)
+        need_kib = -(-mha_bytes * self.block_size * blocks_per_seq // 1024)
+        if self.kv_kib < need_kib:
+            raise cli.UsageError(f"--kv-kib {self.kv_kib} cannot hold one {self.prompt_len + self.max_tokens}-token "
+                                 f"sequence of the MHA model: it needs at least {need_kib} KiB")
 
 
 def build(args: Settings, kv_heads: int) -> Llama:
