@@ -40,7 +40,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # finish where the text first contains one of these (left out of the text)
     ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
     logprobs: bool = False  # also return log p(token) of each sampled token, under the distribution it was
-    # drawn from: softmax(logits / temperature) after the top-k filter when sampling, the raw softmax when greedy
+    # drawn from: softmax(logits / temperature) after the top-k and top-p filters when sampling, the raw softmax
+    # when greedy
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
