@@ -24,7 +24,8 @@ table is built by walking each token's string through the DFA from every state; 
 
 Supported subset: object (properties in order, all emitted), array (items, minItems, maxItems), string
 (enum, minLength, maxLength), integer (minimum, maximum; non-negative: the alphabet has no "-" or "."),
-boolean, null, enum and const anywhere, and `{}` = any JSON value nested at most `ANY_DEPTH` deep. Not
+boolean, null, enum and const anywhere, `{}` = any JSON value nested at most `ANY_DEPTH` deep, and an object
+without `properties` = any object (OpenAI's `json_object` mode is `{"type": "object"}`). Not
 supported: uniqueItems, patterns, optional-property omission, whitespace other than json.dumps'. Arbitrarily
 deep JSON needs a stack (a pushdown automaton); a fixed schema has a fixed depth, so a finite automaton does.
 
@@ -192,6 +193,8 @@ def build(nfa: NFA, schema: dict | bool, depth: int = ANY_DEPTH) -> tuple[int, i
         return nfa.alt(*(nfa.literal(_check_alphabet(json.dumps(v))) for v in values))
     kind = schema.get("type")
     if kind == "object":
+        if "properties" not in schema and schema.get("additionalProperties", True) is not False:
+            return _free_object(nfa, depth)  # {"type": "object"}: any object (OpenAI's json_object mode)
         props = schema.get("properties", {})
         unlisted = [k for k in schema.get("required", []) if k not in props]
         if unlisted:
@@ -241,10 +244,16 @@ def _any(nfa: NFA, depth: int) -> tuple[int, int]:
     scalars = [build(nfa, {"type": t}) for t in ("string", "integer", "boolean", "null")]
     if depth <= 0:
         return nfa.alt(*scalars)
-    pair = nfa.seq(build(nfa, {"type": "string"}), nfa.literal(": "), _any(nfa, depth - 1))
-    obj = nfa.seq(nfa.literal("{"), nfa.optional(nfa.loop(pair, ", ")), nfa.literal("}"))
     arr = nfa.seq(nfa.literal("["), nfa.optional(nfa.loop(_any(nfa, depth - 1), ", ")), nfa.literal("]"))
-    return nfa.alt(*scalars, obj, arr)
+    return nfa.alt(*scalars, _free_object(nfa, depth), arr)
+
+
+def _free_object(nfa: NFA, depth: int) -> tuple[int, int]:
+    """An object with any keys, its values any JSON value (depth-limited)."""
+    if depth <= 0:
+        return nfa.literal("{}")
+    pair = nfa.seq(build(nfa, {"type": "string"}), nfa.literal(": "), _any(nfa, depth - 1))
+    return nfa.seq(nfa.literal("{"), nfa.optional(nfa.loop(pair, ", ")), nfa.literal("}"))
 # --8<-- [end:compile]
 
 

@@ -19,6 +19,18 @@ free + used + cached == num_blocks always holds:
 * cached: reference count 0 but kept by the prefix cache (radix_cache.py) for a
           later request with the same prefix; evicted (LRU) only when the free
           list runs dry.
+
+Parallel sampling (n answers to one prompt) shares blocks between sequences
+copy-on-write, as the PagedAttention paper does: after the prompt's prefill,
+`fork` gives each sibling the same block table (each block's count goes up by
+n - 1), so the prompt's K/V is stored once. Full blocks are only ever read.
+The last, partly filled block is written by every sibling's next token, so the
+first sibling to write into a shared one gets a private copy first
+(`allocate_slots` takes a fresh block and queues (source, copy) in
+`pending_copies`; the engine copies the K/V rows before the step's forward).
+
+    after fork (n=3, bs=4, prompt of 6)     A: [7, 3]  B: [7, 3]  C: [7, 3]    refcounts 7:3, 3:3
+    each writes position 6 (block 3)        A: [7, 9]  B: [7, 4]  C: [7, 3]    7:3, 9:1, 4:1, 3:1
 """
 
 from __future__ import annotations
@@ -105,11 +117,22 @@ class BlockManager:
             self.pool.evictor = self.prefix_cache
         self.prefix_hit_tokens = 0  # tokens served from the cache at admission (counted by the scheduler)
         self.prefix_query_tokens = 0  # tokens looked up at admission
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write: (source, copy) to do before the forward
+        self.num_cow_copies = 0  # blocks copied so far
+
+    def _shared_write_block(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Index in seq's table of a block that the next tokens would write while another sequence holds it."""
+        i = seq.num_computed_tokens // self.block_size
+        if num_new_tokens and i < len(seq.block_table) and self.pool.ref_counts[seq.block_table[i]] > 1:
+            return i
+        return None
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so that positions up to num_computed + num_new - 1 have a home."""
+        """Blocks to add so that positions up to num_computed + num_new - 1 have a home (plus one copy when the
+        first of them falls in a shared block)."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        grow = max(0, -(-total // self.block_size) - len(seq.block_table))
+        return grow + (self._shared_write_block(seq, num_new_tokens) is not None)
 
     # --8<-- [start:allocate]
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -119,8 +142,23 @@ class BlockManager:
             return False
         if need > self.pool.num_free:  # take the shortfall from the prefix cache in one LRU pass
             self.pool.evictor.evict(need - self.pool.num_free)
+        shared = self._shared_write_block(seq, num_new_tokens)
+        if shared is not None:  # copy-on-write: a private copy of the block this sequence writes next
+            src, dst = seq.block_table[shared], self.pool.allocate()
+            self.pending_copies.append((src, dst))
+            self.pool.decref(src)
+            seq.block_table[shared] = dst
+            self.num_cow_copies += 1
+            need -= 1
         seq.block_table += [self.pool.allocate() for _ in range(need)]
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (reference counts + 1); writes copy first."""
+        for block in parent.block_table:
+            self.pool.incref(block)
+        child.block_table = list(parent.block_table)
+        child.num_inserted_blocks = parent.num_inserted_blocks
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; cached blocks stay for reuse, the rest go back."""

@@ -28,11 +28,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from mlsys.data import Tokenizer
 from mlsys.engine.block_manager import BlockManager
 from mlsys.engine.model_runner import ModelRunner
 from mlsys.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
-from mlsys.engine.sampler import sample, sampled_logprobs
+from mlsys.engine.sampler import apply_structured_masks, sample, sampled_logprobs
 from mlsys.engine.scheduler import Scheduler
 from mlsys.engine.tokenizer import IncrementalDetokenizer, StopStrings, encode_prompt
 from mlsys.model import GPT
@@ -78,6 +80,8 @@ class EngineConfig:
 
 
 class Engine:
+    supports_parallel_sampling = True  # SamplingParams.n > 1 (the overlap engine says no)
+
     def __init__(self, model: GPT, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).resolve(model)
         c = self.config
@@ -101,13 +105,19 @@ class Engine:
         self.last_step_timing: dict[str, float] = {}
         self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0,
                              num_failed_requests=0)
+        self._schemas: dict[str, object] = {}  # compiled JSON schemas (SchemaFSM) by their canonical text
 
     # ------------------------------------------------------------ requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; a text prompt is encoded with a leading <bos>. Returns its id."""
+        """Queue a request; a text prompt is encoded with a leading <bos>. Returns its id. With params.n > 1 the
+        step outputs of its n sequences carry the same request id and their `index`."""
         params = params or SamplingParams()
+        if params.n > 1 and not self.supports_parallel_sampling:
+            raise ValueError(f"{type(self).__name__} does not support n > 1 (parallel sampling)")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("empty prompt")
@@ -116,27 +126,53 @@ class Engine:
                              f"max_model_len={self.config.max_model_len}")
         if not all(0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError("prompt token id out of the vocabulary")
+        fsm = None if params.json_schema is None else self.compile_schema(params.json_schema)
+        if fsm is not None and fsm.min_length > min(params.max_tokens, self.config.max_model_len - len(ids)):
+            raise ValueError(f"the shortest document the schema allows has {fsm.min_length} tokens; "
+                             f"max_tokens={params.max_tokens} cannot hold it")
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self.requests:
+            if rid in self.requests or any(isinstance(k, tuple) and k[0] == rid for k in self.requests):
                 raise ValueError(f"request id {rid!r} is already in use")
-            seq = Sequence(rid, ids, params, arrival_time, eos_token_id=self.tokenizer.eos_id)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-            seq.stop_strings = StopStrings(params.stop) if any(params.stop) else None
+            seqs = [Sequence(rid, ids, params, arrival_time, self.tokenizer.eos_id, index=i) for i in range(params.n)]
+            for seq in seqs:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+                seq.stop_strings = StopStrings(params.stop) if any(params.stop) else None
+                seq.fsm = fsm
+            seq = seqs[0]  # the prompt is prefilled once, by the first; the others fork from it (_fork)
+            seq.forks = seqs[1:]
             self.requests[rid] = seq
             self.scheduler.add(seq)
         return rid
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; the next step() reports it (finish_reason "abort")."""
+    def compile_schema(self, schema: dict):
+        """Chapter 11's automaton for a JSON schema over this engine's tokenizer (compiled once per schema).
+        SchemaError (a ValueError) if the schema is outside the supported subset."""
+        import json
+
+        from mlsys.json_constrained import SchemaFSM
+
+        if not isinstance(self.tokenizer, Tokenizer):
+            raise ValueError("structured output needs the book's character tokenizer (its automaton is over "
+                             "characters); this model's tokenizer is not supported")
+        key = json.dumps(schema, sort_keys=True)
+        if key not in self._schemas:
+            self._schemas[key] = SchemaFSM(schema, self.tokenizer)
+        return self._schemas[key]
+
+    def abort(self, request_id) -> None:
+        """Stop a request (all its n sequences) now and free its blocks; the next step() reports each of them
+        (finish_reason "abort")."""
         with self._lock:
-            seq = self.requests.pop(request_id, None)
-            if seq is None:
-                return  # unknown or already finished: nothing to do
-            self.scheduler.finish(seq)
-            seq.status = SequenceStatus.FINISHED_ABORTED
-            seq.metrics.finish_time = time.perf_counter()
-            self._aborted.append(self._output(seq, [], ""))
+            keys = [k for k in self.requests if k == request_id or (isinstance(k, tuple) and k[0] == request_id)]
+            for key in keys:  # unknown or already finished: nothing to do
+                seq = self.requests.pop(key)
+                self.scheduler.finish(seq)
+                for s in [seq, *seq.forks]:  # siblings not forked yet end with it
+                    s.status = SequenceStatus.FINISHED_ABORTED
+                    s.metrics.finish_time = time.perf_counter()
+                    self._aborted.append(self._output(s, [], ""))
+                seq.forks = []
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -155,6 +191,7 @@ class Engine:
             timing = dict(schedule=t1 - t0, prepare=0.0, forward=0.0, sample=0.0, detokenize=0.0)
             if sched.scheduled:
                 scheduled = list(sched.scheduled)
+                self._copy_blocks()  # copy-on-write blocks this step writes into
                 try:
                     sampled = self._compute(scheduled, timing)
                 except Exception as err:  # one request may have broken the batch: find it, keep the rest
@@ -163,20 +200,71 @@ class Engine:
                 t4 = time.perf_counter()
                 outputs += self._update(scheduled, sampled, t4)
                 timing["detokenize"] = time.perf_counter() - t4
-            self.counters["num_steps"] += 1
-            self.counters["num_prefill_tokens"] += sched.num_prefill_tokens
-            self.counters["num_decode_tokens"] += sched.num_batched_tokens - sched.num_prefill_tokens
-            timing["total"] = time.perf_counter() - t0
-            timing["num_batched_tokens"] = sched.num_batched_tokens
-            timing["num_seqs"] = len(sched.scheduled)
-            self.last_step_timing = timing
+            self._count(sched, timing, t0)
             return outputs
     # --8<-- [end:step]
 
-    def _compute(self, scheduled: list, timing: dict) -> dict[str, tuple[int, float | None]]:
-        """Prepare, forward and sample the scheduled chunks: request id -> (token, log-prob) for each sequence
-        whose chunk reaches its last token. Writes the chunks' K and V into their blocks; changes nothing else,
-        so a failed call can be repeated on a subset."""
+    # The pieces below are shared with the overlap engine (overlap.py), which orders them differently.
+    def _count(self, sched, timing: dict, t0: float) -> None:
+        self.counters["num_steps"] += 1
+        self.counters["num_prefill_tokens"] += sched.num_prefill_tokens
+        self.counters["num_decode_tokens"] += sched.num_batched_tokens - sched.num_prefill_tokens
+        timing["total"] = time.perf_counter() - t0
+        timing["num_batched_tokens"] = sched.num_batched_tokens
+        timing["num_seqs"] = len(sched.scheduled)
+        self.last_step_timing = timing
+
+    def _copy_blocks(self) -> None:
+        """Copy-on-write: give the blocks the scheduler just copied their K/V (before the forward writes)."""
+        if self.block_manager.pending_copies:
+            self.runner.copy_blocks(self.block_manager.pending_copies)
+            self.block_manager.pending_copies = []
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens the sequence may still generate (a placeholder of the overlap engine is not one yet)."""
+        done = sum(1 for t in seq.output_token_ids if t >= 0)
+        return min(seq.params.max_tokens, self.config.max_model_len - len(seq.prompt_token_ids)) - done
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
+        """(token, log-prob or None, alternatives or None) for each row of logits (R, V), row i for seqs[i]:
+        structured-output masks, then the sampler, then the log-probs asked for."""
+        logits = apply_structured_masks(logits, seqs, [self._remaining(s) for s in seqs])
+        new_ids = sample(logits, seqs) if seqs else []
+        logprobs, tops = sampled_logprobs(logits, seqs, new_ids)  # None where not asked for
+        return list(zip(new_ids, logprobs, tops))
+
+    def _commit(self, seq: Sequence, sampled: tuple, now: float) -> RequestOutput:
+        """Append a sampled token to its sequence; finish, free and detokenize (shared with overlap.py)."""
+        token, logprob, top = sampled
+        seq.append_token(token, now, self.config.max_model_len, logprob, top)
+        self.counters["num_generated_tokens"] += 1
+        self.block_manager.cache_full_blocks(seq)
+        new_text = self._detokenize(seq, token)  # a stop string may finish it too
+        if seq.is_finished:
+            seq.metrics.finish_time = now
+            self.scheduler.finish(seq)
+            del self.requests[seq.key]
+        return self._output(seq, [token], new_text)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: the parent's prompt is now in the cache. Each sibling takes the parent's block
+        table (shared, copy-on-write), its computed count and its place among the running sequences."""
+        children, parent.forks = parent.forks, []
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.metrics.num_cached_prompt_tokens = parent.metrics.num_cached_prompt_tokens
+            self.scheduler.running.append(child)
+            self.requests[child.key] = child
+        return children
+
+    def _compute(self, scheduled: list, timing: dict) -> dict:
+        """Prepare, forward and sample the scheduled chunks: sequence key -> (token, log-prob, alternatives) for
+        each sequence whose chunk reaches its last token, and for the siblings that fork from it (each draws
+        from the same logits row). Writes the chunks' K and V into their blocks; changes nothing else, so a
+        failed call can be repeated on a subset."""
         t1 = time.perf_counter()
         seqs = [s for s, _ in scheduled]
         done = [s.num_computed_tokens + n == s.num_tokens for s, n in scheduled]  # sample after this chunk?
@@ -188,11 +276,14 @@ class Engine:
         logits = self.runner.execute(batch)  # (R, V): one row per sequence that samples
         t3 = time.perf_counter()
         to_sample = [s for s, d in zip(seqs, done) if d]
-        new_ids = sample(logits, to_sample) if to_sample else []
-        logprobs = sampled_logprobs(logits, to_sample, new_ids)  # None where not asked for
+        rows = [r for r, s in enumerate(to_sample) for r in [r] * (1 + len(s.forks))]  # siblings reuse a row
+        if len(rows) > len(to_sample):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+            to_sample = [x for s in to_sample for x in [s, *s.forks]]
+        sampled = self._sample(logits, to_sample)
         timing.update(prepare=timing["prepare"] + t2 - t1, forward=timing["forward"] + t3 - t2,
                       sample=timing["sample"] + time.perf_counter() - t3)
-        return {s.request_id: (t, lp) for s, t, lp in zip(to_sample, new_ids, logprobs)}
+        return {s.key: x for s, x in zip(to_sample, sampled)}
 
     def _isolate(self, scheduled: list, err: Exception) -> tuple[list, dict, list]:
         """The batched step raised. Run each scheduled chunk alone: the ones that raise again are the culprits
@@ -211,39 +302,37 @@ class Engine:
         return ok, sampled, failed
 
     def _fail(self, seq: Sequence, err: BaseException) -> RequestOutput:
-        """End one request with an error and free its blocks; the rest of the batch is untouched."""
+        """End one sequence with an error and free its blocks; the rest of the batch is untouched. Siblings not
+        forked yet fail with it (reported by the next step)."""
         self.scheduler.finish(seq)
-        self.requests.pop(seq.request_id, None)
-        seq.status = SequenceStatus.FINISHED_ERROR
-        seq.metrics.finish_time = time.perf_counter()
+        self.requests.pop(seq.key, None)
         self.counters["num_failed_requests"] += 1
-        out = self._output(seq, [], "")
-        out.error = err
-        return out
+        outs = []
+        for s in [seq, *seq.forks]:
+            s.status = SequenceStatus.FINISHED_ERROR
+            s.metrics.finish_time = time.perf_counter()
+            outs.append(self._output(s, [], ""))
+            outs[-1].error = err
+        seq.forks = []
+        self._aborted += outs[1:]
+        return outs[0]
 
     def _update(self, scheduled: list, sampled: dict, now: float) -> list[RequestOutput]:
         """Advance the counters, append sampled tokens (and log-probs), finish, free, detokenize. A request whose
         own bookkeeping raises (a detokenizer error, say) fails alone."""
         outputs = []
         for seq, n in scheduled:
+            group = [seq]
             try:
                 seq.num_computed_tokens += n
                 if seq.num_computed_tokens < seq.num_tokens:
                     self.block_manager.cache_full_blocks(seq)
                     continue  # a prefill chunk: nothing to sample yet
-                token, logprob = sampled[seq.request_id]
-                seq.append_token(token, now, self.config.max_model_len, logprob)
-                self.counters["num_generated_tokens"] += 1
-                self.block_manager.cache_full_blocks(seq)
-                new_text = self._detokenize(seq, token)
+                group += self._fork(seq)  # before the parent's token: it may finish and free its blocks
+                for s in group:
+                    outputs.append(self._commit(s, sampled[s.key], now))
             except Exception as err:
-                outputs.append(self._fail(seq, err))
-                continue
-            if seq.is_finished:
-                seq.metrics.finish_time = now
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token], new_text))
+                outputs += [self._fail(s, err) for s in group if not s.is_finished]
         return outputs
 
     @staticmethod
@@ -264,29 +353,33 @@ class Engine:
             token_ids=list(seq.output_token_ids), new_token_ids=list(new_ids),
             text=text, new_text=new_text, finished=finished,
             finish_reason=seq.status.value if finished else None, metrics=seq.metrics,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None, index=seq.index,
+            top_logprobs=list(seq.output_top_logprobs) if seq.params.logprobs and seq.params.top_logprobs else None,
         )
 
     # ------------------------------------------------------------ helpers
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run `prompts` (texts or id lists) to completion; final outputs in input order."""
+        """Run `prompts` (texts or id lists) to completion; final outputs in input order (a request with n > 1
+        gives n outputs in a row, by index)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        keys = [(self.add_request(p, sp), i) for p, sp in zip(prompts, params)
+                for i in range((sp or SamplingParams()).n)]
+        final: dict[tuple, RequestOutput] = {}
+        while len(final) < len(keys):
             if not self.has_unfinished():
                 raise RuntimeError("engine idle with requests unfinished")  # a bug, not a user error
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        failed = [i for i in ids if final[i].finish_reason == "error"]
+                    final[out.request_id, out.index] = out
+        failed = [k for k in keys if final[k].finish_reason == "error"]
         if failed:
-            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed (first: {failed[0]})") \
+            what = "requests" if len(keys) == len(prompts) else "sequences"
+            raise RuntimeError(f"{len(failed)} of {len(keys)} {what} failed (first: {failed[0][0]})") \
                 from final[failed[0]].error
-        return [final[i] for i in ids]
+        return [final[k] for k in keys]
 
     def load_weights(self, state_dict: dict) -> None:
         """Serve new weights (RLHF: the policy after a training step). Cached prefixes were
@@ -315,6 +408,7 @@ class Engine:
                 prefix_hit_rate=hit / query if query else 0.0,
                 num_evicted_blocks=bm.prefix_cache.num_evicted_blocks if bm.prefix_cache else 0,
                 num_preemptions=self.scheduler.num_preemptions, kv_cache_bytes=self.runner.kv_cache_bytes,
+                num_cow_copies=bm.num_cow_copies,
                 **self.counters,
             )
 
@@ -324,7 +418,7 @@ class Engine:
             sch = self.scheduler
             live = sch.running + list(sch.waiting)
             assert len(sch.running) <= self.config.max_num_seqs
-            assert {s.request_id for s in live} == set(self.requests), "a request is lost or duplicated"
+            assert {s.key for s in live} == set(self.requests), "a request is lost or duplicated"
             assert len(live) == len(self.requests)
             for s in sch.running:
                 assert s.status is SequenceStatus.RUNNING, s

@@ -91,6 +91,12 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's K and V, every layer (in order: a later pair wins)."""
+        for src, dst in pairs:
+            self.k_cache[:, dst] = self.k_cache[:, src]
+            self.v_cache[:, dst] = self.v_cache[:, src]
+
     # --8<-- [start:prepare]
     def prepare(self, starts: list[int], token_chunks: list[list[int]], block_tables: list[list[int]],
                 want_logits: list[bool]) -> ModelInput:

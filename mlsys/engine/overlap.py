@@ -50,14 +50,18 @@ import torch
 
 from mlsys.engine.engine import Engine
 from mlsys.engine.request import RequestOutput, SequenceStatus
-from mlsys.engine.sampler import sample, sampled_logprobs
 from mlsys.engine.scheduler import Scheduler
 
 PLACEHOLDER = -1  # a token id that is not known yet (step N still running)
 
 
 class OverlapEngine(Engine):
-    """Engine whose step() overlaps the next step's scheduling and preparation with this step's forward."""
+    """Engine whose step() overlaps the next step's scheduling and preparation with this step's forward.
+    It reuses the plain engine's pieces (sampling with masks and log-probs, committing a token, counting) and
+    only orders them differently. Parallel sampling (n > 1) is refused: a fork's copy-on-write copies would
+    have to wait for the forward in flight, which may still be writing the block being copied."""
+
+    supports_parallel_sampling = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -88,11 +92,10 @@ class OverlapEngine(Engine):
             t2 = time.perf_counter()
             logits = pending.result()  # wait for step N: (R, V), one row per sequence in seqs
             t3 = time.perf_counter()
-            new_ids = sample(logits, seqs) if seqs else []
-            logprobs = sampled_logprobs(logits, seqs, new_ids)  # None where not asked for
+            sampled = self._sample(logits, seqs)  # the plain engine's: masks, sampler, log-probs
             t4 = time.perf_counter()
-            outputs += self._commit(seqs, new_ids, logprobs, t4)
-            self._fix_next(dict(zip(seqs, new_ids)))
+            outputs += self._commit_all(seqs, sampled, t4)
+            self._fix_next({seq: x[0] for seq, x in zip(seqs, sampled)})
             t5 = time.perf_counter()
             timing.update(overlapped=t2 - t1, forward=t3 - t2, sample=t4 - t3, detokenize=t5 - t4, launch=t1 - t0)
             self._count(sched, timing, t0)
@@ -136,19 +139,13 @@ class OverlapEngine(Engine):
                     finishing.append(seq)
         return sampling, finishing
 
-    def _commit(self, seqs, new_ids, logprobs, now) -> list[RequestOutput]:
-        """Step N's tokens arrive: replace the placeholders, finish, free, detokenize (the plain _update's work)."""
+    def _commit_all(self, seqs, sampled, now) -> list[RequestOutput]:
+        """Step N's tokens arrive: replace the placeholders, then the plain engine's commit (finish, free,
+        detokenize) for each."""
         outputs = []
-        for seq, token, logprob in zip(seqs, new_ids, logprobs):
+        for seq, x in zip(seqs, sampled):
             assert seq.output_token_ids.pop() == PLACEHOLDER
-            seq.append_token(token, now, self.config.max_model_len, logprob)  # the plain engine's finish rules
-            self.counters["num_generated_tokens"] += 1
-            new_text = self._detokenize(seq, token)  # a stop string may finish it too
-            if seq.is_finished:
-                seq.metrics.finish_time = now
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(seq, [token], new_text))
+            outputs.append(self._commit(seq, x, now))
         return outputs
 
     def _fix_next(self, tokens: dict) -> None:
@@ -183,14 +180,8 @@ class OverlapEngine(Engine):
     # --8<-- [end:optimistic]
 
     def _count(self, sched, timing: dict, t0: float) -> None:
-        self.counters["num_steps"] += 1
         self.overlap_stats["num_steps"] += 1
-        self.counters["num_prefill_tokens"] += sched.num_prefill_tokens
-        self.counters["num_decode_tokens"] += sched.num_batched_tokens - sched.num_prefill_tokens
-        timing["total"] = time.perf_counter() - t0
-        timing["num_batched_tokens"] = sched.num_batched_tokens
-        timing["num_seqs"] = len(sched.scheduled)
-        self.last_step_timing = timing
+        super()._count(sched, timing, t0)
 
     def abort(self, request_id: str) -> None:
         """Stop a request between steps (step() holds the lock, so no forward is in flight): free its blocks

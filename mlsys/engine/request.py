@@ -1,7 +1,10 @@
 """What a request is inside the engine: its sampling settings, its state, its metrics, its output.
 
-One request holds one sequence (no beam search, no n > 1), so `Sequence` is the
-request. Its life, in the states vLLM uses:
+A request holds one sequence, or n of them with `SamplingParams(n=...)` (parallel
+sampling: n answers to one prompt). The n sequences share the prompt's KV blocks
+(the engine forks them after the prompt's prefill, copy-on-write: block_manager.py);
+each is then a `Sequence` of its own, told apart by `index`. Its life, in the
+states vLLM uses:
 
     add_request ──> WAITING ──schedule──> RUNNING ──stop/length──> FINISHED_STOPPED / FINISHED_LENGTH
                        ^                     │
@@ -40,8 +43,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # finish where the text first contains one of these (left out of the text)
     ignore_eos: bool = False  # keep going past <eos> (benchmarks want fixed lengths)
     logprobs: bool = False  # also return log p(token) of each sampled token, under the distribution it was
-    # drawn from: softmax(logits / temperature) after the top-k and top-p filters when sampling, the raw softmax
-    # when greedy
+    # drawn from: softmax(logits / temperature) after the top-k and top-p filters (and a structured-output mask)
+    # when sampling, the raw softmax (after the mask) when greedy
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens of that distribution at each step
+    n: int = 1  # answers to sample for the prompt; they share its KV blocks copy-on-write
+    json_schema: dict | None = None  # structured output: every answer is a JSON document valid for this schema
+    # (chapter 11's automaton masks the logits of each step; {"type": "object"} is OpenAI's json_object mode)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,6 +59,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 # --8<-- [end:sampling_params]
@@ -98,6 +109,9 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[float] | None = None  # one per token_ids entry; None unless SamplingParams.logprobs
     error: BaseException | None = None  # what ended the request when finish_reason is "error"
+    index: int = 0  # which of the request's n sequences this is
+    top_logprobs: list[dict[int, float]] | None = None  # per token_ids entry: {token id: log-prob}, the
+    # SamplingParams.top_logprobs most likely tokens; None unless asked for
 
 
 # --8<-- [start:sequence]
@@ -105,11 +119,15 @@ class Sequence:
     """One request's tokens, KV-cache bookkeeping and state."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, eos_token_id: int | None = None):
+                 arrival_time: float | None = None, eos_token_id: int | None = None, index: int = 0):
         self.request_id = request_id
+        self.index = index  # 0..n-1 among the request's sequences
+        self.key = request_id if index == 0 else (request_id, index)  # the engine's handle on this sequence
+        self.forks: list[Sequence] = []  # the n-1 siblings, until they fork off after the prompt's prefill
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []  # with params.logprobs: one per output token, kept on preemption
+        self.output_top_logprobs: list[dict[int, float]] = []  # with params.top_logprobs: one dict per token
         self.params = params
         self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
@@ -118,10 +136,12 @@ class Sequence:
         self.num_inserted_blocks = 0  # full blocks already handed to the prefix cache
         self.metrics = RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time)
         self.generator = None  # None: the global RNG; a seed gives a private, reproducible stream
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        if params.seed is not None:  # sibling i draws from seed + i (vLLM's rule), so each answer is reproducible
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         self.detokenizer = None  # set by the engine when it has a tokenizer
         self.stop_strings = None  # a StopStrings filter on the text, when params.stop has any
+        self.fsm = None  # structured output: the schema's automaton (mlsys.json_constrained.SchemaFSM) ...
+        self.fsm_state = 0  # ... and its state after the tokens generated so far
 
     @property
     def token_ids(self) -> list[int]:  # prompt + generated: what the KV cache holds, in order
@@ -139,14 +159,22 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_token(self, token_id: int, now: float, max_model_len: int, logprob: float | None = None) -> None:
-        """Record a sampled token (and its log-prob, if asked for) and decide whether the request is done."""
+    def append_token(self, token_id: int, now: float, max_model_len: int, logprob: float | None = None,
+                     top: dict[int, float] | None = None) -> None:
+        """Record a sampled token (its log-prob and alternatives, if asked for) and decide whether it is done."""
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
         self.metrics.token_times.append(now)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
+        if self.fsm is not None:
+            if token_id == self.eos_token_id:  # the automaton allowed <eos>: the document is complete
+                self.status = SequenceStatus.FINISHED_STOPPED
+                return
+            self.fsm_state = int(self.fsm.next_state[self.fsm_state, token_id])
         p = self.params
         if token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos):
             self.status = SequenceStatus.FINISHED_STOPPED

@@ -40,23 +40,45 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 # --8<-- [start:logprobs]
-def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[float | None]:
-    """log p(token) of each row's sampled token, for the rows whose request asked (SamplingParams.logprobs);
-    None for the others. The distribution is the one `sample` drew from: the raw softmax for a greedy row,
-    softmax(logits / temperature) with everything outside the top k and the top-p nucleus masked to -inf for
-    a sampling row (`filter_logits`, as `sample_next`: a kept token's log-prob is renormalised over the kept
-    tokens)."""
+def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int],
+                     ) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    """log p(token) of each row's sampled token, for the rows whose request asked (SamplingParams.logprobs),
+    and the SamplingParams.top_logprobs most likely tokens with theirs; None for the others. The distribution is
+    the one `sample` drew from: the raw softmax for a greedy row, softmax(logits / temperature) with everything
+    outside the top k and the top-p nucleus masked to -inf for a sampling row (`filter_logits`, as
+    `sample_next`: a kept token's log-prob is renormalised over the kept tokens). Tokens a filter or a
+    structured-output mask removed (log-prob -inf) are never listed as alternatives."""
     out: list[float | None] = [None] * len(seqs)
-    greedy = [i for i, s in enumerate(seqs) if s.params.logprobs and s.params.temperature == 0]
-    if greedy:  # one batched log_softmax over all greedy rows: (G, V) -> (G,)
-        rows, ids = torch.tensor(greedy, device=logits.device), torch.tensor(token_ids, device=logits.device)
-        logp = torch.log_softmax(logits[rows].float(), dim=-1).gather(1, ids[rows][:, None]).squeeze(1)
-        for i, lp in zip(greedy, logp.tolist()):
-            out[i] = lp
-    for i, seq in enumerate(seqs):  # sampling rows: each has its own temperature, top_k and top_p
+    top: list[dict[int, float] | None] = [None] * len(seqs)
+    for i, seq in enumerate(seqs):
         p = seq.params
-        if p.logprobs and p.temperature > 0:
-            row = filter_logits(logits[i : i + 1].float(), p.temperature, p.top_k, p.top_p)  # as sample_next
-            out[i] = torch.log_softmax(row, dim=-1)[0, token_ids[i]].item()
-    return out
+        if not p.logprobs:
+            continue
+        row = logits[i : i + 1].float()
+        if p.temperature > 0:  # each sampling row has its own temperature, top_k and top_p
+            row = filter_logits(row, p.temperature, p.top_k, p.top_p)  # as sample_next
+        logp = torch.log_softmax(row, dim=-1)[0]  # (V,)
+        out[i] = logp[token_ids[i]].item()
+        if p.top_logprobs:
+            values, ids = torch.topk(logp, min(p.top_logprobs, logp.numel()))
+            top[i] = {t: v for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")}
+    return out, top
 # --8<-- [end:logprobs]
+
+
+# --8<-- [start:mask]
+def apply_structured_masks(logits: torch.Tensor, seqs: list[Sequence], remaining: list[int]) -> torch.Tensor:
+    """Rows of requests with a JSON schema keep only the tokens their automaton allows in its current state
+    with `remaining` tokens of budget left (chapter 11's token tables: one row lookup per request); the other
+    rows are untouched. Returns the logits to sample from (a copy only when some row is masked)."""
+    rows = [i for i, s in enumerate(seqs) if s.fsm is not None]
+    if not rows:
+        return logits
+    allowed = torch.stack([seqs[i].fsm.mask(seqs[i].fsm_state, remaining[i]) for i in rows])  # (M, V_tok) bool
+    if allowed.shape[1] < logits.shape[1]:  # a checkpoint's padded embedding rows: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
+    logits = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
+# --8<-- [end:mask]

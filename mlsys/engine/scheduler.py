@@ -87,8 +87,10 @@ class Scheduler:
         #    max_num_seqs at once (members the budget cannot serve now prefill in later steps)
         static = self.scheduling == "static"
         may_admit = not out.preempted and (not static or not self.running)
-        while may_admit and self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or static):
+        while may_admit and self.waiting and (budget > 0 or static):
             seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs:  # n > 1: seats for its siblings too
+                break
             num_cached = self.bm.match_prefix(seq)  # adopts cached blocks, or 0
             seq.num_computed_tokens = num_cached
             n = min(seq.num_new_tokens, budget)
