@@ -91,7 +91,8 @@ def test_greedy_n_gives_n_equal_answers(small_model):
     eng = Engine(small_model)
     outs = eng.generate([PROMPT], SamplingParams(max_tokens=20, n=3))
     alone = Engine(small_model).generate([PROMPT], SamplingParams(max_tokens=20))[0]
-    assert [o.index for o in outs] == [0, 1, 2]
+    assert [o.index for o in outs] == [0, 1, 2] and len({o.request_id for o in outs}) == 1
+    assert eng.counters["num_generated_tokens"] == 3 * 20  # one request of three answers, nothing more
     assert all(o.token_ids == alone.token_ids for o in outs)
 
 
@@ -192,3 +193,18 @@ def test_overlap_engine_structured_output_equals_the_plain_engine(small_model):
     assert [o.top_logprobs for o in over] == [o.top_logprobs for o in plain]
     for o in plain:
         jsonschema.validate(json.loads(o.text), RECORD_SCHEMA)
+
+
+def test_llm_groups_the_n_answers_of_each_prompt(small_model):
+    """vLLM's shape: one RequestOutput per prompt, its n CompletionOutputs in .outputs, by index."""
+    from mlsys.engine import LLM
+
+    llm = LLM.__new__(LLM)  # the `small` weights already loaded by conftest, no second load
+    llm.engine = Engine(small_model)
+    outs = llm.generate([PROMPT, {"prompt_token_ids": [1, 5, 6]}],
+                        [SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3), SamplingParams(max_tokens=4)])
+    assert [len(o.outputs) for o in outs] == [3, 1]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for c in outs[0].outputs:
+        alone = Engine(small_model).generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=3 + c.index))
+        assert c.token_ids == alone[0].token_ids

@@ -365,8 +365,8 @@ class Engine:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        keys = [(self.add_request(p, sp), i) for p, sp in zip(prompts, params)
-                for i in range((sp or SamplingParams()).n)]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        keys = [(rid, i) for rid, sp in zip(rids, params) for i in range((sp or SamplingParams()).n)]
         final: dict[tuple, RequestOutput] = {}
         while len(final) < len(keys):
             if not self.has_unfinished():

@@ -28,6 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # per token: {token id: log-prob}, when asked for
 
 
 @dataclass
@@ -91,7 +92,11 @@ class LLM:
             texts.append(p)
             inputs.append(p)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        finals = self.engine.generate(inputs, params)
-        return [RequestOutput(o.request_id, text, o.prompt_token_ids,
-                              [CompletionOutput(0, o.text, o.token_ids, o.finish_reason, o.logprobs)])
-                for text, o in zip(texts, finals)]
+        finals = iter(self.engine.generate(inputs, params))  # n outputs in a row for a request with n > 1
+        results = []
+        for text, sp in zip(texts, params if isinstance(params, list) else [params] * len(texts)):
+            outs = [next(finals) for _ in range(sp.n)]
+            results.append(RequestOutput(outs[0].request_id, text, outs[0].prompt_token_ids, [
+                CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason, o.logprobs, o.top_logprobs)
+                for o in outs]))
+        return results
