@@ -92,9 +92,9 @@ def chat_body(request_id: str, model: str, created: int, text: str, finish_reaso
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage: dict | None = None, logprobs: dict | None = None) -> dict:
+               usage: dict | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk; delta None: the usage-only chunk (no choices), as OpenAI sends it last."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+    choices = [] if delta is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": choices}

@@ -53,6 +53,10 @@ STRING_CHARS = frozenset(ALPHABET) - {'"'}  # no backslash in the alphabet: no e
 DIGITS, NONZERO = "0123456789", "123456789"
 ANY_DEPTH = 2
 INF = 1 << 30
+# A schema can ask for an automaton of any size (a string of maxLength 10**9). The server compiles the schemas
+# clients send, so compiling is bounded: a schema whose automaton would exceed these is refused (SchemaError).
+MAX_NFA_STATES = 60_000  # an integer range of 10,000 values needs about 49,000
+MAX_SUBSET_WORK = 1_500_000  # NFA states visited by the subset construction (about 0.7 s on one core)
 # every listed property is emitted, so "required" always holds; other keywords are refused, not ignored
 KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum",
             "const", "minLength", "maxLength", "minimum", "maximum", "title", "description"}
@@ -102,6 +106,9 @@ class NFA:
         self.edges: list[list[tuple[str | None, int]]] = []
 
     def state(self) -> int:
+        if len(self.edges) >= MAX_NFA_STATES:
+            raise SchemaError(f"the schema is too large for this decoder (its automaton needs more than "
+                              f"{MAX_NFA_STATES} states); lower maxLength, maxItems or the ranges")
         self.edges.append([])
         return len(self.edges) - 1
 
@@ -317,9 +324,14 @@ class SchemaFSM:
         index = {self.nfa_start: 0}
         self.subsets, self.trans = [self.nfa_start], [{}]
         queue = deque([self.nfa_start])
+        work = 0
         while queue:
             cur = queue.popleft()
             for char in sorted({c for s in cur for c, _ in self.nfa.edges[s] if c is not None}):
+                work += len(cur)
+                if work > MAX_SUBSET_WORK:
+                    raise SchemaError("the schema is too large for this decoder (compiling it would take too "
+                                      "long); lower maxLength, maxItems or the ranges")
                 nxt = step_nfa(self.nfa, cur, char)
                 if nxt not in index:
                     index[nxt] = len(self.subsets)

@@ -253,7 +253,9 @@ def filter_logits(logits, temperature: float, top_k: int | None = None, top_p: f
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = F.softmax(ordered, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
-        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the first token always stays
+        remove = before >= top_p  # (a top_p below float32's range rounds to 0 here and would remove them all)
+        remove[..., 0] = False  # the most likely token always stays
+        ordered = ordered.masked_fill(remove, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     return logits
 

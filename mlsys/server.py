@@ -6,8 +6,9 @@
     with ServerThread(app, port=0) as server:          # uvicorn in a thread; port 0 picks a free port
         print(server.url)                               # http://127.0.0.1:PORT/v1 for openai.OpenAI(base_url=...)
 
-Endpoints: POST /v1/completions (stream true or false; streaming sends Server-Sent Events, one
-`data: {json}` chunk per step that produced text and a final `data: [DONE]`), GET /v1/models, GET /health.
+Endpoints: POST /v1/completions and POST /v1/chat/completions (stream true or false; streaming sends
+Server-Sent Events, one `data: {json}` chunk per step that produced text and a final `data: [DONE]`),
+GET /v1/models, GET /health. What a request body may hold, and the shapes of the answers: mlsys/protocol.py.
 
 How a request travels (the front-end/engine-core split of vLLM's AsyncLLM and EngineCore):
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import queue
 import sys
@@ -44,7 +44,6 @@ import traceback
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,234 +51,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlsys.chat import ChatError, chat_body, chat_chunk, normalize_messages, render_book, render_template
+from mlsys.chat import chat_body, chat_chunk
 from mlsys.engine import Engine, RequestOutput, SamplingParams
-from mlsys.engine.tokenizer import encode_prompt
+from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
+    CompletionRequest,
+    RequestError,
+    completion_body,
+    finish_reason_of,
+    logprobs_of,
+    parse_completion_request,
+    sse_event,
+    usage_of,
+)
 
 DEFAULT_MODEL_NAME = "mlsys-small"
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused before it is parsed (413)
 BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is refused (408): a half-sent body holds nothing
 GENERATION_FAILED = "the server failed while generating this request; other requests were not affected"
-
-
-# ===================================================================================== request validation
-class RequestError(Exception):
-    """A request the server refuses: an HTTP status and a message for the client (OpenAI's error shape)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
-        param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class CompletionRequest:
-    """A validated POST /v1/completions body."""
-
-    prompt_ids: list[int]  # <bos> + the prompt's characters (or the ids the client sent)
-    params: SamplingParams
-    stream: bool
-    include_usage: bool  # stream_options.include_usage: a last chunk with token counts
-
-
-# Fields we accept and fields OpenAI defines that we refuse unless they hold their neutral value.
-_ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
-             "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
-             "frequency_penalty", "logit_bias"}
-_NEUTRAL = {"n": (1,), "best_of": (1, None), "echo": (False, None),
-            "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-            "logit_bias": (None, {})}
-# /v1/chat/completions: messages instead of a prompt, and the chat API's own optional fields
-_CHAT_ACCEPTED = (_ACCEPTED - {"prompt", "best_of", "echo", "suffix"}) | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls"}
-_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED},
-                 "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
-                 "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-# --8<-- [start:validate]
-def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: bool = False,
-                             chat_template: str | None = None) -> CompletionRequest:
-    """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
-    chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
-    accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise RequestError("request body is nested too deeply") from None
-    except ValueError as err:  # bad JSON, bad UTF-8, an integer of more than 4300 digits
-        raise RequestError(f"request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    for key in body:
-        if key not in accepted:
-            raise RequestError(f"unrecognized request argument {key!r}", param=key)
-        if key in neutral and body[key] not in neutral[key]:
-            raise RequestError(f"{key}={body[key]!r} is not supported by this server", param=key)
-    for key in ("model", "messages" if chat else "prompt"):
-        if key not in body:
-            raise RequestError(f"missing required argument {key!r}", param=key)
-    if not isinstance(body["model"], str):
-        raise RequestError("'model' must be a string", param="model")
-    if body["model"] != model_name:
-        raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
-                           status=404, param="model", code="model_not_found")
-    ids = _chat_ids(body["messages"], engine, chat_template) if chat else _prompt_ids(body["prompt"], engine)
-    max_len = engine.config.max_model_len
-    if chat:  # the chat API's default: as many tokens as the context leaves
-        given = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = max(1, max_len - len(ids)) if given is None else given
-    else:
-        max_tokens = body.get("max_tokens", 16)  # OpenAI's default
-    if not _is_int(max_tokens):
-        raise RequestError(f"'max_tokens' must be an integer, got {max_tokens!r}", param="max_tokens")
-    if max_tokens < 1 or len(ids) + max_tokens > max_len:
-        raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
-                           f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
-                           param="max_tokens")
-    temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling, not greedy
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
-    top_p = body.get("top_p", 1.0)
-    if top_p is None:
-        top_p = 1.0
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise RequestError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-    top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
-        raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise RequestError(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) for x in stop):
-        raise RequestError("'stop' must be a string or a list of at most 4 strings", param="stop")
-    flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise RequestError(f"{key!r} must be true or false, got {value!r}", param=key)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
-                           param="stream_options")
-    if options and not flags["stream"]:
-        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    logprobs = body.get("logprobs")  # chat: true/false; completions: how many alternatives (0: none)
-    if chat and logprobs is not None and not isinstance(logprobs, bool):
-        raise RequestError(f"'logprobs' must be true or false, got {logprobs!r}", param="logprobs")
-    if not chat and logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
-        raise RequestError(f"logprobs={logprobs!r} is not supported by this server: 0 returns the log-prob of "
-                           f"each sampled token; alternatives are not returned yet", param="logprobs")
-    if temperature < SAMPLING_EPS:  # below this, dividing the logits overflows: treated as greedy, as vLLM does
-        temperature = 0.0
-    vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
-                            top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
-                            top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
-                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x),
-                            logprobs=logprobs is True if chat else logprobs is not None)
-    return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
-# --8<-- [end:validate]
-
-
-def _chat_ids(messages: Any, engine: Engine, template: str | None) -> list[int]:
-    """The messages rendered by the checkpoint's chat template, or by the book's (the last user message)."""
-    tok = engine.tokenizer
-    try:
-        messages = normalize_messages(messages)
-        if template is None:
-            return encode_prompt(tok, render_book(messages))
-        special = getattr(tok, "token_text", lambda i: "")
-        text = render_template(template, messages, special(tok.bos_id), special(tok.eos_id))
-        return tok.encode(text)  # the template writes the special tokens it wants
-    except ChatError as err:
-        raise RequestError(str(err), param=err.param) from None
-    except ValueError as err:  # a character outside the model's alphabet
-        raise RequestError(f"'messages' cannot be tokenized: {err}", param="messages") from None
-
-
-def _prompt_ids(prompt: Any, engine: Engine) -> list[int]:
-    """A text prompt (or a one-element list of one) -> <bos> + characters; a list of ints is taken as ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("'prompt' is empty", param="prompt")
-        try:
-            return encode_prompt(engine.tokenizer, prompt)
-        except ValueError as err:  # a character outside the model's alphabet
-            raise RequestError(f"'prompt' cannot be tokenized: {err}", param="prompt") from None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        vocab = engine.model.config.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise RequestError(f"'prompt' token ids must lie in [0, {vocab})", param="prompt")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
-    if isinstance(prompt, list) and not prompt:
-        raise RequestError("'prompt' is empty", param="prompt")
-    raise RequestError(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
-                       param="prompt")
-
-
-# ======================================================================================== response bodies
-# --8<-- [start:sse]
-def sse_event(payload: dict | str) -> bytes:
-    """One Server-Sent Event: `data: <json>` and a blank line (the [DONE] sentinel is sent as plain text)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage: dict | None = None, with_choice: bool = True, logprobs: dict | None = None) -> dict:
-    """An OpenAI `text_completion` object: the whole answer, or one streamed chunk of it."""
-    choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}] if with_choice else []
-    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    return body
-# --8<-- [end:sse]
-
-
-def logprobs_of(out: RequestOutput, tokenizer, chat: bool, new_only: bool = False) -> dict | None:
-    """The log-probs block of a choice, for the tokens of `out` (or only this step's): OpenAI's completions shape
-    (tokens, token_logprobs, text_offset) or its chat shape (content: token, logprob, bytes); None if not asked."""
-    if out.logprobs is None:
-        return None
-    ids = out.new_token_ids if new_only else out.token_ids
-    values = out.logprobs[len(out.logprobs) - len(ids):]
-    tokens = [tokenizer.decode([i]) for i in ids]
-    if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")), "top_logprobs": []}
-                            for t, lp in zip(tokens, values)]}
-    offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
-
-
-def usage_of(out: RequestOutput) -> dict:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
-
-def finish_reason_of(out: RequestOutput) -> str | None:
-    return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 
 # =========================================================================================== the front-end
@@ -408,11 +196,12 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step until it finishes. Leaving early aborts it."""
+        """Yield the request's outputs step by step (those of its n answers, told apart by .index) until every
+        answer has finished. Leaving early aborts it."""
         self.check_alive()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
-        finished = False
+        finished, unfinished = False, params.n
         try:
             self.inbox.put(("add", request_id, prompt_ids, params))  # never blocks: the engine thread adds it
             self.num_received += 1
@@ -422,7 +211,8 @@ class AsyncEngine:
                     finished = True  # the engine has already dropped it
                     self.num_failed += 1
                     raise out
-                finished = out.finished
+                unfinished -= out.finished
+                finished = unfinished == 0
                 self.num_finished += finished
                 yield out
         finally:  # runs on normal exit, on an exception, and when the client's task is cancelled
@@ -524,8 +314,10 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
 
     async def answer(request: Request, chat: bool):
         check_key(request)
-        req = parse_completion_request(await read_body(request, timeout=body_timeout), engine, model_name, chat,
-                                       chat_template)
+        raw = await read_body(request, timeout=body_timeout)
+        # in a worker thread: compiling a response_format schema may take a good part of a second (bounded in
+        # mlsys/json_constrained.py), and the event loop must keep serving everyone else meanwhile
+        req = await asyncio.to_thread(parse_completion_request, raw, engine, model_name, chat, chat_template)
         front.check_alive()  # before a stream starts: its status line must say 503
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
@@ -542,8 +334,13 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         if final is None:  # the client left; nobody reads this
             return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
         shape = chat_body if chat else completion_body
-        return JSONResponse(shape(rid, model_name, created, final.text, finish_reason_of(final), usage_of(final),
-                                  logprobs=logprobs_of(final, engine.tokenizer, chat)))
+        body = shape(rid, model_name, created, final[0].text, finish_reason_of(final[0]), usage_of(final),
+                     logprobs=logprobs_of(final[0], engine.tokenizer, chat))
+        for out in final[1:]:  # n > 1: one choice per answer, by index
+            more = shape(rid, model_name, created, out.text, finish_reason_of(out), None,
+                         logprobs=logprobs_of(out, engine.tokenizer, chat))
+            body["choices"].append({**more["choices"][0], "index": out.index})
+        return JSONResponse(body)
     # --8<-- [end:completions]
 
     return app
@@ -578,39 +375,44 @@ async def _stream(outputs: AsyncIterator[RequestOutput], rid: str, model: str, c
                   include_usage: bool, chat: bool = False, tokenizer: Any = None) -> AsyncIterator[bytes]:
     """SSE chunks: one per step that produced text (and the last one, with its finish_reason), then [DONE].
     A chat stream opens with the assistant's role and carries its text as deltas (mlsys/chat.py)."""
-    last = None
+    last: dict[int, RequestOutput] = {}  # the latest output of each of the n answers
     try:
-        if chat:
-            yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         async for out in outputs:
-            last = out
+            if chat and out.index not in last:  # each answer's stream opens with the assistant's role
+                yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                           index=out.index))
+            last[out.index] = out
             speaks = out.new_text or out.finished or (out.logprobs is not None and out.new_token_ids)
             if chat and speaks:
                 delta = {"content": out.new_text} if out.new_text else {}
                 yield sse_event(chat_chunk(rid, model, created, delta, finish_reason_of(out),
-                                           logprobs=logprobs_of(out, tokenizer, True, new_only=True)))
+                                           logprobs=logprobs_of(out, tokenizer, True, new_only=True),
+                                           index=out.index))
             elif speaks:
                 yield sse_event(completion_body(rid, model, created, out.new_text, finish_reason_of(out),
-                                                logprobs=logprobs_of(out, tokenizer, False, new_only=True)))
+                                                logprobs=logprobs_of(out, tokenizer, False, new_only=True),
+                                                index=out.index))
     except Exception:  # the engine failed mid-stream: tell the client in-band, then end the stream
         yield sse_event(RequestError(GENERATION_FAILED, status=500, code="generation_failed").body())
     finally:
         await outputs.aclose()  # a cancelled stream (client gone) closes the generator: its abort is queued
-    if include_usage and last is not None:
-        yield sse_event(chat_chunk(rid, model, created, None, usage=usage_of(last)) if chat else
-                        completion_body(rid, model, created, "", None, usage_of(last), with_choice=False))
+    if include_usage and last:
+        usage = usage_of(list(last.values()))
+        yield sse_event(chat_chunk(rid, model, created, None, usage=usage) if chat else
+                        completion_body(rid, model, created, "", None, usage, with_choice=False))
     yield sse_event("[DONE]")
 # --8<-- [end:stream]
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
-    """The final output of a non-streaming request, or None if the client disconnects first (then aborted)."""
+async def _collect(outputs: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput] | None:
+    """The final outputs of a non-streaming request (one per answer, by index), or None if the client disconnects
+    first (then aborted)."""
 
-    async def last() -> RequestOutput:
-        final = None
+    async def last() -> list[RequestOutput]:
+        final = {}
         async for out in outputs:
-            final = out
-        return final
+            final[out.index] = out
+        return [final[i] for i in sorted(final)]
 
     task = asyncio.ensure_future(last())
     while True:

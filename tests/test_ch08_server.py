@@ -22,6 +22,7 @@ import pytest
 
 from mlsys.data import make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
+from mlsys.json_constrained import RECORD_SCHEMA
 from mlsys.server import DEFAULT_MODEL_NAME, ServerThread, create_app, parse_completion_request
 
 MODEL = DEFAULT_MODEL_NAME
@@ -208,15 +209,27 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": [{"role": "robot", "content": "{"}]}, "'messages[0].role' must be one of"),
     ({"model": MODEL, "messages": [{"role": "system", "content": "{"}]}, "there is none"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "must be a string or a list of text parts"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "n": 2}, "n=2 is not supported"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {"type": "json_object"}},
-     "is not supported by this server"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "n": 0}, "'n' must be an integer from 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "n": 10_000}, "'n' must be an integer from 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {"type": "yaml"}},
+     "'response_format' must be"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}}},
+     "response_format cannot be enforced"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 5,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA}}},
+     "the shortest JSON document the schema allows has"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a" * 20_000]}}}}, "exceeds 16384"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "prompt": "{"}, "unrecognized request"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 0}, "between 1"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": 1}, "must be true or false"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": True, "top_logprobs": 3},
-     "top_logprobs=3 is not supported"),
-    ({"model": MODEL, "prompt": "{", "logprobs": 2}, "alternatives are not returned yet"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "top_logprobs": 3},
+     "'top_logprobs' needs 'logprobs' to be true"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": True, "top_logprobs": 21},
+     "'top_logprobs' must be an integer from 0 to 20"),
+    ({"model": MODEL, "prompt": "{", "logprobs": 21}, "'logprobs' must be an integer from 0 to 20"),
+    ({"model": MODEL, "prompt": "{", "best_of": 2}, "best_of=2 is not supported"),
 ]
 
 
@@ -270,7 +283,7 @@ BAD = [  # (body, status, words the message must contain)
     ({"model": MODEL, "prompt": "abc", "temperature": "hot"}, 400, "'temperature' must be a number"),
     ({"model": MODEL, "prompt": "abc", "stream": "yes"}, 400, "'stream' must be true or false"),
     ({"model": MODEL, "prompt": "abc", "stream_options": {"include_usage": True}}, 400, "only allowed when"),
-    ({"model": MODEL, "prompt": "abc", "n": 2}, 400, "n=2 is not supported"),
+    ({"model": MODEL, "prompt": "abc", "n": 2.0}, 400, "'n' must be an integer"),
     ({"model": MODEL, "prompt": "abc", "top_k": 0}, 400, "'top_k' must be a positive integer"),
     ({"model": MODEL, "prompt": "abc", "top_p": 0}, 400, "'top_p' must be a number in (0, 1]"),
     ({"model": MODEL, "prompt": "abc", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 strings"),

@@ -24,6 +24,7 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -170,6 +171,15 @@ BODIES = st.fixed_dictionaries({"model": st.sampled_from([MODEL]) | JSON, "promp
 
 EDGE_INTS = st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from([0, 1, 2**31, 2**63, 2**64, -(2**63)])
 EDGE_FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1e-300, 5e-324, 2.0, 1e308])
+_deep: dict = {"type": "string"}
+for _ in range(400):  # deep enough to break a recursive compiler, shallow enough for json.dumps/loads
+    _deep = {"type": "array", "items": _deep}
+FORMATS = [None, {"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},  # valid, and hostile schemas
+           *({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}} for schema in [
+               {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}}, {"type": "boolean"},
+               {"type": "string", "maxLength": 10**9}, {"type": "array", "minItems": 10**6}, _deep,
+               {"type": "integer", "minimum": -1}, {"enum": []}, {"$ref": "#"}, {"type": ["string", "null"]},
+               {"type": "string", "minLength": 5, "maxLength": 2}, {"properties": 3}, []])]
 NEAR_VALID = st.fixed_dictionaries(  # a valid model and prompt, every other field at an edge: these reach the engine
     {"model": st.just(MODEL), "prompt": st.sampled_from(["ab", ["ab"], [1, 2, 3]]) | st.lists(EDGE_INTS, max_size=3)},
     # each field is mostly valid (one_of picks its branches evenly), so one edge value at a time gets through
@@ -180,7 +190,9 @@ NEAR_VALID = st.fixed_dictionaries(  # a valid model and prompt, every other fie
               "top_p": st.just(1.0) | st.floats(0.01, 1.0) | st.floats(0.01, 1.0) | EDGE_FLOATS,
               "stop": st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | SCALARS,
               "stream": st.booleans(), "ignore_eos": st.booleans(),
-              "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": 1}, {}, None])})
+              "stream_options": st.sampled_from([{"include_usage": True}, {"include_usage": 1}, {}, None]),
+              "n": st.integers(1, 3) | EDGE_INTS, "logprobs": st.none() | st.integers(0, 3) | EDGE_INTS,
+              "response_format": st.sampled_from(FORMATS) | JSON})
 
 
 @pytest.mark.timeout(120)
@@ -197,6 +209,28 @@ def test_fuzzed_json_never_gets_a_5xx(tiny_server, body):
             assert r.json()["object"] == "text_completion"
     else:
         assert_openai_error(r)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS, ids=[str(i) for i in range(len(FORMATS))])
+def test_every_response_format_is_answered_or_refused_cleanly(tiny_server, fmt):
+    """Valid formats give JSON the schema accepts; a schema too large, too deep or outside the subset is a 400,
+    at once (bounded compile), on both endpoints."""
+    server, _ = tiny_server
+    for route, body in [("completions", {"prompt": "ab"}), ("chat/completions", {"messages": [
+            {"role": "user", "content": "ab"}]})]:
+        body = {"model": MODEL, "max_tokens": 40, "temperature": 1.0, "seed": 1, "response_format": fmt, **body}
+        r = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30)
+        if r.status_code != 200:
+            assert_openai_error(r)
+            assert r.status_code == 400, r.text
+            continue
+        choice = r.json()["choices"][0]
+        text = choice["text"] if route == "completions" else choice["message"]["content"]
+        schema = ((fmt or {}).get("json_schema") or {}).get("schema", {}) if (fmt or {}).get("type") != \
+            "json_object" else {"type": "object"}
+        if fmt and fmt.get("type") in ("json_object", "json_schema"):  # complete even when cut by max_tokens
+            jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.timeout(120)

@@ -106,6 +106,7 @@ class Engine:
         self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0,
                              num_failed_requests=0)
         self._schemas: dict[str, object] = {}  # compiled JSON schemas (SchemaFSM) by their canonical text
+        self._schema_lock = threading.Lock()
 
     # ------------------------------------------------------------ requests
 
@@ -156,9 +157,14 @@ class Engine:
             raise ValueError("structured output needs the book's character tokenizer (its automaton is over "
                              "characters); this model's tokenizer is not supported")
         key = json.dumps(schema, sort_keys=True)
-        if key not in self._schemas:
-            self._schemas[key] = SchemaFSM(schema, self.tokenizer)
-        return self._schemas[key]
+        with self._schema_lock:  # the server's handler threads and the engine thread both ask
+            fsm = self._schemas.pop(key, None)
+        fsm = fsm or SchemaFSM(schema, self.tokenizer)
+        with self._schema_lock:
+            self._schemas[key] = fsm  # most recently used last
+            while len(self._schemas) > 32:  # a server sees schemas from every client: keep the recent ones only
+                self._schemas.pop(next(iter(self._schemas)))
+        return fsm
 
     def abort(self, request_id) -> None:
         """Stop a request (all its n sequences) now and free its blocks; the next step() reports each of them

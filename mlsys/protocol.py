@@ -1,0 +1,319 @@
+"""OpenAI's request and response shapes for `mlsys.server`: a body checked into SamplingParams, answers as JSON.
+
+Validation refuses anything the engine cannot honour with a 4xx and a message that says why (OpenAI's error
+shape), before the request reaches the engine: the server must never answer a client's mistake with a 5xx.
+
+What the server accepts beyond the prompt: max_tokens (max_completion_tokens for chat), temperature, top_p,
+top_k, seed, stop, n (parallel sampling: the engine shares the prompt's KV blocks between the n answers),
+logprobs (completions: 0..20 alternatives per token; chat: true, with top_logprobs 0..20), response_format
+(text, json_object, json_schema: chapter 11's automaton masks the logits of each step, so every answer is valid
+JSON under the schema; a schema outside the supported subset, or one whose shortest document does not fit in
+max_tokens, is a 400), stream and stream_options.include_usage, ignore_eos (vLLM's). Fields OpenAI defines
+that it refuses unless they hold their neutral value: best_of, echo, suffix, presence_penalty,
+frequency_penalty, logit_bias, tools, tool_choice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlsys.chat import ChatError, normalize_messages, render_book, render_template
+from mlsys.engine import Engine, RequestOutput, SamplingParams
+from mlsys.engine.tokenizer import encode_prompt
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # alternatives per token, at most (vLLM's default max_logprobs)
+MAX_SCHEMA_BYTES = 16_384  # a response_format schema larger than this is refused before it is compiled
+
+
+# ===================================================================================== request validation
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and a message for the client (OpenAI's error shape)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
+        param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionRequest:
+    """A validated POST /v1/completions body."""
+
+    prompt_ids: list[int]  # <bos> + the prompt's characters (or the ids the client sent)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+
+
+# Fields we accept and fields OpenAI defines that we refuse unless they hold their neutral value.
+_ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
+             "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
+             "frequency_penalty", "logit_bias", "response_format"}
+_NEUTRAL = {"best_of": (1, None), "echo": (False, None),
+            "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+            "logit_bias": (None, {})}
+# /v1/chat/completions: messages instead of a prompt, and the chat API's own optional fields
+_CHAT_ACCEPTED = (_ACCEPTED - {"prompt", "best_of", "echo", "suffix"}) | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"}
+_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED},
+                 "tools": (None, []),
+                 "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# --8<-- [start:validate]
+def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: bool = False,
+                             chat_template: str | None = None) -> CompletionRequest:
+    """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
+    chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
+    accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("request body is nested too deeply") from None
+    except ValueError as err:  # bad JSON, bad UTF-8, an integer of more than 4300 digits
+        raise RequestError(f"request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    for key in body:
+        if key not in accepted:
+            raise RequestError(f"unrecognized request argument {key!r}", param=key)
+        if key in neutral and body[key] not in neutral[key]:
+            raise RequestError(f"{key}={body[key]!r} is not supported by this server", param=key)
+    for key in ("model", "messages" if chat else "prompt"):
+        if key not in body:
+            raise RequestError(f"missing required argument {key!r}", param=key)
+    if not isinstance(body["model"], str):
+        raise RequestError("'model' must be a string", param="model")
+    if body["model"] != model_name:
+        raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
+                           status=404, param="model", code="model_not_found")
+    ids = _chat_ids(body["messages"], engine, chat_template) if chat else _prompt_ids(body["prompt"], engine)
+    max_len = engine.config.max_model_len
+    if chat:  # the chat API's default: as many tokens as the context leaves
+        given = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = max(1, max_len - len(ids)) if given is None else given
+    else:
+        max_tokens = body.get("max_tokens", 16)  # OpenAI's default
+    if not _is_int(max_tokens):
+        raise RequestError(f"'max_tokens' must be an integer, got {max_tokens!r}", param="max_tokens")
+    if max_tokens < 1 or len(ids) + max_tokens > max_len:
+        raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
+                           f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
+                           param="max_tokens")
+    temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling, not greedy
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
+    top_p = body.get("top_p", 1.0)
+    if top_p is None:
+        top_p = 1.0
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise RequestError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
+        raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise RequestError(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) for x in stop):
+        raise RequestError("'stop' must be a string or a list of at most 4 strings", param="stop")
+    flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise RequestError(f"{key!r} must be true or false, got {value!r}", param=key)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
+                           param="stream_options")
+    if options and not flags["stream"]:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    logprobs, top = _logprobs(body, chat)
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= engine.config.max_num_seqs:
+        raise RequestError(f"'n' must be an integer from 1 to {engine.config.max_num_seqs}, got {n!r}", param="n")
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        try:
+            fsm = engine.compile_schema(schema)
+        except ValueError as err:  # SchemaError, or a tokenizer the automaton cannot work over
+            raise RequestError(f"response_format cannot be enforced: {err}", param="response_format") from None
+        except RecursionError:
+            raise RequestError("response_format: the schema is nested too deeply", param="response_format") from None
+        if fsm.min_length > max_tokens:
+            raise RequestError(f"response_format: the shortest JSON document the schema allows has "
+                               f"{fsm.min_length} tokens, more than max_tokens={max_tokens}", param="max_tokens")
+    if temperature < SAMPLING_EPS:  # below this, dividing the logits overflows: treated as greedy, as vLLM does
+        temperature = 0.0
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
+                            top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
+                            top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
+                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x),
+                            logprobs=logprobs, top_logprobs=top, n=n, json_schema=schema)
+    return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
+# --8<-- [end:validate]
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(log-probs wanted, alternatives per token). Completions: logprobs = k alternatives (0: only the sampled
+    token's). Chat: logprobs true/false, top_logprobs = k, which needs logprobs true."""
+    logprobs = body.get("logprobs")
+    if not chat:
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}",
+                               param="logprobs")
+        return logprobs is not None, logprobs or 0
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError(f"'logprobs' must be true or false, got {logprobs!r}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}",
+                           param="top_logprobs")
+    if top and logprobs is not True:
+        raise RequestError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+    return logprobs is True, top or 0
+
+
+def _response_schema(fmt: Any) -> dict | None:
+    """response_format -> the JSON schema to enforce, or None (plain text)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           param="response_format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "object"}
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) or \
+            not isinstance(spec.get("name", ""), str):
+        raise RequestError("'response_format.json_schema' must be an object with a 'name' and a 'schema' object",
+                           param="response_format")
+    schema = spec.get("schema", {})
+    try:
+        size = len(json.dumps(schema))
+    except (RecursionError, ValueError):  # nested too deeply to even write out; NaN is refused earlier
+        raise RequestError("response_format: the schema is nested too deeply", param="response_format") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise RequestError(f"the response_format schema exceeds {MAX_SCHEMA_BYTES} bytes", param="response_format")
+    return schema
+
+
+def _chat_ids(messages: Any, engine: Engine, template: str | None) -> list[int]:
+    """The messages rendered by the checkpoint's chat template, or by the book's (the last user message)."""
+    tok = engine.tokenizer
+    try:
+        messages = normalize_messages(messages)
+        if template is None:
+            return encode_prompt(tok, render_book(messages))
+        special = getattr(tok, "token_text", lambda i: "")
+        text = render_template(template, messages, special(tok.bos_id), special(tok.eos_id))
+        return tok.encode(text)  # the template writes the special tokens it wants
+    except ChatError as err:
+        raise RequestError(str(err), param=err.param) from None
+    except ValueError as err:  # a character outside the model's alphabet
+        raise RequestError(f"'messages' cannot be tokenized: {err}", param="messages") from None
+
+
+def _prompt_ids(prompt: Any, engine: Engine) -> list[int]:
+    """A text prompt (or a one-element list of one) -> <bos> + characters; a list of ints is taken as ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("'prompt' is empty", param="prompt")
+        try:
+            return encode_prompt(engine.tokenizer, prompt)
+        except ValueError as err:  # a character outside the model's alphabet
+            raise RequestError(f"'prompt' cannot be tokenized: {err}", param="prompt") from None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        vocab = engine.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"'prompt' token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise RequestError("'prompt' is empty", param="prompt")
+    raise RequestError(f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
+                       param="prompt")
+
+
+# ======================================================================================== response bodies
+# --8<-- [start:sse]
+def sse_event(payload: dict | str) -> bytes:
+    """One Server-Sent Event: `data: <json>` and a blank line (the [DONE] sentinel is sent as plain text)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def completion_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                    usage: dict | None = None, with_choice: bool = True, logprobs: dict | None = None,
+                    index: int = 0) -> dict:
+    """An OpenAI `text_completion` object: the whole answer, or one streamed chunk of it."""
+    choices = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}] \
+        if with_choice else []
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+# --8<-- [end:sse]
+
+
+def logprobs_of(out: RequestOutput, tokenizer, chat: bool, new_only: bool = False) -> dict | None:
+    """The log-probs block of a choice, for the tokens of `out` (or only this step's): OpenAI's completions shape
+    (tokens, token_logprobs, top_logprobs, text_offset) or its chat shape (content: token, logprob, bytes,
+    top_logprobs); None if not asked."""
+    if out.logprobs is None:
+        return None
+    ids = out.new_token_ids if new_only else out.token_ids
+    values = out.logprobs[len(out.logprobs) - len(ids):]
+    tops = out.top_logprobs[len(out.top_logprobs) - len(ids):] if out.top_logprobs is not None else None
+    text = lambda i: tokenizer.decode([i])
+    tokens = [text(i) for i in ids]
+    if chat:
+        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(text(a), alp) for a, alp in top.items()]
+                             if tops is not None else []}
+                            for t, lp, top in zip(tokens, values, tops or [None] * len(ids))]}
+    offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+    top_block = None if tops is None else [{text(a): alp for a, alp in top.items()} for top in tops]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_block, "text_offset": offsets}
+
+
+def usage_of(outs: RequestOutput | list[RequestOutput]) -> dict:
+    """Token counts of a request: its prompt once, the tokens of all its n answers."""
+    outs = outs if isinstance(outs, list) else [outs]
+    n_prompt, n_out = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def finish_reason_of(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
