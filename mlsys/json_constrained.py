@@ -353,6 +353,7 @@ class SchemaFSM:
         dist = torch.tensor(self.dist + [INF], dtype=torch.long)  # index -1 -> the INF sentinel
         self.cost = torch.where(self.next_state >= 0, 1 + dist[self.next_state], INF)  # (S, V)
         self.accepts = torch.tensor([s in self.accepting for s in range(S)])
+        self.next_state_list = self.next_state.tolist()  # the same table as lists: a cheap lookup per token
 
     def mask(self, state: int, remaining: int) -> torch.Tensor:
         """(V,) bool: tokens allowed in `state` with `remaining` tokens of budget left."""

@@ -306,3 +306,18 @@ def test_gqa_memory_refuses_a_budget_too_small_for_one_sequence() -> None:
     proc = run([CH09 / "gqa_memory.py", "--kv-kib", "1"], timeout=60)
     assert proc.returncode == 2 and "cannot hold one 64-token sequence" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--smoke"], dict(shared=6 + 4 * 2, separate=4 * 8, copies=3)),  # P=100, T=20, bs=16: 6 full blocks, 2 own
+    (["--smoke", "--prompt-len", "96"], dict(shared=6 + 4 * 2, separate=4 * 8, copies=0)),  # P fills its blocks
+    (["--smoke", "--n", "1"], dict(shared=8, separate=8, copies=0)),  # nothing to share
+])
+def test_parallel_sampling_blocks_counted_by_hand(tmp_path_factory, flags, want):
+    """Peak KV blocks of n answers with the prompt shared copy-on-write and of n separate requests, against
+    counts worked out by hand for each setting (not the script's formula); the forked answers equal the
+    separately seeded requests (the script's self-check, exit 0)."""
+    r = run_json(tmp_path_factory, CH09 / "parallel_sampling.py", *flags)
+    assert r["shared"]["peak_blocks"] == want["shared"] and r["separate"]["peak_blocks"] == want["separate"]
+    assert r["shared"]["cow_copies"] == want["copies"]
+    assert r["shared"]["prefill_tokens"] * (4 if "1" not in flags else 1) == r["separate"]["prefill_tokens"]

@@ -228,13 +228,13 @@ class Engine:
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the sequence may still generate (a placeholder of the overlap engine is not one yet)."""
-        done = sum(1 for t in seq.output_token_ids if t >= 0)
+        done = len(seq.output_token_ids) - (bool(seq.output_token_ids) and seq.output_token_ids[-1] < 0)
         return min(seq.params.max_tokens, self.config.max_model_len - len(seq.prompt_token_ids)) - done
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple]:
         """(token, log-prob or None, alternatives or None) for each row of logits (R, V), row i for seqs[i]:
         structured-output masks, then the sampler, then the log-probs asked for."""
-        logits = apply_structured_masks(logits, seqs, [self._remaining(s) for s in seqs])
+        logits = apply_structured_masks(logits, seqs, [s.fsm and self._remaining(s) for s in seqs])
         new_ids = sample(logits, seqs) if seqs else []
         logprobs, tops = sampled_logprobs(logits, seqs, new_ids)  # None where not asked for
         return list(zip(new_ids, logprobs, tops))

@@ -174,7 +174,7 @@ class Sequence:
             if token_id == self.eos_token_id:  # the automaton allowed <eos>: the document is complete
                 self.status = SequenceStatus.FINISHED_STOPPED
                 return
-            self.fsm_state = int(self.fsm.next_state[self.fsm_state, token_id])
+            self.fsm_state = self.fsm.next_state_list[self.fsm_state][token_id]
         p = self.params
         if token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos):
             self.status = SequenceStatus.FINISHED_STOPPED

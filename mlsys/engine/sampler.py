@@ -68,17 +68,24 @@ def sampled_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list
 
 # --8<-- [start:mask]
 def apply_structured_masks(logits: torch.Tensor, seqs: list[Sequence], remaining: list[int]) -> torch.Tensor:
-    """Rows of requests with a JSON schema keep only the tokens their automaton allows in its current state
-    with `remaining` tokens of budget left (chapter 11's token tables: one row lookup per request); the other
-    rows are untouched. Returns the logits to sample from (a copy only when some row is masked)."""
-    rows = [i for i, s in enumerate(seqs) if s.fsm is not None]
-    if not rows:
+    """Rows of requests with a JSON schema keep only the tokens their automaton allows in its current state with
+    `remaining` tokens of budget left (chapter 11's token tables); the other rows are untouched. One gather per
+    schema in the batch, not one per request. Returns the logits to sample from (a copy only when some row is
+    masked)."""
+    by_fsm: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        if s.fsm is not None:
+            by_fsm.setdefault(id(s.fsm), []).append(i)
+    if not by_fsm:
         return logits
-    allowed = torch.stack([seqs[i].fsm.mask(seqs[i].fsm_state, remaining[i]) for i in rows])  # (M, V_tok) bool
-    if allowed.shape[1] < logits.shape[1]:  # a checkpoint's padded embedding rows: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
-    logits = logits.clone()
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-    return logits
+    keep = torch.ones(logits.shape, dtype=torch.bool)  # (R, V): every token of a free row
+    for rows in by_fsm.values():
+        fsm = seqs[rows[0]].fsm
+        states = torch.tensor([seqs[i].fsm_state for i in rows])
+        budget = torch.tensor([remaining[i] for i in rows])
+        allowed = fsm.cost[states] <= budget[:, None]  # (M, V_tok): legal AND can still close in time
+        allowed[:, fsm.tok.eos_id] = fsm.accepts[states]  # <eos> only where the document is complete
+        keep[rows, : allowed.shape[1]] = allowed
+        keep[rows, allowed.shape[1] :] = False  # a checkpoint's padded embedding rows: never allowed
+    return logits.masked_fill(~keep.to(logits.device), float("-inf"))
 # --8<-- [end:mask]
