@@ -100,11 +100,9 @@ def main() -> int:
     prompt = [t for r in records for t in r][: args.prompt_len]  # a few records, the last one cut short
     config = EngineConfig(block_size=args.block_size, max_num_seqs=max(args.n, 8))
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
-    # --8<-- [start:runs]
     shared = run(Engine(model, tok, config), prompt, [SamplingParams(n=args.n, seed=args.seed, **base)])
     separate = run(Engine(model, tok, config), prompt,
                    [SamplingParams(seed=args.seed + i, **base) for i in range(args.n)])  # answer i: seed + i
-    # --8<-- [end:runs]
     want = expected_blocks(len(prompt), args.max_tokens, args.n, args.block_size)
     rows = [{"": f"n={args.n}, shared (copy-on-write)", "peak KV blocks": shared["peak_blocks"],
              "expected": want["shared"], "copies": shared["cow_copies"], "prefill tokens": shared["prefill_tokens"]},

@@ -10,8 +10,9 @@ What it shows
     2. The cost of the masks in a decode step: the same batch decoded twice, every request structured and none,
        for the same number of steps (each free request generates as many tokens as its structured twin).
        Timed side by side, alternating, --repeats times after a warm-up, with the garbage collector held
-       off: the median time of a full-batch decode step both ways, and the extra time per step as a share of
-       the free step. The goal is under 10% of a decode step.
+       off, by the engine's own stage timings: the median full-batch decode step both ways, the median of its
+       "sample" stage (where the masks run, with the sampler), and the extra sample time as a share of the free
+       step (the rest of the step does the same work both ways). The goal is under 10% of a decode step.
 
 How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/structured_serving.py
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import dataclass
 
 import jsonschema
@@ -47,7 +47,7 @@ class Settings(cli.Args):
     """Requests decoding together in each timed step."""
     max_tokens: int = 90
     """Token budget of each structured answer (the record schema's shortest document needs fewer)."""
-    repeats: int = 3
+    repeats: int = 5
     """Timed runs of each variant, after one warm-up of each."""
 
     def validate(self) -> None:
@@ -59,19 +59,19 @@ class Settings(cli.Args):
             raise cli.UsageError("--max-tokens must be from 70 (the record schema needs that many) to 200")
 
 
-def step_times(engine: Engine, params: list[SamplingParams], batch: int) -> tuple[list[float], list]:
-    """Run one request per params; (seconds of every step that decoded the whole batch, final outputs)."""
+def step_times(engine: Engine, params: list[SamplingParams], batch: int) -> tuple[list[dict], list]:
+    """Run one request per params; (the engine's stage timings of every step that decoded the whole batch, final
+    outputs). The masks run in the "sample" stage, with the sampler."""
     for sp in params:
         engine.add_request("{", sp)
     times, final = [], {}
     while engine.has_unfinished():
-        t0 = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 final[out.request_id, out.index] = out
         t = engine.last_step_timing
         if t["num_seqs"] == batch and t["num_batched_tokens"] == batch:  # a decode step of the full batch
-            times.append(time.perf_counter() - t0)
+            times.append(t)
     return times, [final[k] for k in sorted(final, key=lambda k: (int(k[0].split("-")[1]), k[1]))]
 
 
@@ -104,7 +104,7 @@ def main() -> int:
     _, docs = step_times(Engine(model, tok, config), masked, args.batch_size)
     lengths = [len(o.token_ids) for o in docs]  # each free twin generates exactly as many tokens
     plain = [SamplingParams(max_tokens=n, temperature=1.0, seed=s, ignore_eos=True) for s, n in enumerate(lengths)]
-    runs: dict[str, list[float]] = {"structured": [], "free": []}
+    runs: dict[str, list[dict]] = {"structured": [], "free": []}
     with bench.steady_timing():
         for rep in range(args.repeats + 1):  # the first round warms up, untimed
             for name, params in (("structured", masked), ("free", plain)):
@@ -112,17 +112,22 @@ def main() -> int:
                 if rep:
                     runs[name] += times
     # --8<-- [end:timing]
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    extra = med["structured"] - med["free"]
+    med = {k: statistics.median(t["total"] for t in v) for k, v in runs.items()}  # a whole decode step
+    sample = {k: statistics.median(t["sample"] for t in v) for k, v in runs.items()}  # masks + sampler
+    extra = sample["structured"] - sample["free"]  # what the masks add; the rest of the step is the same work
     share = extra / med["free"]
     print(report.table([{"batch": args.batch_size, "variant": k, "full-batch decode steps timed": len(runs[k]),
-                         "median step (ms)": 1e3 * med[k]} for k in runs]))
+                         "median step (ms)": 1e3 * med[k], "median sample stage (ms)": 1e3 * sample[k]}
+                        for k in runs]))
     verdict = "met" if share < 0.10 else "not met"
-    print(f"\nthe masks add {1e3 * extra:.3f} ms to a {1e3 * med['free']:.2f} ms decode step of {args.batch_size} "
-          f"requests: {share:.1%} of the step; the goal of under 10% is {verdict} ({bench.load_average()})")
+    print(f"\nthe masks add {1e3 * extra:.3f} ms (sample stage) to a {1e3 * med['free']:.2f} ms decode step of "
+          f"{args.batch_size} requests: {share:.1%} of the step; the goal of under 10% is {verdict} "
+          f"({bench.load_average()})")
     if args.json:
-        report.write_json(args.json, {"median_step_s": med, "extra_s": extra, "share": share, "goal_met": share < 0.1,
-                                      "verdict": verdict, "steps_timed": {k: len(v) for k, v in runs.items()},
+        report.write_json(args.json, {"median_step_s": med, "extra_s": extra, "extra_ms": 1e3 * extra,
+                                      "free_step_ms": 1e3 * med["free"], "share": share, "goal_met": share < 0.1,
+                                      "verdict": verdict, "batch_size": args.batch_size,
+                                      "steps_timed": {k: len(v) for k, v in runs.items()},
                                       "num_valid_mixed": num_valid}, args)
     return 0
 
