@@ -26,8 +26,8 @@ Runtime on 2 cores: about 2 s (training the tokenizer takes well under a second)
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/detokenize.py --vocab-size 300
-        -> fewer merges: more tokens per record and fewer multi-character tokens; the unicode line is unchanged,
-           since its new characters were never merged anyway
+        -> fewer merges: more tokens per record, fewer characters per token; the unicode line keeps its partial
+           tokens and held-back steps, since its new characters were never merged anyway
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/detokenize.py --text 'naïve 🙂🙂'
         -> your own text: every 4-byte emoji holds the stream back for three steps
 """
@@ -138,8 +138,8 @@ def tokenizer_for(args: Settings) -> tuple[HFTokenizer, float, str]:
         report.expect_equal("a fresh training run reproduces the cached tokenizer (delete it if stale)",
                             fresh.to_str(), tok.tok.to_str())
         return tok, seconds, "cached"
-    folder = tempfile.mkdtemp(prefix="bpe-")
-    tok = load_bpe(build_bpe(Path(folder) / "tokenizer.json", vocab_size=args.vocab_size))
+    with tempfile.TemporaryDirectory(prefix="bpe-") as folder:  # the tokenizer is read into memory at once
+        tok = load_bpe(build_bpe(Path(folder) / "tokenizer.json", vocab_size=args.vocab_size))
     return tok, seconds, "trained for this run"
 
 
