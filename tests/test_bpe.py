@@ -223,25 +223,19 @@ def test_llm_text_is_transformers_decode_of_its_ids(llm, files) -> None:
     for out in generated(llm):
         whole = hf_decode(oracle, out.token_ids)
         partial += sum(oracle.decode([i]).endswith("\ufffd") for i in out.token_ids)
-        if whole.endswith("\ufffd"):  # the ids end inside a character: see the next two tests
-            assert whole.startswith(out.text)
-        else:
-            assert out.text == whole
+        assert out.text == whole  # also when the ids end inside a character: the next test makes sure of one
     assert partial > 0  # the hard case was exercised
-    prompt, k = cut_inside_a_character(llm, oracle)
-    (out,) = generated(llm, [prompt], k)
-    whole = hf_decode(oracle, out.token_ids)
-    assert whole.endswith("\ufffd") and whole.startswith(out.text) and out.text != whole
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="Engine keeps a held-back incomplete character out of a finished request's "
-                   "text: decode(token_ids) ends in U+FFFD, the text does not (no flush at finish)")
 def test_a_request_that_ends_inside_a_character_keeps_its_tail(llm, files) -> None:
+    """max_tokens cuts the answer inside a character: the bytes held back are released at the finish (as U+FFFD,
+    as decoding all the ids shows them), not lost."""
     _, _, oracle = files
-    prompt, k = cut_inside_a_character(llm, oracle)  # the test above checks that there is one
+    prompt, k = cut_inside_a_character(llm, oracle)
     (out,) = generated(llm, [prompt], k)
-    assert out.text == hf_decode(oracle, out.token_ids)
+    whole = hf_decode(oracle, out.token_ids)
+    assert whole.endswith("\ufffd") and out.text == whole
 
 
 @pytest.mark.timeout(120)
@@ -270,12 +264,11 @@ def test_chat_stream_adds_up_to_the_plain_answer(folder, llm) -> None:
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert plain.usage.prompt_tokens == len(ids)
     assert "".join(deltas) == content == want.text
-    assert not any(d.endswith("\ufffd") for d in deltas)  # a delta never ends inside a character
+    # a delta never ends inside a character, except the last one when max_tokens cut a character short
+    assert not any(d.endswith("\ufffd") for d in deltas[:-1])
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="a lone surrogate (valid JSON: \"\\ud800\") in a prompt reaches tokenizers' "
-                   "encode, which raises TypeError: the server answers 500 instead of 400")
 def test_a_prompt_with_a_lone_surrogate_is_a_400(llm) -> None:
     import httpx
 

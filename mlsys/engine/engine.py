@@ -345,6 +345,8 @@ class Engine:
     def _detokenize(seq: Sequence, token: int) -> str:
         """The text a sampled token adds, after the request's stop strings (which may finish it)."""
         new_text = seq.detokenizer.step([token])
+        if seq.is_finished:  # the last token may have left a character incomplete: release its bytes now
+            new_text += seq.detokenizer.flush()
         if seq.stop_strings is not None:
             new_text = seq.stop_strings.step(new_text, final=seq.is_finished)
             if seq.stop_strings.stopped and not seq.is_finished:

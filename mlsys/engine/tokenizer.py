@@ -44,6 +44,16 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += new_text
         return new_text
+
+    def flush(self) -> str:
+        """The request is over: release what is still held back (bytes of a character the last token left
+        incomplete, shown as U+FFFD, as decode of all the ids shows them)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        rest = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += rest
+        return rest
 # --8<-- [end:detok]
 
 
@@ -63,6 +73,7 @@ class HFTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        text.encode("utf-8")  # a lone surrogate ("\ud800" is valid JSON) raises UnicodeEncodeError, a ValueError
         ids = self.tok.encode(text, add_special_tokens=False).ids
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos and self.eos_id is not None else [])
