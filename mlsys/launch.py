@@ -59,7 +59,8 @@ from typing import Any
 
 from mlsys.cli import DistArgs, JobFailed, SelfCheckFailed, UsageError, resolve_backend, under_torchrun
 
-__all__ = ["JobFailed", "RankContext", "launch", "resolve_backend", "start_context", "threads_per_rank"]
+__all__ = ["JobFailed", "RankContext", "WorkerGroup", "launch", "resolve_backend", "start_context", "start_workers",
+           "threads_per_rank"]
 
 TERMINATE_GRACE_S = 3.0  # SIGTERM, then this long before SIGKILL
 FAILURE_WINDOW_S = 1.0  # after a failed exit, how long to wait for the other ranks' reports
@@ -337,6 +338,81 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
         raise _failure(failed, ranks)
     message = ranks[0].message
     return message[1] if message is not None and message[0] == "ok" else None
+
+
+# ------------------------------------------------------------------------------------- a driver and its workers
+class WorkerGroup:
+    """Ranks 1..N-1 started by `start_workers`, with this process as rank 0. The ranks run the launcher's own
+    `_child_main` (same rank set-up, same lifeline: a worker kills itself if this process dies), so no worker can
+    outlive the driver."""
+
+    def __init__(self, procs: list, conns: list, store: Any) -> None:
+        self.procs, self.conns, self._store = procs, conns, store
+
+    def dead(self) -> str | None:
+        """None while every worker runs; else which one ended and how (e.g. "rank 2 exited (killed by SIGKILL)")."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                proc.join()
+                report = ""
+                conn = self.conns[rank - 1]
+                with contextlib.suppress(EOFError, OSError):
+                    if conn.poll(0):
+                        kind, text, _ = conn.recv()
+                        report = f": {text.strip().splitlines()[-1]}" if kind != "ok" else ""
+                return f"rank {rank} exited ({_how(proc.exitcode)}){report}"
+        return None
+
+    def close(self, grace: float = 5.0) -> None:
+        """Wait up to `grace` s for the workers to return (the driver has told them to), then stop the rest, and
+        leave this process's process group."""
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + grace
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _terminate(self.procs)
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+
+def start_workers(worker: Callable[..., Any], world_size: int, *worker_args: Any, backend: str = "auto",
+                  timeout: float = 120.0) -> WorkerGroup:
+    """Make this process rank 0 of a new `world_size`-rank process group and start ranks 1..N-1 running
+    `worker(ctx, *worker_args)`. For a driver that keeps working while its workers serve (tensor-parallel
+    inference, mlsys/engine/tp.py); a job whose ranks all run one function and end uses `launch`. Returns once
+    every rank has joined the group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("start_workers: this process already belongs to a process group")
+    opts = LaunchOptions(world_size=world_size, backend=resolve_backend(backend, world_size), timeout=timeout)
+    env, store = _rendezvous(world_size, timeout)
+    if store is None:  # MASTER_PORT chosen by the user: rank 0 hosts the store, and rank 0 is us
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    context = start_context()
+    procs, conns = [], []
+    try:
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe(duplex=True)
+            proc = context.Process(target=_child_main, name=f"rank{rank}",
+                                   args=(rank, worker, worker_args, opts, env, theirs), daemon=True)
+            procs.append(proc)
+            conns.append(ours)
+            with _interrupt_after():
+                proc.start()
+            theirs.close()
+        # the ranks join through env://, which keeps the group's keys under "default_pg" in the store: so must we
+        dist.init_process_group(opts.backend, store=dist.PrefixStore("default_pg", store), rank=0,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    except BaseException:
+        _terminate(procs)
+        raise
+    return WorkerGroup(procs, conns, store)
 
 
 @contextlib.contextmanager

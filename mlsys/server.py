@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlsys.chat import chat_body, chat_chunk
 from mlsys.engine import Engine, RequestOutput, SamplingParams
+from mlsys.engine.engine import FatalEngineError
 from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
     CompletionRequest,
     RequestError,
@@ -130,6 +131,8 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()  # the forward pass: only this thread ever waits for it
+                except FatalEngineError:
+                    raise  # no step can run any more (a tensor-parallel worker died): _run marks the engine dead
                 except Exception as err:  # the engine isolates a failing request itself; this is the last resort
                     outputs = self._fail_running(err)
                 self._send([self._failure(out) if out.finish_reason == "error" else out for out in outputs

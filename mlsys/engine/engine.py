@@ -40,6 +40,10 @@ from mlsys.engine.tokenizer import IncrementalDetokenizer, StopStrings, encode_p
 from mlsys.model import GPT
 
 
+class FatalEngineError(RuntimeError):
+    """The engine cannot compute any step (not one request's fault): step() raises it instead of isolating."""
+
+
 # --8<-- [start:config]
 @dataclass
 class EngineConfig:
@@ -53,6 +57,7 @@ class EngineConfig:
     preemption: str = "recompute"  # the only mode: free the blocks, recompute later
     device: str = "cpu"
 # --8<-- [end:config]
+    tensor_parallel_size: int = 1  # ranks that split every layer (mlsys/engine/tp.py); this process is rank 0
     cuda_graph_sizes: list[int] | None = None  # decode-only steps replay a CUDA graph of these batch sizes
     # (Chapter 10, mlsys/engine/cuda_graphs.py); None: eager. On a CPU the padded static path runs uncaptured.
 
@@ -74,6 +79,10 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {c.scheduling!r}")
         if c.cuda_graph_sizes is not None and (not c.cuda_graph_sizes or min(c.cuda_graph_sizes) < 1):
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {c.cuda_graph_sizes!r}")
+        if c.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {c.tensor_parallel_size}")
+        if c.tensor_parallel_size > 1 and (c.cuda_graph_sizes or c.device != "cpu"):
+            raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) in this engine, without CUDA graphs")
         if c.preemption != "recompute":
             raise ValueError(f"only preemption='recompute' is implemented, got {c.preemption!r}")
         return c
@@ -93,7 +102,13 @@ class Engine:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {model.config.vocab_size}")
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.scheduling)
-        self.runner = ModelRunner(self.model, c.num_blocks, c.block_size, c.device)
+        if c.tensor_parallel_size > 1:  # ranks 1..N-1 start here; each holds 1/N of every layer and of the KV
+            from mlsys.engine.tp import TPRunner
+
+            self.runner = TPRunner(self.model, c.num_blocks, c.block_size, c.tensor_parallel_size)
+            self.model = self.runner.model  # rank 0's shard: the whole model is not kept
+        else:
+            self.runner = ModelRunner(self.model, c.num_blocks, c.block_size, c.device)
         if c.cuda_graph_sizes:
             from mlsys.engine.cuda_graphs import CUDAGraphRunner
 
@@ -200,6 +215,8 @@ class Engine:
                 self._copy_blocks()  # copy-on-write blocks this step writes into
                 try:
                     sampled = self._compute(scheduled, timing)
+                except FatalEngineError:
+                    raise  # the engine itself cannot compute (a tensor-parallel worker died): no request is to blame
                 except Exception as err:  # one request may have broken the batch: find it, keep the rest
                     scheduled, sampled, failed = self._isolate(scheduled, err)
                     outputs += [self._fail(seq, e) for seq, e in failed]
@@ -303,6 +320,8 @@ class Engine:
             try:
                 sampled |= self._compute([(seq, n)], timing)
                 ok.append((seq, n))
+            except FatalEngineError:
+                raise
             except Exception as alone:
                 failed.append((seq, alone))
         return ok, sampled, failed
@@ -389,9 +408,16 @@ class Engine:
                 from final[failed[0]].error
         return [final[k] for k in keys]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
     def load_weights(self, state_dict: dict) -> None:
         """Serve new weights (RLHF: the policy after a training step). Cached prefixes were
         computed with the old weights, so the prefix cache is emptied; no request may be in flight."""
+        if self.config.tensor_parallel_size > 1:
+            raise NotImplementedError("load_weights with tensor_parallel_size > 1")
         with self._lock:
             if self.requests:
                 raise RuntimeError(f"load_weights with {len(self.requests)} requests in flight")

@@ -39,6 +39,8 @@ Try next
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
          -d '{"model": "mlsys-small", "messages": [{"role": "user", "content": "{"}], "max_tokens": 40}'
         -> (server running) the chat form: the book's model is prompted with the last user message
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --tensor-parallel-size 2
+        -> two ranks, each with half of every layer and half of the KV heads: the same answers (mlsys/engine/tp.py)
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --model path/to/checkpoint --forever
         -> your own GPT-2, Llama or Qwen2 folder (config.json + safetensors), with its tokenizer and chat template
 """
@@ -87,6 +89,8 @@ class Settings(cli.Args):
     """If set, /v1 routes answer only requests with `Authorization: Bearer <key>` (empty: no key)."""
     grace_seconds: float = 10.0
     """On Ctrl-C or SIGTERM, how long requests in flight may run on before they are cut."""
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer of the model (vLLM's name): this process and N-1 workers, gloo on CPU."""
 
     def validate(self) -> None:
         if self.model not in ("small", "draft") and not Path(self.model).is_dir():
@@ -99,6 +103,8 @@ class Settings(cli.Args):
             raise cli.UsageError("--max-num-seqs and --threads must be at least 1")
         if not 1 <= self.max_tokens <= 200:
             raise cli.UsageError(f"--max-tokens must lie in 1..200, got {self.max_tokens}")
+        if not 1 <= self.tensor_parallel_size <= 8:
+            raise cli.UsageError(f"--tensor-parallel-size must lie in 1..8, got {self.tensor_parallel_size}")
         if not 0 <= self.grace_seconds <= 3600:
             raise cli.UsageError(f"--grace-seconds must lie in 0..3600, got {self.grace_seconds}")
 
@@ -187,7 +193,11 @@ def main() -> int:
             tokenizer.encode(PROMPT)
         except ValueError:  # a folder without tokenizer.json: the demo sends token ids
             prompt = list(range(1, 9))
-    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs))
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
+                                                       tensor_parallel_size=args.tensor_parallel_size))
+    except ValueError as err:  # e.g. a tensor-parallel size that does not divide the heads
+        raise cli.UsageError(str(err)) from None
     # the oracle, no HTTP: the engine's own greedy output
     expected = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=args.max_tokens))[0].text
     template = template_of(args.model) if Path(args.model).is_dir() else None
@@ -208,9 +218,13 @@ def main() -> int:
             with signals:  # the main thread only waits: the server thread does the work
                 print(f"serving on {server.url} until {until}", flush=True)
                 until_t = float("inf") if args.forever else time.monotonic() + args.serve_seconds
-                while not signals.event.wait(0.1) and time.monotonic() < until_t:
+                front = app.state.async_engine
+                while not signals.event.wait(0.1) and time.monotonic() < until_t and front.dead is None:
                     pass  # short waits, so that a signal's handler runs at once (see ServerThread.stop)
                 drain = server.stop()
+                if front.dead is not None:  # e.g. a tensor-parallel worker died: nothing can be served any more
+                    print(f"error: the engine stopped: {front.dead}; the server shut down", file=sys.stderr)
+                    return 1
         else:
             drain = server.stop()
     except BaseException:
@@ -218,6 +232,8 @@ def main() -> int:
             server.force()
             server.stop()
         raise
+    finally:
+        engine.close()  # the tensor-parallel workers, if any
     print(f"drained {drain['drained']} of {drain['in_flight']} request(s) in flight, cut {drain['cut']} "
           f"(grace period {args.grace_seconds:g} s)")
     stats = engine.stats()

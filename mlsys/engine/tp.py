@@ -1,0 +1,236 @@
+"""Tensor-parallel serving: N ranks each hold 1/N of every layer and the KV cache of their own heads.
+
+    engine = Engine(model, config=EngineConfig(tensor_parallel_size=2))   # or LLM(model=..., tensor_parallel_size=2)
+
+The split is Chapter 6's (Megatron-LM's): in attention, each rank computes its share of the query heads (column
+parallel: rows of the q, k, v projections) and the output projection's matching columns (row parallel), so one
+all-reduce of the (N, C) partial sums ends the block; the MLP the same way, its first projection split by output
+features, the second by input features, one more all-reduce. Norms, embeddings and the head are replicated.
+
+    rank r:   x ── norm ── q,k,v of heads r·H/N..(r+1)·H/N ── paged attention (its own KV pool) ── o_proj[:, cols]
+                                                                                                     │ partial (N, C)
+                                                                              all-reduce (sum over ranks)
+              x ── norm ── gate/up rows ── down_proj[:, cols] ── all-reduce ── ...
+
+Keys and values follow the query heads: a rank stores the K/V heads its query heads read. With grouped-query
+attention and N dividing the K/V heads, each rank holds H_kv / N of them; with N larger (N a multiple of H_kv),
+each rank holds the one K/V head its query heads share, replicated on N / H_kv ranks, as vLLM does. So the KV
+memory per rank shrinks N-fold (down to one head), and the same pool holds N times the tokens.
+
+Processes, in the shape of vLLM's multiprocessing executor: the process that builds the engine is rank 0. It
+schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py) starts ranks 1..N-1. Every step,
+rank 0 broadcasts the packed batch (the ModelInput of model_runner.py, and the copy-on-write block copies) and all
+ranks run the same forward, each on its shard; the all-reduces keep them in step, and rank 0 reads the logits.
+A worker that dies makes the next step raise `WorkerDied`, naming the rank; the engine does not try to carry on.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mlsys.engine.engine import FatalEngineError
+from mlsys.engine.model_runner import ModelInput, ModelRunner
+
+
+class WorkerDied(FatalEngineError):
+    """A tensor-parallel worker is gone; the engine cannot compute another step."""
+
+
+COMM = {"all_reduce_calls": 0, "all_reduce_bytes": 0, "all_reduce_s": 0.0}  # this process's all-reduces
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum the ranks' partial results in place (the communication; everything else in this file is compute)."""
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    COMM["all_reduce_s"] += time.perf_counter() - t0
+    COMM["all_reduce_calls"] += 1
+    COMM["all_reduce_bytes"] += x.numel() * x.element_size()
+    return x
+
+
+# ------------------------------------------------------------------------------------------- sharding a model
+def check_tp(config, size: int) -> None:
+    """ValueError unless `size` ranks can split the model: heads, K/V heads (or replicas) and MLP width."""
+    H, H_kv = config.n_head, config.n_kv_head
+    if H % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the {H} attention heads")
+    if H_kv % size and size % H_kv:
+        raise ValueError(f"tensor_parallel_size={size} must divide the {H_kv} key/value heads or be a multiple of "
+                         f"them")
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return None if t is None else t[start:stop].clone()
+
+
+class ShardedBlock(nn.Module):
+    """One decoder block's rank-r slice, with the three serving seams of mlsys.model.Block / mlsys.llama."""
+
+    def __init__(self, block: nn.Module, rank: int, size: int, H: int, H_kv: int, D: int):
+        super().__init__()
+        h = H // size  # query heads on this rank
+        q0 = rank * h
+        kv0, hk = (q0 * H_kv // H, max(1, H_kv // size))  # first K/V head this rank's query heads read; how many
+        self.D, self.llama = D, hasattr(block, "self_attn")
+        if self.llama:
+            a, m = block.self_attn, block.mlp
+            self.norm1, self.norm2 = block.input_layernorm, block.post_attention_layernorm
+            wq, bq = a.q_proj.weight, a.q_proj.bias
+            wk, bk, wv, bv = a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias
+            wo, self.bo = a.o_proj.weight, a.o_proj.bias
+            f = m.gate_proj.out_features // size
+            self.w_gate, self.b_gate = _rows(m.gate_proj.weight, rank * f, (rank + 1) * f), \
+                _rows(m.gate_proj.bias, rank * f, (rank + 1) * f)
+            self.w_up, self.b_up = _rows(m.up_proj.weight, rank * f, (rank + 1) * f), \
+                _rows(m.up_proj.bias, rank * f, (rank + 1) * f)
+            self.w_down, self.b_down = m.down_proj.weight[:, rank * f : (rank + 1) * f].clone(), m.down_proj.bias
+        else:  # the book's GPT: one fused c_attn (q rows, then k, then v)
+            a, m = block.attn, block.mlp
+            self.norm1, self.norm2 = block.ln_1, block.ln_2
+            C = H * D
+            w, b = a.c_attn.weight, a.c_attn.bias
+            wq, wk, wv = w[:C], w[C : 2 * C], w[2 * C :]
+            bq, bk, bv = (None, None, None) if b is None else (b[:C], b[C : 2 * C], b[2 * C :])
+            wo, self.bo = a.c_proj.weight, a.c_proj.bias
+            f = m.c_fc.out_features // size
+            self.w_up, self.b_up = _rows(m.c_fc.weight, rank * f, (rank + 1) * f), \
+                _rows(m.c_fc.bias, rank * f, (rank + 1) * f)
+            self.w_down, self.b_down = m.c_proj.weight[:, rank * f : (rank + 1) * f].clone(), m.c_proj.bias
+        self.wq, self.bq = _rows(wq, q0 * D, (q0 + h) * D), _rows(bq, q0 * D, (q0 + h) * D)
+        self.wk, self.bk = _rows(wk, kv0 * D, (kv0 + hk) * D), _rows(bk, kv0 * D, (kv0 + hk) * D)
+        self.wv, self.bv = _rows(wv, kv0 * D, (kv0 + hk) * D), _rows(bv, kv0 * D, (kv0 + hk) * D)
+        self.wo = wo[:, q0 * D : (q0 + h) * D].clone()  # row parallel: the input columns of this rank's heads
+
+    def attention_qkv(self, x: torch.Tensor, pos=None):
+        """x (N, C) -> q (N, h, D), k and v (N, h_kv, D) of this rank's heads (rotated for Llama)."""
+        x = self.norm1(x)
+        q, k, v = (F.linear(x, w, b).unflatten(-1, (-1, self.D)) for w, b in
+                   ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
+        if self.llama:
+            from mlsys.llama import apply_rope
+
+            cos, sin = (t[:, None] for t in pos)  # (N, 1, D): the same angle for every head
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def attention_out(self, y: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(y, self.wo))  # partial sums of every rank's heads -> the whole projection
+        return out if self.bo is None else out + self.bo  # the bias once, after the sum
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm2(x)
+        if self.llama:
+            h = F.silu(F.linear(x, self.w_gate, self.b_gate)) * F.linear(x, self.w_up, self.b_up)
+        else:
+            h = F.gelu(F.linear(x, self.w_up, self.b_up), approximate="tanh")
+        out = all_reduce(F.linear(h, self.w_down))
+        return out if self.b_down is None else out + self.b_down
+
+
+class _ShardConfig:
+    """The model's config as one rank sees it: fewer heads, everything else the same."""
+
+    def __init__(self, base, n_head: int, n_kv_head: int):
+        self._base, self.n_head, self.n_kv_head = base, n_head, n_kv_head
+
+    def __getattr__(self, name: str):
+        return getattr(self._base, name)
+
+
+def shard_model(model: nn.Module, rank: int, size: int) -> nn.Module:
+    """Rank `rank`'s copy of `model`: its slice of every block, the embeddings and head whole."""
+    c = model.config
+    check_tp(c, size)
+    H, H_kv, D = c.n_head, c.n_kv_head, c.head_dim
+    shard = copy.copy(model)  # a shallow copy: the module dicts are copied below, the blocks replaced
+    shard._modules = dict(model._modules)
+    blocks = nn.ModuleList(ShardedBlock(b, rank, size, H, H_kv, D) for b in model.blocks)
+    if hasattr(model, "h"):
+        shard._modules["h"] = blocks
+    else:
+        backbone = copy.copy(model.model)
+        backbone._modules = dict(model.model._modules, layers=blocks)
+        shard._modules["model"] = backbone
+    shard.config = _ShardConfig(c, H // size, max(1, H_kv // size))
+    return shard.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------- the ranks
+def _worker(ctx, model: nn.Module, num_blocks: int, block_size: int) -> None:
+    """Ranks 1..N-1: build this rank's shard and KV pool, then run every step rank 0 broadcasts, until "stop"."""
+    torch.set_num_threads(1)
+    runner = ModelRunner(shard_model(model, ctx.rank, ctx.world_size), num_blocks, block_size)
+    del model
+    while True:
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0)
+        cmd, *rest = msg[0]
+        if cmd == "stop":
+            return
+        batch, copies, all_logits = rest
+        runner.copy_blocks(copies)
+        runner.execute(batch, all_logits)
+
+
+class TPRunner:
+    """Rank 0's runner: the ModelRunner interface (prepare, execute, copy_blocks, kv_cache_bytes) over N ranks."""
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, size: int, timeout: float = 120.0):
+        from mlsys.launch import start_workers
+
+        check_tp(model.config, size)
+        self.size = size
+        self.group = start_workers(_worker, size, model, num_blocks, block_size, backend="gloo", timeout=timeout)
+        self.model = shard_model(model, 0, size)
+        self.local = ModelRunner(self.model, num_blocks, block_size)
+        self._copies: list[tuple[int, int]] = []
+        self.closed = False
+
+    def __getattr__(self, name: str):  # block_size, k_cache, ...: the local runner's
+        return getattr(self.local, name)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.local.kv_cache_bytes  # per rank: every rank holds the same share
+
+    def prepare(self, *args, **kwargs) -> ModelInput:
+        return self.local.prepare(*args, **kwargs)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.local.copy_blocks(pairs)
+        self._copies += pairs  # the workers copy theirs with the next step
+
+    def execute(self, m: ModelInput, all_logits: bool = False) -> torch.Tensor:
+        if self.closed:
+            raise WorkerDied("the tensor-parallel workers were shut down")
+        dead = self.group.dead()
+        if dead:
+            raise WorkerDied(f"tensor-parallel worker {dead}; the engine cannot run another step")
+        try:
+            dist.broadcast_object_list([("step", m, self._copies, all_logits)], src=0)
+            self._copies = []
+            return self.local.execute(m, all_logits)
+        except RuntimeError as err:  # a collective failed: a worker is gone (gloo: "Connection closed by peer")
+            deadline = time.monotonic() + 5.0
+            while not (dead := self.group.dead()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise WorkerDied(f"tensor-parallel worker {dead or 'unknown'} failed during a step ({err})") from err
+
+    def close(self) -> None:
+        """Tell the workers to return, wait for them, and leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.group.dead():
+            try:
+                dist.broadcast_object_list([("stop",)], src=0)
+            except RuntimeError:
+                pass
+        self.group.close()

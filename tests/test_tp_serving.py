@@ -1,0 +1,141 @@
+"""Tensor-parallel serving (mlsys/engine/tp.py): N real ranks over gloo, each with 1/N of every layer and of the
+KV heads, must give the tokens of one process.
+
+Oracles: the TP=1 engine, and transformers' own greedy generate on the same Llama / Qwen2 weights (random init,
+saved with save_pretrained, nothing downloaded); the bytes of each rank's KV pool against the heads it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from mlsys.engine import LLM, Engine, EngineConfig, SamplingParams
+from mlsys.engine.tp import WorkerDied, check_tp, shard_model
+from mlsys.server import ServerThread, create_app
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+PROMPTS = ['{"name": "ada", ', '{"name": "linus", "age": 2', 'x']
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp_engine_equals_one_process_on_the_book_gpt(small_model, size):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = Engine(small_model).generate(PROMPTS, params)
+    one = Engine(small_model).stats()["kv_cache_bytes"]
+    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=size))
+    try:
+        got = eng.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert eng.stats()["kv_cache_bytes"] * size == one  # each rank: 1/N of the heads' K and V
+        sampled = eng.generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=2))
+        alone = [Engine(small_model).generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=1.0, seed=s))[0]
+                 for s in (3, 4)]
+        assert [o.token_ids for o in sampled] == [o.token_ids for o in alone]
+    finally:
+        eng.close()
+
+
+def build_llama(folder, kind: str, kv_heads: int):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=kv_heads, max_position_embeddings=128, tie_word_embeddings=False)
+    if kind == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).eval()
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(folder)
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.mark.parametrize("kind, kv_heads, size", [("llama", 2, 2), ("llama", 2, 4), ("qwen2", 1, 2)],
+                         ids=["llama-kv-split", "llama-kv-replicated", "qwen2-mqa-bias"])
+def test_tp_llm_equals_transformers_on_gqa_checkpoints(tmp_path, kind, kv_heads, size):
+    """K/V heads split over the ranks (2 over 2), replicated (2 heads, 4 ranks: each holds the one its query heads
+    read), and one K/V head with qkv bias (Qwen2): greedy tokens equal transformers.generate."""
+    hf = build_llama(tmp_path, kind, kv_heads)
+    ids = [[1, 5, 9, 13, 2, 7], [3, 3, 8]]
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=size)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=12, ignore_eos=True))
+        for p, out in zip(ids, outs):
+            want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+            assert out.outputs[0].token_ids == want
+        model = llm.engine.model
+        assert model.config.n_kv_head == max(1, kv_heads // size) and model.config.n_head == 4 // size
+    finally:
+        llm.engine.close()
+
+
+def test_sharding_rules():
+    from mlsys.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32)
+    model = Llama(cfg)
+    check_tp(cfg, 8)  # 2 K/V heads, 8 ranks: each K/V head on 4 ranks
+    with pytest.raises(ValueError, match="must divide the 8 attention heads"):
+        check_tp(cfg, 3)
+    with pytest.raises(ValueError, match="key/value heads"):
+        check_tp(LlamaConfig(vocab_size=32, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=32), 2)
+    for rank in range(4):  # the K/V head a rank keeps is the one its query heads read
+        block = shard_model(model, rank, 4).blocks[0]
+        a = model.blocks[0].self_attn
+        D, kv = 8, (rank * 2) // 4  # ranks 0, 1 read K/V head 0; ranks 2, 3 head 1
+        assert torch.equal(block.wk, a.k_proj.weight[kv * D : (kv + 1) * D])
+        assert torch.equal(block.wq, a.q_proj.weight[rank * 2 * D : (rank + 1) * 2 * D])
+
+
+def test_tp_server_streams_the_one_process_answer(small_model):
+    want = Engine(small_model).generate(PROMPTS[:1], SamplingParams(max_tokens=16))[0].text
+    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=2))
+    try:
+        with ServerThread(create_app(eng)) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            ask = dict(model="mlsys-small", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+            plain = client.completions.create(**ask).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
+        assert plain == streamed == want
+    finally:
+        eng.close()
+
+
+def test_a_dead_worker_ends_the_engine_with_its_name_and_leaves_no_process(small_model):
+    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=2))
+    pids = [p.pid for p in eng.runner.group.procs]
+    try:
+        app = create_app(eng)
+        with ServerThread(app) as server:
+            assert httpx.post(f"{server.url}/v1/completions", json={"model": "mlsys-small", "prompt": "{",
+                                                                    "max_tokens": 4}, timeout=30).status_code == 200
+            os.kill(pids[0], signal.SIGKILL)
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "mlsys-small", "prompt": "{",
+                                                                 "max_tokens": 4}, timeout=30)
+            assert r.status_code in (500, 503)
+            front = app.state.async_engine
+            deadline = time.monotonic() + 10
+            while front.dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert isinstance(front.dead, WorkerDied) and "rank 1" in str(front.dead)
+            assert "SIGKILL" in str(front.dead)
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "mlsys-small", "prompt": "{",
+                                                                 "max_tokens": 4}, timeout=30)
+            assert r.status_code == 503  # refused at once from now on
+    finally:
+        eng.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
