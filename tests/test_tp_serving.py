@@ -139,3 +139,15 @@ def test_a_dead_worker_ends_the_engine_with_its_name_and_leaves_no_process(small
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_tp_profile_counts_the_bytes_each_step_reduces(tmp_path_factory):
+    """tp_serving.py --smoke (batch 4): two all-reduces per layer of the 4 layers, each of 4 tokens x 128 floats:
+    8 calls and 8 * 4 * 128 * 4 = 16384 bytes per decode step (worked out by hand), and half the KV per rank."""
+    from conftest import run_json, scripts_dir
+
+    r = run_json(tmp_path_factory, scripts_dir(10) / "tp_serving.py", "--smoke")
+    one, two = r["runs"]
+    assert (one["tp"], two["tp"]) == (1, 2)
+    assert two["all_reduces_per_step"] == 8 and two["bytes_per_step"] == 16384
+    assert one["bytes_per_step"] == 0 and two["kv_bytes_per_rank"] * 2 == one["kv_bytes_per_rank"]

@@ -70,6 +70,7 @@ def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return None if t is None else t[start:stop].clone()
 
 
+# --8<-- [start:shard]
 class ShardedBlock(nn.Module):
     """One decoder block's rank-r slice, with the three serving seams of mlsys.model.Block / mlsys.llama."""
 
@@ -132,6 +133,7 @@ class ShardedBlock(nn.Module):
             h = F.gelu(F.linear(x, self.w_up, self.b_up), approximate="tanh")
         out = all_reduce(F.linear(h, self.w_down))
         return out if self.b_down is None else out + self.b_down
+# --8<-- [end:shard]
 
 
 class _ShardConfig:
