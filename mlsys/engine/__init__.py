@@ -1,5 +1,6 @@
-"""A small LLM inference engine for the tiny GPT: paged KV cache, prefix cache,
-continuous batching, preemption by recompute, seeded sampling, streaming text.
+"""A small LLM inference engine for the book's GPT and Llama-style checkpoints: paged KV cache, prefix cache,
+continuous batching, preemption by recompute, seeded sampling, parallel sampling, structured output, streaming
+text, tensor parallelism.
 
     from mlsys.engine import Engine, EngineConfig, SamplingParams
     engine = Engine(load_pretrained("small"), config=EngineConfig(enable_prefix_caching=True))
@@ -12,9 +13,12 @@ The parts, each a file (vLLM's and SGLang's names for them):
     radix_cache.py   RadixCache: prefix tree over token ids owning cached blocks, LRU eviction
     scheduler.py     Scheduler: continuous or static batching, token budget, preemption by recompute
     model_runner.py  ModelRunner: the GPT's weights over a packed batch, attention through block tables
-    sampler.py       sample: greedy / temperature / top-k, one seeded generator per request
-    tokenizer.py     encode_prompt, IncrementalDetokenizer
-    engine.py        Engine, EngineConfig: the step loop tying them together
+    sampler.py       sample: greedy / temperature / top-k / top-p, one seeded generator per request; the
+                     log-probs and top alternatives; structured-output masks (one per JSON-schema request)
+    tokenizer.py     encode_prompt, IncrementalDetokenizer, StopStrings, HFTokenizer (a folder's tokenizer.json)
+    engine.py        Engine, EngineConfig: the step loop tying them together (n > 1 forks copy-on-write)
+    overlap.py       OverlapEngine: schedules step N+1 while step N computes (Chapter 10)
+    tp.py            tensor-parallel serving: N ranks, each with 1/N of every layer and of the KV heads
     llm.py           LLM: vLLM's offline interface (LLM(model=...).generate) on top of Engine
 
     from mlsys.engine import LLM, SamplingParams
