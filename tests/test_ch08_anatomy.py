@@ -116,6 +116,28 @@ def test_engine_batch_equals_transformers_generate(small_model):
     assert ours.shape == (6, 40) and torch.equal(ours, theirs)
 
 
+def test_engine_batch_equals_transformers_generate_on_llama_weights(tmp_path):
+    """--model llama: the engine serves the checkpoint folder the script writes; transformers' own greedy
+    generate on the model that wrote it (called here, not through the script) must give the same tokens."""
+    pytest.importorskip("transformers")
+    vt = load_script(CH08 / "vs_transformers.py")
+    from mlsys.data import Tokenizer, make_corpus
+
+    ours, hf = vt.llama_pair(3, str(tmp_path))
+    assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+    assert type(hf).__name__ == "LlamaForCausalLM" and type(ours).__name__ == "Llama"
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # grouped-query attention
+    tok = Tokenizer()
+    prompts = torch.tensor([tok.encode(line[:12], bos=True) for line in make_corpus(5, seed=7).splitlines()])
+    with torch.no_grad():
+        expected = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[:, prompts.size(1):]
+    got = vt.engine_greedy(Engine(ours, config=EngineConfig(max_num_seqs=5)), prompts, 40)
+    assert got.shape == expected.shape == (5, 40)
+    assert len(set(expected.flatten().tolist())) > 3  # not a constant stream, which would match trivially
+    assert torch.equal(got, expected)
+
+
 def test_both_schedulers_serve_the_workload_and_continuous_needs_fewer_steps(small_model):
     bb = load_script(CH08 / "batching_bench.py")
     args = bb.Settings(num_requests=12, request_rate=math.inf, prompt_max=20, short_max=6, long_min=40,
