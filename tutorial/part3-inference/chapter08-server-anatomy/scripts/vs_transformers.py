@@ -196,11 +196,9 @@ def main() -> None:
     spread = max(t["median_s"] / t["best_s"] for t in times.values()) - 1  # how far a median sits above its best
     gap = abs(vs_plain - 1)
     verdict, hf_verdict = compare(vs_plain, spread), compare(vs_hf, spread)
-    goal_met = vs_hf >= 1
-    goal = (f"goal (engine >= 1x transformers' tokens/s) {'met' if goal_met else 'not met'} in this run: "
-            f"{vs_hf:.2f}x, {hf_verdict}")
+    goal = "met" if vs_hf >= 1 else "not met"  # the goal: at least transformers' tokens/s
     print(f"\nmedians sit up to {spread:.0%} above the best runs")
-    print(f"engine / transformers tokens/s: {vs_hf:.2f}x; {goal}")
+    print(f"engine / transformers tokens/s: {vs_hf:.2f}x: {hf_verdict}; goal (>= 1x) {goal} in this run")
     print(f"engine / mlsys.model.generate tokens/s: {vs_plain:.2f}x: {verdict}")
     engine.check_invariants()
     if args.json:
@@ -211,7 +209,7 @@ def main() -> None:
                                       "engine_vs_plain_gap": gap, "median_spread": spread,
                                       "engine_vs_plain_verdict": verdict,
                                       "engine_vs_transformers_verdict": hf_verdict,
-                                      "goal_met": goal_met, "goal_verdict": goal,
+                                      "goal_met": vs_hf >= 1, "goal": goal,
                                       "load_average": bench.load_average()}, args)
 
 
