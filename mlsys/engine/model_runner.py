@@ -190,16 +190,17 @@ class ModelRunner:
         values = F.embedding(g.block_tables, v_pool.view(self.num_blocks, -1))
         keys = keys.view(S, -1, H_kv, D).transpose(1, 2)  # (S, H_kv, Kmax = max_blocks * bs, D)
         values = values.view(S, -1, H_kv, D).transpose(1, 2)
-        if H_kv != H:  # grouped-query attention: KV head j serves query heads j*H/H_kv .. (j+1)*H/H_kv - 1
-            keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
+        G = H // H_kv  # query heads per K/V head (grouped-query attention; 1 for multi-head)
         if Qmax == 1:  # decode only: one query per sequence, already in order
-            queries = q.view(S, 1, H, D).transpose(1, 2)  # (S, H, 1, D)
-        else:
-            queries = q.new_zeros(S * Qmax, H, D).index_copy_(0, g.pad_index, q)
-            queries = queries.view(S, Qmax, H, D).transpose(1, 2)  # (S, H, Qmax, D)
-        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask)  # (S, H, Qmax, D)
-        y = y.transpose(1, 2).reshape(S * Qmax, H * D)
-        return y if Qmax == 1 else y[g.pad_index]  # (N_g, H * D): padding rows dropped
+            queries = q.view(S, H_kv, G, D)  # the G query heads that read K/V head j become G query rows of it
+            y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask)  # (S, H_kv, G, D)
+            return y.reshape(S, H * D)  # query head j*G + i is row i of K/V head j: heads in order again
+        queries = q.new_zeros(S * Qmax, H, D).index_copy_(0, g.pad_index, q)
+        queries = queries.view(S, Qmax, H_kv, G, D).permute(0, 2, 3, 1, 4).reshape(S, H_kv, G * Qmax, D)
+        mask = g.attn_mask.repeat(1, 1, G, 1) if G > 1 else g.attn_mask  # each group's rows see the same keys
+        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # (S, H_kv, G * Qmax, D)
+        y = y.view(S, H_kv, G, Qmax, D).permute(0, 3, 1, 2, 4).reshape(S * Qmax, H * D)
+        return y[g.pad_index]  # (N_g, H * D): padding rows dropped
     # --8<-- [end:attention]
 
     # --8<-- [start:forward]
