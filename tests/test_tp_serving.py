@@ -25,22 +25,38 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_threa
 PROMPTS = ['{"name": "ada", ', '{"name": "linus", "age": 2', 'x']
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tp_engine_equals_one_process_on_the_book_gpt(small_model, size):
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    want = Engine(small_model).generate(PROMPTS, params)
-    one = Engine(small_model).stats()["kv_cache_bytes"]
-    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=size))
-    try:
-        got = eng.generate(PROMPTS, params)
+@pytest.fixture(scope="class")
+def tp2(small_model):
+    """One TP=2 engine on the book's GPT, for the tests of one class (starting ranks costs a second). A process
+    holds one tensor-parallel engine at a time (its ranks are this process's one process group), so the engine
+    lives as long as that class's tests run, and no longer."""
+    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=2))
+    yield eng
+    eng.close()
+
+
+class TestOneTP2Engine:
+    def test_tp_engine_equals_one_process_on_the_book_gpt(self, small_model, tp2):
+        """N = 2 here; N = 4 runs on Llama below (and in tp_serving.py's smoke run)."""
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        want = Engine(small_model).generate(PROMPTS, params)
+        one = Engine(small_model).stats()["kv_cache_bytes"]
+        got = tp2.generate(PROMPTS, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        assert eng.stats()["kv_cache_bytes"] * size == one  # each rank: 1/N of the heads' K and V
-        sampled = eng.generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=2))
+        assert tp2.stats()["kv_cache_bytes"] * 2 == one  # each rank: half of the heads' K and V
+        sampled = tp2.generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=2))
         alone = [Engine(small_model).generate(PROMPTS[:1], SamplingParams(max_tokens=20, temperature=1.0, seed=s))[0]
                  for s in (3, 4)]
         assert [o.token_ids for o in sampled] == [o.token_ids for o in alone]
-    finally:
-        eng.close()
+
+    def test_tp_server_streams_the_one_process_answer(self, small_model, tp2):
+        want = Engine(small_model).generate(PROMPTS[:1], SamplingParams(max_tokens=16))[0].text
+        with ServerThread(create_app(tp2)) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            ask = dict(model="mlsys-small", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+            plain = client.completions.create(**ask).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
+        assert plain == streamed == want
 
 
 def build_llama(folder, kind: str, kv_heads: int):
@@ -97,20 +113,6 @@ def test_sharding_rules():
         D, kv = 8, (rank * 2) // 4  # ranks 0, 1 read K/V head 0; ranks 2, 3 head 1
         assert torch.equal(block.wk, a.k_proj.weight[kv * D : (kv + 1) * D])
         assert torch.equal(block.wq, a.q_proj.weight[rank * 2 * D : (rank + 1) * 2 * D])
-
-
-def test_tp_server_streams_the_one_process_answer(small_model):
-    want = Engine(small_model).generate(PROMPTS[:1], SamplingParams(max_tokens=16))[0].text
-    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=2))
-    try:
-        with ServerThread(create_app(eng)) as server:
-            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-            ask = dict(model="mlsys-small", prompt=PROMPTS[0], max_tokens=16, temperature=0)
-            plain = client.completions.create(**ask).choices[0].text
-            streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
-        assert plain == streamed == want
-    finally:
-        eng.close()
 
 
 def test_a_dead_worker_ends_the_engine_with_its_name_and_leaves_no_process(small_model):
