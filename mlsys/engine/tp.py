@@ -22,6 +22,8 @@ schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py) 
 rank 0 broadcasts the packed batch (the ModelInput of model_runner.py, and the copy-on-write block copies) and all
 ranks run the same forward, each on its shard; the all-reduces keep them in step, and rank 0 reads the logits.
 A worker that dies makes the next step raise `WorkerDied`, naming the rank; the engine does not try to carry on.
+The ranks form this process's default process group, so a process holds one tensor-parallel engine at a time
+(close() the first before building another), and not inside a job that already has a process group.
 """
 
 from __future__ import annotations
