@@ -1,6 +1,7 @@
 """Checker for ch10.4 — the K/V heads and weight slices of each rank against the engine's own sharding
 (mlsys.engine.tp.shard_model on a random Llama), the attention of the shards summed over ranks against the dense
-layer, and the bytes per step against the engine's count of what it all-reduced."""
+layer, and the bytes per step against a count of the all-reduce calls, layer by layer (tests/test_tp_serving.py
+checks the same count against what a running engine all-reduced)."""
 
 from __future__ import annotations
 
