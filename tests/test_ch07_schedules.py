@@ -152,6 +152,21 @@ def test_idle_in_slots_by_hand() -> None:
     assert events[0][2] == {"kind": "B", "stage": 0, "mb": 0, "start": 5, "end": 7}
 
 
+def test_zbv_idles_only_at_the_ends_and_interleaved_zb_ends_together() -> None:
+    """The lesson's reading of the figure: under ZB-V (m >= 2p - 1) rank r starts r stage-forwards late and never
+    waits between its first and last action; the interleaved zero-bubble schedule ends every rank at once."""
+    for p in (2, 3, 4):
+        for m in (2 * p - 1, 2 * p, 3 * p):
+            if m % max(1, m // p):
+                continue
+            ev = zs.replay(zs.planned_orders("zbv", p, 2, m), zs.placement("zbv", p, 2), 2)
+            for r in range(p):
+                assert ev[r][0]["start"] == Fraction(r, 2)  # one stage-forward is half a rank-forward
+                assert all(a["end"] == b["start"] for a, b in zip(ev[r], ev[r][1:])), (p, m, r)
+            ev = zs.replay(zs.planned_orders("interleaved-zb", p, 2, m), zs.placement("interleaved-zb", p, 2), 2)
+            assert len({evs[-1]["end"] for evs in ev.values()}) == 1
+
+
 # ----------------------------------------------------------------------------------------------- memory, messages
 def test_peak_activations_worked_by_hand() -> None:
     """p = 2, m = 4. Interleaved 1F1B (v = 2) on rank 0 runs F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 ...: five stage

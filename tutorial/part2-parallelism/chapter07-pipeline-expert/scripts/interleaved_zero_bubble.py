@@ -146,7 +146,6 @@ def instrument(stage, events: list, device: torch.device) -> None:
 # --8<-- [end:instrument]
 
 
-# --8<-- [start:run_schedule]
 def run_schedule(ctx: RankContext, args: Settings, name: str) -> dict:
     """Build this rank's stages for `name`, run a warm-up step and --steps timed steps, then one SGD step."""
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -190,7 +189,6 @@ def run_schedule(ctx: RankContext, args: Settings, name: str) -> dict:
     loss = float(torch.stack(losses).mean().detach()) if losses else None
     best = min(steps, key=lambda s: s["span"])  # the step other programs disturbed least
     return {"grads": grads, "params": after, "loss": loss, "best": best, "per_stage": per_stage}
-# --8<-- [end:run_schedule]
 
 
 def analyse(name: str, p: int, v: int, m: int, timeline: list) -> dict:
@@ -241,17 +239,28 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 def compare(name: str, gathered: list, ref_grads: list, ref_params: list, ref_loss: float, per_stage: int) -> dict:
     """Every stage's gradients and updated parameters against the one-process step (2 tensors per block)."""
     dgrad = dparam = 0.0
+    prints: dict[int, list[float]] = {}
     for got in gathered:
         for s in got["grads"]:
             first = 2 * s * per_stage  # index of the stage's first tensor in blocks.parameters()
-            for j, (g, q) in enumerate(zip(got["grads"][s], got["params"][s])):
-                report.expect_close(f"{name}: stage {s} grad {j}", g, ref_grads[first + j], *TOL)
-                report.expect_close(f"{name}: stage {s} parameter {j} after SGD", q, ref_params[first + j], *TOL)
-                dgrad = max(dgrad, float((g - ref_grads[first + j]).abs().max()))
-                dparam = max(dparam, float((q - ref_params[first + j]).abs().max()))
+            for j, (g, q) in enumerate(zip(got["grads"][s], got["params"][s]), start=first):
+                report.expect_close(f"{name}: stage {s} grad {j}", g, ref_grads[j], *TOL)
+                report.expect_close(f"{name}: stage {s} parameter {j} after SGD", q, ref_params[j], *TOL)
+                dgrad = max(dgrad, float((g - ref_grads[j]).abs().max()))
+                dparam = max(dparam, float((q - ref_params[j]).abs().max()))
+                prints[j] = fingerprint(q, j)
     (loss,) = [g["loss"] for g in gathered if g["loss"] is not None]
     report.expect_close(f"{name}: loss", loss, ref_loss, *TOL)
-    return {"loss": loss, "max_grad_diff": dgrad, "max_param_diff": dparam}
+    return {"loss": loss, "max_grad_diff": dgrad, "max_param_diff": dparam,
+            "param_fingerprints": [prints[j] for j in sorted(prints)]}
+
+
+def fingerprint(t: torch.Tensor, j: int) -> list[float]:
+    """Three numbers that pin down parameter tensor j after the step (sum, sum of squares, a seeded random
+    projection), so the JSON lets a test compare every parameter with its own one-process step."""
+    direction = torch.randn(t.numel(), generator=torch.Generator().manual_seed(j), dtype=torch.float64)
+    flat = t.detach().double().flatten()
+    return [float(flat.sum()), float(flat @ flat), float(flat @ direction)]
 
 
 def print_report(args: Settings, results: dict) -> None:
@@ -287,7 +296,6 @@ def print_report(args: Settings, results: dict) -> None:
     print("\ngradients and parameters after one SGD step equal one process for every schedule: OK")
 
 
-# --8<-- [start:draw]
 def draw(args: Settings, results: dict) -> None:
     """One Gantt chart per schedule and rank: F blue, B orange, I red, W green, white = idle; paler = 2nd+ stage."""
     plt = plot.pyplot()
@@ -317,7 +325,6 @@ def draw(args: Settings, results: dict) -> None:
         axes[-1].set_xlabel(unit)
         fig.tight_layout()
         plot.save(fig, args, fname)
-# --8<-- [end:draw]
 
 
 def main() -> int:
