@@ -1,0 +1,154 @@
+"""Context parallelism (mlsys/context_parallel.py): ring attention and Ulysses against one process.
+
+The oracle is torch's scaled_dot_product_attention(is_causal=True) on the whole sequence, in one process, in
+float64: the output and the gradients of q, k and v, gathered from the shards, must equal it. The zigzag split
+is checked against a brute-force list of positions, the causal work per rank against a count of the mask's ones,
+the merge against numpy's softmax over the concatenated scores, and the bytes each rank sends against the
+formula, counted on real ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlsys import context_parallel as cp
+
+
+# ----------------------------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("seq,world", [(16, 2), (24, 3), (32, 4), (8, 1)])
+def test_zigzag_and_contiguous_splits_cover_every_position_once(seq: int, world: int) -> None:
+    for layout in cp.LAYOUTS:
+        held = [list(range(a, b)) for r in range(world) for a, b in cp.shard_chunks(seq, world, r, layout)]
+        assert sorted(p for run in held for p in run) == list(range(seq))
+    c = seq // (2 * world)
+    for r in range(world):  # zigzag by hand: chunk r and chunk 2W-1-r
+        want = list(range(r * c, (r + 1) * c)) + list(range((2 * world - 1 - r) * c, (2 * world - r) * c))
+        got = [p for a, b in cp.shard_chunks(seq, world, r, "zigzag") for p in range(a, b)]
+        assert got == want
+    x = torch.arange(seq).view(1, 1, seq, 1)
+    for layout in cp.LAYOUTS:
+        parts = [cp.shard(x, world, r, layout) for r in range(world)]
+        assert torch.equal(cp.unshard(parts, layout), x)
+
+
+@pytest.mark.parametrize("seq,world", [(64, 2), (64, 4), (96, 3), (128, 8)])
+def test_causal_work_is_the_count_of_visible_pairs_and_zigzag_balances_it(seq: int, world: int) -> None:
+    mask = np.tril(np.ones((seq, seq), dtype=np.int64))  # mask[i, j] = 1 when query i sees key j
+    for layout in cp.LAYOUTS:
+        want = [int(sum(mask[p].sum() for a, b in cp.shard_chunks(seq, world, r, layout) for p in range(a, b)))
+                for r in range(world)]
+        assert cp.causal_work(seq, world, layout) == want
+    assert len(set(cp.causal_work(seq, world, "zigzag"))) == 1  # every rank the same work
+    if world > 1:
+        contiguous = cp.causal_work(seq, world, "contiguous")
+        # the last rank does about (2W-1) x the first's work (exactly so as the chunks grow: the diagonal halves)
+        assert contiguous[-1] / contiguous[0] == pytest.approx(2 * world - 1, rel=0.1)
+
+
+def test_merge_equals_softmax_over_both_blocks() -> None:
+    rng = np.random.default_rng(0)
+    s1, s2 = rng.normal(size=(3, 5)) * 4, rng.normal(size=(3, 7)) * 4
+    v1, v2 = rng.normal(size=(5, 2)), rng.normal(size=(7, 2))
+    s = np.concatenate([s1, s2], axis=1)
+    p = np.exp(s - s.max(1, keepdims=True))
+    want = (p / p.sum(1, keepdims=True)) @ np.concatenate([v1, v2])
+
+    def partial(sc, vv):
+        sc = torch.tensor(sc)
+        lse = torch.logsumexp(sc, -1)
+        return torch.exp(sc - lse[:, None]) @ torch.tensor(vv), lse
+
+    out, lse = partial(s1, v1)
+    out2, lse2 = partial(s2, v2)
+    cp.merge(out, lse, out2, lse2)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), np.log(np.exp(s).sum(1)), rtol=1e-12)
+
+
+def test_ring_at_one_rank_is_blockwise_attention_equal_to_sdpa() -> None:
+    """W = 1 needs no process group: the tiled kernel and its backward alone against SDPA."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn_like(q)
+    scale = 8 ** -0.5
+    for layout in cp.LAYOUTS:
+        chunks = cp.shard_chunks(40, 1, 0, layout)
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        cp.block_attention(q, k, v, chunks, chunks, out, lse, scale, q_tile=7)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        cp.block_attention_backward(q, k, v, dout, lse, (dout * out).sum(-1), chunks, chunks, dq, dk, dv, scale,
+                                    q_tile=7)
+        qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        ref.backward(dout)
+        for name, got, want in (("out", out, ref), ("dq", dq, qr.grad), ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10, msg=f"{layout} {name}")
+
+
+@pytest.mark.parametrize("method,seq,world", [("ring", 6, 2), ("ring", 8, 4), ("ulysses", 4, 2)])
+def test_comm_bytes_formula_small_cases_by_hand(method: str, seq: int, world: int) -> None:
+    got = cp.comm_bytes(method, seq, world, heads=4, head_dim=2)
+    shard = 4 * (seq // world) * 2 * 4  # one (1, 4, S/W, 2) float32 tensor
+    if method == "ring":  # K and V, W-1 hops forward; K, V and dK, dV backward (dK, dV once more)
+        assert got == {"forward": (world - 1) * 2 * shard, "backward": ((world - 1) * 2 + world * 2) * shard}
+    else:
+        assert got == {"forward": 4 * shard * (world - 1) // world, "backward": 4 * shard * (world - 1) // world}
+
+
+# ----------------------------------------------------------------------------------------------- on real ranks
+def cp_worker(ctx, seq: int, heads: int) -> dict:
+    """Every method on this rank's shard; outputs and grads gathered to rank 0 with the bytes each rank sent."""
+    import torch.distributed as dist
+
+    world, rank, group = ctx.world_size, ctx.rank, dist.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64)
+    results = {}
+    methods = [("ring", "zigzag"), ("ring", "contiguous")] + ([("ulysses", "contiguous")] if heads % world == 0 else [])
+    for method, layout in methods:
+        padded = cp.padded_length(seq, world, layout)
+        pad = (0, 0, 0, padded - seq)
+        local = [cp.shard(F.pad(t, pad), world, rank, layout).requires_grad_(True) for t in (q, k, v)]
+        with cp.comm_log() as log:
+            if method == "ring":
+                out = cp.ring_attention(*local, group=group, layout=layout, q_tile=5)
+            else:
+                out = cp.ulysses_attention(*local, group=group)
+            out.backward(cp.shard(F.pad(dout, pad), world, rank, layout))
+        tensors = [out.detach()] + [t.grad for t in local]
+        gathered = []
+        for t in tensors:
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t)
+            gathered.append(cp.unshard(parts, layout)[..., :seq, :].numpy())  # numpy: tensors do not cross the pipe
+        sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
+        results[f"{method}-{layout}"] = {"tensors": gathered, "sent": sent, "padded": padded}
+    return results
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world,seq,heads", [(2, 24, 4), (4, 32, 4), (4, 29, 4), (3, 20, 4)])
+def test_ring_and_ulysses_equal_full_attention_forward_and_backward(world: int, seq: int, heads: int) -> None:
+    from mlsys.launch import launch
+
+    results = launch(cp_worker, seq, heads, world_size=world, backend="gloo", timeout=80)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref.backward(dout)
+    want = [ref.detach(), q.grad, k.grad, v.grad]
+    expected = {"ring-zigzag", "ring-contiguous"} | ({"ulysses-contiguous"} if heads % world == 0 else set())
+    assert set(results) == expected
+    for key, res in results.items():
+        for name, got, w in zip(("output", "dq", "dk", "dv"), res["tensors"], want, strict=True):
+            torch.testing.assert_close(torch.from_numpy(got), w, rtol=1e-9, atol=1e-9,
+                                       msg=f"W={world} S={seq} {key} {name}")
+        method = key.split("-")[0]
+        formula = cp.comm_bytes(method, res["padded"], world, heads, 8, batch=2, dtype_bytes=8)
+        assert res["sent"] == formula, f"{key}: counted {res['sent']}, formula {formula}"

@@ -1,0 +1,300 @@
+"""Context parallelism: ring attention and Ulysses split one long sequence over W ranks, measured.
+
+What it shows
+    1. Causal attention over a sequence sharded on W ranks, three ways: ring attention with the zigzag split,
+       ring attention with a contiguous split, and Ulysses (all-to-all from tokens to heads and back). Each one's
+       output and the gradients of q, k and v, gathered from the shards, equal scaled_dot_product_attention on the
+       whole sequence in one process (float64). A length that does not split evenly is padded at the end.
+    2. The bytes each rank sent, counted on the wire, against mlsys.context_parallel.comm_bytes.
+    3. The causal work each rank did (query-key pairs scored, counted by the kernel) for both splits: contiguous
+       leaves the last rank about 2W-1 times the first rank's work, zigzag gives every rank the same.
+    4. Peak memory of one attention layer's forward + backward (float32) on each rank against one process doing
+       the whole sequence, for growing lengths: the resident-memory high-water mark (Linux VmHWM, reset before
+       each measurement) minus the memory in use just before.
+    5. torch's own context_parallel (torch.distributed.tensor.experimental) as a second oracle, where it runs:
+       on CPU it raises for its missing CPU attention kernel, and the script says so.
+
+How to run
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 4
+    torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py
+
+Prints the equality table, the bytes table, the work per rank and the memory-vs-length table; draws
+.cache/figures/context_parallel/memory.png and balance.png. Runtime on 2 cores: about 30 s; --smoke about 3 s.
+
+Try next
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
+        -> at W = 2 ring attention's forward sends exactly what Ulysses' does (two shards per rank), its backward
+           three times as much
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 3
+        -> 3 does not divide 8 heads: ring attention runs, Ulysses is skipped and the script says why
+    python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py --lengths 8192 16384
+        -> 16k tokens: the one-process peak doubles again, and each rank's stays the same fraction of it
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mlsys import cli, plot, report
+from mlsys import context_parallel as cp
+from mlsys.launch import RankContext, launch
+from mlsys.tp_formulas import layer_comm_volume
+
+
+@dataclass
+class Settings(cli.DistArgs, cli.PlotArgs):
+    world_size: int = 4
+    """Number of ranks the sequence is split over. Under torchrun it is taken from WORLD_SIZE."""
+    seq: int = 1003
+    """Tokens in the equality check (float64); padded at the end when it does not split evenly."""
+    heads: int = 8
+    """Attention heads H; Ulysses needs W to divide it."""
+    head_dim: int = 32
+    """Width of one head D."""
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    """Sequence lengths for the memory measurement (float32, batch 1)."""
+    q_tile: int = 128
+    """Query rows the ring kernel scores at a time: the scores held at once are q_tile x (K/V chunk length)."""
+
+    def validate(self) -> None:
+        for name in ("seq", "heads", "head_dim", "q_tile"):
+            if getattr(self, name) < 1:
+                raise cli.UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lengths or min(self.lengths) < 2 * self.world_size:
+            raise cli.UsageError(f"--lengths must be given and each at least 2W = {2 * self.world_size}")
+        if max(self.lengths) > 65536 or self.seq > 65536:
+            raise cli.UsageError("--lengths and --seq must be at most 65536 tokens on this machine")
+
+
+def methods(args: Settings, world: int) -> list[tuple[str, str]]:
+    """(method, layout) pairs this world size can run: Ulysses only where W divides the heads."""
+    return [("ring", "zigzag"), ("ring", "contiguous")] + (
+        [("ulysses", "contiguous")] if args.heads % world == 0 else [])
+
+
+def attend(method: str, layout: str, q, k, v, group, q_tile: int) -> torch.Tensor:
+    if method == "ring":
+        return cp.ring_attention(q, k, v, group=group, layout=layout, q_tile=q_tile)
+    return cp.ulysses_attention(q, k, v, group=group)
+
+
+def gather(t: torch.Tensor, world: int, layout: str) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return cp.unshard(parts, layout)
+
+
+def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict:
+    """One method on this rank's shard, gathered and compared with SDPA on the whole sequence (float64)."""
+    world, group, s = ctx.world_size, dist.group.WORLD, args.seq
+    gen = torch.Generator().manual_seed(args.seed)
+    q, k, v, dout = (torch.randn(1, args.heads, s, args.head_dim, generator=gen, dtype=torch.float64)
+                     for _ in range(4))
+    padded = cp.padded_length(s, world, layout)
+    pad = (0, 0, 0, padded - s)  # zeros at the end of the sequence dim: causal masking hides them
+    local = [cp.shard(F.pad(t, pad), world, ctx.rank, layout).to(ctx.device).requires_grad_(True) for t in (q, k, v)]
+    with cp.comm_log() as log:
+        out = attend(method, layout, *local, group, args.q_tile)
+        out.backward(cp.shard(F.pad(dout, pad), world, ctx.rank, layout).to(ctx.device))
+    got = [gather(t.detach(), world, layout)[..., :s, :].cpu() for t in (out, *(x.grad for x in local))]
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    errs = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *(t.grad for t in full)), strict=True):
+        report.expect_close(f"{method} ({layout}) {name} vs one process", a, b, rtol=1e-9, atol=1e-9)
+        errs[name] = float((a - b).abs().max())
+    sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
+    formula = cp.comm_bytes(method, padded, world, args.heads, args.head_dim, dtype_bytes=8)
+    report.expect_equal(f"{method} ({layout}) bytes sent vs formula", sent, formula)
+    return {"method": method, "layout": layout, "padded_to": padded, **{f"err_{k}": v for k, v in errs.items()},
+            "sent_fwd_B": sent["forward"], "sent_bwd_B": sent["backward"], "formula_fwd_B": formula["forward"],
+            "formula_bwd_B": formula["backward"]}
+
+
+def work_per_rank(ctx: RankContext, args: Settings, layout: str) -> list[int]:
+    """Query-key pairs this rank's kernel scored in the forward pass, every rank's, counted (not computed)."""
+    world, s = ctx.world_size, cp.padded_length(args.seq, ctx.world_size, "zigzag")
+    q = torch.randn(1, 1, s // world, 4).to(ctx.device)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")).to(ctx.device)
+    mine = cp.shard_chunks(s, world, ctx.rank, layout)
+    scored = sum(cp.block_attention(q, q, q, mine, cp.shard_chunks(s, world, src, layout), out, lse, 1.0)
+                 for src in range(world))  # the K/V blocks the ring would bring, one from every rank
+    counts = [None] * world
+    dist.all_gather_object(counts, scored)
+    report.expect_equal(f"{layout} work per rank vs causal_work", counts, cp.causal_work(s, world, layout))
+    return counts
+
+
+# --8<-- [start:memory]
+LIBC = ctypes.CDLL("libc.so.6") if Path("/proc/self/status").exists() else None
+if LIBC is not None:
+    LIBC.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD fixed at 128 KiB: large tensors are mmapped, freed at once
+
+
+def _status_kib(field_name: str) -> int:
+    return int(re.search(rf"{field_name}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def peak_bytes(fn, device: torch.device) -> int:
+    """Memory high-water mark while fn() runs, above what was in use before it: the CUDA allocator's peak on a
+    GPU, the process's resident-memory peak (Linux VmHWM) on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    LIBC.malloc_trim(0)  # hand freed heap back, so "before" counts only live memory
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def layer_pass(args: Settings, method: str, seq: int, group, device) -> None:
+    """Forward + backward of one attention layer on this rank's shard of a float32 sequence of `seq` tokens."""
+    world = dist.get_world_size(group)
+    q, k, v = (torch.randn(1, args.heads, seq // world, args.head_dim, device=device, requires_grad=True)
+               for _ in range(3))
+    out = attend(method, "zigzag" if method == "ring" else "contiguous", q, k, v, group, args.q_tile)
+    out.backward(torch.ones_like(out))
+# --8<-- [end:memory]
+
+
+def memory_vs_length(ctx: RankContext, args: Settings, alone) -> list[dict]:
+    rows, world = [], ctx.world_size
+    names = ["ring"] + (["ulysses"] if args.heads % world == 0 else [])
+    for seq in sorted(args.lengths):
+        seq = cp.padded_length(seq, world)
+        row = {"tokens": seq}
+        for method in names:
+            one = 0
+            if ctx.rank == 0:
+                one = peak_bytes(lambda: layer_pass(args, method, seq, alone, ctx.device), ctx.device)  # noqa: B023
+            dist.barrier()
+            mine = peak_bytes(lambda: layer_pass(args, method, seq, dist.group.WORLD, ctx.device),  # noqa: B023
+                              ctx.device)
+            peaks = [None] * world
+            dist.all_gather_object(peaks, mine)
+            row.update({f"{method}_one_MB": one / 2**20, f"{method}_rank_max_MB": max(peaks) / 2**20,
+                        f"{method}_ratio": max(peaks) / one if one else float("nan")})
+        rows.append(row)
+    return rows
+
+
+def torch_oracle(ctx: RankContext, args: Settings) -> dict:
+    """torch's context_parallel on the same kind of input; returns whether it ran and how far it is from ours."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    world, s = ctx.world_size, cp.padded_length(64, ctx.world_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    q, k, v = (torch.randn(1, args.heads, s, args.head_dim, generator=gen).to(ctx.device) for _ in range(3))
+    mesh = init_device_mesh(ctx.device.type, (world,))
+    bufs = [t.clone() for t in (q, k, v)]
+    try:
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2]):
+            theirs = F.scaled_dot_product_attention(*bufs, is_causal=True)
+        theirs = context_parallel_unshard(mesh, [theirs], [2])[0]
+    except (NotImplementedError, RuntimeError) as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        return {"ran": False, "reason": reason, "status": f"not run on this backend ({reason})"}
+    local = [cp.shard(t, world, ctx.rank, "zigzag") for t in (q, k, v)]
+    ours = gather(cp.ring_attention(*local, group=dist.group.WORLD), world, "zigzag")
+    report.expect_close("ring attention vs torch context_parallel", ours, theirs, rtol=1e-4, atol=1e-5)
+    diff = float((ours - theirs).abs().max())
+    return {"ran": True, "max_abs_diff": diff, "status": f"ran, max |ours - torch| = {diff:.1e}"}
+
+
+def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    tokens = [r["tokens"] for r in rows]
+    ax.plot(tokens, [r["ring_one_MB"] for r in rows], "o-", label="one process (the same ring kernel)")
+    ax.plot(tokens, [r["ring_one_MB"] / world for r in rows], ":", color="grey", label=f"1/{world} of one process")
+    ax.plot(tokens, [r["ring_rank_max_MB"] for r in rows], "s-", label=f"ring attention, largest of {world} ranks")
+    if "ulysses_rank_max_MB" in rows[0]:
+        ax.plot(tokens, [r["ulysses_one_MB"] for r in rows], "o--", label="one process (SDPA)")
+        ax.plot(tokens, [r["ulysses_rank_max_MB"] for r in rows], "^-", label=f"Ulysses, largest of {world} ranks")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
+           ylabel="peak memory of one attention layer (MB)", title="forward + backward, float32")
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.legend(fontsize=8)
+    plot.save(fig, args, "memory")
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    width = 0.4
+    for i, layout in enumerate(("contiguous", "zigzag")):
+        ax.bar([r + (i - 0.5) * width for r in range(world)], work[layout], width, label=layout)
+    ax.set(xlabel="rank", ylabel="query-key pairs scored", title=f"causal work per rank, {args.seq} tokens")
+    ax.set_xticks(range(world))
+    ax.legend()
+    plot.save(fig, args, "balance")
+
+
+def worker(ctx: RankContext, args: Settings) -> dict:
+    world = ctx.world_size
+    alone = dist.new_group([0])  # every rank must take part in creating it; only rank 0 uses it
+    eq = [equality(ctx, args, m, layout) for m, layout in methods(args, world)]
+    work = {layout: work_per_rank(ctx, args, layout) for layout in ("contiguous", "zigzag")}
+    mem = memory_vs_length(ctx, args, alone) if ctx.device.type == "cuda" or cp_memory_available() else []
+    oracle = torch_oracle(ctx, args)
+    ctx.print(f"{world} ranks, H={args.heads} heads of D={args.head_dim}; causal attention over one sequence")
+    if args.heads % world:
+        ctx.print(f"Ulysses skipped: it gives each rank H/W heads, and W={world} does not divide H={args.heads}")
+    ctx.print(f"1-2. {args.seq} tokens, float64: gathered shards vs one process; bytes this rank sent vs formula")
+    ctx.print(report.table(eq, floatfmt=".1e"))
+    block = layer_comm_volume(1, cp.padded_length(args.seq, world), args.heads * args.head_dim, world,
+                              sequence_parallel=True, dtype_bytes=8)
+    ctx.print(f"   (for scale: one TP+SP block of chapter 6 at t={world} sends {int(block['forward_sent_per_rank'])} B "
+              "forward per rank)")
+    work_rows = [{"rank": r, "contiguous": work["contiguous"][r], "zigzag": work["zigzag"][r]} for r in range(world)]
+    ctx.print("3. causal work per rank (query-key pairs scored, counted in the kernel; equal to causal_work):")
+    ctx.print(report.table(work_rows))
+    share = max(work["contiguous"]) / min(work["contiguous"])
+    ctx.print(f"   contiguous: the busiest rank does {share:.2f}x the least busy one's work; zigzag: "
+              f"{max(work['zigzag']) / min(work['zigzag']):.2f}x")
+    if mem:
+        ctx.print("4. peak memory of one attention layer, forward + backward, float32 (MB; ratio = largest rank / "
+                  "one process):")
+        ctx.print(report.table(mem, floatfmt=".3g"))
+    else:
+        ctx.print("4. memory not measured: on CPU it reads /proc/self (Linux only)")
+    ctx.print(f"5. torch context_parallel: {oracle['status']}")
+    if ctx.rank == 0 and mem:
+        draw(args, mem, work, world)
+    return {"equality": eq, "work": work, "work_imbalance_contiguous": share, "memory": mem, "torch_oracle": oracle,
+            "sp_block_forward_sent_B": int(block["forward_sent_per_rank"]), "ulysses": args.heads % world == 0}
+
+
+def cp_memory_available() -> bool:
+    return LIBC is not None and Path("/proc/self/clear_refs").exists()
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "seq": 61, "heads": 4, "head_dim": 8,
+                                               "lengths": [256, 512], "q_tile": 32},
+                     world_sizes=range(1, 9), world_sizes_text="1..8")
+    result = launch(worker, args)
+    if result is None:
+        return 0
+    print("OK: ring attention" + (" and Ulysses equal" if result["ulysses"] else " equals")
+          + " one-process attention, forward and backward; bytes and work match their formulas")
+    if args.json:
+        report.write_json(args.json, result, args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
