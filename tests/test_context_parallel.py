@@ -152,3 +152,15 @@ def test_ring_and_ulysses_equal_full_attention_forward_and_backward(world: int, 
         method = key.split("-")[0]
         formula = cp.comm_bytes(method, res["padded"], world, heads, 8, batch=2, dtype_bytes=8)
         assert res["sent"] == formula, f"{key}: counted {res['sent']}, formula {formula}"
+
+
+@pytest.mark.parametrize("flags,message", [(["-w", "4", "--lengths", "4"], "each at least 2W = 8"),
+                                           (["--seq", "0"], "--seq must be >= 1"),
+                                           (["--lengths", "70000"], "at most 65536")])
+def test_script_bad_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
+    from conftest import run, scripts_dir
+
+    proc = run([scripts_dir(6) / "context_parallel.py", *flags])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

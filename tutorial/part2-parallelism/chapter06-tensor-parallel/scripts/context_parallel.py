@@ -231,13 +231,15 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
            ylabel="peak memory of one attention layer (MB)", title="forward + backward, float32")
     ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.xaxis.set_minor_locator(plt.NullLocator())  # log axes add minor labels that collide with ours
     ax.legend(fontsize=8)
     plot.save(fig, args, "memory")
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     width = 0.4
     for i, layout in enumerate(("contiguous", "zigzag")):
         ax.bar([r + (i - 0.5) * width for r in range(world)], work[layout], width, label=layout)
-    ax.set(xlabel="rank", ylabel="query-key pairs scored", title=f"causal work per rank, {args.seq} tokens")
+    ax.set(xlabel="rank", ylabel="query-key pairs scored",
+           title=f"causal work per rank, {cp.padded_length(args.seq, world)} tokens")
     ax.set_xticks(range(world))
     ax.legend()
     plot.save(fig, args, "balance")
