@@ -5,6 +5,7 @@ mlsys/tensor_parallel.py."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,12 +50,21 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
+# Running totals of this process's all-reduces, always on (tensor-parallel serving reports them per step).
+COMM = {"all_reduce_calls": 0, "all_reduce_bytes": 0, "all_reduce_s": 0.0}
+
+
 def _all_reduce(x: torch.Tensor, group, phase: str, tag: str = "activation") -> torch.Tensor:
     if _size(group) == 1:
         return x
     out = x.contiguous().clone()
-    _record("all_reduce", phase, out.numel() * out.element_size(), tag)
+    nbytes = out.numel() * out.element_size()
+    _record("all_reduce", phase, nbytes, tag)
+    t0 = time.perf_counter()
     dist.all_reduce(out, group=group)
+    COMM["all_reduce_s"] += time.perf_counter() - t0
+    COMM["all_reduce_calls"] += 1
+    COMM["all_reduce_bytes"] += nbytes
     return out
 
 

@@ -5,7 +5,9 @@
 The split is Chapter 6's (Megatron-LM's): in attention, each rank computes its share of the query heads (column
 parallel: rows of the q, k, v projections) and the output projection's matching columns (row parallel), so one
 all-reduce of the (N, C) partial sums ends the block; the MLP the same way, its first projection split by output
-features, the second by input features, one more all-reduce. Norms, embeddings and the head are replicated.
+features, the second by input features, one more all-reduce. Norms, embeddings and the head are replicated. The
+slices are Chapter 6's ColumnParallelLinear and RowParallelLinear (mlsys/tp_layers.py); the all-reduce is its
+`g` (mlsys/tp_comm.py), which also keeps this process's running totals in `COMM`.
 
     rank r:   x ── norm ── q,k,v of heads r·H/N..(r+1)·H/N ── paged attention (its own KV pool) ── o_proj[:, cols]
                                                                                                      │ partial (N, C)
@@ -38,23 +40,12 @@ from torch import nn
 
 from mlsys.engine.engine import FatalEngineError
 from mlsys.engine.model_runner import ModelInput, ModelRunner
+from mlsys.tp_comm import COMM  # noqa: F401  (this process's all-reduce totals, read by ch10's tp_serving.py)
+from mlsys.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
 class WorkerDied(FatalEngineError):
     """A tensor-parallel worker is gone; the engine cannot compute another step."""
-
-
-COMM = {"all_reduce_calls": 0, "all_reduce_bytes": 0, "all_reduce_s": 0.0}  # this process's all-reduces
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum the ranks' partial results in place (the communication; everything else in this file is compute)."""
-    t0 = time.perf_counter()
-    dist.all_reduce(x)
-    COMM["all_reduce_s"] += time.perf_counter() - t0
-    COMM["all_reduce_calls"] += 1
-    COMM["all_reduce_bytes"] += x.numel() * x.element_size()
-    return x
 
 
 # ------------------------------------------------------------------------------------------- sharding a model
@@ -74,7 +65,8 @@ def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
 
 # --8<-- [start:shard]
 class ShardedBlock(nn.Module):
-    """One decoder block's rank-r slice, with the three serving seams of mlsys.model.Block / mlsys.llama."""
+    """One decoder block's rank-r slice, built from Chapter 6's ColumnParallelLinear and RowParallelLinear, with
+    the three serving seams of mlsys.model.Block / mlsys.llama (attention_qkv, attention_out, feed_forward)."""
 
     def __init__(self, block: nn.Module, rank: int, size: int, H: int, H_kv: int, D: int):
         super().__init__()
@@ -87,13 +79,8 @@ class ShardedBlock(nn.Module):
             self.norm1, self.norm2 = block.input_layernorm, block.post_attention_layernorm
             wq, bq = a.q_proj.weight, a.q_proj.bias
             wk, bk, wv, bv = a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias
-            wo, self.bo = a.o_proj.weight, a.o_proj.bias
-            f = m.gate_proj.out_features // size
-            self.w_gate, self.b_gate = _rows(m.gate_proj.weight, rank * f, (rank + 1) * f), \
-                _rows(m.gate_proj.bias, rank * f, (rank + 1) * f)
-            self.w_up, self.b_up = _rows(m.up_proj.weight, rank * f, (rank + 1) * f), \
-                _rows(m.up_proj.bias, rank * f, (rank + 1) * f)
-            self.w_down, self.b_down = m.down_proj.weight[:, rank * f : (rank + 1) * f].clone(), m.down_proj.bias
+            wo, bo = a.o_proj.weight, a.o_proj.bias
+            ups, down = [m.gate_proj, m.up_proj], m.down_proj
         else:  # the book's GPT: one fused c_attn (q rows, then k, then v)
             a, m = block.attn, block.mlp
             self.norm1, self.norm2 = block.ln_1, block.ln_2
@@ -101,21 +88,28 @@ class ShardedBlock(nn.Module):
             w, b = a.c_attn.weight, a.c_attn.bias
             wq, wk, wv = w[:C], w[C : 2 * C], w[2 * C :]
             bq, bk, bv = (None, None, None) if b is None else (b[:C], b[C : 2 * C], b[2 * C :])
-            wo, self.bo = a.c_proj.weight, a.c_proj.bias
-            f = m.c_fc.out_features // size
-            self.w_up, self.b_up = _rows(m.c_fc.weight, rank * f, (rank + 1) * f), \
-                _rows(m.c_fc.bias, rank * f, (rank + 1) * f)
-            self.w_down, self.b_down = m.c_proj.weight[:, rank * f : (rank + 1) * f].clone(), m.c_proj.bias
-        self.wq, self.bq = _rows(wq, q0 * D, (q0 + h) * D), _rows(bq, q0 * D, (q0 + h) * D)
-        self.wk, self.bk = _rows(wk, kv0 * D, (kv0 + hk) * D), _rows(bk, kv0 * D, (kv0 + hk) * D)
-        self.wv, self.bv = _rows(wv, kv0 * D, (kv0 + hk) * D), _rows(bv, kv0 * D, (kv0 + hk) * D)
-        self.wo = wo[:, q0 * D : (q0 + h) * D].clone()  # row parallel: the input columns of this rank's heads
+            wo, bo = a.c_proj.weight, a.c_proj.bias
+            ups, down = [m.c_fc], m.c_proj
+
+        def column(w, b, start: int, stop: int) -> ColumnParallelLinear:  # rows start..stop of the dense weight
+            return ColumnParallelLinear(_rows(w, start, stop), _rows(b, start, stop), group=None)
+
+        self.q_proj = column(wq, bq, q0 * D, (q0 + h) * D)
+        self.k_proj = column(wk, bk, kv0 * D, (kv0 + hk) * D)  # K/V heads: split, or this rank's replica
+        self.v_proj = column(wv, bv, kv0 * D, (kv0 + hk) * D)
+        self.o_proj = RowParallelLinear(wo[:, q0 * D : (q0 + h) * D].clone(), _rows(bo, 0, None), group=None)
+        f = ups[0].out_features // size
+        self.up = nn.ModuleList(column(u.weight, u.bias, rank * f, (rank + 1) * f) for u in ups)  # [gate,] up
+        self.down = RowParallelLinear(down.weight[:, rank * f : (rank + 1) * f].clone(), _rows(down.bias, 0, None),
+                                      group=None)
+
+    wq, wk, wv, wo = (property(lambda self, n=n: getattr(self, n).weight)
+                      for n in ("q_proj", "k_proj", "v_proj", "o_proj"))  # this rank's slices, for inspection
 
     def attention_qkv(self, x: torch.Tensor, pos=None):
         """x (N, C) -> q (N, h, D), k and v (N, h_kv, D) of this rank's heads (rotated for Llama)."""
         x = self.norm1(x)
-        q, k, v = (F.linear(x, w, b).unflatten(-1, (-1, self.D)) for w, b in
-                   ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
+        q, k, v = (proj(x).unflatten(-1, (-1, self.D)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.llama:
             from mlsys.llama import apply_rope
 
@@ -124,17 +118,16 @@ class ShardedBlock(nn.Module):
         return q, k, v
 
     def attention_out(self, y: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(y, self.wo))  # partial sums of every rank's heads -> the whole projection
-        return out if self.bo is None else out + self.bo  # the bias once, after the sum
+        return self.o_proj(y)  # partial sums of every rank's heads, all-reduced; the bias once, after the sum
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm2(x)
         if self.llama:
-            h = F.silu(F.linear(x, self.w_gate, self.b_gate)) * F.linear(x, self.w_up, self.b_up)
+            gate, up = self.up
+            h = F.silu(gate(x)) * up(x)
         else:
-            h = F.gelu(F.linear(x, self.w_up, self.b_up), approximate="tanh")
-        out = all_reduce(F.linear(h, self.w_down))
-        return out if self.b_down is None else out + self.b_down
+            h = F.gelu(self.up[0](x), approximate="tanh")
+        return self.down(h)  # one all-reduce, then the bias
 # --8<-- [end:shard]
 
 
