@@ -198,9 +198,10 @@ class GPT(nn.Module):
     def blocks(self) -> nn.ModuleList:
         return self.h
 
+    # The two ends of the model, used by forward, the serving engine, the pipeline stages and the RLHF trunk.
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Packed token ids and their positions (N,) -> residual rows (N, C), and what attention needs to know
-        of the positions besides (nothing: GPT-2's positions are in the rows already)."""
+        """Token ids (N,) or (B, T) and their positions (N,) or (T,) -> residual rows (..., C), and what
+        attention needs to know of the positions besides (nothing: GPT-2's positions are in the rows already)."""
         return self.wte(ids) + self.wpe(positions), None
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,10 +224,10 @@ class GPT(nn.Module):
         if start_pos + T > self.config.block_size:
             raise ValueError(f"positions up to {start_pos + T} exceed block_size={self.config.block_size}")
         pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcast
+        x = self.drop(self.embed(idx, pos)[0])  # (B, T, C): token + position embeddings, (T, C) broadcast
         for i, block in enumerate(self.h):
             x = block(x, None if kv_cache is None else kv_cache[i], start_pos)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        logits = self.head(x)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # over B*T tokens

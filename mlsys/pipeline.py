@@ -197,15 +197,17 @@ class GPTStage(nn.Module):
             return None
         return self.wte.weight if self.is_first else self.lm_head.weight if self.is_last else None
 
+    embed, head = GPT.embed, GPT.head  # the GPT's own two ends, run on the modules this stage holds
+
     # --8<-- [start:stage]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             pos = torch.arange(x.size(1), device=x.device)  # (T,)
-            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+            x = self.drop(self.embed(x, pos)[0])  # (B, T, C)
         for block in self.h:
             x = block(x)
         if self.is_last:
-            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+            x = self.head(x)  # (B, T, V): final norm, then the head
         return x
     # --8<-- [end:stage]
 

@@ -97,7 +97,7 @@ def make_preference_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:
 def hidden_states(gpt: GPT, idx: torch.Tensor) -> torch.Tensor:
     """The trunk of the GPT: idx (B, T) -> final hidden states (B, T, C), before the LM head."""
     pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-    x = gpt.drop(gpt.wte(idx) + gpt.wpe(pos))  # (B, T, C)
+    x = gpt.drop(gpt.embed(idx, pos)[0])  # (B, T, C)
     for block in gpt.h:
         x = block(x)
     return gpt.ln_f(x)  # (B, T, C)
