@@ -60,8 +60,12 @@ def _all_reduce(x: torch.Tensor, group, phase: str, tag: str = "activation") -> 
     out = x.contiguous().clone()
     nbytes = out.numel() * out.element_size()
     _record("all_reduce", phase, nbytes, tag)
+    if out.is_cuda:  # NCCL returns before the sum is done: time it from idle GPU to finished sum
+        torch.cuda.synchronize(out.device)
     t0 = time.perf_counter()
     dist.all_reduce(out, group=group)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     COMM["all_reduce_s"] += time.perf_counter() - t0
     COMM["all_reduce_calls"] += 1
     COMM["all_reduce_bytes"] += nbytes

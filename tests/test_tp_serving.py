@@ -153,3 +153,40 @@ def test_tp_profile_counts_the_bytes_each_step_reduces(tmp_path_factory):
     assert (one["tp"], two["tp"]) == (1, 2)
     assert two["all_reduces_per_step"] == 8 and two["bytes_per_step"] == 16384
     assert one["bytes_per_step"] == 0 and two["kv_bytes_per_rank"] * 2 == one["kv_bytes_per_rank"]
+
+
+def test_tp_on_cuda_needs_one_gpu_per_rank(small_model):
+    """The NCCL path's settings are checked before any rank starts: rank r runs on cuda:r."""
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        EngineConfig(tensor_parallel_size=max(2, torch.cuda.device_count() + 1), device="cuda").resolve(small_model)
+    with pytest.raises(ValueError, match="'cpu' \\(gloo\\) or 'cuda'"):
+        EngineConfig(tensor_parallel_size=2, device="cuda:1").resolve(small_model)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        EngineConfig(tensor_parallel_size=2, cuda_graph_sizes=[1]).resolve(small_model)
+
+
+def test_moved_keeps_the_batch_and_its_structure(small_model):
+    """What rank 0 broadcasts on NCCL: the step's ModelInput with every tensor moved, None and ints kept."""
+    from mlsys.engine.tp import moved
+
+    eng = Engine(small_model)
+    m = eng.runner.prepare([0, 0], [[1, 2, 3, 4, 5], [6, 7]], [[0], [1]], [True, True])
+    got = moved(m, "cpu")
+    assert type(got) is type(m) and len(got.groups) == len(m.groups)
+    for a, b in zip(got.groups, m.groups):
+        assert (a.token_index is None) == (b.token_index is None) and a.num_seqs == b.num_seqs
+        assert torch.equal(a.attn_mask, b.attn_mask)
+    assert torch.equal(got.input_ids, m.input_ids) and torch.equal(got.slot_mapping, m.slot_mapping)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs a GPU per rank (2+)")
+def test_tp_on_nccl_equals_one_gpu(small_model):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = Engine(small_model, config=EngineConfig(device="cuda")).generate(PROMPTS, params)
+    eng = Engine(small_model, config=EngineConfig(tensor_parallel_size=2, device="cuda"))
+    try:
+        got = eng.generate(PROMPTS, params)
+    finally:
+        eng.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -81,8 +81,15 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {c.cuda_graph_sizes!r}")
         if c.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {c.tensor_parallel_size}")
-        if c.tensor_parallel_size > 1 and (c.cuda_graph_sizes or c.device != "cpu"):
-            raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) in this engine, without CUDA graphs")
+        if c.tensor_parallel_size > 1 and c.cuda_graph_sizes:
+            raise ValueError("tensor_parallel_size > 1 runs without CUDA graphs in this engine")
+        if c.tensor_parallel_size > 1 and c.device != "cpu":  # NCCL: one GPU per rank, this process on cuda:0
+            if c.device not in ("cuda", "cuda:0"):
+                raise ValueError(f"tensor_parallel_size > 1 runs on device 'cpu' (gloo) or 'cuda' (NCCL, rank r on "
+                                 f"cuda:r), got {c.device!r}")
+            if torch.cuda.device_count() < c.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={c.tensor_parallel_size} on 'cuda' needs one GPU per rank; "
+                                 f"this machine has {torch.cuda.device_count()}")
         if c.preemption != "recompute":
             raise ValueError(f"only preemption='recompute' is implemented, got {c.preemption!r}")
         return c
@@ -105,7 +112,7 @@ class Engine:
         if c.tensor_parallel_size > 1:  # ranks 1..N-1 start here; each holds 1/N of every layer and of the KV
             from mlsys.engine.tp import TPRunner
 
-            self.runner = TPRunner(self.model, c.num_blocks, c.block_size, c.tensor_parallel_size)
+            self.runner = TPRunner(self.model, c.num_blocks, c.block_size, c.tensor_parallel_size, c.device)
             self.model = self.runner.model  # rank 0's shard: the whole model is not kept
         else:
             self.runner = ModelRunner(self.model, c.num_blocks, c.block_size, c.device)

@@ -20,7 +20,8 @@ each rank holds the one K/V head its query heads share, replicated on N / H_kv r
 memory per rank shrinks N-fold (down to one head), and the same pool holds N times the tokens.
 
 Processes, in the shape of vLLM's multiprocessing executor: the process that builds the engine is rank 0. It
-schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py) starts ranks 1..N-1. Every step,
+schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py) starts ranks 1..N-1 (gloo on CPU;
+with EngineConfig(device="cuda"), NCCL with rank r on cuda:r). Every step,
 rank 0 broadcasts the packed batch (the ModelInput of model_runner.py, and the copy-on-write block copies) and all
 ranks run the same forward, each on its shard; the all-reduces keep them in step, and rank 0 reads the logits.
 A worker that dies makes the next step raise `WorkerDied`, naming the rank; the engine does not try to carry on.
@@ -31,6 +32,7 @@ The ranks form this process's default process group, so a process holds one tens
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -160,10 +162,25 @@ def shard_model(model: nn.Module, rank: int, size: int) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------- the ranks
+def moved(obj, device):
+    """`obj` (a ModelInput, its AttnGroups, lists of them, tensors) with every tensor on `device`. The step's
+    batch travels as a pickle: on NCCL, rank 0 sends it from the CPU and each rank moves it to its own GPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [moved(o, device) for o in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
 def _worker(ctx, model: nn.Module, num_blocks: int, block_size: int) -> None:
-    """Ranks 1..N-1: build this rank's shard and KV pool, then run every step rank 0 broadcasts, until "stop"."""
+    """Ranks 1..N-1: build this rank's shard and KV pool (on its GPU with NCCL), then run every step rank 0
+    broadcasts, until "stop"."""
     torch.set_num_threads(1)
-    runner = ModelRunner(shard_model(model, ctx.rank, ctx.world_size), num_blocks, block_size)
+    runner = ModelRunner(shard_model(model, ctx.rank, ctx.world_size).to(ctx.device), num_blocks, block_size,
+                         ctx.device)
     del model
     while True:
         msg = [None]
@@ -173,20 +190,27 @@ def _worker(ctx, model: nn.Module, num_blocks: int, block_size: int) -> None:
             return
         batch, copies, all_logits = rest
         runner.copy_blocks(copies)
-        runner.execute(batch, all_logits)
+        runner.execute(moved(batch, ctx.device), all_logits)
 
 
 class TPRunner:
     """Rank 0's runner: the ModelRunner interface (prepare, execute, copy_blocks, kv_cache_bytes) over N ranks."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, size: int, timeout: float = 120.0):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, size: int, device: str = "cpu",
+                 timeout: float = 120.0):
         from mlsys.launch import start_workers
 
         check_tp(model.config, size)
-        self.size = size
-        self.group = start_workers(_worker, size, model, num_blocks, block_size, backend="gloo", timeout=timeout)
-        self.model = shard_model(model, 0, size)
-        self.local = ModelRunner(self.model, num_blocks, block_size)
+        self.size, self.device = size, torch.device("cuda", 0) if device != "cpu" else torch.device("cpu")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)  # rank 0 on cuda:0; rank r on cuda:r (mlsys/launch.py)
+        workers_copy = copy.deepcopy(model).cpu() if backend == "nccl" else model  # pickled to the workers
+        self.group = start_workers(_worker, size, workers_copy, num_blocks, block_size, backend=backend,
+                                   timeout=timeout)
+        del workers_copy
+        self.model = shard_model(model, 0, size).to(self.device)
+        self.local = ModelRunner(self.model, num_blocks, block_size, self.device)
         self._copies: list[tuple[int, int]] = []
         self.closed = False
 
@@ -211,7 +235,8 @@ class TPRunner:
         if dead:
             raise WorkerDied(f"tensor-parallel worker {dead}; the engine cannot run another step")
         try:
-            dist.broadcast_object_list([("step", m, self._copies, all_logits)], src=0)
+            sent = m if self.device.type == "cpu" else moved(m, "cpu")
+            dist.broadcast_object_list([("step", sent, self._copies, all_logits)], src=0)
             self._copies = []
             return self.local.execute(m, all_logits)
         except RuntimeError as err:  # a collective failed: a worker is gone (gloo: "Connection closed by peer")

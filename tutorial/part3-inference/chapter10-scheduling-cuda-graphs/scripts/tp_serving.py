@@ -13,8 +13,9 @@ What it shows
     all-reduce is a few system calls and copies, and N ranks share 2 cores. There is nothing to gain here, and
     the table shows what it costs. With GPUs joined by NVLink the same all-reduce of a few hundred KiB takes
     tens of microseconds while each GPU's share of the matmuls shrinks N-fold, which is where tensor-parallel serving
-    pays off (and where a model too big for one GPU's memory needs it at all). This script has no NCCL path:
-    the engine's tensor-parallel ranks run on CPU with gloo (say so in what it prints).
+    pays off (and where a model too big for one GPU's memory needs it at all). With GPUs (--device auto or
+    cuda), the same table follows on NCCL, rank r on cuda:r, for the sizes this machine has GPUs for; without
+    them the script says so and prints the gloo table alone.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py
@@ -30,6 +31,7 @@ Try next
 from __future__ import annotations
 
 import statistics
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -49,19 +51,25 @@ class Settings(cli.Args):
     """Requests decoding together."""
     max_tokens: int = 32
     """Tokens each request generates (all of them: ignore_eos)."""
+    device: typing.Literal["auto", "cpu", "cuda"] = "auto"
+    """cpu: gloo ranks only; cuda: NCCL ranks only (one GPU per rank); auto: gloo, then NCCL where GPUs exist."""
 
     def validate(self) -> None:
         if not self.sizes or any(n not in (1, 2, 4) for n in self.sizes):
             raise cli.UsageError("--sizes must be taken from 1, 2 and 4 (they must divide the model's 4 heads)")
+        if self.device == "cuda" and torch.cuda.device_count() < max(self.sizes):
+            raise cli.UsageError(f"--device cuda needs {max(self.sizes)} GPUs for --sizes {self.sizes}; this "
+                                 f"machine has {torch.cuda.device_count()}")
         if not 1 <= self.batch_size <= 64 or not 2 <= self.max_tokens <= 128:
             raise cli.UsageError("--batch-size must lie in 1..64 and --max-tokens in 2..128")
 
 
 # --8<-- [start:measure]
-def measure(model, prompts: list[list[int]], args: Settings, size: int) -> dict:
+def measure(model, prompts: list[list[int]], args: Settings, size: int, device: str = "cpu") -> dict:
     """Run the batch at tensor-parallel size `size`; stage timings of the full-batch decode steps, rank 0's
     all-reduce time and bytes during them, and the tokens."""
-    engine = Engine(model, Tokenizer(), EngineConfig(tensor_parallel_size=size, max_num_seqs=args.batch_size))
+    engine = Engine(model, Tokenizer(), EngineConfig(tensor_parallel_size=size, max_num_seqs=args.batch_size,
+                                                     device=device))
     try:
         for p in prompts:
             engine.add_request(p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
@@ -97,14 +105,27 @@ def main() -> int:
     model, tok = load_pretrained("small"), Tokenizer()
     lines = make_corpus(args.batch_size, seed=args.seed).splitlines()
     prompts = [tok.encode(line[:12], bos=True) for line in lines[: args.batch_size]]
-    runs = [measure(model, prompts, args, n) for n in sorted(set(args.sizes))]
+    gpus = torch.cuda.device_count()
     print(f"the small GPT ({model.config.n_layer} layers, hidden {model.config.n_embd}), a batch of "
-          f"{args.batch_size} requests decoding, gloo on CPU ranks ({bench.load_average()}); no NCCL run here")
-    print(report.table([{k: v for k, v in r.items() if k != "tokens"} for r in runs], floatfmt=".3g"))
-    for r in runs:
-        report.expect_equal(f"tokens at TP={r['tp']} = TP={runs[0]['tp']}", r["tokens"], runs[0]["tokens"])
-        report.expect_equal(f"all-reduce bytes per step at TP={r['tp']}", r["bytes_per_step"],
-                            r["formula_bytes_per_step"])
+          f"{args.batch_size} requests decoding ({bench.load_average()})")
+    tables = {}
+    if args.device in ("auto", "cpu"):
+        tables["gloo on CPU ranks"] = [measure(model, prompts, args, n) for n in sorted(set(args.sizes))]
+    nccl_sizes = [n for n in sorted(set(args.sizes)) if n <= gpus]
+    if args.device in ("auto", "cuda") and nccl_sizes:
+        tables[f"NCCL, one GPU per rank ({torch.cuda.get_device_name(0)})"] = [
+            measure(model, prompts, args, n, "cuda") for n in nccl_sizes]
+    elif args.device == "auto":
+        print("no GPU here: no NCCL table (with GPUs, the same run follows on NCCL)")
+    for name, rows in tables.items():
+        print(f"\n{name}:")
+        print(report.table([{k: v for k, v in r.items() if k != "tokens"} for r in rows], floatfmt=".3g"))
+        for r in rows:
+            report.expect_equal(f"tokens at TP={r['tp']} = TP={rows[0]['tp']} ({name})", r["tokens"],
+                                rows[0]["tokens"])
+            report.expect_equal(f"all-reduce bytes per step at TP={r['tp']}", r["bytes_per_step"],
+                                r["formula_bytes_per_step"])
+    runs = next(iter(tables.values()))
     base = runs[0]
     last = runs[-1]
     print(f"\nTP={last['tp']}: {last['step_ms'] / base['step_ms']:.3g}x the step time of TP={base['tp']}, "
@@ -114,7 +135,9 @@ def main() -> int:
         report.write_json(args.json, {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
                                       "slowdown": last["step_ms"] / base["step_ms"],
                                       "kv_ratio": last["kv_bytes_per_rank"] / base["kv_bytes_per_rank"],
-                                      "last_tp": last["tp"], "last_comm_share": last["comm_share"]}, args)
+                                      "last_tp": last["tp"], "last_comm_share": last["comm_share"],
+                                      "tables": {name: [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+                                                 for name, rows in tables.items()}}, args)
     return 0
 
 
