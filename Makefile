@@ -2,7 +2,8 @@
 #   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/
 #   make serve    serve the built book on http://127.0.0.1:8000
 #   make test     the test suite (about 9 minutes on 2 cores)
-#   make sweep    every distributed script at world sizes 1..8 (about 10 minutes; CI runs it after make test)
+#   make sweep    every distributed script at world sizes 1..8, and the oracle tests at their extra world sizes
+#                 (about 20 minutes; CI runs it after make test)
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
 #   make weights  train the tiny GPT checkpoints into .cache/weights/ and evaluate them (test and book build
 #                 what is missing first: 3 to 5 min on 2 cores, once)
@@ -43,7 +44,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m "not sweep" $(PYTEST_ARGS)
 
 sweep: $(STAMP)
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m sweep tests/test_sweep.py $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m sweep $(PYTEST_ARGS)
 
 check: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }

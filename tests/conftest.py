@@ -148,6 +148,44 @@ def timed_run(name: str, args: list, record_property=None, runner: Preloaded | N
     return proc
 
 
+@pytest.fixture(scope="session")
+def smoke_cache(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (and no other run): the smoke runs' results."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    folder = base.parent / f"smoke-{uid}" if uid else base / "smoke"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def smoke_run(cache: Path, script: Path, runner: Preloaded | None = None, record_property=None) -> dict:
+    """`script --smoke --json OUT [--plot-dir DIR]`, run once per test run, whichever test (on whichever worker)
+    asks first; the others wait for it and read the same result. The smoke test checks the contract on it, and an
+    oracle test that needs exactly the smoke run's JSON reads it instead of running the script again.
+    Returns {"code", "stdout", "stderr", "json" (the parsed --json, or None), "plot_dir" (or None)}."""
+    import fcntl
+
+    name = script_id(script).replace("/", "-")
+    folder = cache / name
+    done = cache / f"{name}.done.json"
+    with open(cache / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this test fails
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            args = [script, "--smoke", "--json", folder / "results.json"]
+            plot_dir = folder / "figures" if "PlotArgs" in script.read_text() else None
+            if plot_dir is not None:
+                args += ["--plot-dir", plot_dir]
+            proc = timed_run(script_id(script), args, record_property, runner=runner, timeout=170)
+            record = {"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                      "plot_dir": str(plot_dir) if plot_dir else None}
+            done.write_text(json.dumps(record))
+    record = json.loads(done.read_text())
+    out = folder / "results.json"
+    record["json"] = json.loads(out.read_text()) if record["code"] == 0 and out.exists() else None
+    return record
+
+
 def pytest_runtest_logreport(report) -> None:
     for key, value in getattr(report, "user_properties", ()):
         if key == "smoke_seconds" and report.when == "call":

@@ -31,7 +31,7 @@ def test_expected_values_match_numpy(world_size: int, numel: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.sweep), 3])  # W=1: make sweep
 def test_every_rank_holds_the_numpy_result(world_size: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH01 / "hello_distributed.py", "-w", world_size, "--numel", 4, "--json", out, "--plot-dir", tmp_path])
@@ -116,7 +116,8 @@ def bare_spawn_reference(world_size: int, numel: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [1, 3, 5])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.sweep), 3,
+                                        pytest.param(5, marks=pytest.mark.sweep)])  # 1 and 5: make sweep
 def test_bare_spawn_all_reduce_matches_numpy(world_size: int, tmp_path) -> None:
     """The book-free mp.spawn program: every rank reports, rank 0's sum equals numpy's."""
     out = tmp_path / "r.json"

@@ -41,7 +41,7 @@ def test_expected_values_match_numpy(world_size: int, numel: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])  # W=2: make sweep
 def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([CH02 / "send_recv.py", "-w", world_size, "--numel", 4, "--repeats", 2, "--json", out])
@@ -83,7 +83,7 @@ def test_stage_split_covers_every_block_once() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size, num_blocks", [(2, 3), (3, 5)])
+@pytest.mark.parametrize("world_size, num_blocks", [pytest.param(2, 3, marks=pytest.mark.sweep), (3, 5)])
 def test_pipeline_matches_one_process(world_size: int, num_blocks: int, tmp_path) -> None:
     out = tmp_path / "p.json"
     proc = run([CH02 / "pipeline_handoff.py", "-w", world_size, "--num-blocks", num_blocks, "--json", out])
@@ -139,7 +139,7 @@ def test_debug_tools_name_the_mismatch_the_late_rank_and_the_waiting_line(tmp_pa
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])  # W=2: make sweep
 def test_an_unchecked_mismatch_fails_the_job_without_hanging(world_size: int) -> None:
     proc = run([CH02 / "debugging.py", "--unchecked", "--smoke", "-w", world_size], timeout=100)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]

@@ -153,7 +153,7 @@ def reference(world_size: int, accum: int) -> np.ndarray:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])  # W=2: make sweep
 def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -> None:
     from mlsys.launch import launch
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_script, run, scripts_dir
+from conftest import load_script, run, scripts_dir, smoke_run
 from mlsys import memory
 from mlsys.model import GPT, GPTConfig
 
@@ -75,11 +75,11 @@ def test_underflow_shares_match_numpy_float16() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(tmp_path) -> None:
-    out = tmp_path / "r.json"
-    proc = run([MIXED, "-w", 2, "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=140)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())["results"]
+def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(smoke_cache) -> None:
+    proc = smoke_run(smoke_cache, MIXED)  # the smoke test's run: 2 ranks, the default
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    assert proc["json"]["settings"]["world_size"] == 2
+    result = proc["json"]["results"]
     runs = {r["run"]: r for r in result["runs"]}
     assert runs["fsdp-bf16"]["all_gather MiB"] * 2 == runs["fp32"]["all_gather MiB"] > 0
     assert runs["fsdp-bf16"]["reduce_scatter MiB"] == runs["fp32"]["reduce_scatter MiB"] > 0
@@ -90,7 +90,7 @@ def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(tmp_path) -> None:
 
 # ----------------------------------------------------------------------------------------------- local SGD, DiLoCo
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])  # W=2: make sweep
 def test_local_sgd_and_diloco_send_one_model_per_round(world_size: int, tmp_path) -> None:
     from mlsys.model import num_params
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_script, run, run_json, scripts_dir
+from conftest import load_script, run, run_json, scripts_dir, smoke_run
 from mlsys.collectives import comm_volume
 from mlsys.model import Block, GPTConfig
 from mlsys.tensor_parallel import block_activation_bytes, check_divisible, saved_activation_bytes
@@ -203,8 +203,11 @@ def test_head_order_gives_each_rank_its_own_heads_q_k_v(H: int, D: int, tp: int)
 
 
 @pytest.mark.timeout(120)
-def test_fsdp_tp_and_hsdp_equal_one_process(tmp_path_factory) -> None:
-    res = run_json(tmp_path_factory, CH06 / "fsdp_tp.py", "-w", "4", "--smoke")
+def test_fsdp_tp_and_hsdp_equal_one_process(smoke_cache) -> None:
+    proc = smoke_run(smoke_cache, CH06 / "fsdp_tp.py")  # the smoke test's run: 4 ranks, the default
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    res = proc["json"]["results"]
+    assert proc["json"]["settings"]["world_size"] == 4
     assert res["fsdp_tp"]["mesh"] == {"dp": 2, "tp": 2} and res["hsdp"]["mesh"] == {"replicate": 2, "shard": 2}
     for run_ in res.values():
         assert run_["max_abs_diff"] < 2e-5 and run_["full_shape"] == [256, 64]

@@ -21,7 +21,8 @@ NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"]
 
 
 # ----------------------------------------------------------------------------------------------- real runs
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"p{p}")
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.sweep), 4],
+                ids=lambda p: f"p{p}")  # p=2: make sweep
 def real_run(request, tmp_path_factory) -> dict:
     p = request.param
     flags = ["--smoke", "-w", str(p), "--micro-batches", "8", "--plot-dir", tmp_path_factory.mktemp("fig")]

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from conftest import load_script, run, run_json, scripts_dir
+from conftest import load_script, run_json, scripts_dir, smoke_run
 from mlsys import kv_memory as kvm
 from mlsys import memory as mem
 
@@ -123,11 +121,11 @@ def test_fp32_logits_against_checkpointed_layer_inputs_8b_and_70b(planner) -> No
 
 # ------------------------------------------------------------------------------------------ placements
 @pytest.fixture(scope="module")
-def placement_json(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("placement") / "r.json"
-    proc = run([CH14 / "placement.py", "--smoke", "--json", out, "--plot-dir", out.parent], timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def placement_json(smoke_cache) -> dict:
+    """placement.py --smoke's JSON: the smoke test's own run (conftest.smoke_run), not a second one."""
+    proc = smoke_run(smoke_cache, CH14 / "placement.py")
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    return proc["json"]
 
 
 @pytest.mark.timeout(300)

@@ -219,7 +219,7 @@ def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.sweep), 2])  # 1: make sweep
 def test_same_script_under_torchrun(nproc: int, tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), HELLO, "--smoke", "--json", out,

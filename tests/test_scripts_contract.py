@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chapter_scripts, run, script_id, timed_run
+from conftest import chapter_scripts, run, script_id, smoke_run
 
 SCRIPTS = chapter_scripts()
 
@@ -61,15 +61,13 @@ def test_help_and_bad_flags_in_a_real_process(name) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
-def test_smoke_run(script, tmp_path, record_property, preloaded) -> None:
-    out = tmp_path / "results.json"
-    args = [script, "--smoke", "--json", out]
-    if "PlotArgs" in script.read_text():  # the script draws: give it a figure dir
-        args += ["--plot-dir", tmp_path / "figures"]
-    proc = timed_run(script_id(script), args, record_property, runner=preloaded, timeout=170)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    doc = json.loads(out.read_text())
+def test_smoke_run(script, record_property, preloaded, smoke_cache) -> None:
+    """--smoke --json [--plot-dir]: exit 0, non-empty results, a figure where the script draws. The run is shared
+    (conftest.smoke_run) with any oracle test that reads the smoke run's JSON."""
+    proc = smoke_run(smoke_cache, script, runner=preloaded, record_property=record_property)
+    assert proc["code"] == 0, f"exit {proc['code']}\nstdout:\n{proc['stdout']}\nstderr:\n{proc['stderr']}"
+    doc = proc["json"]
     assert doc["results"], "the JSON results are empty"
     assert doc["settings"]["smoke"] is True
-    if "--plot-dir" in args:
-        assert list((tmp_path / "figures").glob("*.png")), "a plotting script wrote no figure in --plot-dir"
+    if proc["plot_dir"] is not None:
+        assert list(Path(proc["plot_dir"]).glob("*.png")), "a plotting script wrote no figure in --plot-dir"
