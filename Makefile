@@ -1,9 +1,10 @@
 # One command surface for the book. Every target sets up .venv (pinned) on first use.
-#   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/
+#   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/,
+#                 then open it in headless Chromium where installed
 #   make serve    serve the built book on http://127.0.0.1:8000
 #   make test     the test suite (about 9 minutes on 2 cores)
-#   make sweep    every distributed script at world sizes 1..8, and the oracle tests at their extra world sizes
-#                 (about 20 minutes; CI runs it after make test)
+#   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
+#                 the long learning and timing checks (about 20 minutes; CI runs it after make test)
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
 #   make weights  train the tiny GPT checkpoints into .cache/weights/ and evaluate them (test and book build
 #                 what is missing first: 3 to 5 min on 2 cores, once)
@@ -34,6 +35,8 @@ setup: $(STAMP)
 book: $(STAMP)
 	$(PYTHON) scripts/train_weights.py --if-missing
 	$(PYTHON) scripts/build_book.py
+	# open what was built in headless Chromium (skipped without it: make browser; CI requires it)
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m browser tests/test_book.py
 
 serve: book
 	@echo "Serving book/site on http://127.0.0.1:8000 (Ctrl-C to stop)"
@@ -41,10 +44,10 @@ serve: book
 
 test: $(STAMP)
 	$(PYTHON) scripts/train_weights.py --if-missing
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m "not sweep" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not sweep and not long and not browser" $(PYTEST_ARGS)
 
 sweep: $(STAMP)
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) -m sweep $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "sweep or long" $(PYTEST_ARGS)
 
 check: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }

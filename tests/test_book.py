@@ -230,8 +230,11 @@ def chromium(profile: Path):
 
 
 @pytest.mark.book
+@pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_real_book_renders_in_a_browser(tmp_path):
+    """The book `make book` just built (book/site), opened in headless Chromium: chapter 1's title, a page whose
+    figure loads, and search. `make book` runs this after the build; `make test` leaves it out."""
     for tool in (CHROMIUM, CHROMEDRIVER):
         if not tool.exists():
             message = f"{tool} is not installed (make browser, or apt-get install chromium chromium-driver)"
@@ -241,13 +244,11 @@ def test_real_book_renders_in_a_browser(tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    docs, site = tmp_path / "docs", tmp_path / "site"
-    # chapter 1 is enough to see a page, a figure and search; the other chapters' runs are covered by their own
-    # smoke tests, and `make book` runs them all
-    result = subprocess.run([sys.executable, str(BUILD), "--smoke", "--only", "chapter01",
-                             "--docs", str(docs), "--out", str(site)],
-                            cwd=REPO, text=True, capture_output=True, timeout=280)
-    assert result.returncode == 0, result.stdout + result.stderr
+    docs, site = REPO / "book" / "docs", REPO / "book" / "site"
+    if not (site / "index.html").exists() or not (docs / CH01.name / "index.md").exists():
+        if os.environ.get("MLSYS_REQUIRE_BROWSER") == "1":
+            pytest.fail("book/site is not built: run make book")
+        pytest.skip("book/site is not built: run make book")
     title = re.search(r"^# +(.+)$", (docs / CH01.name / "index.md").read_text(), re.M).group(1)
     pages_with_images = sorted(p for p in site.rglob("*.html") if "<img " in p.read_text(encoding="utf-8"))
     assert pages_with_images, "no page of the built book shows a figure"

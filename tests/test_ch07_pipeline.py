@@ -212,6 +212,7 @@ def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()
 
 
+@pytest.mark.long  # a timing check: make sweep (and CI) run it
 @pytest.mark.timeout(180)
 def test_measured_bubble_agrees_with_the_formula_where_the_lesson_says(tmp_path) -> None:
     """The lesson: at m = 1 only one stage computes at a time, so the timed bubble should come close to

@@ -269,6 +269,7 @@ def test_short_grpo_run_raises_mean_reward() -> None:
     _check_run(history, cfg, models, engine)
 
 
+@pytest.mark.long  # three seeds of 12 iterations: make sweep (and CI) run it
 @pytest.mark.timeout(300)
 def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model() -> None:
     """The "human" must agree, not only the reward model: on 256 fresh prompts (the same prompts and sampling seeds
