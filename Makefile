@@ -2,9 +2,9 @@
 #   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/,
 #                 then open it in headless Chromium where installed
 #   make serve    serve the built book on http://127.0.0.1:8000
-#   make test     the test suite (about 9 minutes on 2 cores)
+#   make test     the test suite (about 9.5 minutes on 2 cores)
 #   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
-#                 the long learning and timing checks (about 20 minutes; CI runs it after make test)
+#                 the long learning and timing checks (about 30 minutes; CI runs it after make test)
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
 #   make weights  train the tiny GPT checkpoints into .cache/weights/ and evaluate them (test and book build
 #                 what is missing first: 3 to 5 min on 2 cores, once)
