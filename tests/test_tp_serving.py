@@ -166,17 +166,33 @@ def test_tp_on_cuda_needs_one_gpu_per_rank(small_model):
 
 
 def test_moved_keeps_the_batch_and_its_structure(small_model):
-    """What rank 0 broadcasts on NCCL: the step's ModelInput with every tensor moved, None and ints kept."""
+    """What rank 0 broadcasts on NCCL: the step's ModelInput with every tensor moved (here to the meta device, so
+    a tensor left behind shows), None, ints and the group structure kept."""
     from mlsys.engine.tp import moved
 
     eng = Engine(small_model)
     m = eng.runner.prepare([0, 0], [[1, 2, 3, 4, 5], [6, 7]], [[0], [1]], [True, True])
-    got = moved(m, "cpu")
+    got = moved(m, "meta")
     assert type(got) is type(m) and len(got.groups) == len(m.groups)
-    for a, b in zip(got.groups, m.groups):
-        assert (a.token_index is None) == (b.token_index is None) and a.num_seqs == b.num_seqs
-        assert torch.equal(a.attn_mask, b.attn_mask)
-    assert torch.equal(got.input_ids, m.input_ids) and torch.equal(got.slot_mapping, m.slot_mapping)
+    pairs = [(got, m)] + list(zip(got.groups, m.groups))
+    for new, old in pairs:
+        for name, value in vars(old).items():
+            if isinstance(value, torch.Tensor):
+                t = getattr(new, name)
+                assert t.is_meta and t.shape == value.shape and t.dtype == value.dtype, name
+            elif name != "groups":
+                assert getattr(new, name) == value, name
+    assert moved(m, "cpu").input_ids.tolist() == m.input_ids.tolist()
+
+
+def test_tp_serving_cuda_without_enough_gpus_is_a_usage_error():
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has the 4 GPUs --device cuda asks for")
+    from conftest import run, scripts_dir
+
+    proc = run([scripts_dir(10) / "tp_serving.py", "--device", "cuda"], timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and "--device cuda needs 4 GPUs" in proc.stderr
 
 
 @pytest.mark.gpu
