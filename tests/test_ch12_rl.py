@@ -195,6 +195,7 @@ def test_rollout_bookkeeping_on_real_cartpole() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a learning check of 15 s or more: make sweep (and CI) run it
 @pytest.mark.timeout(300)
 def test_ppo_solves_cartpole_default_seed(tmp_path_factory) -> None:
     (res,) = run_json(tmp_path_factory, CH12 / "ppo_cartpole.py", timeout=290)["runs"]
