@@ -1,8 +1,20 @@
-"""Figures: a headless matplotlib with the book's seaborn style, saved where the script's `--plot-dir` says."""
+"""Figures: a headless matplotlib with the book's seaborn style, saved where the script's `--plot-dir` says.
+
+Besides `pyplot`/`save`, three helpers the lessons' pictures share, so that every picture is drawn from a real
+object (a schedule a script ran, a block table the engine built, a trace the profiler wrote), never by hand:
+
+    timeline(ax, spans, lanes)        boxes on named lanes: a pipeline schedule, a profile, two ranks' calls
+    animate(fig, draw, n, args, name) an animated GIF of n frames plus a static strip of the same frames (print)
+    trace_spans(path)                 the events of a torch.profiler Chrome trace as spans for `timeline`
+"""
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +47,120 @@ def save(fig: Any, args: Any, name: str) -> Path:
     fig.savefig(path, dpi=120, bbox_inches="tight")
     pyplot().close(fig)
     return path
+
+
+# ---- timelines ------------------------------------------------------------------------------------------------
+@dataclass
+class Span:
+    """One box on a timeline: `lane` (a row name), [start, end) in any unit, a short label, and a kind that
+    picks its colour (the same kind always gets the same colour, so a legend can name it)."""
+
+    lane: str
+    start: float
+    end: float
+    label: str = ""
+    kind: str = ""
+
+
+def colours(kinds: Iterable[str]) -> dict[str, Any]:
+    """A fixed colour per kind, in first-seen order, from the book's colour-blind palette."""
+    import seaborn as sns
+
+    order = list(dict.fromkeys(kinds))
+    palette = sns.color_palette("colorblind", max(10, len(order)))
+    return {k: palette[i % len(palette)] for i, k in enumerate(order)}
+
+
+def timeline(ax: Any, spans: Sequence[Span], lanes: Sequence[str] | None = None, *, unit: str = "",
+             palette: dict[str, Any] | None = None, legend: bool = True, fontsize: float = 8) -> dict[str, Any]:
+    """Draw `spans` as labelled boxes, one row per lane (the first lane on top). Returns the kind -> colour map.
+
+    Labels are written inside a box when it is wide enough for them; the x axis is time in `unit`."""
+    lanes = list(lanes) if lanes is not None else list(dict.fromkeys(s.lane for s in spans))
+    row = {name: i for i, name in enumerate(lanes)}
+    palette = palette or colours(s.kind for s in spans)
+    span_x = max((s.end for s in spans), default=1.0) - min((s.start for s in spans), default=0.0) or 1.0
+    for s in spans:
+        y = len(lanes) - 1 - row[s.lane]
+        ax.barh(y, s.end - s.start, left=s.start, height=0.8, color=palette.get(s.kind, "0.7"),
+                edgecolor="black", linewidth=0.5)
+        if s.label and (s.end - s.start) / span_x * 60 >= len(s.label) * fontsize / 8:
+            ax.text((s.start + s.end) / 2, y, s.label, ha="center", va="center", fontsize=fontsize)
+    ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.grid(axis="y", visible=False)
+    if unit:
+        ax.set_xlabel(unit)
+    if legend and any(palette.get(k) is not None for k in palette if k):
+        from matplotlib.patches import Patch
+
+        used = [k for k in palette if k and any(s.kind == k for s in spans)]
+        ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k) for k in used],
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=fontsize, frameon=False)
+    return palette
+
+
+# ---- animations ---------------------------------------------------------------------------------------------
+def animate(fig: Any, draw: Callable[[int], None], frames: int, args: Any, name: str, *, fps: float = 1.0,
+            strip_columns: int = 4, dpi: int = 80) -> tuple[Path, Path]:
+    """Write `<name>.gif` (an animation of `frames` frames; `draw(i)` redraws `fig` for frame i) and
+    `<name>_strip.png` (the same frames side by side, `strip_columns` per row: the static version for print).
+
+    Both come from the same draw calls, so the strip and the animation cannot disagree. Returns their paths.
+    Keep frames few and dpi low: every figure is drawn during the book build."""
+    import numpy as np
+    from matplotlib.animation import FuncAnimation, PillowWriter
+
+    plt = pyplot()
+    out = figure_dir(args)
+    gif = out / f"{name}.gif"
+    images = []
+
+    def frame(i: int):
+        draw(i)
+        fig.canvas.draw()
+        images.append(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy())
+        return []
+
+    FuncAnimation(fig, frame, frames=frames, blit=False, repeat=False).save(
+        gif, writer=PillowWriter(fps=fps), dpi=dpi)
+    plt.close(fig)
+    # PillowWriter drew each frame at `dpi`; the strip re-uses those images (one draw per frame, not two)
+    images = images[-frames:]
+    cols = max(1, min(strip_columns, frames))
+    rows = -(-frames // cols)
+    h, w = images[0].shape[:2]
+    sheet = np.full((rows * h, cols * w, 3), 255, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, cols)
+        sheet[r * h:(r + 1) * h, c * w:(c + 1) * w] = img[:h, :w]
+    strip = out / f"{name}_strip.png"
+    fig2 = plt.figure(figsize=(cols * w / 100, rows * h / 100), dpi=100)
+    fig2.figimage(sheet, resize=True)
+    fig2.savefig(strip, dpi=100)
+    plt.close(fig2)
+    return gif, strip
+
+
+# ---- profiler traces ---------------------------------------------------------------------------------------
+def trace_spans(path: str | Path, *, lane_of: Callable[[dict], str | None] | None = None,
+                kind_of: Callable[[dict], str] | None = None) -> list[Span]:
+    """Complete events ("ph": "X") of a Chrome trace written by `torch.profiler` (`export_chrome_trace`),
+    as spans in milliseconds from the first event. `lane_of(event)` names its lane (None drops it; default: the
+    event's thread); `kind_of(event)` its kind (default: its category)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    t0 = min((float(e["ts"]) for e in complete), default=0.0)
+    spans = []
+    for e in complete:
+        lane = lane_of(e) if lane_of else f"thread {e.get('tid')}"
+        if lane is None:
+            continue
+        start = (float(e["ts"]) - t0) / 1000.0
+        spans.append(Span(lane, start, start + float(e["dur"]) / 1000.0, str(e.get("name", "")),
+                          kind_of(e) if kind_of else str(e.get("cat", ""))))
+    return spans

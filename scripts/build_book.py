@@ -52,6 +52,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import book_math  # scripts/ is not a package: the formula renderer sits beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 PART_TITLES = {1: "Part I — Distributed foundations", 2: "Part II — Parallelism",
                3: "Part III — Inference", 4: "Part IV — RLHF"}
@@ -140,6 +143,20 @@ def docstring_section(doc: str, title: str) -> str:
                 break
             body.append(line)
     return textwrap.dedent("\n".join(body)).strip("\n")
+
+
+def without_section(doc: str, title: str) -> str:
+    """`doc` without the line `title` and the indented block under it (see docstring_section)."""
+    kept, skipping = [], False
+    for line in doc.splitlines():
+        if line.strip() == title and not line.startswith(" "):
+            skipping = True
+            continue
+        if skipping and line and not line.startswith(" "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept).rstrip()
 
 
 def lesson_order(readme: str, scripts: list[Path]) -> list[Path]:
@@ -346,8 +363,14 @@ class Builder:
         target = self.docs / ch.slug / "figures" / folder / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(png, target)
-        return (f'<figure markdown="span">\n  ![{caption.replace("]", "")}](figures/{folder}/{name})\n'
-                f"  <figcaption>{html.escape(caption)}</figcaption>\n</figure>")
+        shown = (f'<figure markdown="span">\n  ![{caption.replace("]", "")}](figures/{folder}/{name})\n'
+                 f"  <figcaption>{html.escape(caption)}</figcaption>\n</figure>")
+        strip = png.with_name(png.stem + "_strip.png")
+        if png.suffix == ".gif" and strip.is_file():   # an animation: its frames side by side, for print
+            shutil.copy2(strip, target.with_name(strip.name))
+            shown += (f'\n\n??? note "All frames of this animation (for print)"\n'
+                      f"    ![every frame, in order](figures/{folder}/{strip.name})")
+        return shown
 
     def value_md(self, ch: Chapter, spec: str, run_spec: str | None) -> str:
         """`x PATH [FORMAT]`: the value at PATH in the --json results of x.py's run, formatted."""
@@ -372,11 +395,12 @@ class Builder:
         stem, rel = script.stem, script.relative_to(self.root).as_posix()
         run = self.execute(ch, [f"scripts/{script.name}"])   # the default run, shared with the lesson
         doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or "(no module docstring)"
-        parts = [f"# {script.name}", fence("text", doc), "## Source", fence("python", f'--8<-- "{rel}"'),
+        try_next = docstring_section(doc, "Try next")
+        shown_doc = without_section(doc, "Try next") if try_next else doc   # shown once, under its own heading
+        parts = [f"# {script.name}", fence("text", shown_doc), "## Source", fence("python", f'--8<-- "{rel}"'),
                  "## Output", self.output_block(run, f"python {rel}")]
         if run:
             parts += self.figures_section(ch, stem, run) + self.results_section(run, stem)
-        try_next = docstring_section(doc, "Try next")
         if try_next:
             parts += ["## Try next", fence("text", try_next)]
         else:
@@ -385,8 +409,20 @@ class Builder:
 
     def figures_section(self, ch: Chapter, stem: str, run: Run) -> list[str]:
         plots = run.dir / f"{stem}_figures"
+        animated = {g.with_name(g.stem + "_strip.png") for g in plots.rglob("*.gif")}
         shown = [self.figure_md(ch, f"{stem}/{png.relative_to(plots).as_posix()}", png.stem.replace("_", " "))
-                 for png in sorted(plots.rglob("*.png"))]
+                 for png in sorted([*plots.rglob("*.png"), *plots.rglob("*.gif")]) if png not in animated]
+        traces = sorted([*plots.rglob("*.trace.json"), *plots.rglob("*.trace.json.gz")])
+        if traces:      # torch.profiler traces: open them in https://ui.perfetto.dev or chrome://tracing
+            links = []
+            for trace in traces:
+                target = self.docs / ch.slug / "figures" / stem / trace.relative_to(plots)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(trace, target)
+                links.append(f"- [`{trace.name}`](figures/{stem}/{trace.relative_to(plots).as_posix()})")
+            shown += ["### Profiler traces", "Chrome trace files written by `torch.profiler` during this run: "
+                      "download one and open it in [Perfetto](https://ui.perfetto.dev) (drag the file onto the "
+                      "page) or in Chromium at `chrome://tracing`.", "\n".join(links)]
         return ["## Figures", *shown] if shown else []
 
     def results_section(self, run: Run, stem: str) -> list[str]:
@@ -440,6 +476,12 @@ class Builder:
 
     # ---- the build ----------------------------------------------------------------------------------------
     def write(self, rel: str, text: str) -> None:
+        """Write a generated page; a markdown page gets its `$...$` / `$$` formulas rendered to MathML."""
+        if rel.endswith(".md"):
+            try:
+                text = book_math.render(text)
+            except book_math.BookMathError as exc:
+                raise BuildError(f"{rel}: {exc}") from exc
         (self.docs / rel).parent.mkdir(parents=True, exist_ok=True)
         (self.docs / rel).write_text(text, encoding="utf-8")
 

@@ -37,7 +37,22 @@ MEASURED = [  # a number with a unit that a run on some machine produced
     (re.compile(NUMBER + r"\s?(?:[GMKT]i?B/s|[GM]bit/s|tok/s|tokens/s|req/s|it/s|steps/s|samples/s|"
                          r"[GT]FLOP/s|TFLOPS|GFLOPS)"), "a rate"),
     (re.compile(r"(?<![\w.])\d+\.\d+\s?[x×](?![\w])"), "a measured ratio"),
+    (re.compile(r"(?<![\w.])\d[\d,]*\.\d+\s?(?:nanoseconds?|microseconds?|milliseconds?|seconds?|minutes?)\b"),
+     "a time"),
+    (re.compile(r"\b(?:about|around|roughly|nearly|almost|took|takes|taking|~)\s*" + NUMBER
+                + r"\s?(?:s|sec|secs|min|mins|ms|seconds?|minutes?|milliseconds?)\b"), "a time"),
+    (re.compile(NUMBER + r"\s?(?:[x×]|times)\s+(?:faster|slower|quicker|higher|lower|as fast|the speed)\b"),
+     "a measured ratio"),
+    (re.compile(r"\b(?:speed-?ups?|slow-?downs?)\s+(?:of\s+)?(?:about\s+|roughly\s+)?" + NUMBER), "a measured ratio"),
+    (re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+\.\d+)\s?(?:[A-Za-z]+\s)?(?:per second|a second)\b"), "a rate"),
+    (re.compile(NUMBER + r"\s?%\s+(?:faster|slower|of the (?:time|step|wall|run)|of its time|overhead|share|idle)"),
+     "a measured share"),
+    (re.compile(r"\b(?:share|overhead|utili[sz]ation|idle time|MFU|efficiency)\s+(?:of|was|is|at|reached)\s+"
+                r"(?:about\s+|roughly\s+)?" + NUMBER + r"\s?%"), "a measured share"),
 ]
+# a number with a unit inside a formula: $3.7\,\text{ms}$
+LATEX_UNIT_RE = re.compile(NUMBER + r"\s*(?:\\[,;: !]|~)?\s*\\(?:text|mathrm|textrm|operatorname)\{\s*"
+                           r"(?:ns|µs|us|ms|s|GB/s|GiB/s|MB/s|MiB/s|tok/s|tokens/s|req/s)\s*\}")
 SECTION_RE = re.compile(r"--8<--\s*\[start:([\w.-]+)\]")
 INCLUDE_RE = re.compile(r'--8<--\s*"([^":]+):([\w.-]+)"')
 
@@ -58,16 +73,54 @@ def prose_lines(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def hand_typed(path: Path) -> list[str]:
+def typed_numbers(line: str, raw: str) -> list[tuple[str, str]]:
+    """(what, text) of every machine-dependent-looking number in one prose line. A `<!-- typed: reason -->`
+    marker exempts only what comes before it on the line: a number written after the marker is still checked."""
+    mark = TYPED_RE.search(raw)
+    if mark:
+        after = COMMENT_RE.sub("", raw[mark.start():])
+        line = LINK_TARGET_RE.sub("]()", MATH_RE.sub("", INLINE_CODE_RE.sub("", after)))
+    found, taken = [], []
+    for pattern, what in MEASURED:        # overlapping matches of two patterns are one finding
+        for m in pattern.finditer(line):
+            if not any(m.start() < end and start < m.end() for start, end in taken):
+                taken.append(m.span())
+                found.append((what, m.group().strip()))
+    for formula in MATH_RE.findall(INLINE_CODE_RE.sub("", raw if not mark else raw[mark.start():])):
+        found += [("a time or rate in a formula", m.group().strip()) for m in LATEX_UNIT_RE.finditer(formula)]
+    return found
+
+
+def hand_typed(path: Path, text: str | None = None, offset: int = 0) -> list[str]:
+    """Hand-typed measurements in a markdown file (or in `text`, a docstring starting at line `offset` + 1)."""
     problems = []
-    for number, line, raw in prose_lines(path.read_text(encoding="utf-8")):
-        if TYPED_RE.search(raw):
-            continue
-        for pattern, what in MEASURED:
-            for m in pattern.finditer(line):
-                problems.append(f"{path.relative_to(REPO)}:{number}: hand-typed {what} `{m.group().strip()}`: "
-                                "take it from the run with <!-- value: ... --> (or mark <!-- typed: reason -->)")
+    for number, line, raw in prose_lines(path.read_text(encoding="utf-8") if text is None else text):
+        for what, found in typed_numbers(line, raw):
+            problems.append(f"{path.relative_to(REPO)}:{number + offset}: hand-typed {what} `{found}`: "
+                            "take it from the run with <!-- value: ... --> (or mark <!-- typed: reason --> after it)")
     return problems
+
+
+def docstring_typed(script: Path) -> list[str]:
+    """The same check over a script's docstring (shown on its page), but for its `Runtime ...` line, an
+    approximate budget the book build compares with the captured run."""
+    import ast
+
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    doc = ast.get_docstring(tree, clean=False)
+    if not doc:
+        return []
+    first = tree.body[0].lineno - 1
+    kept, in_runtime = [], False
+    for line in doc.split("\n"):
+        in_runtime = in_runtime and bool(line.strip())          # the Runtime paragraph ends at a blank line
+        if "Runtime" in line:
+            kept.append(line[: line.index("Runtime")])
+            in_runtime = True
+        else:
+            kept.append("" if in_runtime else line)
+    kept = "\n".join(kept)
+    return hand_typed(script, "```text\n```\n" + kept, first - 2)
 
 
 # ----------------------------------------------------------------------------------------------- terms (warnings)
@@ -147,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         found = [w for w in term_warnings(REPO, every) if any(w.startswith(str(q.relative_to(REPO))) for q in lessons)]
         print("\n".join(found) if found else f"{len(lessons)} lessons: every glossary term defined before use")
         return 0
-    problems = [line for lesson in lessons for line in hand_typed(lesson)] + orphan_sections(REPO)
+    pages = sorted(REPO.glob("book/pages/*.md")) if not a.only else []
+    scripts = sorted(s for q in lessons for s in (q.parent / "scripts").glob("*.py"))
+    problems = ([line for lesson in [*lessons, *pages] for line in hand_typed(lesson)]
+                + [line for script in scripts for line in docstring_typed(script)] + orphan_sections(REPO))
     print("\n".join(problems) if problems else f"{len(lessons)} lessons: no hand-typed measurement, no orphan")
     return 1 if problems else 0
 

@@ -28,6 +28,10 @@ DEMO_SCRIPT = '''\
 """Demo: every rank says hello, and one bar per rank is drawn.
 
     python tutorial/part1-distributed/chapter01-demo/scripts/demo.py -w 3
+
+Try next
+    python tutorial/part1-distributed/chapter01-demo/scripts/demo.py -w 5
+        -> five ranks say hello
 """
 import argparse, json, sys
 from pathlib import Path
@@ -57,6 +61,12 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(3, 2))
         ax.bar(range(args.world_size), [1] * args.world_size)
         fig.savefig(args.plot_dir / "ranks.png")
+        from PIL import Image   # an animation and its strip of frames, as mlsys.plot.animate writes them
+        frames = [Image.new("RGB", (8, 8), (40 * i, 0, 0)) for i in range(3)]
+        frames[0].save(args.plot_dir / "steps.gif", save_all=True, append_images=frames[1:])
+        frames[0].save(args.plot_dir / "steps_strip.png")
+        (args.plot_dir / "demo.trace.json").write_text(json.dumps({"traceEvents": [
+            {"ph": "X", "name": "allreduce", "cat": "comm", "ts": 10, "dur": 5, "tid": 2}]}))
     if args.json:
         rows = [{"rank": r, "square": r * r} for r in range(args.world_size)]
         args.json.write_text(json.dumps({"results": {"world_size": args.world_size, "smoke": args.smoke,
@@ -86,7 +96,15 @@ Three ranks ran: <!-- value: demo world_size run="-w 3" -->, the last square is
 
 <!-- run: scripts/demo.py --fail expect=3 -->
 
+<!-- figure: demo/steps.gif "The steps, animated" -->
+
 Read [the script](scripts/demo.py), then [chapter 2](../chapter02-stub/README.md).
+''' + r'''
+Each rank sends $\frac{2(W-1)}{W}N$ bytes, and `$ python demo.py` stays code:
+
+$$
+t = 2(W-1)\,\alpha + \frac{2(W-1)}{W}\,\frac{N}{\beta}
+$$
 '''
 
 
@@ -161,6 +179,43 @@ def test_script_page_has_docstring_source_output_results(fixture_book):
     assert "--json /tmp/demo.json --plot-dir /tmp/demo_figures --smoke" in page
     assert '"world_size": 2' in page and "figures/demo/ranks.png" in page
     assert "def main() -> int:" in page_text(root / "book/site/chapter01-demo/demo.html")
+
+
+def test_formulas_become_mathml_and_code_keeps_its_dollars(fixture_book):
+    root, result = fixture_book
+    assert result.returncode == 0, result.stderr
+    page = (root / "book/site/chapter01-demo/index.html").read_text(encoding="utf-8")
+    assert page.count("<math") == 2 and 'display="block"' in page and "<mfrac>" in page
+    text = page_text(root / "book/site/chapter01-demo/index.html")
+    assert "$ python demo.py" in text                        # a code span is left alone
+    assert not re.search(r"\$[^$\n]+\$", text.replace("$ python demo.py", "")), "raw $...$ left on the page"
+
+
+def test_an_animation_shows_its_strip_and_a_trace_is_linked(fixture_book):
+    root, _ = fixture_book
+    lesson = (root / "book/docs/chapter01-demo/index.md").read_text()
+    assert "figures/demo/steps.gif" in lesson and "figures/demo/steps_strip.png" in lesson
+    assert (root / "book/site/chapter01-demo/figures/demo/steps_strip.png").is_file()
+    script_page = (root / "book/docs/chapter01-demo/demo.md").read_text()
+    assert "figures/demo/demo.trace.json" in script_page
+    assert (root / "book/site/chapter01-demo/figures/demo/demo.trace.json").is_file()
+    assert script_page.count("five ranks say hello") == 1     # the run sheet's "Try next" is shown once
+
+
+def test_book_math_leaves_code_alone_escapes_markdown_and_refuses_bad_latex():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import book_math
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    text = "```text\n$ echo $HOME$\n```\nsee `$x$` and $a_i * b_i$ and costs 5$ or $ 3 $\n    $$\n    x^2\n    $$"
+    out = book_math.render(text).split("\n")
+    assert out[:3] == ["```text", "$ echo $HOME$", "```"]
+    assert "`$x$`" in out[3] and out[3].count("<math") == 1 and "5$ or $ 3 $" in out[3]
+    assert "*" not in out[3].split("<math")[1].split("</math>")[0]
+    assert out[4].startswith("    <math") and 'display="block"' in out[4]
+    with pytest.raises(book_math.BookMathError):
+        book_math.render("$$\nx^2\n")                     # never closed
 
 
 def test_second_build_is_served_from_the_cache(fixture_book):
@@ -252,6 +307,12 @@ def test_real_book_renders_in_a_browser(tmp_path):
     title = re.search(r"^# +(.+)$", (docs / CH01.name / "index.md").read_text(), re.M).group(1)
     pages_with_images = sorted(p for p in site.rglob("*.html") if "<img " in p.read_text(encoding="utf-8"))
     assert pages_with_images, "no page of the built book shows a figure"
+    pages_with_math = sorted(p for p in site.rglob("*.html") if "<math " in p.read_text(encoding="utf-8"))
+    assert pages_with_math, "no page of the built book shows a formula"
+    for page in site.rglob("*.html"):     # every formula was rendered at build time: no raw $...$ left in prose
+        prose = re.sub(r"<(pre|code|script|style)\b.*?</\1>", "", page.read_text(encoding="utf-8"), flags=re.S)
+        raw = re.search(r"(?<![\w$])\$(?=\S)[^$<>\n]*?\S\$(?![\w$])", html.unescape(re.sub(r"<[^>]+>", " ", prose)))
+        assert raw is None, f"{page.relative_to(site)}: raw formula {raw.group()!r} left unrendered"
 
     server, driver = serve(site), chromium(tmp_path / "chrome-profile")
     base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -263,6 +324,13 @@ def test_real_book_renders_in_a_browser(tmp_path):
         driver.get(f"{base}/{pages_with_images[0].relative_to(site).as_posix()}")
         loaded = "return [...document.images].filter(i => i.complete && i.naturalWidth > 0).length"
         WebDriverWait(driver, 20).until(lambda d: d.execute_script(loaded) > 0)
+
+        driver.get(f"{base}/{pages_with_math[0].relative_to(site).as_posix()}")   # MathML laid out, not raw
+        box = driver.execute_script("const m = document.querySelector('article math'); if (!m) return null; "
+                                    "const r = m.getBoundingClientRect(); return [m.namespaceURI, r.width, r.height,"
+                                    " getComputedStyle(m).display];")
+        assert box and box[0] == "http://www.w3.org/1998/Math/MathML" and box[1] > 0 and box[2] > 0, box
+        assert "math" in box[3], f"the browser does not lay MathML out as math: display is {box[3]!r}"
 
         driver.get(f"{base}/index.html")
         search = driver.find_element(By.CSS_SELECTOR, "input.md-search__input")
@@ -305,6 +373,19 @@ def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
     monkeypatch.setattr(check_lessons, "REPO", tmp_path)
     found = check_lessons.hand_typed(lesson)
     assert [f.split("`")[1] for f in found] == ["12.5 ms", "3.1 GB/s", "1.42x"], found
+    # the forms a review found slipping through, each on its own line; a `typed:` marker covers what precedes it
+    forms = ["it took 3.7 milliseconds", "in about 40 s", "2x faster than eager", "1.4 times faster",
+             "a share of 37%", "1,234 tokens per second", "a speed-up of 1.42", "$t = 3.7\\,\\text{ms}$",
+             "fine: 16 GB/s <!-- typed: spec --> but 12.5 ms after the marker"]
+    lesson.write_text("\n".join(forms) + "\nnot measured: a timeout of 30 s, 40 requests per second, 8 ranks, 10%\n")
+    found = check_lessons.hand_typed(lesson)
+    assert [int(f.split(":")[1]) for f in found] == list(range(1, len(forms) + 1)), found
+    assert "12.5 ms" in found[-1] and "16 GB/s" not in found[-1]
+    script = tmp_path / "tutorial/part1-x/chapter01-x/scripts/s.py"
+    script.parent.mkdir()
+    script.write_text('"""One line.\n\nIt ran in about 40 s here.\n'
+                      'Runtime on 2 cores: about 5 s,\n    3 s with --smoke.\n"""\n')
+    assert [f.split(":")[1] for f in check_lessons.docstring_typed(script)] == ["3"]
     script = tmp_path / "mlsys/m.py"
     script.parent.mkdir()
     script.write_text("# --8<-- [start:used]\n# --8<-- [end:used]\n# --8<-- [start:dead]\n# --8<-- [end:dead]\n")
