@@ -61,6 +61,7 @@ PART_TITLES = {1: "Part I — Distributed foundations", 2: "Part II — Parallel
 RUN_RE = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
 FIGURE_RE = re.compile(r'<!--\s*figure:\s*(\S+)\s+"([^"]*)"(?:\s+run="([^"]*)")?\s*-->')
 VALUE_RE = re.compile(r'<!--\s*value:\s*(.*?)(?:\s+run="([^"]*)")?\s*-->')
+RUNTIME_RE = re.compile(r"Runtime on 2 cores:\s*about\s+(\d+(?:\.\d+)?)(?:\s*-\s*(\d+(?:\.\d+)?))?\s*s\b")
 CONTENTS_RE = re.compile(r"<!--\s*contents\s*-->")
 LINK_RE = re.compile(r"(\]\()([^)\s]+)(\))")
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -231,6 +232,7 @@ class Builder:
         self.counts = {"fresh": 0, "cached": 0}
         self.timings: dict[str, tuple[float, bool]] = {}   # shown command -> (seconds, served from cache)
         self.missing_try_next: list[str] = []              # scripts whose docstring has no "Try next" section
+        self.runtime_drift: list[str] = []                 # run sheets whose "Runtime" is off by more than 2x
         self.inputs = self.inputs_digest()
 
     # ---- runs ---------------------------------------------------------------------------------------------
@@ -258,10 +260,21 @@ class Builder:
         if script is None or {"--json", "--help", "-h"} & set(tokens):
             return []
         stem = Path(script).stem
-        helped = self.execute(ch, [script, "--help"], quiet=True)
-        text = helped.output if helped else (ch.path / script).read_text(encoding="utf-8")
         return ["--json", f"{{OUT}}/{stem}.json"] + (["--plot-dir", f"{{OUT}}/{stem}_figures"]
-                                                     if "--plot-dir" in text else [])
+                                                     if self.draws(ch, script) else [])
+
+    def draws(self, ch: Chapter, script: str) -> bool:
+        """Whether a script takes --plot-dir. Read from its source when that settles it (a `--help` run costs a
+        torch import, about 2 s, times 70 scripts); asked with `--help` only when a `_helper` beside it might
+        declare the flag for it."""
+        says = ("PlotArgs", "--plot-dir", "plot_dir")
+        if any(word in (ch.path / script).read_text(encoding="utf-8") for word in says):
+            return True
+        helpers = (ch.path / script).parent.glob("_*.py")
+        if not any(word in h.read_text(encoding="utf-8") for h in helpers for word in says):
+            return False
+        helped = self.execute(ch, [script, "--help"], quiet=True)
+        return "--plot-dir" in (helped.output if helped else "")
 
     def configuration(self, ch: Chapter, stem: str, spec: str | None) -> list[str]:
         """The tokens of a run named by a figure or value marker: x.py's default run, x.py with `spec`'s
@@ -401,11 +414,23 @@ class Builder:
                  "## Output", self.output_block(run, f"python {rel}")]
         if run:
             parts += self.figures_section(ch, stem, run) + self.results_section(run, stem)
+        self.check_runtime(rel, doc, run)
         if try_next:
             parts += ["## Try next", fence("text", try_next)]
         else:
             self.missing_try_next.append(rel)
         return "\n\n".join(parts) + "\n"
+
+    def check_runtime(self, rel: str, doc: str, run: Run | None) -> None:
+        """A run sheet's "Runtime on 2 cores: about N s" against the default run just captured: off by more than
+        a factor of two is a warning at the end of the build (the docstring drifted, or the machine was busy)."""
+        m = RUNTIME_RE.search(doc)
+        if run is None or self.s.smoke or not m:
+            return
+        low, high = float(m.group(1)), float(m.group(2) or m.group(1))
+        if run.seconds > 2 * high or run.seconds < low / 2:
+            self.runtime_drift.append(f"{rel}: docstring says about {m.group(0).split('about')[-1].strip()}, "
+                                      f"the default run took {run.seconds:.0f} s")
 
     def figures_section(self, ch: Chapter, stem: str, run: Run) -> list[str]:
         plots = run.dir / f"{stem}_figures"
@@ -520,6 +545,11 @@ class Builder:
         if self.missing_try_next:
             print(f"[book] warning: {len(self.missing_try_next)} script(s) without a \"Try next\" section in "
                   "their docstring: " + ", ".join(Path(r).name for r in self.missing_try_next))
+        if self.runtime_drift:
+            print(f"[book] warning: {len(self.runtime_drift)} run sheet(s) whose Runtime is off by more than 2x "
+                  "(load average now: " + " ".join(f"{x:.1f}" for x in os.getloadavg()) + ")")
+            for line in self.runtime_drift:
+                print("  " + line)
         site = self.s.out / "index.html"
         site = site.relative_to(Path.cwd()) if site.is_relative_to(Path.cwd()) else site
         slowest = sorted(self.timings.items(), key=lambda kv: -kv[1][0])[:5]
