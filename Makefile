@@ -57,8 +57,8 @@ progress: $(STAMP)
 	$(PYTHON) -m mlsys.workshop progress
 
 hint: $(STAMP)
-	@test -n "$(EX)" || { echo "usage: make hint EX=ch05.2" >&2; exit 2; }
-	$(PYTHON) -m mlsys.workshop hint $(EX)
+	@test -n "$(EX)" || { echo "usage: make hint EX=ch05.2 [FOR=function]" >&2; exit 2; }
+	$(PYTHON) -m mlsys.workshop hint $(EX) $(if $(FOR),--for $(FOR))
 
 weights: $(STAMP)
 	$(PYTHON) scripts/train_weights.py

@@ -124,6 +124,28 @@ def check(exercise: Exercise, solution: bool = False, target: Path | None = None
             for o, g in zip(outcomes, gpu)]
 
 
+def task_functions(checker: Path) -> list[list[str]]:
+    """For each task of a checker, in order, the attempt's functions it calls (`ex.<name>` in its body, or a name
+    passed to run_ranks), in order of first use: what a FAIL is about, and which hints to point at."""
+    import ast
+
+    found = []
+    for node in ast.parse(checker.read_text(encoding="utf-8")).body:
+        if not any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "task"
+                   for d in getattr(node, "decorator_list", [])):
+            continue
+        arg = node.args.args[0].arg if node.args.args else ""
+        uses = []
+        for n in ast.walk(node):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == arg:
+                uses.append((n.lineno, n.col_offset, n.attr))
+            elif (isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_ranks" and len(n.args) > 1
+                  and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)):
+                uses.append((n.lineno, n.col_offset, n.args[1].value))
+        found.append(list(dict.fromkeys(name for *_, name in sorted(uses) if not name.startswith("_"))))
+    return found
+
+
 def _task_titles(checker: Path) -> tuple[list[str], list[bool]]:
     """The checker's tasks, read without importing it: @task("title", gpu=...) decorators, in file order."""
     import ast
@@ -329,6 +351,18 @@ def run_ranks(module: ModuleType, fn_name: str, per_rank_args: list[tuple], back
         raise RuntimeError(last[-2] if len(last) > 1 else last[0]) from None
 
 
+def _hint_pointer(exercise: Exercise, functions: list[str]) -> str:
+    """The line under a FAIL naming the hint to read: the hints written for the function this task checks."""
+    from mlsys import workshop
+
+    for name in functions:
+        if any(name in tags for tags, _ in workshop.tagged_hints(exercise)):
+            return f"            hint: make hint EX={exercise.exercise_id} FOR={name}"
+    if workshop.tagged_hints(exercise):
+        return f"            hint: make hint EX={exercise.exercise_id}"
+    return "            (no hints for this exercise: its stub's docstring names the lesson section to reread)"
+
+
 # ----------------------------------------------------------------------------------------------- command line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlsys.exercises", description=__doc__,
@@ -352,10 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         target = (args.file or (exercise.solution if args.solution else exercise.attempt)).resolve()
         shown = target.relative_to(REPO_ROOT) if target.is_relative_to(REPO_ROOT) else target
         print(f"{exercise.exercise_id}: checking {which}, {shown}")
-        for outcome in check(exercise, args.solution, target, args.time_limit):
+        about = task_functions(exercise.checker)
+        for i, outcome in enumerate(check(exercise, args.solution, target, args.time_limit)):
             detail = f"\n            {outcome.detail}" if outcome.detail else ""
             print(f"  {outcome.status:<9} {outcome.task}{detail}")
             failed += outcome.status in ("FAIL", "TODO")
+            if outcome.status == "FAIL" and not args.solution:
+                print(_hint_pointer(exercise, about[i] if i < len(about) else []))
     print("all tasks pass" if not failed else f"{failed} task(s) to go")
     return 1 if failed else 0
 

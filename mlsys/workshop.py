@@ -4,9 +4,12 @@
     make hint EX=ch05.2           # the next hint of that exercise (each call shows one more)
     python -m mlsys.workshop progress --solution     # the same table for the reference solutions
     python -m mlsys.workshop hint ch05.2 --reset     # start its hints again from the first
+    make hint EX=ch13.1 FOR=shape_rewards         # the hints about one function (a FAIL names it)
 
 Hints live beside the exercise: `exercises/hints/ex<K>.md`, hints separated by lines holding only `---`, from a
-nudge to nearly the answer. How many you have seen is kept in `.cache/workshop/hints.json`; progress results in
+nudge to nearly the answer; a hint that starts with a line `for: name` is about that function of the attempt,
+and the checker prints `hint: make hint EX=... FOR=name` under a FAIL of a task that checks it.
+How many you have seen is kept in `.cache/workshop/hints.json`; progress results in
 `.cache/workshop/progress.json`, keyed by a hash of the attempt, its checker and the checker machinery, so an
 unchanged attempt is not run again.
 """
@@ -70,11 +73,27 @@ def progress(solution: bool = False, time_limit: float = exercises.DEFAULT_TIME_
     return rows
 
 
-def hints_of(exercise: exercises.Exercise) -> list[str]:
+def tagged_hints(exercise: exercises.Exercise) -> list[tuple[set[str], str]]:
+    """(functions, text) of every hint, in order. A hint whose first line is `for: name[, name]` is about those
+    functions of the attempt (the checker points a FAIL of a task checking `name` at them); an untagged hint
+    is about the whole exercise."""
     file = exercise.checker.parent / "hints" / f"ex{exercise.exercise_id.split('.')[1]}.md"
     if not file.is_file():
         return []
-    return [h.strip() for h in file.read_text(encoding="utf-8").split("\n---\n") if h.strip()]
+    found = []
+    for h in file.read_text(encoding="utf-8").split("\n---\n"):
+        first, _, rest = h.strip().partition("\n")
+        if first.startswith("for:"):
+            found.append(({n.strip() for n in first[4:].split(",") if n.strip()}, rest.strip()))
+        elif h.strip():
+            found.append((set(), h.strip()))
+    return [(tags, text) for tags, text in found if text]
+
+
+def hints_of(exercise: exercises.Exercise, about: str | None = None) -> list[str]:
+    """The hints to show, graded from a nudge to nearly the answer: all of them, or with `about` the ones for
+    that function plus the untagged ones."""
+    return [text for tags, text in tagged_hints(exercise) if about is None or not tags or about in tags]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("hint", help="the next hint of one exercise")
     h.add_argument("exercise", help="an id such as ch05.2")
     h.add_argument("--reset", action="store_true", help="forget the hints shown so far")
+    h.add_argument("--for", dest="about", metavar="FUNCTION",
+                   help="only the hints about this function of the attempt (the checker names it under a FAIL)")
     args = parser.parse_args(argv)
     if args.command == "progress":
         rows = progress(args.solution)
@@ -102,20 +123,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     seen = _load("hints.json")
+    key = ex.exercise_id + (f":{args.about}" if args.about else "")
     if args.reset:
-        seen.pop(ex.exercise_id, None)
+        for k in [k for k in seen if k == ex.exercise_id or k.startswith(ex.exercise_id + ":")]:
+            seen.pop(k)
         _save("hints.json", seen)
         print(f"{ex.exercise_id}: hints reset")
         return 0
-    hints = hints_of(ex)
+    hints = hints_of(ex, args.about)
+    if args.about and not any(args.about in tags for tags, _ in tagged_hints(ex)):
+        names = sorted({n for tags, _ in tagged_hints(ex) for n in tags})
+        print(f"error: no hint of {ex.exercise_id} is about {args.about!r}"
+              + (f"; hints are about: {', '.join(names)}" if names else "; its hints are not tagged"),
+              file=sys.stderr)
+        return 2
     if not hints:
         print(f"{ex.exercise_id} has no hints yet; its stub's docstring and the lesson section it names are the "
               f"place to look ({ex.attempt.relative_to(exercises.REPO_ROOT)})")
         return 0
-    shown = min(seen.get(ex.exercise_id, 0) + 1, len(hints))
-    seen[ex.exercise_id] = shown
+    shown = min(seen.get(key, 0) + 1, len(hints))
+    seen[key] = shown
     _save("hints.json", seen)
-    print(f"{ex.exercise_id}, hint {shown} of {len(hints)}:\n\n{hints[shown - 1]}")
+    what = f" about {args.about}" if args.about else ""
+    print(f"{ex.exercise_id}, hint {shown} of {len(hints)}{what}:\n\n{hints[shown - 1]}")
     if shown == len(hints):
         print(f"\n(that was the last hint; the reference solution is {ex.solution.relative_to(exercises.REPO_ROOT)})")
     return 0

@@ -206,3 +206,29 @@ def test_progress_and_hints(tmp_path, monkeypatch, capsys) -> None:
         assert workshop.main(["hint", "ch01.1"]) == 0
         assert f"hint {min(i, len(hints))} of {len(hints)}" in capsys.readouterr().out
     assert workshop.main(["hint", "ch99.9"]) == 2
+
+
+def test_a_fail_names_the_hint_about_the_function_it_checked(tmp_path, monkeypatch, capsys) -> None:
+    """ch13.1's wrong k3 (sign flipped) fails only the k3 task, beside a correct k1 and shaping, and the line
+    under the FAIL points at the hints about kl_k3; those hints say nothing about shape_rewards."""
+    from mlsys import workshop
+
+    ex = exercises.find("ch13.1")
+    wrong = ex.checker.parent / "wrong" / "ex1_k3_sign.py"
+    assert exercises.main(["ch13.1", "--file", str(wrong)]) == 1
+    out = capsys.readouterr().out
+    failed = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("  FAIL")]
+    assert len(failed) == 1 and failed[0].startswith("kl_k3"), out
+    assert out.count("  PASS") == 2 and "hint: make hint EX=ch13.1 FOR=kl_k3" in out, out
+    monkeypatch.setattr(workshop, "STATE", tmp_path)
+    about_k3 = workshop.hints_of(ex, "kl_k3")
+    assert about_k3 and all("shape_rewards" not in h for h in about_k3)
+    assert len(about_k3) < len(workshop.hints_of(ex))
+    assert workshop.main(["hint", "ch13.1", "--for", "kl_k3"]) == 0
+    assert "hint 1 of" in capsys.readouterr().out
+    assert workshop.main(["hint", "ch13.1", "--for", "no_such_function"]) == 2
+
+
+def test_task_functions_reads_what_each_task_calls() -> None:
+    checker = exercises.find("ch13.1").checker
+    assert exercises.task_functions(checker) == [["kl_k1"], ["kl_k3"], ["shape_rewards"]]

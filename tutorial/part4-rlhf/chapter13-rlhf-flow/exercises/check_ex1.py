@@ -15,29 +15,43 @@ def _categoricals(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return p, q
 
 
-@task("k1 and k3: exact expectation under pi equals KL(pi || pi_ref) (torch.distributions as the oracle)")
-def check_unbiased(ex) -> None:
+def _unbiased(name: str, fn) -> None:
+    """E_pi[estimator] over 7 outcomes equals KL(pi || pi_ref), torch.distributions as the oracle."""
     for seed in range(4):
         p, q = _categoricals(seed)
         exact = torch.distributions.kl_divergence(torch.distributions.Categorical(probs=p),
                                                   torch.distributions.Categorical(probs=q)).item()
-        for name, fn in (("k1", ex.kl_k1), ("k3", ex.kl_k3)):
-            values = fn(p.log(), q.log())  # the estimator's value at each of the 7 outcomes
-            assert values.shape == p.shape, f"{name}: shape {tuple(values.shape)}, want {tuple(p.shape)}"
-            got = (p * values).sum().item()
-            assert abs(got - exact) < 1e-9, f"{name}: E_pi[{name}] = {got:.6f}, but KL = {exact:.6f} (seed {seed})"
+        values = fn(p.log(), q.log())  # the estimator's value at each of the 7 outcomes
+        assert values.shape == p.shape, f"{name}: shape {tuple(values.shape)}, want {tuple(p.shape)}"
+        got = (p * values).sum().item()
+        assert abs(got - exact) < 1e-9, f"{name}: E_pi[{name}] = {got:.6f}, but KL = {exact:.6f} (seed {seed})"
 
 
-@task("k3 >= 0 on every sample, 0 where pi = pi_ref; k1 matches log pi - log pi_ref")
-def check_signs(ex) -> None:
+def _samples() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    logp, ref = torch.randn(2000, generator=g) * 3, torch.randn(2000, generator=g) * 3
+    return torch.randn(2000, generator=g) * 3, torch.randn(2000, generator=g) * 3
+
+
+@task("kl_k1: log pi - log pi_ref per token; its expectation under pi is KL(pi || pi_ref)")
+def check_k1(ex) -> None:
+    logp, ref = _samples()
+    want = rlhf.kl_estimators(logp, ref)["k1"]
+    got = ex.kl_k1(logp, ref)
+    assert got.shape == want.shape, f"k1: shape {tuple(got.shape)}, want {tuple(want.shape)} (no sums: per token)"
+    assert torch.allclose(got, want, atol=1e-6), "k1 differs from log pi - log pi_ref"
+    _unbiased("k1", ex.kl_k1)
+
+
+@task("kl_k3: (r - 1) - log r per token, >= 0 everywhere, exactly 0 where pi = pi_ref, unbiased")
+def check_k3(ex) -> None:
+    logp, ref = _samples()
     k3 = ex.kl_k3(logp, ref)
+    assert k3.shape == logp.shape, f"k3: shape {tuple(k3.shape)}, want {tuple(logp.shape)} (no sums: per token)"
     assert (k3 >= 0).all(), f"k3 has {(k3 < 0).sum().item()} negative values, e.g. {k3.min().item():.4f}"
     assert torch.equal(ex.kl_k3(logp, logp), torch.zeros_like(logp)), "k3 must be exactly 0 where pi = pi_ref"
-    want = rlhf.kl_estimators(logp, ref)
-    assert torch.allclose(ex.kl_k1(logp, ref), want["k1"], atol=1e-6), "k1 differs from log pi - log pi_ref"
-    assert torch.allclose(k3, want["k3"], rtol=1e-5, atol=1e-6), "k3 differs from (r - 1) - log r"
+    assert torch.allclose(k3, rlhf.kl_estimators(logp, ref)["k3"], rtol=1e-5, atol=1e-6), \
+        "k3 differs from (r - 1) - log r"
+    _unbiased("k3", ex.kl_k3)
 
 
 @task("shape_rewards: -beta * KL per real token, the score on the last one, 0 on padding")
