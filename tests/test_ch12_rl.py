@@ -194,6 +194,36 @@ def test_rollout_bookkeeping_on_real_cartpole() -> None:
     assert math.isclose(float(buf["rewards"][0, 0]), 1.0 + 0.99 * 7.0, rel_tol=1e-6)
 
 
+def test_rollout_grid_picture_matches_a_replay_in_single_gymnasium_envs() -> None:
+    """The buffer the lesson draws (ppo_cartpole.rollout_grid) against an independent replay: each env n replayed
+    alone in gymnasium's own CartPole with the same time limit, seed + n and the recorded actions. Where the
+    replay terminates, the grid shows a fall (done, plain reward 1); where it truncates, a time-limit end (done,
+    reward 1 + gamma * V(the replay's last observation)); everywhere else an ordinary step."""
+    import gymnasium as gym
+
+    script = load_script(CH12 / "ppo_cartpole.py")
+    grid = script.rollout_grid(seed=0)
+    torch.manual_seed(0)
+    agent = load_script(CH12 / "_ppo.py").ActorCritic()   # the same untrained weights rollout_grid builds
+    kinds = set()
+    for n, actions in enumerate(grid["actions"]):
+        env = gym.make("CartPole-v1", max_episode_steps=grid["time_limit"])
+        env.reset(seed=grid["seed"] + n)
+        for t, action in enumerate(actions):
+            obs, reward, terminated, truncated, _ = env.step(int(action))
+            want = reward
+            if truncated and not terminated:
+                with torch.no_grad():
+                    want += grid["gamma"] * float(agent.value(torch.as_tensor(obs, dtype=torch.float32)[None])[0])
+            assert grid["dones"][n][t] == float(terminated or truncated), (n, t)
+            assert grid["truncated"][n][t] == float(truncated and not terminated), (n, t)
+            assert math.isclose(grid["rewards"][n][t], want, rel_tol=1e-5), (n, t, grid["rewards"][n][t], want)
+            kinds.add("limit" if truncated and not terminated else "fell" if terminated else "step")
+            if terminated or truncated:
+                env.reset()
+    assert kinds == {"step", "fell", "limit"}, f"the picture should show all three kinds of step, got {kinds}"
+
+
 @pytest.mark.slow
 @pytest.mark.long  # a learning check of 15 s or more: make sweep (and CI) run it
 @pytest.mark.timeout(300)

@@ -29,7 +29,8 @@ class Settings(cli.Args, cli.PlotArgs):
     total_steps: int = 150_000
     """Env-step budget (training steps over all envs; evaluation steps are not counted)."""
     max_seconds: float = 180.0
-    """Wall-clock budget of one run, evaluations included."""
+    """CPU-time budget of one run in seconds of this process's CPU, evaluations included (CPU time, not wall
+    clock, so a run on a busy machine is not stopped for waiting its turn)."""
     num_envs: int = 8
     """Parallel copies of the environment (gymnasium SyncVectorEnv)."""
     num_steps: int = 128
@@ -132,11 +133,12 @@ class ActorCritic(nn.Module):
 # --8<-- [end:agent]
 
 
-def make_envs(num_envs: int, seed: int, env_id: str = "CartPole-v1") -> gym.vector.SyncVectorEnv:
+def make_envs(num_envs: int, seed: int, env_id: str = "CartPole-v1",
+              max_episode_steps: int | None = None) -> gym.vector.SyncVectorEnv:
     """num_envs copies of the environment stepped in lockstep. SAME_STEP autoreset (gymnasium >= 1.1): when an episode
     ends, step() already returns the next episode's first observation and puts the last one in info["final_obs"].
     (The 1.x default, NEXT_STEP, would instead spend the following step() on the reset, with a dummy transition.)"""
-    envs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id)] * num_envs,
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make(env_id, max_episode_steps=max_episode_steps)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     envs.reset(seed=seed)
     envs.action_space.seed(seed)
@@ -150,7 +152,7 @@ def collect_rollout(envs, agent: ActorCritic, obs: np.ndarray, num_steps: int, g
     """Play num_steps steps in every env with the current policy. Returns time-major (T, N) tensors and the
     observation to continue from. Finished episodes' returns are appended to `episodes` (running: (N,) sums)."""
     T, N = num_steps, envs.num_envs
-    buf = {k: torch.zeros(T, N) for k in ("actions", "logp", "values", "rewards", "dones")}
+    buf = {k: torch.zeros(T, N) for k in ("actions", "logp", "values", "rewards", "dones", "truncated")}
     buf["obs"] = torch.zeros(T, N, obs.shape[-1])
     for t in range(T):
         obs_t = torch.as_tensor(obs)                              # (N, 4)
@@ -170,6 +172,7 @@ def collect_rollout(envs, agent: ActorCritic, obs: np.ndarray, num_steps: int, g
             reward = reward.astype(np.float32)
             reward[cut] += gamma * agent.value(final).numpy()
         buf["rewards"][t], buf["dones"][t] = torch.as_tensor(reward), torch.as_tensor(done)
+        buf["truncated"][t] = torch.as_tensor(truncated & ~terminated)  # kept for the picture of the buffer
     buf["last_value"] = agent.value(torch.as_tensor(obs))      # (N,) V of the state after the last step
     return buf, obs
 # --8<-- [end:rollout]
@@ -239,7 +242,7 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
     episodes: list[float] = []
     running = np.zeros(args.num_envs)
     curve, evals, updates = [], [], []
-    start, solved_at = time.perf_counter(), None
+    start, cpu_start, solved_at = time.perf_counter(), time.process_time(), None
     bar = tqdm(range(1, num_updates + 1), desc=f"{name} seed {seed}", leave=False,
                disable=None if progress else True)  # None: shown only when stderr is a terminal
     for update in bar:
@@ -256,7 +259,7 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
         updates.append({"steps": steps, **stats})
         bar.set_postfix(ret=f"{np.mean(episodes[-20:]) if episodes else 0:.0f}", kl=f"{stats['approx_kl']:.4f}",
                         clip=f"{stats['clip_frac']:.2f}")
-        last = update == num_updates or time.perf_counter() - start > args.max_seconds
+        last = update == num_updates or time.process_time() - cpu_start > args.max_seconds
         if update % args.eval_every == 0 or last:
             score = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=False, env_id=env_id).mean())
             greedy = float(evaluate(agent, args.eval_episodes, 10_000 + seed, greedy=True, env_id=env_id).mean())

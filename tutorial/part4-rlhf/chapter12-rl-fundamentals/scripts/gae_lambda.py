@@ -191,15 +191,23 @@ def one_episode(agent: ppo.ActorCritic, seed: int, steps: int = 300) -> dict:
 
 def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lam = [r["lambda"] for r in rows]
     for key, style in (("bias^2", "o-"), ("variance", "s-"), ("MSE", "^-")):
         ax.plot(lam, [max(r[key], 1e-6) for r in rows], style, label=key)
     ax.axhline(rows[0]["truth noise"], ls=":", color="gray", label="noise of the MC ground truth")
     ax.set(yscale="log", xlabel="GAE lambda", ylabel="squared error of the advantage at (s, a)",
-           title=f"GAE on CartPole: {args.num_states} states x {args.rollouts} rollouts")
+           title=f"bias and variance, log scale ({args.num_states} states x {args.rollouts} rollouts)")
     ax.legend(fontsize=8)
-    plot.save(fig, args, "gae_bias_variance")
+    # the same MSE on a linear axis: the log axis spans orders of magnitude and flattens the minimum
+    best = min(rows, key=lambda r: r["MSE"])
+    ax2.plot(lam, [r["MSE"] for r in rows], "^-", color="C2", label="MSE = bias^2 + variance")
+    ax2.plot([best["lambda"]], [best["MSE"]], "o", ms=12, mfc="none", mec="black", label=f"lowest: lambda = "
+             f"{best['lambda']:g}")
+    ax2.set(ylim=(0, 3 * best["MSE"]), xlabel="GAE lambda", ylabel="MSE (linear scale)",
+            title="where the mean squared error is lowest")
+    ax2.legend(fontsize=8)
+    print(f"figure: {plot.save(fig, args, 'gae_bias_variance')}")
 
 
 def plot_advantages(buf: dict, agent: ppo.ActorCritic, gamma: float, args: Settings) -> None:
@@ -216,7 +224,7 @@ def plot_advantages(buf: dict, agent: ppo.ActorCritic, gamma: float, args: Setti
         ax.legend(fontsize=8, loc="upper right")
     ax1.set(title="one real rollout (dashed: an episode ends)")
     ax2.set(xlabel="step t")
-    plot.save(fig, args, "gae_advantages")
+    print(f"figure: {plot.save(fig, args, 'gae_advantages')}")
 
 
 def main() -> int:

@@ -13,10 +13,13 @@ What it shows
     3. The solve check: every --eval-every updates the policy plays --eval-episodes fresh episodes, sampling its
        actions as in training; the run stops as soon as their mean return is >= --solve-return (by default the
        environment's reward_threshold from its gymnasium spec: 475 of a possible 500 on CartPole-v1). A full run
-       that does not solve within --total-steps env steps or --max-seconds exits 1. The greedy policy (argmax
-       action) is evaluated beside it, for comparison only: it scores much higher much earlier.
+       that does not solve within --total-steps env steps or --max-seconds of CPU time exits 1. The greedy policy
+       (argmax action) is evaluated beside it, for comparison only: it scores much higher much earlier.
     4. --seeds 0 1 2: the benchmark, one full run per seed, a table of env steps and seconds to solve each.
-       (Reference point: cleanrl's ppo.py reports 492 +/- 13 on CartPole-v1 after 500k steps, with its defaults.)
+       (Reference point: cleanrl's ppo.py docs report 490.04 +/- 6.12 on CartPole-v1 after 500k steps with its
+       defaults, https://docs.cleanrl.dev/rl-algorithms/ppo/ as read on 2026-11-26.)
+    5. Before training, a picture of one real rollout buffer (4 envs x 28 steps, CartPole with a 16-step time
+       limit so that both a fall and a time-limit cut appear): rollout_grid.png.
 
 How to run
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py
@@ -28,8 +31,9 @@ How to run
 What it prints
     The settings, the median and max approx-KL and clip fraction over the updates, the evaluations (env steps,
     seconds, mean return with sampled actions, mean greedy return), and the verdict: solved after how many env
-    steps and seconds, or "NOT SOLVED" and exit 1. Figures in --plot-dir: learning_curve.png, and clip_objective.png
-    (one sample's clipped objective against the ratio for A = +1 and A = -1, from mlsys.rl.ppo_policy_loss).
+    steps and seconds, or "NOT SOLVED" and exit 1. Figures in --plot-dir: rollout_grid.png, learning_curve.png, and
+    clip_objective.png (one sample's clipped objective against the ratio for A = +1 and A = -1, from
+    mlsys.rl.ppo_policy_loss).
 
 Runtime on 2 cores: about 15 s of CPU to solve with the default seed (a tqdm bar on a terminal); --seeds 0 1 2
 about three times that; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
@@ -54,9 +58,55 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _ppo import Settings, train
+from _ppo import ActorCritic, Settings, collect_rollout, make_envs, train
 
 from mlsys import cli, plot, report, rl
+
+
+# --8<-- [start:rollout_grid]
+def rollout_grid(seed: int, steps: int = 28, num_envs: int = 4, time_limit: int = 16, gamma: float = 0.99) -> dict:
+    """One real rollout buffer, small enough to draw cell by cell: an untrained policy on CartPole whose time limit
+    is `time_limit` steps instead of 500, so that both kinds of episode end happen within a few steps. Returns
+    the (N, T) grids (env n, step t) of the buffer collect_rollout fills, as lists."""
+    torch.manual_seed(seed)
+    agent = ActorCritic()
+    envs = make_envs(num_envs, seed, max_episode_steps=time_limit)
+    obs, _ = envs.reset(seed=seed)
+    buf, _ = collect_rollout(envs, agent, obs, steps, gamma, [], np.zeros(num_envs))
+    envs.close()
+    grid = {k: buf[k].T.tolist() for k in ("actions", "rewards", "dones", "truncated", "values")}
+    return {"seed": seed, "time_limit": time_limit, "gamma": gamma, **grid}
+# --8<-- [end:rollout_grid]
+
+
+def plot_rollout_grid(grid: dict, args: Settings) -> None:
+    """The buffer as an N x T grid: one row per env, one cell per step, coloured by how the step ended."""
+    from matplotlib.patches import Patch, Rectangle
+
+    plt = plot.pyplot()
+    rewards, dones, cut = (np.array(grid[k]) for k in ("rewards", "dones", "truncated"))
+    N, T = rewards.shape
+    colour = {"step": "#dbe9f6", "fell": "#e4826f", "limit": "#f3c05b"}
+    fig, ax = plt.subplots(figsize=(T * 0.42 + 1.5, N * 0.62 + 1.4))
+    for n in range(N):
+        for t in range(T):
+            kind = "limit" if cut[n, t] else "fell" if dones[n, t] else "step"
+            ax.add_patch(Rectangle((t, N - 1 - n), 1, 1, facecolor=colour[kind], edgecolor="white", lw=1.5))
+            ax.text(t + 0.5, N - 0.5 - n, f"{rewards[n, t]:.3g}", ha="center", va="center", fontsize=7)
+            if dones[n, t]:     # an episode ends after this step: nothing flows back across the line
+                ax.plot([t + 1, t + 1], [N - 1 - n, N - n], color="black", lw=2.5)
+    ax.set(xlim=(0, T), ylim=(0, N), xlabel="step t (time-major: the buffer's first axis)",
+           title=f"A real rollout buffer, (T, N) = ({T}, {N}): the reward stored at each step "
+                 f"(CartPole with a {grid['time_limit']}-step time limit, untrained policy)")
+    ax.set_xticks(np.arange(T) + 0.5, range(T), fontsize=7)
+    ax.set_yticks(np.arange(N) + 0.5, [f"env {n}" for n in reversed(range(N))])
+    ax.grid(False)
+    ax.legend(handles=[Patch(color=colour["step"], label="ordinary step: reward 1"),
+                       Patch(color=colour["fell"], label="pole fell (terminated): done, no value after it"),
+                       Patch(color=colour["limit"], label=f"time limit (truncated): reward 1 + "
+                                                          f"{grid['gamma']:g} x V(last obs), then done")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+    print(f"figure: {plot.save(fig, args, 'rollout_grid')}")
 
 
 # --8<-- [start:clip_curve]
@@ -94,7 +144,7 @@ def plot_clip_objective(args: Settings) -> None:
                                           else "a bad action: flat below 1 - eps)"))
         ax.legend(fontsize=8, loc="lower right" if adv > 0 else "upper right")
     axes[0].set_ylabel("objective per sample (-loss)")
-    plot.save(fig, args, "clip_objective")
+    print(f"figure: {plot.save(fig, args, 'clip_objective')}")
 
 
 def plot_run(run: dict, args: Settings) -> None:
@@ -114,7 +164,7 @@ def plot_run(run: dict, args: Settings) -> None:
     ax2.plot([x["steps"] for x in u], [x["clip_frac"] / 10 for x in u], label="clip fraction / 10")
     ax2.set(xlabel="env steps", title="per-update diagnostics (last epoch)")
     ax2.legend(fontsize=8)
-    plot.save(fig, args, "learning_curve")
+    print(f"figure: {plot.save(fig, args, 'learning_curve')}")
 
 
 def main() -> int:
@@ -124,7 +174,10 @@ def main() -> int:
     print(f"PPO on {args.env_id} (observations of {args.obs_dim}, {args.num_actions} actions, solved at "
           f"{args.solve_return:g}): {args.num_envs} envs x {args.num_steps} steps per update, {args.update_epochs} "
           f"epochs x {args.num_minibatches} minibatches, lr {args.lr} annealed, budget {args.total_steps:,} steps "
-          f"/ {args.max_seconds:.0f} s")
+          f"/ {args.max_seconds:.0f} s of CPU")
+    grid = rollout_grid(args.seed, gamma=args.gamma) if args.env_id == "CartPole-v1" else None
+    if grid and not args.seeds:
+        plot_rollout_grid(grid, args)
     seeds = args.seeds or [args.seed]
     runs = [train(args, s) for s in seeds]
     if not args.seeds:
@@ -144,7 +197,8 @@ def main() -> int:
         layers = {name: [[m.in_features, m.out_features] for m in net if isinstance(m, torch.nn.Linear)]
                   for name, net in (("actor", agent.actor), ("critic", agent.critic))}
         report.write_json(args.json, {"env_id": args.env_id, "obs_dim": args.obs_dim, "num_actions": args.num_actions,
-                                      "solve_return": args.solve_return, "layers": layers, "runs": runs_json}, args)
+                                      "solve_return": args.solve_return, "layers": layers, "runs": runs_json,
+                                      "rollout_grid": grid}, args)
     unsolved = [r["seed"] for r in runs if not r["solved"]]
     if args.smoke:
         print(f"\nsmoke run: {runs[0]['steps']} steps, no solve check")

@@ -154,11 +154,19 @@ def plot_curves(runs: dict[str, dict], rows: list[dict], args: Settings) -> None
         ax.plot(steps[len(steps) - len(smooth):], smooth, label=f"{name} (mean of 20 episodes)")
     ax.set(xlabel="env steps", ylabel="training episode return", title="REINFORCE vs PPO on CartPole-v1")
     ax.legend(fontsize=8)
-    plot.save(fig, args, "return_curves")
+    print(f"figure: {plot.save(fig, args, 'return_curves')}")
+    from matplotlib.ticker import LogLocator, NullFormatter
+
     fig, ax = plt.subplots(figsize=(6.5, 3))
-    ax.barh([r["advantage"] for r in rows], [r["total variance"] for r in rows])
-    ax.set(xscale="log", xlabel="total variance of the actor-gradient estimate (sum over parameters)")
-    plot.save(fig, args, "grad_variance")
+    values = [r["total variance"] for r in rows]
+    ax.barh([r["advantage"] for r in rows], values)
+    for y, v in enumerate(values):     # the value at the end of each bar: no need to read it off the log axis
+        ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    ax.set(xscale="log", xlim=(min(values) / 3, max(values) * 6),
+           xlabel="total variance of the actor-gradient estimate (sum over parameters)")
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_minor_formatter(NullFormatter())   # labels on powers of ten only: none run into each other
+    print(f"figure: {plot.save(fig, args, 'grad_variance')}")
 
 
 def main() -> int:
