@@ -81,9 +81,41 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+LLAMA_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+LLAMA_FLOATS = ("rms_norm_eps", "rope_theta")
+LLAMA_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+GPT2_INTS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner")
+
+
+def check_types(c: dict, ints: tuple[str, ...], floats: tuple[str, ...] = (), bools: tuple[str, ...] = ()) -> None:
+    """Refuse a config field of the wrong JSON type instead of computing with it: "2" or 2.0 for a layer count
+    would otherwise fail deep inside the model or, worse, be silently truncated. None means "not set"."""
+    for key in ints:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise CheckpointError(f"config.json: {key} must be a positive integer, got {v!r}")
+    for key in floats:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise CheckpointError(f"config.json: {key} must be a positive number, got {v!r}")
+    for key in bools:
+        v = c.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise CheckpointError(f"config.json: {key} must be true or false, got {v!r}")
+
+
 def llama_config(c: dict) -> LlamaConfig:
     """LlamaConfig from a Llama or Qwen2 config.json (old and new places of the RoPE settings)."""
+    check_types(c, LLAMA_INTS, LLAMA_FLOATS, LLAMA_BOOLS)
+    act = c.get("hidden_act", "silu")
+    if act != "silu":   # the decoder computes SwiGLU with SiLU; another activation would load and then diverge
+        raise CheckpointError(f"config.json: hidden_act {act!r} is not supported (the decoder computes 'silu')")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"config.json: rope settings must be an object, got {rope!r}")
+    check_types(rope, (), ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"))
+    check_types(rope, ("original_max_position_embeddings",))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
     qwen2 = c["architectures"][0] == "Qwen2ForCausalLM"
@@ -101,6 +133,7 @@ def llama_config(c: dict) -> LlamaConfig:
 
 
 def gpt_config(c: dict) -> GPTConfig:
+    check_types(c, GPT2_INTS)
     if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise CheckpointError(f"GPT-2 with activation {c['activation_function']!r} is not supported (gelu_new)")
     if c.get("n_inner") not in (None, 4 * c["n_embd"]):
@@ -122,6 +155,10 @@ def load_pretrained(folder: str | Path, dtype: torch.dtype = torch.float32):
             raise
         raise CheckpointError(f"{folder}/config.json: {' '.join(str(err).split())}") from None
     state = read_state_dict(folder)
+    wrong = next(((k, v.dtype) for k, v in state.items() if not v.is_floating_point()), None)
+    if wrong:   # an int or bool tensor would be cast to floats silently: quantized or damaged weights
+        raise CheckpointError(f"{folder}: tensor {wrong[0]} has dtype {wrong[1]} (only floating-point weights "
+                              f"are supported; quantized checkpoints are not)")
     try:
         if arch == "GPT2LMHeadModel":
             model = from_hf_state_dict(model_config, state)

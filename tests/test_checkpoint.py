@@ -131,6 +131,14 @@ def test_bf16_weights_load_and_decode(tmp_path) -> None:
     ("wrong-shape", "the weights do not fit the config"),
     ("missing-field", "needs the field 'hidden_size'"),
     ("not-a-folder", "not a folder"),
+    ("gelu-act", "hidden_act 'gelu' is not supported"),
+    ("string-int", "num_hidden_layers must be a positive integer, got '2'"),
+    ("float-int", "hidden_size must be a positive integer, got 64.0"),
+    ("bool-int", "num_attention_heads must be a positive integer, got True"),
+    ("string-float", "rms_norm_eps must be a positive number, got '1e-5'"),
+    ("string-bool", "tie_word_embeddings must be true or false, got 'false'"),
+    ("int-weights", "has dtype torch.int32 (only floating-point weights"),
+    ("bool-weights", "has dtype torch.bool (only floating-point weights"),
 ])
 def test_a_broken_folder_is_one_line_naming_the_problem(tmp_path, damage, message) -> None:
     folder = tmp_path / "ckpt"
@@ -155,6 +163,19 @@ def test_a_broken_folder_is_one_line_naming_the_problem(tmp_path, damage, messag
         (folder / "config.json").write_text(json.dumps(config))
     elif damage == "not-a-folder":
         folder = folder / "config.json"
+    elif damage in ("gelu-act", "string-int", "float-int", "bool-int", "string-float", "string-bool"):
+        key, value = {"gelu-act": ("hidden_act", "gelu"), "string-int": ("num_hidden_layers", "2"),
+                      "float-int": ("hidden_size", 64.0), "bool-int": ("num_attention_heads", True),
+                      "string-float": ("rms_norm_eps", "1e-5"),
+                      "string-bool": ("tie_word_embeddings", "false")}[damage]
+        (folder / "config.json").write_text(json.dumps(dict(config, **{key: value})))
+    elif damage in ("int-weights", "bool-weights"):
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(folder / "model.safetensors")
+        name = "model.layers.0.mlp.up_proj.weight"
+        state[name] = state[name].to(torch.int32 if damage == "int-weights" else torch.bool)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError) as err:
         load_pretrained(folder)
     assert message in str(err.value) and "\n" not in str(err.value)
@@ -383,3 +404,52 @@ def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer, preloaded
         bad = run([scripts_dir(8) / "serve.py", "--model", tmp_path / "broken"], timeout=60)
         assert bad.returncode == 2 and "needs the field 'vocab_size'" in bad.stderr, bad.stderr[-1000:]
         assert "Traceback" not in bad.stderr
+
+
+def test_every_eos_id_of_config_and_generation_config_stops_as_transformers_does(tmp_path) -> None:
+    """A folder whose config.json lists two eos ids and whose generation_config.json names a third (Llama 3.1
+    Instruct lists three): transformers' generate stops at whichever comes first, and so must the engine. The
+    ids are chosen from the greedy continuation itself, so that each one really is generated."""
+    from mlsys.engine import LLM, SamplingParams
+
+    hf = build("llama-gqa", tmp_path)
+    prompt = [5, 9, 17, 33]
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        free = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    first_new = [t for i, t in enumerate(free) if t not in free[:i]]   # ids in order of first appearance
+    assert len(first_new) >= 4, free
+    in_config, in_generation = [first_new[3], 100], first_new[2]      # stop at the third distinct id's first place
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, eos_token_id=in_config)))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": in_generation}))
+    hf.generation_config.eos_token_id = [*in_config, in_generation]
+    with torch.no_grad():
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(want) < len(free) and want[-1] == in_generation          # transformers stopped early, on it
+    out = LLM(model=str(tmp_path), block_size=4).generate([{"prompt_token_ids": prompt}],
+                                                          SamplingParams(max_tokens=16))[0].outputs[0]
+    assert out.token_ids == want and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("tokenizer", "not a readable tokenizer.json"),
+    ("generation-json", "generation_config.json: not valid JSON"),
+    ("eos-type", "eos_token_id must be a token id or a list of them, got '2'"),
+])
+def test_a_broken_tokenizer_or_generation_config_is_one_line(tmp_path, damage, message) -> None:
+    from mlsys.engine import LLM
+
+    build("llama-gqa", tmp_path)
+    if damage == "tokenizer":
+        (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 42}')
+    elif damage == "generation-json":
+        (tmp_path / "generation_config.json").write_text("{oops")
+    else:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps(dict(config, eos_token_id="2")))
+    with pytest.raises(CheckpointError) as err:
+        LLM(model=str(tmp_path), block_size=4)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -157,7 +157,8 @@ class Engine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests or any(isinstance(k, tuple) and k[0] == rid for k in self.requests):
                 raise ValueError(f"request id {rid!r} is already in use")
-            seqs = [Sequence(rid, ids, params, arrival_time, self.tokenizer.eos_id, index=i) for i in range(params.n)]
+            eos = getattr(self.tokenizer, "eos_ids", None) or self.tokenizer.eos_id   # every id that ends a text
+            seqs = [Sequence(rid, ids, params, arrival_time, eos, index=i) for i in range(params.n)]
             for seq in seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
                 seq.stop_strings = StopStrings(params.stop) if any(params.stop) else None

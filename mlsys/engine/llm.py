@@ -56,11 +56,38 @@ def load_model(model: str):
                               f"checkpoint folder")
     net, _ = load_folder(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    first = lambda v: v[0] if isinstance(v, list) and v else v  # eos_token_id may be a list
-    bos, eos = first(config.get("bos_token_id")), first(config.get("eos_token_id"))
+    bos, eos_ids = special_ids(folder, config)
+    eos = eos_ids[0] if eos_ids else None
     if not (folder / "tokenizer.json").exists():
-        return net, TokenIdsOnly(config["vocab_size"], bos, eos)
-    return net, HFTokenizer(folder / "tokenizer.json", bos, eos)
+        return net, TokenIdsOnly(config["vocab_size"], bos, eos, eos_ids)
+    return net, HFTokenizer(folder / "tokenizer.json", bos, eos, eos_ids)
+
+
+def special_ids(folder: Path, config: dict) -> tuple[int | None, tuple[int, ...]]:
+    """(bos id, every eos id) of a folder: config.json's and generation_config.json's eos_token_id, each an int
+    or a list (Llama 3.1 Instruct lists three), all of which end a text, as transformers' generate and vLLM do."""
+    from mlsys.checkpoint import CheckpointError
+
+    def ids(value, where: str) -> list[int]:
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+            raise CheckpointError(f"{folder}/{where}: eos_token_id must be a token id or a list of them, "
+                                  f"got {value!r}")
+        return values
+
+    generation = {}
+    try:
+        generation = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        pass
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{folder}/generation_config.json: not valid JSON ({err})") from None
+    generation = generation if isinstance(generation, dict) else {}
+    eos = ids(config.get("eos_token_id"), "config.json") + ids(generation.get("eos_token_id"),
+                                                               "generation_config.json")
+    bos = config.get("bos_token_id", generation.get("bos_token_id"))
+    bos = bos[0] if isinstance(bos, list) and bos else bos
+    return (bos if isinstance(bos, int) and not isinstance(bos, bool) else None), tuple(dict.fromkeys(eos))
 
 
 class LLM:

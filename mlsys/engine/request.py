@@ -119,7 +119,8 @@ class Sequence:
     """One request's tokens, KV-cache bookkeeping and state."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, eos_token_id: int | None = None, index: int = 0):
+                 arrival_time: float | None = None, eos_token_id: int | tuple[int, ...] | None = None,
+                 index: int = 0):
         self.request_id = request_id
         self.index = index  # 0..n-1 among the request's sequences
         self.key = request_id if index == 0 else (request_id, index)  # the engine's handle on this sequence
@@ -129,7 +130,9 @@ class Sequence:
         self.output_logprobs: list[float] = []  # with params.logprobs: one per output token, kept on preemption
         self.output_top_logprobs: list[dict[int, float]] = []  # with params.top_logprobs: one dict per token
         self.params = params
-        self.eos_token_id = eos_token_id
+        # one end-of-sequence id, or several (a folder's config may list more than one: any of them ends it)
+        ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id or ())
+        self.eos_token_id, self.eos_token_ids = (ids[0] if ids else None), frozenset(ids)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
         self.block_table: list[int] = []  # logical block i -> physical block id in the pool
@@ -176,7 +179,7 @@ class Sequence:
                 return
             self.fsm_state = self.fsm.next_state_list[self.fsm_state][token_id]
         p = self.params
-        if token_id in p.stop_token_ids or (token_id == self.eos_token_id and not p.ignore_eos):
+        if token_id in p.stop_token_ids or (token_id in self.eos_token_ids and not p.ignore_eos):
             self.status = SequenceStatus.FINISHED_STOPPED
         elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
             self.status = SequenceStatus.FINISHED_LENGTH

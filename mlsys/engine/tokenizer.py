@@ -62,11 +62,18 @@ class HFTokenizer:
     vocab_size, bos_id / eos_id / pad_id, encode(text, bos=...), decode(ids). Subword tokens may end in half a
     UTF-8 character; IncrementalDetokenizer above holds such text back until the character is complete."""
 
-    def __init__(self, path, bos_id: int | None = None, eos_id: int | None = None):
+    def __init__(self, path, bos_id: int | None = None, eos_id: int | None = None, eos_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as _Tokenizer  # lazy: only checkpoint folders need it
 
-        self.tok = _Tokenizer.from_file(str(path))
+        try:
+            self.tok = _Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+            from mlsys.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{path}: not a readable tokenizer.json "
+                                  f"({' '.join(str(err).split())[:200]})") from None
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, None
+        self.eos_ids = tuple(eos_ids) or ((eos_id,) if eos_id is not None else ())  # any of them ends a text
 
     @property
     def vocab_size(self) -> int:
@@ -90,8 +97,10 @@ class HFTokenizer:
 class TokenIdsOnly:
     """For a checkpoint folder without a tokenizer.json: prompts must be token ids, and no text is streamed."""
 
-    def __init__(self, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+    def __init__(self, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None,
+                 eos_ids: tuple[int, ...] = ()):
         self.vocab_size, self.bos_id, self.eos_id, self.pad_id = vocab_size, bos_id, eos_id, None
+        self.eos_ids = tuple(eos_ids) or ((eos_id,) if eos_id is not None else ())
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         raise ValueError("this checkpoint has no tokenizer.json: give prompts as token ids "
