@@ -1,8 +1,11 @@
 """OpenAI's chat format over the engine: a list of messages becomes one prompt, and answers take the chat shapes.
 
 A chat model is a completion model with a convention for turning messages into text: its chat template. A
-checkpoint folder carries one in tokenizer_config.json (a Jinja template, rendered here the way Hugging Face's
-`apply_chat_template` does: `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`). The book's own
+checkpoint folder carries one in chat_template.jinja (where transformers saves it today) or in
+tokenizer_config.json's "chat_template" (older folders): a Jinja template, rendered here the way Hugging Face's
+`apply_chat_template` does (`messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`). A folder with
+no template gets no chat: rendering its conversations with another model's convention would serve wrong prompts
+without a word, so chat requests are refused with a 400 that says why (`chat_template_for`). The book's own
 models were never trained on conversations, so their documented template is the simplest honest one:
 
     BOOK TEMPLATE: the prompt is <bos> followed by the content of the LAST user message; system and earlier turns
@@ -16,6 +19,7 @@ with the finish_reason.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -103,12 +107,39 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict | None, fi
     return body
 
 
+@dataclass(frozen=True)
+class NoChatTemplate:
+    """What a server is given instead of a template for a model that must not be chatted with: `reason` is the
+    400's message."""
+
+    reason: str
+
+
+def chat_template_for(model) -> str | NoChatTemplate | None:
+    """The template chat requests use for `model`: a checkpoint folder's own (template_of), NoChatTemplate for
+    a folder without one, None (the book's template) for the book's own models, which are not folders."""
+    from pathlib import Path
+
+    if not Path(model).is_dir():
+        return None
+    template = template_of(model)
+    if template is not None:
+        return template
+    return NoChatTemplate(f"this model ({Path(model).name}) has no chat template (no chat_template.jinja, no "
+                          f"chat_template in tokenizer_config.json), so chat requests are refused: send the prompt "
+                          f"text to /v1/completions instead")
+
+
 def template_of(folder) -> str | None:
-    """The chat template a checkpoint folder ships in tokenizer_config.json (the default one if it names several),
-    or None."""
+    """The chat template a checkpoint folder ships: chat_template.jinja (transformers' file for it), else
+    tokenizer_config.json's "chat_template" (the default one if it names several); None if neither."""
     import json
     from pathlib import Path
 
+    try:
+        return (Path(folder) / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
     path = Path(folder) / "tokenizer_config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mlsys.chat import ChatError, normalize_messages, render_book, render_template
+from mlsys.chat import ChatError, NoChatTemplate, normalize_messages, render_book, render_template
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
 
@@ -82,7 +82,7 @@ def _is_number(x: Any) -> bool:
 
 # --8<-- [start:validate]
 def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: bool = False,
-                             chat_template: str | None = None) -> CompletionRequest:
+                             chat_template: str | NoChatTemplate | None = None) -> CompletionRequest:
     """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
     chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
     accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
@@ -224,9 +224,11 @@ def _response_schema(fmt: Any) -> dict | None:
     return schema
 
 
-def _chat_ids(messages: Any, engine: Engine, template: str | None) -> list[int]:
+def _chat_ids(messages: Any, engine: Engine, template: str | NoChatTemplate | None) -> list[int]:
     """The messages rendered by the checkpoint's chat template, or by the book's (the last user message)."""
     tok = engine.tokenizer
+    if isinstance(template, NoChatTemplate):    # a folder without a template: refused, never guessed
+        raise RequestError(template.reason, param="messages")
     try:
         messages = normalize_messages(messages)
         if template is None:

@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlsys.chat import chat_body, chat_chunk
+from mlsys.chat import NoChatTemplate, chat_body, chat_chunk
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.engine import FatalEngineError
 from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
@@ -248,9 +248,10 @@ class _MarkAnswered:
 
 
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
-               body_timeout: float = BODY_TIMEOUT_S, chat_template: str | None = None) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, chat_template: str | NoChatTemplate | None = None) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health over one AsyncEngine
-    (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template) or, without one,
+    (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template; a NoChatTemplate
+    refuses chat with its reason, for a folder that ships none) or, with None,
     the book's template (mlsys/chat.py).
 
     With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401

@@ -453,3 +453,50 @@ def test_a_broken_tokenizer_or_generation_config_is_one_line(tmp_path, damage, m
     with pytest.raises(CheckpointError) as err:
         LLM(model=str(tmp_path), block_size=4)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_folder_saved_by_transformers_chats_with_its_own_template_or_not_at_all(tmp_path) -> None:
+    """transformers' save_pretrained writes the template to chat_template.jinja: the server must render it as
+    apply_chat_template does (the oracle). The same folder without a template gets a 400 for chat, naming why,
+    while completions still work: the book's template is never used for a folder's model."""
+    import openai
+
+    from mlsys.chat import NoChatTemplate, chat_template_for
+    from mlsys.engine import LLM, SamplingParams
+    from mlsys.server import ServerThread, create_app
+
+    _, _, kwargs = KINDS["llama-gqa"]
+    KINDS["llama-jinja"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
+                            dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
+    try:
+        build("llama-jinja", tmp_path)
+    finally:
+        del KINDS["llama-jinja"]
+    byte_level_bpe(tmp_path, 300)
+    saved = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
+                                                 eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    saved.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    tpl_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert "chat_template" not in tpl_config                       # the case the review found: only the .jinja
+    messages = [{"role": "user", "content": "the cat sat"}]
+    ids = list(transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    llm = LLM(model=str(tmp_path), block_size=4)
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
+    with ServerThread(create_app(llm.engine, "jinja", chat_template=chat_template_for(tmp_path))) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        chat = client.chat.completions.create(model="jinja", messages=messages, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == want.text
+
+    (tmp_path / "chat_template.jinja").unlink()
+    refused = chat_template_for(tmp_path)
+    assert isinstance(refused, NoChatTemplate)
+    with ServerThread(create_app(llm.engine, "bare", chat_template=refused)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="bare", messages=messages, max_tokens=4)
+        text = client.completions.create(model="bare", prompt="the cat", max_tokens=4, temperature=0)
+    assert text.choices[0].text is not None and text.usage.completion_tokens >= 1

@@ -59,7 +59,7 @@ import httpx
 import torch
 
 from mlsys import cli, report
-from mlsys.chat import template_of
+from mlsys.chat import chat_template_for
 from mlsys.checkpoint import CheckpointError
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.llm import load_model
@@ -200,7 +200,7 @@ def main() -> int:
         raise cli.UsageError(str(err)) from None
     # the oracle, no HTTP: the engine's own greedy output
     expected = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=args.max_tokens))[0].text
-    template = template_of(args.model) if Path(args.model).is_dir() else None
+    template = chat_template_for(args.model)   # a folder's own, a refusal if it has none, or the book's
     app = create_app(engine, name, api_key=args.api_key or None, chat_template=template)
     server = ServerThread(app, host=args.host, port=args.port, grace_seconds=args.grace_seconds).start()
     signals = StopSignals()
