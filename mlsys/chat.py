@@ -10,7 +10,12 @@ models were never trained on conversations, so their documented template is the 
 
     BOOK TEMPLATE: the prompt is <bos> followed by the content of the LAST user message; system and earlier turns
     are not shown to the model (it has no notion of roles). `"messages": [{"role": "user", "content": "{"}]` is
-    the chat form of `"prompt": "{"`.
+    the chat form of `"prompt": "{"`. The book's character-level models know only their small alphabet
+    (lower-case letters, digits, space and JSON punctuation), so the template fits the message to it: letters
+    are lower-cased and accents dropped ("Café" -> "cafe"), and every other character outside the alphabet
+    becomes one space ("Give me a record." -> "give me a record "); text already in the alphabet is unchanged. A chat
+    client can send any text; `usage.prompt_tokens` counts the fitted prompt. (`/v1/completions` takes its
+    prompt verbatim and refuses a character outside the alphabet: there the caller controls the exact text.)
 
 Answers: a `chat.completion` with `choices[0].message = {"role": "assistant", "content": text}`; streamed, a
 `chat.completion.chunk` whose first delta is the role, then one delta of content per step, then an empty delta
@@ -59,13 +64,32 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def render_book(messages: list[dict[str, str]]) -> str:
-    """The book template: the last user message's content (the caller adds <bos> when it encodes it)."""
+def render_book(messages: list[dict[str, str]], alphabet: str | None = None) -> str:
+    """The book template: the last user message's content, fitted to `alphabet` when one is given (the caller
+    adds <bos> when it encodes it)."""
     users = [m["content"] for m in messages if m["role"] == "user"]
-    if not users or not users[-1]:
+    text = fit_to_alphabet(users[-1], alphabet) if users and alphabet is not None else (users or [""])[-1]
+    if not text.strip():
         raise ChatError("the book's models are prompted with the last user message, and there is none (or it is "
-                        "empty)")
-    return users[-1]
+                        "empty, or has no character the model knows)")
+    return text
+
+
+def fit_to_alphabet(text: str, alphabet: str) -> str:
+    """`text` in a character model's alphabet: letters lower-cased and accents dropped (NFKD), any other
+    character outside it one space. Text already in the alphabet comes back unchanged."""
+    import unicodedata
+
+    known = set(alphabet)
+    out = []
+    for ch in unicodedata.normalize("NFKD", text):
+        if unicodedata.combining(ch):
+            continue                       # the accent of a decomposed letter: é -> e + U+0301 -> e
+        ch = ch.lower() if ch.lower() in known else ch
+        out.append(ch if ch in known else " ")
+    if all(ch in known for ch in text):
+        return text
+    return "".join(out) if " " in known else "".join(c for c in out if c != " ")
 
 
 def render_template(template: str, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = "") -> str:

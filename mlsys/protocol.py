@@ -232,7 +232,9 @@ def _chat_ids(messages: Any, engine: Engine, template: str | NoChatTemplate | No
     try:
         messages = normalize_messages(messages)
         if template is None:
-            return encode_prompt(tok, render_book(messages))
+            # a character-level book tokenizer: its one-character entries are the alphabet (specials are <...>)
+            alphabet = "".join(s for s in getattr(tok, "itos", []) if len(s) == 1) or None
+            return encode_prompt(tok, render_book(messages, alphabet))
         special = getattr(tok, "token_text", lambda i: "")
         text = render_template(template, messages, special(tok.bos_id), special(tok.eos_id))
         return tok.encode(text)  # the template writes the special tokens it wants

@@ -162,6 +162,24 @@ def test_token_id_prompt_and_seeded_sampling(small_model, served, client):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("message, fitted", [("Give me a record.", "give me a record "),
+                                             ("Café NAÏVE — {\"x\": 1}!", 'cafe naive   {"x": 1} '),
+                                             ("Hello\n\nWorld ✓", "hello  world  ")])
+def test_the_default_model_answers_any_chat_text_through_the_official_client(small_model, client, message,
+                                                                             fitted):
+    """The first chat message a reader types (capitals, a full stop, accents, a dash, a newline) is answered, not
+    refused: the book template fits it to the character model's alphabet. The oracle is the engine completing
+    the fitted text written by hand here, so the test also pins down what the fitting does."""
+    want = reference(small_model, [fitted], 12, ignore_eos=True)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": message}],
+                                          max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want.text
+    assert chat.usage.prompt_tokens == len(want.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="no character the model knows"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "数据 ✓"}], max_tokens=4)
+
+
+@pytest.mark.timeout(60)
 def test_chat_completions_plain_and_streamed_with_the_book_template(small_model, served, client):
     """The book's template prompts with the last user message: the chat answer is the completion of that text."""
     messages = [{"role": "system", "content": "ignored by the book's models"},
