@@ -104,6 +104,11 @@ def test_sharding_rules():
     check_tp(cfg, 8)  # 2 K/V heads, 8 ranks: each K/V head on 4 ranks
     with pytest.raises(ValueError, match="must divide the 8 attention heads"):
         check_tp(cfg, 3)
+    with pytest.raises(ValueError, match=r"must divide the MLP width \(75\)"):   # the review's case: 75 // 2
+        check_tp(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=75, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32), 2)
+    check_tp(LlamaConfig(vocab_size=33, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32), 2)  # odd vocab: ok
     with pytest.raises(ValueError, match="key/value heads"):
         check_tp(LlamaConfig(vocab_size=32, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=32), 2)

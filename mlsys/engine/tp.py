@@ -52,10 +52,15 @@ class WorkerDied(FatalEngineError):
 
 # ------------------------------------------------------------------------------------------- sharding a model
 def check_tp(config, size: int) -> None:
-    """ValueError unless `size` ranks can split the model: heads, K/V heads (or replicas) and MLP width."""
+    """ValueError unless `size` ranks can split the model: the attention heads, the K/V heads (or replicate
+    them), and the MLP width (each rank takes width // size columns: a remainder would be dropped silently). The
+    vocabulary needs no check: the embeddings and the LM head stay whole on every rank."""
     H, H_kv = config.n_head, config.n_kv_head
     if H % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the {H} attention heads")
+    width = getattr(config, "intermediate_size", None) or 4 * config.n_embd   # Llama/Qwen2, or the GPT's 4C
+    if width % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the MLP width ({width})")
     if H_kv % size and size % H_kv:
         raise ValueError(f"tensor_parallel_size={size} must divide the {H_kv} key/value heads or be a multiple of "
                          f"them")
