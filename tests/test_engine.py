@@ -370,6 +370,21 @@ def test_bad_settings_and_prompts_are_rejected(small):
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 32
 
 
+def test_one_bad_prompt_in_a_list_leaves_nothing_queued(small):
+    """generate([good, good, bad]) raises for the bad prompt and takes back the two queued before it (vLLM's
+    LLM.generate does the same): the engine is idle, every block free, and the next call answers as a fresh
+    engine does."""
+    eng = Engine(small, config=EngineConfig(block_size=4))
+    with pytest.raises(ValueError, match="alphabet"):
+        eng.generate(['{"name": "', '{"age": ', "NOT LOWERCASE"], SamplingParams(max_tokens=4))
+    assert not eng.has_unfinished() and not eng.scheduler.waiting and not eng.scheduler.running
+    assert eng.block_manager.pool.num_available == eng.config.num_blocks
+    again = eng.generate(['{"age": '], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    fresh = Engine(small, config=EngineConfig(block_size=4)).generate(
+        ['{"age": '], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert again.token_ids == fresh.token_ids
+
+
 # ------------------------------------------------------------------ log-probs
 
 

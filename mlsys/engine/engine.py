@@ -203,6 +203,12 @@ class Engine:
                     self._aborted.append(self._output(s, [], ""))
                 seq.forks = []
 
+    def _withdraw(self, request_ids: list) -> None:
+        """Remove requests that were queued but never stepped, without reporting them (nobody awaits them)."""
+        with self._lock:
+            for key in [k for k in self.requests if k in request_ids or (isinstance(k, tuple) and k[0] in request_ids)]:
+                self.scheduler.finish(self.requests.pop(key))
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self.requests) or bool(self._aborted)
@@ -400,7 +406,13 @@ class Engine:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        rids: list = []
+        try:
+            for p, sp in zip(prompts, params):
+                rids.append(self.add_request(p, sp))
+        except BaseException:   # one bad prompt: take back the ones queued before it, so nothing is left running
+            self._withdraw(rids)
+            raise
         keys = [(rid, i) for rid, sp in zip(rids, params) for i in range((sp or SamplingParams()).n)]
         final: dict[tuple, RequestOutput] = {}
         while len(final) < len(keys):
