@@ -155,6 +155,9 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
     if not _is_int(n) or not 1 <= n <= engine.config.max_num_seqs:
         raise RequestError(f"'n' must be an integer from 1 to {engine.config.max_num_seqs}, got {n!r}", param="n")
     schema = _response_schema(body.get("response_format"))
+    if schema is not None and any(stop):   # a stop string could cut the document short: invalid JSON, served
+        raise RequestError("'stop' cannot be combined with a JSON response_format: a stop string could end the "
+                           "document before it is complete", param="stop")
     if schema is not None:
         try:
             fsm = engine.compile_schema(schema)

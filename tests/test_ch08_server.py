@@ -239,6 +239,9 @@ BAD_CHAT = [
      "the shortest JSON document the schema allows has"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a" * 20_000]}}}}, "exceeds 16384"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "stop": ", ", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA}}},
+     "'stop' cannot be combined with a JSON response_format"),   # the review's case: stop ", " cut the JSON
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "prompt": "{"}, "unrecognized request"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 0}, "between 1"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "{"}], "logprobs": 1}, "must be true or false"),

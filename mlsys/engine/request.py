@@ -65,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.json_schema is not None and any(self.stop):
+            raise ValueError("stop strings cannot be combined with json_schema: one could end the document early")
 # --8<-- [end:sampling_params]
 
 
