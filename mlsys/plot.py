@@ -106,39 +106,38 @@ def animate(fig: Any, draw: Callable[[int], None], frames: int, args: Any, name:
     """Write `<name>.gif` (an animation of `frames` frames; `draw(i)` redraws `fig` for frame i) and
     `<name>_strip.png` (the same frames side by side, `strip_columns` per row: the static version for print).
 
-    Both come from the same draw calls, so the strip and the animation cannot disagree. Returns their paths.
-    Keep frames few and dpi low: every figure is drawn during the book build."""
+    matplotlib's animation module renders each frame once; the strip is assembled from those very images, so
+    the strip and the animation cannot disagree. Returns their paths. Keep frames few and dpi low: every
+    figure is drawn during the book build."""
     import numpy as np
     from matplotlib.animation import FuncAnimation, PillowWriter
 
+    class KeepFrames(PillowWriter):   # PillowWriter keeps the rendered frames; hold on to them for the strip
+        def finish(self):
+            self.kept = list(self._frames)
+            super().finish()
+
     plt = pyplot()
     out = figure_dir(args)
-    gif = out / f"{name}.gif"
-    images = []
-
-    def frame(i: int):
-        draw(i)
-        fig.canvas.draw()
-        images.append(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy())
-        return []
-
-    FuncAnimation(fig, frame, frames=frames, blit=False, repeat=False).save(
-        gif, writer=PillowWriter(fps=fps), dpi=dpi)
+    gif, strip = out / f"{name}.gif", out / f"{name}_strip.png"
+    if fig.get_layout_engine() is None:   # frames are rendered without bbox_inches="tight": keep legends inside
+        fig.set_layout_engine("constrained")
+    writer = KeepFrames(fps=fps)
+    # init_func given, so frame 0 is not drawn an extra time before the frames are grabbed
+    FuncAnimation(fig, lambda i: draw(i) or [], frames=frames, init_func=lambda: [], blit=False,
+                  repeat=False).save(gif, writer=writer, dpi=dpi)
     plt.close(fig)
-    # PillowWriter drew each frame at `dpi`; the strip re-uses those images (one draw per frame, not two)
-    images = images[-frames:]
+    images = [np.asarray(im.convert("RGB")) for im in writer.kept]
     cols = max(1, min(strip_columns, frames))
-    rows = -(-frames // cols)
+    rows = -(-len(images) // cols)
     h, w = images[0].shape[:2]
     sheet = np.full((rows * h, cols * w, 3), 255, dtype=np.uint8)
     for i, img in enumerate(images):
         r, c = divmod(i, cols)
         sheet[r * h:(r + 1) * h, c * w:(c + 1) * w] = img[:h, :w]
-    strip = out / f"{name}_strip.png"
-    fig2 = plt.figure(figsize=(cols * w / 100, rows * h / 100), dpi=100)
-    fig2.figimage(sheet, resize=True)
-    fig2.savefig(strip, dpi=100)
-    plt.close(fig2)
+    from PIL import Image
+
+    Image.fromarray(sheet).save(strip, optimize=True)
     return gif, strip
 
 
