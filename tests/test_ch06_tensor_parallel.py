@@ -126,7 +126,8 @@ def test_tp_equals_dense_for_1_2_4(transformer: dict) -> None:
 @pytest.fixture(scope="module")
 def seqpar(tmp_path_factory) -> dict:
     return run_json(tmp_path_factory, CH06 / "sequence_parallel.py", "-w", "4", "--tp-sizes", "1", "2", "4",
-                    "--n-layer", "1", "--n-embd", "64", "--seq", "32", "--batch", "2")
+                    "--n-layer", "1", "--n-embd", "64", "--seq", "32", "--batch", "2",
+                    "--plot-dir", tmp_path_factory.mktemp("sp_figures"))
 
 
 @pytest.mark.timeout(120)
@@ -161,6 +162,32 @@ def test_sequence_parallel_equals_tp_and_saves_memory(seqpar: dict) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_block_picture_is_the_order_the_collectives_ran(seqpar: dict) -> None:
+    """block_tp.png / block_sp.png draw, left to right, the regions of one block and the collectives at each linear
+    layer. Read left to right, the drawn forward collectives must be those a separate real forward of the same
+    block logged, in that order (res["counted"], recorded by block_memory, not by the drawing code); read right to
+    left, the backward ones. The regions' shapes are the paper's: (B, T, C) or (B, T/t, C) outside the linear
+    pairs, the whole sequence with 3C/t or 4C/t features inside."""
+    b, s, h = 2, 32, 64
+    for t in (2, 4):
+        res = seqpar["tp"][str(t)]
+        for label, sp in (("TP", False), ("TP+SP", True)):
+            drawn = res["drawn"][label]
+            assert [i["type"] for i in drawn] == ["region", "comm", "layer", "region", "layer", "comm"] * 2 + ["region"]
+            comms = [i for i in drawn if i["type"] == "comm"]
+            assert [c["at"] for c in comms] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+            counted = res["counted"][label]
+            assert [op for c in comms for op in c["forward"]] == [op for op, _ in counted["forward"]]
+            assert [op for c in reversed(comms) for op in c["backward"]] == [op for op, _ in counted["backward"]]
+            regions = [i["shape"] for i in drawn if i["type"] == "region"]
+            outside = [b, s // t if sp else s, h]
+            assert regions == [outside, [b, s, 3 * h // t], outside, [b, s, 4 * h // t], outside]
+        # Megatron's f and g: identity/all-reduce at each column layer's input, all-reduce/identity after each row
+        tp = [(c["forward"], c["backward"]) for c in res["drawn"]["TP"] if c["type"] == "comm"]
+        assert tp == [([], ["all_reduce"]), (["all_reduce"], [])] * 2
+
+
+@pytest.mark.timeout(120)
 def test_matches_torch_dtensor(tmp_path_factory) -> None:
     res = run_json(tmp_path_factory, CH06 / "tp_dtensor.py", "-w", "2", "--seq", "8", "--hidden", "32", "--vocab", "10")
     assert len(res["checks"]) == 15 and res["max_abs_diff"] < 1e-5
@@ -182,8 +209,9 @@ def test_layers_figure_blocks_tile_a_in_rank_order(tmp_path_factory) -> None:
     plots = tmp_path_factory.mktemp("tp_split")
     res = run_json(tmp_path_factory, CH06 / "tp_layers.py", "-w", "2", "--hidden", "16", "--seq", "4",
                    "--plot-dir", plots)
-    assert res["split"]["column"] == {"A": [16, 32], "blocks": [[0, 16], [16, 32]]}
-    assert res["split"]["row"] == {"A": [32, 16], "blocks": [[0, 16], [16, 32]]}
+    # the shapes drawn are the real tensors': X (batch 4, seq 4, 16 features) -> Y (4, 4, 32), and back
+    assert res["split"]["column"] == {"X": [4, 4, 16], "A": [16, 32], "Y": [4, 4, 32], "blocks": [[0, 16], [16, 32]]}
+    assert res["split"]["row"] == {"X": [4, 4, 32], "A": [32, 16], "Y": [4, 4, 16], "blocks": [[0, 16], [16, 32]]}
     assert (plots / "tp_split.png").is_file()
 
 

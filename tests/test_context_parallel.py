@@ -9,6 +9,8 @@ formula, counted on real ranks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -107,15 +109,19 @@ def cp_worker(ctx, seq: int, heads: int) -> dict:
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     dout = torch.randn(2, heads, seq, 8, generator=gen, dtype=torch.float64)
+    from conftest import load_script, scripts_dir
+
+    trace_ring_steps = load_script(scripts_dir(6) / "context_parallel.py").trace_ring_steps
     results = {}
     methods = [("ring", "zigzag"), ("ring", "contiguous")] + ([("ulysses", "contiguous")] if heads % world == 0 else [])
     for method, layout in methods:
         padded = cp.padded_length(seq, world, layout)
         pad = (0, 0, 0, padded - seq)
         local = [cp.shard(F.pad(t, pad), world, rank, layout).requires_grad_(True) for t in (q, k, v)]
-        with cp.comm_log() as log:
+        with cp.comm_log() as log, trace_ring_steps() as steps:
             if method == "ring":
                 out = cp.ring_attention(*local, group=group, layout=layout, q_tile=5)
+                steps = list(steps)  # the blocks of the forward pass, as the kernel was handed them
             else:
                 out = cp.ulysses_attention(*local, group=group)
             out.backward(cp.shard(F.pad(dout, pad), world, rank, layout))
@@ -126,8 +132,33 @@ def cp_worker(ctx, seq: int, heads: int) -> dict:
             dist.all_gather(parts, t)
             gathered.append(cp.unshard(parts, layout)[..., :seq, :].numpy())  # numpy: tensors do not cross the pipe
         sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
-        results[f"{method}-{layout}"] = {"tensors": gathered, "sent": sent, "padded": padded}
+        every = [None] * world
+        dist.all_gather_object(every, steps if method == "ring" else [])
+        results[f"{method}-{layout}"] = {"tensors": gathered, "sent": sent, "padded": padded, "ring_steps": every}
     return results
+
+
+def simulate_ring(seq: int, world: int, layout: str) -> list[list[dict]]:
+    """The ring by hand, in token positions: rank r's runs (zigzag: chunks r and 2W-1-r of 2W; contiguous: the
+    r-th of W); at step i every rank holds the K/V that started on rank r - i (each step passes them to r + 1);
+    a (query run, key run) pair is scored when some query sees some key, masked when some key lies after some
+    query: both counted by brute force over the positions."""
+    c = seq // (2 * world)
+    if layout == "zigzag":
+        runs = [[[r * c, (r + 1) * c], [(2 * world - 1 - r) * c, (2 * world - r) * c]] for r in range(world)]
+    else:
+        w = seq // world   # contiguous pads to a multiple of W only, so a run is not always 2 zigzag chunks
+        runs = [[[r * w, (r + 1) * w]] for r in range(world)]
+    out = []
+    for r in range(world):
+        steps = []
+        for i in range(world):
+            kv = runs[(r - i) % world]
+            pairs = [[qr, kr, any(q < k for q in range(*qr) for k in range(*kr))] for qr in runs[r] for kr in kv
+                     if any(q >= k for q in range(*qr) for k in range(*kr))]
+            steps.append({"q": runs[r], "kv": kv, "pairs": pairs})
+        out.append(steps)
+    return out
 
 
 @pytest.mark.timeout(90)
@@ -152,6 +183,11 @@ def test_ring_and_ulysses_equal_full_attention_forward_and_backward(world: int, 
         method = key.split("-")[0]
         formula = cp.comm_bytes(method, res["padded"], world, heads, 8, batch=2, dtype_bytes=8)
         assert res["sent"] == formula, f"{key}: counted {res['sent']}, formula {formula}"
+        if method == "ring":  # the blocks the kernel was handed, step by step (what ring.gif draws)
+            want_steps = simulate_ring(res["padded"], world, key.split("-")[1])
+            for r, (got_r, want_r) in enumerate(zip(res["ring_steps"], want_steps, strict=True)):
+                assert [{**g, "pairs": sorted(g["pairs"])} for g in got_r] == \
+                       [{**w, "pairs": sorted(w["pairs"])} for w in want_r], f"{key} rank {r}"
 
 
 @pytest.mark.parametrize("flags,message", [(["-w", "4", "--lengths", "4"], "each at least 2W = 8"),
@@ -164,3 +200,28 @@ def test_script_bad_flags_exit_2_with_one_line(flags: list[str], message: str) -
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.timeout(120)
+def test_ring_and_ulysses_pictures_draw_the_real_layout(smoke_cache) -> None:
+    """ring.gif draws, per step and rank, the K/V chunks the kernel was handed and the (query, key) chunk pairs it
+    scored, in zigzag chunk units; ulysses.png which rank holds each (head, token) before and after the all-to-all.
+    Both read from the smoke run's JSON and held to a simulation by hand."""
+    from conftest import scripts_dir, smoke_run
+
+    proc = smoke_run(smoke_cache, scripts_dir(6) / "context_parallel.py")
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    res, settings = proc["json"]["results"], proc["json"]["settings"]
+    world = settings["world_size"]
+    padded = next(e["padded_to"] for e in res["equality"] if e["method"] == "ring" and e["layout"] == "zigzag")
+    c = padded // (2 * world)
+    drawn = {(d["step"], d["rank"]): d for d in res["ring_drawn"]}
+    assert len(drawn) == world * world
+    for (i, r), d in drawn.items():
+        want = simulate_ring(padded, world, "zigzag")[r][i]
+        assert d["kv"] == [a // c for a, _ in want["kv"]] == [(r - i) % world, 2 * world - 1 - (r - i) % world]
+        assert sorted(d["pairs"]) == sorted([qr[0] // c, kr[0] // c, m] for qr, kr, m in want["pairs"])
+    heads, tokens = settings["heads"], res["ulysses_layout"]["tokens"]
+    assert res["ulysses_layout"]["before"] == [[t // (tokens // world) for t in range(tokens)] for _ in range(heads)]
+    assert res["ulysses_layout"]["after"] == [[h // (heads // world)] * tokens for h in range(heads)]
+    assert {"ring.gif", "ring_strip.png", "ulysses.png"} <= {p.name for p in Path(proc["plot_dir"]).iterdir()}

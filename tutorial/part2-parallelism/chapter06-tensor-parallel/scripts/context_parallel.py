@@ -13,13 +13,18 @@ What it shows
        each measurement) minus the memory in use just before.
     5. torch's own context_parallel (torch.distributed.tensor.experimental) as a second oracle, where it runs:
        on CPU it raises for its missing CPU attention kernel, and the script says so.
+    Pictures drawn from the real runs: ring.gif (+ ring_strip.png), the K/V chunk each rank's ring kernel was
+    handed at each step of the zigzag run of 1., and the (query chunk, key chunk) pairs it scored, recorded as the
+    kernel was called; ulysses.png, which (head, token) cells each rank holds before and after Ulysses' first
+    all-to-all, read back from a tensor whose entries are their own (head, token) numbers.
 
 How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 4
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py
 
 Prints the equality table, the bytes table, the work per rank and the memory-vs-length table; draws
-.cache/figures/context_parallel/memory.png and balance.png. Runtime on 2 cores: about 30 s; --smoke about 3 s.
+.cache/figures/context_parallel/memory.png, balance.png, ring.gif, ring_strip.png and ulysses.png.
+Runtime on 2 cores: about 30 s; --smoke about 3 s.
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
@@ -33,6 +38,7 @@ Try next
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import re
@@ -92,6 +98,26 @@ def gather(t: torch.Tensor, world: int, layout: str) -> torch.Tensor:
     return cp.unshard(parts, layout)
 
 
+@contextlib.contextmanager
+def trace_ring_steps():
+    """Record every K/V block the ring kernel is handed on this rank, in the order it is called: the query chunks
+    it holds, the K/V chunks it was given, and the (query chunk, key chunk, masked) pairs it scores (the others lie
+    wholly above the causal diagonal and are skipped)."""
+    calls, real = [], cp.block_attention
+
+    def traced(q, k, v, q_chunks, k_chunks, *rest, **kw):
+        calls.append({"q": [list(c) for c in q_chunks], "kv": [list(c) for c in k_chunks],
+                      "pairs": [[list(qc), list(kc), masked] for _, qc, _, kc, masked in cp._chunk_pairs(q_chunks,
+                                                                                                         k_chunks)]})
+        return real(q, k, v, q_chunks, k_chunks, *rest, **kw)
+
+    cp.block_attention = traced  # RingAttention.forward looks block_attention up in its module at each call
+    try:
+        yield calls
+    finally:
+        cp.block_attention = real
+
+
 def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict:
     """One method on this rank's shard, gathered and compared with SDPA on the whole sequence (float64)."""
     world, group, s = ctx.world_size, dist.group.WORLD, args.seq
@@ -101,8 +127,9 @@ def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict
     padded = cp.padded_length(s, world, layout)
     pad = (0, 0, 0, padded - s)  # zeros at the end of the sequence dim: causal masking hides them
     local = [cp.shard(F.pad(t, pad), world, ctx.rank, layout).to(ctx.device).requires_grad_(True) for t in (q, k, v)]
-    with cp.comm_log() as log:
+    with cp.comm_log() as log, trace_ring_steps() as steps:
         out = attend(method, layout, *local, group, args.q_tile)
+        steps = list(steps)  # the forward's blocks only
         out.backward(cp.shard(F.pad(dout, pad), world, ctx.rank, layout).to(ctx.device))
     got = [gather(t.detach(), world, layout)[..., :s, :].cpu() for t in (out, *(x.grad for x in local))]
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -115,7 +142,10 @@ def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict
     sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
     formula = cp.comm_bytes(method, padded, world, args.heads, args.head_dim, dtype_bytes=8)
     report.expect_equal(f"{method} ({layout}) bytes sent vs formula", sent, formula)
-    return {"method": method, "layout": layout, "padded_to": padded, **{f"err_{k}": v for k, v in errs.items()},
+    every = [None] * world
+    dist.all_gather_object(every, steps)  # every rank's blocks, step by step
+    return {"ring_steps": every, "method": method, "layout": layout,
+            "padded_to": padded, **{f"err_{k}": v for k, v in errs.items()},
             "sent_fwd_B": sent["forward"], "sent_bwd_B": sent["backward"], "formula_fwd_B": formula["forward"],
             "formula_bwd_B": formula["backward"]}
 
@@ -218,6 +248,104 @@ def torch_oracle(ctx: RankContext, args: Settings) -> dict:
     return {"ran": True, "max_abs_diff": diff, "status": f"ran, max |ours - torch| = {diff:.1e}"}
 
 
+def ulysses_layout(ctx: RankContext, args: Settings) -> dict:
+    """Which (head, token) cells each rank holds before and after Ulysses' tokens -> heads all-to-all, read from
+    the real seq_to_heads on a tensor whose entry at (head h, token s) is the number h * S + s."""
+    world, s = ctx.world_size, 2 * ctx.world_size  # two tokens per rank: small enough to read every cell
+    full = (torch.arange(args.heads)[:, None] * s + torch.arange(s)[None, :]).double().view(1, args.heads, s, 1)
+    before = cp.shard(full, world, ctx.rank, "contiguous")  # (1, H, S/W, 1): all heads, this rank's tokens
+    after = cp.seq_to_heads(before.to(ctx.device), dist.group.WORLD, "forward").cpu()  # (1, H/W, S, 1)
+    cells = {k: [divmod(int(n), s) for n in t.flatten().tolist()] for k, t in (("before", before), ("after", after))}
+    every = [None] * world
+    dist.all_gather_object(every, cells)
+    owner = {k: [[-1] * s for _ in range(args.heads)] for k in ("before", "after")}
+    for rank, held in enumerate(every):
+        for k, pairs in held.items():
+            for h, t in pairs:
+                owner[k][h][t] = rank
+    return {"heads": args.heads, "tokens": s, **owner}
+
+
+def draw_ring(args: Settings, steps: list[list[dict]], seq: int) -> list[dict]:
+    """One frame per ring step: left, the ranks on a circle with the K/V chunks each holds (and sends on);
+    right, the causal grid of (query chunk, key chunk) pairs, those scored at this step in the colour of the rank
+    that scored them, earlier steps faded. Returns what it drew: (step, rank, K/V chunks held, pairs scored)."""
+    import math
+
+    plt = plot.pyplot()
+    from matplotlib.patches import Circle, FancyArrowPatch, Polygon, Rectangle
+
+    world, n_steps = len(steps), len(steps[0])
+    c = seq // (2 * world)  # one grid cell = one zigzag chunk
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = [{"step": i, "rank": r, "kv": [a // c for a, _ in steps[r][i]["kv"]],
+              "pairs": [[qc[0] // c, kc[0] // c, masked] for qc, kc, masked in steps[r][i]["pairs"]]}
+             for i in range(n_steps) for r in range(world)]
+    fig, (ax, grid) = plt.subplots(1, 2, figsize=(9, 4.3), gridspec_kw={"width_ratios": [1.1, 1]})
+    at = [(math.sin(2 * math.pi * r / world), math.cos(2 * math.pi * r / world)) for r in range(world)]
+
+    def frame(i: int) -> None:
+        ax.clear()
+        grid.clear()
+        now = [d for d in drawn if d["step"] == i]
+        for d in now:
+            r = d["rank"]
+            x, y = at[r]
+            ax.add_patch(Circle((x, y), 0.42, fc=colors[r % len(colors)], alpha=0.35, ec="black"))
+            mine = [a // c for a, _ in steps[r][i]["q"]]
+            ax.text(x, y, f"rank {r}\nQ chunks {mine}\nholds K/V {d['kv']}", ha="center", va="center", fontsize=9)
+            if i < n_steps - 1:  # the block moves on to the next rank while this one is scored
+                nx, ny = at[(r + 1) % world]
+                ax.add_patch(FancyArrowPatch((x * 0.72 + nx * 0.28, y * 0.72 + ny * 0.28),
+                                             (x * 0.28 + nx * 0.72, y * 0.28 + ny * 0.72),
+                                             connectionstyle="arc3,rad=-0.25", arrowstyle="-|>",
+                                             mutation_scale=14, color="#444444"))
+        ax.set(xlim=(-1.55, 1.55), ylim=(-1.55, 1.55), aspect="equal",
+               title=f"step {i + 1} of {n_steps}: " + ("score, and pass K/V on" if i < n_steps - 1 else "last block"))
+        ax.axis("off")
+        for d in drawn:
+            if d["step"] > i:
+                continue
+            for qi, ki, masked in d["pairs"]:
+                col, alpha = colors[d["rank"] % len(colors)], (0.9 if d["step"] == i else 0.25)
+                cell = (Polygon([(ki, qi), (ki, qi + 1), (ki + 1, qi + 1)], closed=True) if masked
+                        else Rectangle((ki, qi), 1, 1))  # diagonal chunks: only keys at or before the query
+                cell.set(fc=col, alpha=alpha, ec="black", lw=0.5)
+                grid.add_patch(cell)
+        n = 2 * world
+        grid.set(xlim=(0, n), ylim=(n, 0), aspect="equal", xticks=[k + 0.5 for k in range(n)],
+                 yticks=[k + 0.5 for k in range(n)], xticklabels=range(n), yticklabels=range(n),
+                 xlabel="key chunk", ylabel="query chunk", title="pairs scored so far (causal)")
+        if i == 0:
+            fig.tight_layout()  # once: clearing the axes keeps their positions
+
+    plot.animate(fig, frame, n_steps, args, "ring", fps=0.7, strip_columns=2)
+    return drawn
+
+
+def draw_ulysses(args: Settings, layout: dict) -> str:
+    plt = plot.pyplot()
+    from matplotlib.colors import ListedColormap
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    world = max(max(row) for row in layout["before"]) + 1
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    cmap = ListedColormap(colors[:world])
+    titles = ("before: every head, this rank's tokens", "after all-to-all: this rank's heads, every token")
+    for ax, key, title in zip(axes, ("before", "after"), titles):
+        ax.imshow(layout[key], cmap=cmap, vmin=-0.5, vmax=world - 0.5, aspect="auto")
+        for h, row in enumerate(layout[key]):
+            for t, r in enumerate(row):
+                ax.text(t, h, f"r{r}", ha="center", va="center", fontsize=9, color="white")
+        ax.grid(False)
+        ax.set(title=title, xlabel="token", ylabel="head", xticks=range(layout["tokens"]),
+               yticks=range(layout["heads"]))
+    fig.suptitle(f"Ulysses on {world} ranks: which rank holds each (head, token) of q (k and v move the same way)",
+                 fontsize=10)
+    fig.tight_layout()
+    return str(plot.save(fig, args, "ulysses"))
+
+
 def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -233,7 +361,7 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     ax.set_xticks(tokens, [str(t) for t in tokens])
     ax.xaxis.set_minor_locator(plt.NullLocator())  # log axes add minor labels that collide with ours
     ax.legend(fontsize=8)
-    plot.save(fig, args, "memory")
+    print(f"figure: {plot.save(fig, args, 'memory')}")
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     width = 0.4
     for i, layout in enumerate(("contiguous", "zigzag")):
@@ -242,16 +370,18 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
            title=f"causal work per rank, {cp.padded_length(args.seq, world)} tokens")
     ax.set_xticks(range(world))
     ax.legend()
-    plot.save(fig, args, "balance")
+    print(f"figure: {plot.save(fig, args, 'balance')}")
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
     world = ctx.world_size
     alone = dist.new_group([0])  # every rank must take part in creating it; only rank 0 uses it
     eq = [equality(ctx, args, m, layout) for m, layout in methods(args, world)]
+    ring_steps = {e["layout"]: e.pop("ring_steps") for e in eq if e["method"] == "ring"}  # for the picture
     work = {layout: work_per_rank(ctx, args, layout) for layout in ("contiguous", "zigzag")}
     mem = memory_vs_length(ctx, args, alone) if ctx.device.type == "cuda" or cp_memory_available() else []
     oracle = torch_oracle(ctx, args)
+    uly = ulysses_layout(ctx, args) if args.heads % world == 0 else None
     ctx.print(f"{world} ranks, H={args.heads} heads of D={args.head_dim}; causal attention over one sequence")
     if args.heads % world:
         ctx.print(f"Ulysses skipped: it gives each rank H/W heads, and W={world} does not divide H={args.heads}")
@@ -259,8 +389,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(report.table(eq, floatfmt=".1e"))
     block = layer_comm_volume(1, cp.padded_length(args.seq, world), args.heads * args.head_dim, world,
                               sequence_parallel=True, dtype_bytes=8)
-    ctx.print(f"   (for scale: one TP+SP block of chapter 6 at t={world} sends {int(block['forward_sent_per_rank'])} B "
-              "forward per rank)")
+    tokens = cp.padded_length(args.seq, world)
+    ctx.print(f"   (for scale: one TP+SP block of chapter 6 at t={world}, on THIS shape (1 x {tokens} tokens x "
+              f"{args.heads * args.head_dim} features, float64), sends {int(block['forward_sent_per_rank']):,} B "
+              "forward per rank; sequence_parallel.py's table uses another shape)")
     work_rows = [{"rank": r, "contiguous": work["contiguous"][r], "zigzag": work["zigzag"][r]} for r in range(world)]
     ctx.print("3. causal work per rank (query-key pairs scored, counted in the kernel; equal to causal_work):")
     ctx.print(report.table(work_rows))
@@ -276,7 +408,15 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"5. torch context_parallel: {oracle['status']}")
     if ctx.rank == 0 and mem:
         draw(args, mem, work, world)
-    return {"equality": eq, "work": work, "work_imbalance_contiguous": share, "memory": mem, "torch_oracle": oracle,
+    ring_drawn = None
+    if ctx.rank == 0:
+        padded = next(e["padded_to"] for e in eq if e["method"] == "ring" and e["layout"] == "zigzag")
+        ring_drawn = draw_ring(args, ring_steps["zigzag"], padded)
+        ctx.print(f"figure: {plot.figure_dir(args) / 'ring.gif'} (and ring_strip.png)")
+        if uly:
+            ctx.print(f"figure: {draw_ulysses(args, uly)}")
+    return {"ring_drawn": ring_drawn, "ulysses_layout": uly,
+            "equality": eq, "work": work, "work_imbalance_contiguous": share, "memory": mem, "torch_oracle": oracle,
             "sp_block_forward_sent_B": int(block["forward_sent_per_rank"]), "ulysses": args.heads % world == 0}
 
 

@@ -9,6 +9,9 @@ What it shows
        dense block, TP and TP+SP, against the formula of mlsys.tensor_parallel.block_activation_bytes;
     3. the collectives of one block under SP against layer_comm_volume: the forward pass sends exactly as many
        bytes per rank as TP's two all-reduces.
+    Figures block_tp.png and block_sp.png (largest t): one block walked in the order it ran, from hooks on its four
+    linear layers and the collectives comm_log recorded inside each, forward and backward, with the real shapes
+    of the tensors between them: where f and g sit (TP), where the all-gathers and reduce-scatters sit (TP+SP).
 
 How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/sequence_parallel.py -w 4 --tp-sizes 1 2 4
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
 from mlsys.tensor_parallel import (
@@ -50,7 +53,7 @@ from mlsys.tensor_parallel import (
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks; every tensor-parallel size must divide it. Under torchrun it is taken from WORLD_SIZE."""
     tp_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -117,6 +120,121 @@ def block_memory(model: GPT, group, x: torch.Tensor, t: int) -> dict:
 # --8<-- [end:measure]
 
 
+# ----------------------------------------------------------------------------------------------- the block, drawn
+LINEARS = (("attn.c_attn", "column"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
+BETWEEN = ("LayerNorm 1", "attention\n(this rank's heads)", "+ residual\nLayerNorm 2", "GELU\n(this rank's units)",
+           "+ residual")  # what runs before, between and after the four linear layers
+
+
+def walk_block(dense_block, group, x: torch.Tensor, t: int, sequence_parallel: bool) -> dict:
+    """Run one sharded block forward and backward with hooks on its four linear layers; return, in the order they
+    ran, each layer's input and output shape and the collectives comm_log recorded inside it in each direction."""
+    block = TPBlock(dense_block, group, sequence_parallel=sequence_parallel)
+    x_in = x.chunk(t, dim=1)[dist.get_rank(group)] if sequence_parallel else x  # (B, T/t, C) or (B, T, C)
+    x_in = x_in.clone().requires_grad_(True)
+    layers, handles = {}, []
+    with comm_log() as log:
+        def ops(start: int) -> list[str]:
+            return [e.op for e in log[start:] if e.tag == "activation"]
+
+        for name, kind in LINEARS:
+            rec = layers[name] = {"name": name, "kind": kind,  # out features: this rank's and the dense layer's
+                                  "features": [block.get_submodule(name).weight.shape[0],
+                                               dense_block.get_submodule(name).weight.shape[0]]}
+            mod = block.get_submodule(name)
+            handles += [
+                mod.register_forward_pre_hook(lambda m, a, rec=rec: rec.update(fwd_start=len(log))),
+                mod.register_forward_hook(lambda m, a, y, rec=rec: rec.update(
+                    input=list(a[0].shape), output=list(y.shape), forward=ops(rec["fwd_start"]))),
+                mod.register_full_backward_pre_hook(lambda m, g, rec=rec: rec.update(bwd_start=len(log))),
+                mod.register_full_backward_hook(lambda m, gi, go, rec=rec: rec.update(backward=ops(rec["bwd_start"]))),
+            ]
+        y = block(x_in)
+        y.square().mean().backward()
+    for handle in handles:
+        handle.remove()
+    return {"input": list(x_in.shape), "output": list(y.shape),
+            "linears": [{k: v for k, v in layers[name].items() if not k.endswith("_start")} for name, _ in LINEARS]}
+
+
+def block_sequence(walk: dict) -> list[dict]:
+    """The walk as the picture's left-to-right sequence: regions (what runs, on which shape) and the collective
+    boundaries at the input of each column layer and the output of each row layer."""
+    seq, linears = [], walk["linears"]
+    # the tensor each region works on: the block's input, then each linear layer's output; `split` says whether
+    # its last dim is a slice of the dense layer's features (local out < dense out)
+    shapes = [(walk["input"], None)] + [(lin["output"], lin["features"]) for lin in linears]
+    for i, lin in enumerate(linears):
+        shape, feats = shapes[i]
+        seq.append({"type": "region", "label": BETWEEN[i], "shape": shape, "features": feats})
+        comm = {"type": "comm", "at": lin["name"], "forward": lin["forward"], "backward": lin["backward"]}
+        layer = {"type": "layer", "label": f"{lin['name']}\n({lin['kind']})", "shape": lin["output"],
+                 "features": lin["features"]}
+        seq += [comm, layer] if lin["kind"] == "column" else [layer, comm]
+    seq.append({"type": "region", "label": BETWEEN[-1], "shape": walk["output"], "features": None})
+    return seq
+
+
+def _symbol(item: dict, b: int, s: int, h: int) -> str:
+    """A real shape written against (B, T, C): (2, 8, 64) with T = 32 -> (B, T/4, C); a slice of a dense layer's
+    3C output features over 4 ranks -> 3C/4."""
+    shape, feats = item["shape"], item["features"]
+    tokens = "T" if shape[1] == s else f"T/{s // shape[1]}"
+    if feats and feats[0] < feats[1]:  # this rank's slice of the dense layer's output features
+        width = f"{feats[1] // h}C/{feats[1] // feats[0]}".replace("1C/", "C/")
+    else:
+        width = "C" if shape[2] == h else str(shape[2])
+    return f"({'B' if shape[0] == b else shape[0]}, {tokens}, {width})"
+
+
+def _comm_label(comm: dict) -> tuple[str, str]:
+    fwd, bwd = comm["forward"], comm["backward"]
+    name = {(): "f", ("all_reduce",): "g", ("all_gather",): "AG", ("reduce_scatter",): "RS"}.get(tuple(fwd), "")
+    text = (f"fwd: {' + '.join(fwd) if fwd else 'identity'}\nbwd: {' + '.join(bwd) if bwd else 'identity'}")
+    return name, text.replace("_", "-")
+
+
+def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool) -> str:
+    """Draw the sequence left to right: grey = the full (B, T, C) on every rank, blue = a sequence shard,
+    orange = split over features (heads, hidden units) but the whole sequence; diamonds = collectives."""
+    plt = plot.pyplot()
+    from matplotlib.patches import FancyBboxPatch, Polygon
+
+    b, s, h = args.batch, args.seq, args.n_embd
+    fig, ax = plt.subplots(figsize=(15, 3))
+    colour = {"full": "#cccccc", "seq": "#8fb8de", "feat": "#f2b880"}
+    x = 0.0
+    for item in seq:
+        if item["type"] == "comm":
+            name, text = _comm_label(item)
+            ax.add_patch(Polygon([(x + 0.45, 1.6), (x + 0.9, 1.0), (x + 0.45, 0.4), (x, 1.0)], closed=True,
+                                 color="#c0392b" if (item["forward"] or item["backward"]) else "white", ec="black"))
+            ax.text(x + 0.45, 1.0, name, ha="center", va="center", fontsize=11, color="white", weight="bold")
+            ax.text(x + 0.45, 0.3, text, ha="center", va="top", fontsize=7.5)
+            x += 1.1
+            continue
+        shape = item["shape"]
+        split = item["features"] and item["features"][0] < item["features"][1]
+        kind = "feat" if split else ("seq" if shape[1] != s else "full")
+        width = 1.75
+        ax.add_patch(FancyBboxPatch((x, 0.55), width, 0.9, boxstyle="round,pad=0.02", fc=colour[kind], ec="black",
+                                    lw=1.5 if item["type"] == "layer" else 0.8))
+        ax.text(x + width / 2, 1.12, item["label"], ha="center", va="center", fontsize=7.5)
+        ax.text(x + width / 2, 0.72, _symbol(item, b, s, h), ha="center", va="center", fontsize=8, family="monospace")
+        ax.text(x + width / 2, 1.55, str(tuple(shape)), ha="center", va="bottom", fontsize=7, color="#555555")
+        x += width + 0.2
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=colour[k], ec="black") for k in ("full", "seq", "feat")]
+    ax.legend(handles, ["(B, T, C): whole, on every rank", f"(B, T/{t}, C): this rank's tokens",
+                        "whole sequence, this rank's features"], loc="upper center", ncol=3, fontsize=8,
+              bbox_to_anchor=(0.5, 0.0), frameon=False)
+    ax.set(xlim=(-0.1, x), ylim=(-0.2, 1.85),
+           title=(f"one block under TP+SP, t={t}: all-gather before each column layer, reduce-scatter after each "
+                  "row layer" if sequence_parallel else
+                  f"one block under TP, t={t}: f before each column layer, g after each row layer"))
+    ax.axis("off")
+    return str(plot.save(fig, args, "block_sp" if sequence_parallel else "block_tp"))
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
     cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=256)
     b, s, h, a = args.batch, args.seq, args.n_embd, args.n_head
@@ -153,7 +271,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                           "SP_fwd_sent_B": int(vol_sp["forward_sent_per_rank"]),
                           "TP_bwd_sent_B": int(vol_tp["backward_sent_per_rank"]),
                           "SP_bwd_sent_B": int(vol_sp["backward_sent_per_rank"])})
-        results[str(t)] = {**eq, "saved_bytes_dense": mem["dense"], "saved_bytes_tp": mem["tp"],
+        walks = {label: walk_block(model.h[0], group, x, t, sp) for label, sp in (("TP", False), ("TP+SP", True))}
+        results[str(t)] = {**eq, "drawn": {label: block_sequence(w) for label, w in walks.items()},
+                           "saved_bytes_dense": mem["dense"], "saved_bytes_tp": mem["tp"],
                            "saved_bytes_tp_sp": mem["tp_sp"], "formula_tp": f_tp, "formula_tp_sp": f_sp,
                            "formula_dense": f_dense, "saving_tp_over_sp": saving, **comm_rows[-1],
                            "counted": {label: {phase: [[op, n] for p, op, n in evs if p == phase]
@@ -167,6 +287,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(report.table(mem_rows))
     ctx.print("3. ring bytes one rank sends per block (layer_comm_volume; counted collectives matched it):")
     ctx.print(report.table(comm_rows))
+    drawn_t = max(args.tp_sizes)
+    if ctx.rank == 0 and drawn_t > 1:
+        for label, sp in (("TP", False), ("TP+SP", True)):
+            ctx.print(f"figure: {draw_block(args, results[str(drawn_t)]['drawn'][label], drawn_t, sp)}")
     return {"tp": results, "exact_memory_check": ctx.backend == "gloo"}
 
 

@@ -8,7 +8,8 @@ What it shows
     3. The Megatron MLP (column, GELU, row) against mlsys.model.MLP: output, input gradient and every weight
        gradient equal, with exactly ONE all-reduce forward and ONE backward, each of batch*seq*hidden*4 bytes.
     Every rank rebuilds the dense layers from the seed and compares; t = world size (any divisor of the sizes).
-    Figure tp_split.png: Y = XA (A = W transposed, shape (in, out)) split both ways, drawn from the shards the ranks
+    Figure tp_split.png: Y = XA (A = W transposed, shape (in, out); X and Y with their real (B, T, features)
+    shapes, the B sequences stacked) split both ways, drawn from the shards the ranks
     really held: each rank's block of A is located in the dense A (and checked to be that slice) before drawing.
 
 How to run
@@ -111,8 +112,11 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
             "row": locate(row.weight.detach().T, ref.weight.detach().T, 0)}
     every = [None] * t
     dist.all_gather_object(every, mine)
-    return {"column": {"A": [args.hidden, 2 * args.hidden], "blocks": [e["column"] for e in every]},
-            "row": {"A": [2 * args.hidden, args.hidden], "blocks": [e["row"] for e in every]}}
+    # the shapes drawn are those of the real tensors: X and Y keep their (B, T, features) shape
+    return {"column": {"X": list(x.shape), "A": list(dense.weight.T.shape), "Y": list(y_ref.shape),
+                       "blocks": [e["column"] for e in every]},
+            "row": {"X": list(h.shape), "A": list(ref.weight.T.shape), "Y": list(out_ref.shape),
+                    "blocks": [e["row"] for e in every]}}
 
 
 # ----------------------------------------------------------------------------------------------- the MLP
@@ -169,48 +173,63 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
 
 def draw(args: Settings, split: dict, t: int) -> None:
-    """Y = X A both ways: X (BT, in), A (in, out), Y (BT, out) as boxes, each rank's part in its own colour."""
+    """Y = X A both ways, from the real shapes: X (B, T, in) drawn as B stacked sequences of T token rows,
+    A (in, out), Y (B, T, out); each rank's part in its own colour, its slice of A written beside the box."""
     plt = plot.pyplot()
     from matplotlib.patches import Rectangle
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5))
-    bt = args.batch * args.seq
+    tops = [max(split[k]["X"][0] * split[k]["X"][1], split[k]["A"][0]) for k in ("column", "row")]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), gridspec_kw={"height_ratios": tops})
     for ax, kind in zip(axes, ("column", "row")):
-        (n_in, n_out), blocks = split[kind]["A"], split[kind]["blocks"]
-        h = max(n_in, n_out) * 0.6  # X and Y drawn with one fixed height for their BT rows
-        gap = 0.6 * max(n_in, n_out)
-        boxes = {"X": (0, n_in), "A": (n_in + gap, n_out), "Y": (n_in + n_out + 2 * gap, n_out)}
-        for name, (x0, width) in boxes.items():
-            height = n_in if name == "A" else h
-            ax.add_patch(Rectangle((x0, 0), width, height, fill=False, lw=1.5, edgecolor="black", zorder=3))
+        (b, s, n_in), (_, n_out), blocks = split[kind]["X"], split[kind]["A"], split[kind]["blocks"]
+        h = b * s  # X and Y: one row per token, sequences stacked
+        gap = (0.9 if kind == "column" else 1.5) * max(n_in, n_out)  # room for the row blocks' labels
+        boxes = {"X": (0, n_in, h), "A": (n_in + gap, n_out, n_in), "Y": (n_in + n_out + 2 * gap, n_out, h)}
+        top = max(h, n_in)
+        for x0, width, height in boxes.values():
+            ax.add_patch(Rectangle((x0, top - height), width, height, fill=False, lw=1.5, edgecolor="black",
+                                   zorder=3))
+        for name in ("X", "Y"):  # thin lines between the B sequences
+            x0, width, height = boxes[name]
+            for i in range(1, b):
+                ax.plot([x0, x0 + width], [top - i * s] * 2, color="black", lw=0.5, zorder=3)
         whole = "X" if kind == "column" else "Y"  # the operand every rank holds in full
-        ax.add_patch(Rectangle((boxes[whole][0], 0), boxes[whole][1], h, color="gray", alpha=0.3))
-        ax.text(n_in + gap / 2, h / 2, "x", ha="center", va="center", fontsize=14)
-        ax.text(n_in + n_out + 1.5 * gap, h / 2, "=", ha="center", va="center", fontsize=14)
+        x0, width, height = boxes[whole]
+        ax.add_patch(Rectangle((x0, top - height), width, height, color="gray", alpha=0.3))
+        ax.text(n_in + gap / 2, top / 2, "x", ha="center", va="center", fontsize=16)
+        eq_x = n_in + n_out + (1.5 if kind == "column" else 1.8) * gap  # right of the row blocks' labels
+        ax.text(eq_x, top / 2, "=", ha="center", va="center", fontsize=16)
+        ax_a = boxes["A"][0]
         for r, (lo, hi) in enumerate(blocks):
             c = colors[r % len(colors)]
             if kind == "column":  # A's columns [lo, hi) -> Y's columns [lo, hi); X is whole on every rank
-                ax.add_patch(Rectangle((boxes["A"][0] + lo, 0), hi - lo, n_in, color=c, alpha=0.6))
-                ax.add_patch(Rectangle((boxes["Y"][0] + lo, 0), hi - lo, h, color=c, alpha=0.6))
-                ax.text(boxes["A"][0] + (lo + hi) / 2, n_in / 2, f"rank {r}\nA[:, {lo}:{hi}]\n({n_in}, {hi - lo})",
-                        ha="center", va="center", fontsize=7 if len(blocks) > 2 else 8)
+                ax.add_patch(Rectangle((ax_a + lo, top - n_in), hi - lo, n_in, color=c, alpha=0.6))
+                ax.add_patch(Rectangle((boxes["Y"][0] + lo, top - h), hi - lo, h, color=c, alpha=0.6))
+                ax.text(ax_a + (lo + hi) / 2, top - n_in / 2, f"rank {r}\n{lo}:{hi}", ha="center",
+                        va="center", fontsize=8)
             else:  # A's rows [lo, hi) pair with X's columns [lo, hi); each rank makes a full-size partial Y
-                ax.add_patch(Rectangle((boxes["X"][0] + lo, 0), hi - lo, h, color=c, alpha=0.6))
-                ax.add_patch(Rectangle((boxes["A"][0], n_in - hi), n_out, hi - lo, color=c, alpha=0.6))
-                ax.text(boxes["A"][0] + n_out / 2, n_in - (lo + hi) / 2, f"rank {r}\nA[{lo}:{hi}, :]\n"
-                        f"({hi - lo}, {n_out})", ha="center", va="center", fontsize=8)
-        x_note = f"X ({bt}, {n_in})\nwhole on every rank" if kind == "column" else f"X ({bt}, {n_in})\nsplit by columns"
-        y_note = (f"Y ({bt}, {n_out})\nsplit by columns: Y_r = X A_r" if kind == "column"
-                  else f"Y ({bt}, {n_out}) = sum over r of X_r A_r\n(all-reduce, g)")
-        for name, note in (("X", x_note), ("A", f"A = W^T ({n_in}, {n_out})"), ("Y", y_note)):
-            x0, width = boxes[name]
-            ax.text(x0 + width / 2, -0.06 * n_in, note, ha="center", va="top", fontsize=9)
-        ax.set(xlim=(-5, boxes["Y"][0] + n_out + 5), ylim=(-0.4 * max(n_in, n_out), max(n_in, h) + 5), aspect="equal",
+                ax.add_patch(Rectangle((boxes["X"][0] + lo, top - h), hi - lo, h, color=c, alpha=0.6))
+                ax.add_patch(Rectangle((ax_a, top - hi), n_out, hi - lo, color=c, alpha=0.6))
+                ax.text(ax_a + n_out + 2, top - (lo + hi) / 2, f"rank {r}: A[{lo}:{hi}, :]", ha="left",
+                        va="center", fontsize=8)
+        x_note = "whole on every rank" if kind == "column" else "split by its last dim"
+        y_note = "split by its last dim:\nY_r = X A_r" if kind == "column" else "sum over r of X_r A_r\n(all-reduce, g)"
+        notes = {"X": (f"X {tuple(split[kind]['X'])}", x_note),
+                 "A": (f"A = W^T {tuple(split[kind]['A'])}", f"{len(blocks)} blocks of {blocks[0][1] - blocks[0][0]} "
+                       + ("columns (A[:, lo:hi])" if kind == "column" else "rows")),
+                 "Y": (f"Y {tuple(split[kind]['Y'])}", y_note)}
+        for name, (title, note) in notes.items():
+            x0, width, height = boxes[name]
+            ax.text(x0 + width / 2, top + 3, title, ha="center", va="bottom", fontsize=10, weight="bold")
+            ax.text(x0 + width / 2, top - height - 3, note, ha="center", va="top", fontsize=9)
+        ax.text(-3, top - s / 2, f"{s} tokens\n(sequence 0)", ha="right", va="center", fontsize=8)
+        right = boxes["Y"][0] + n_out
+        ax.set(xlim=(-0.35 * max(n_in, n_out), right + 5), ylim=(-0.3 * top, top + 0.2 * top), aspect="equal",
                title=f"{kind}-parallel, t={t}: " + ("A split by columns (output features)" if kind == "column"
                                                     else "A split by rows (input features)"))
         ax.axis("off")
-    plot.save(fig, args, "tp_split")
+    print(f"figure: {plot.save(fig, args, 'tp_split')}")
 
 
 def main() -> int:

@@ -15,7 +15,8 @@ How to run
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_transformer.py
 
 Prints, per t, the worst error of each check, the collectives of one block and of the whole GPT step, and the
-ring bytes one rank sends per block. Runtime on 2 cores: about 5 s with 4 ranks; --smoke (2 ranks) about 3 s.
+ring bytes one rank sends per block, forward and backward together. Runtime on 2 cores: about 5 s with 4 ranks;
+--smoke (2 ranks) about 3 s.
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_transformer.py -w 4 --tp-sizes 2
@@ -150,7 +151,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                       "logits": res["logits"], "loss": res["loss"], "param_grads": res["param_grads"],
                       "block_fwd": f"{len(measured['forward'])} all-reduce",
                       "block_bwd": f"{len(measured['backward'])} all-reduce",
-                      "ring_bytes_sent/rank/block": int(res["forward_sent_per_rank"]
+                      "ring_B_sent/rank/block (fwd+bwd)": int(res["forward_sent_per_rank"]
                                                         + res["backward_sent_per_rank"])})
     ctx.print(f"tiny GPT: {cfg.n_layer} layers, {cfg.n_head} heads, C={cfg.n_embd}, V={cfg.vocab_size}; "
               f"batch {args.batch} x {args.seq} tokens per group; max abs error against the dense model:")
