@@ -107,6 +107,33 @@ def test_python_op_count_against_torch_function_mode(tiny: GPT, batch_size: int)
         assert 0 < d["overhead_share"] <= 1 and (d["kernels"] is None) == (not torch.cuda.is_available())
 
 
+def test_launch_picture_counts_equal_torch_function_mode(tiny: GPT, tmp_path) -> None:
+    """cuda_graphs.py's launches picture, read back from the trace file it writes: the ops drawn on the CPU lane
+    of each step are as many as the torch calls a TorchFunctionMode sees the same step make from Python."""
+    mod = load_script(CH10 / "cuda_graphs.py")
+    args = mod.Settings(sizes=[1, 2, 4], plot_dir=str(tmp_path))
+    lanes = mod.launch_lanes(mod.trace_launches(tiny, args, "cpu", tries=1))
+    engine = mod.graph_engine(tiny, 4, args, "cpu")
+    g, inputs = engine.runner, decode_step_inputs(engine)
+    batch, gbatch = g.runner.prepare(*inputs), g.prepare(*inputs)
+    for step, fn in (("eager step", lambda: g.runner.execute(batch)), ("graph step", lambda: g.replay(gbatch.buffers))):
+        with CountTorchCalls() as mode:
+            fn()
+        drawn = [s for s in lanes[step] if s.lane == "CPU: ops called from Python"]
+        kinds, calls = Counter(s.kind for s in drawn), mode.calls
+        # one drawn op per torch call, under its own name (attribute reads and .size() dispatch nothing) ...
+        named = {("bitwise_not" if c == "__invert__" else c): n for c, n in calls.items()
+                 if c not in ("__get__", "size", "__getitem__")}
+        assert {k: kinds[k] for k in named} == named, step
+        # ... and indexing, which dispatches one op or more per `x[...]` (select, slice, unsqueeze, copy_)
+        rest = kinds - Counter(named)
+        assert set(rest) <= {"select", "slice", "unsqueeze", "index", "copy_"}, (step, rest)
+        assert sum(rest.values()) >= calls["__getitem__"], step
+        if step == "eager step":  # the eager forward: exactly one op per call (the script's count, tested above)
+            assert len(drawn) == sum(calls.values()) - calls["__get__"]
+        assert all(a.end <= b.start + 1e-6 for a, b in zip(drawn, drawn[1:])), "drawn ops overlap: nested op kept"
+
+
 # ------------------------------------------------------------------------------------------ overlap
 @pytest.mark.parametrize("case", ["greedy_stops_chunked", "seeded_sampling", "tight_pool_prefix_cache"])
 def test_overlapped_engine_equals_plain(tiny: GPT, case: str) -> None:
@@ -170,6 +197,30 @@ def test_overlap_forward_runs_while_next_step_is_prepared(tiny: GPT) -> None:
     engine.close()
 
 
+def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
+    """overlap_scheduling.py's timeline: each engine's forward boxes are its runner's real calls, one per step;
+    the plain engine prepares step n before n's forward starts, the overlapped one prepares step n+1 after n's
+    forward was launched, and each step's boxes stay inside the step."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    args = mod.Settings(timeline_batch=3, prompt_len=8)
+    tl = mod.record_timeline(tiny, args, "cpu", steps=3)
+    spans = mod.timeline_spans(tl)
+    for name, rows in tl.items():
+        fwd = [s for s in spans if s.lane == f"{name}: forward"]
+        prep = [s for s in spans if s.lane == f"{name}: main thread" and s.kind == "schedule + prepare"]
+        sample = [s for s in spans if s.lane == f"{name}: main thread" and s.kind == "sample + detokenize"]
+        assert [s.label for s in fwd] == ["0", "1", "2"] and len(prep) == len(sample) == 3
+        for row, f, p, smp in zip(rows, fwd, prep, sample):
+            end = row["start"] + row["stages"]["total"] * 1e3
+            assert row["start"] <= f.start <= f.end <= end + 1e-6 and row["start"] <= p.start <= p.end <= end + 1e-6
+            assert f.end <= smp.start + 1e-3  # the tokens are sampled after the forward that made the logits
+            if name == "plain":
+                assert p.label == f.label and p.end <= f.start + 1e-3  # step n prepared, then computed
+            else:  # launched first (submit returns at once), then step n+1 is prepared
+                launch = row["start"] + row["stages"]["launch"] * 1e3
+                assert int(p.label) == int(f.label) + 1 and p.start == pytest.approx(launch)
+
+
 # ------------------------------------------------------------------------------------------ chunked prefill
 def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
     long_prompts = [(LINES[i] + LINES[i + 1])[:110] for i in range(3)] + PROMPTS[:4]
@@ -178,6 +229,61 @@ def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
     chunked = Engine(tiny, config=EngineConfig(max_num_batched_tokens=16, block_size=8))
     assert tokens(chunked, long_prompts, params) == tokens(whole, long_prompts, params)
     assert chunked.counters["num_steps"] > whole.counters["num_steps"]
+
+
+def oracle_flat_batches(short_lens: list[int], long_lens: list[int], short_tokens: int, long_every: int,
+                        budget: int, long_tokens: int = 4) -> list[list[tuple[str, int, str]]]:
+    """The token budget split by hand: each step the running requests (oldest first) take what they still need
+    (one token once decoding), then waiting requests are admitted with what is left. A request samples a token
+    when its chunk reaches its last token; long request i arrives once short-0 has (i + 1) * long_every tokens."""
+    reqs = {f"short-{i}": {"prompt": n, "max": short_tokens} for i, n in enumerate(short_lens)}
+    for r in reqs.values():
+        r.update(done=0, gen=0)
+    waiting, running, steps, arrived = list(reqs), [], [], 0
+    while waiting or running:
+        while arrived < len(long_lens) and reqs["short-0"]["gen"] >= (arrived + 1) * long_every:
+            reqs[f"long-{arrived}"] = {"prompt": long_lens[arrived], "max": long_tokens, "done": 0, "gen": 0}
+            waiting.append(f"long-{arrived}")
+            arrived += 1
+        left, step = budget, []
+        for rid in running:
+            if left == 0:
+                break
+            r = reqs[rid]
+            n = min(r["prompt"] + r["gen"] - r["done"], left)
+            step.append((rid, n, "decode" if r["gen"] and n == 1 else "prefill"))
+            left -= n
+        while waiting and left > 0:
+            rid = waiting.pop(0)
+            running.append(rid)
+            n = min(reqs[rid]["prompt"], left)
+            step.append((rid, n, "prefill"))
+            left -= n
+        for rid, n, _ in step:
+            r = reqs[rid]
+            r["done"] += n
+            r["gen"] += r["done"] == r["prompt"] + r["gen"]  # the chunk reached the last token: sample one
+        running = [rid for rid in running if reqs[rid]["gen"] < reqs[rid]["max"]]
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("budget", [12, 64])
+def test_flat_batch_schedule_equals_budget_split_by_hand(tiny: GPT, budget: int) -> None:
+    """The flat batches chunked_prefill.py draws are the scheduler's own; they equal the budget split by hand."""
+    mod = load_script(CH10 / "chunked_prefill.py")
+    args = mod.Settings(budgets=[budget], num_short=3, short_tokens=12, num_long=2, long_len=40, long_every=4,
+                        repeats=1)
+    short, long = mod.make_workload(args)
+    run = mod.serve_all(tiny, args, "cpu")[budget][0]
+    want = oracle_flat_batches([len(p) for p in short], [len(p) for p in long], 12, 4, budget)
+    assert [[tuple(e) for e in step] for step in run.schedule] == want
+    drawn = mod.batch_window(run, width=6)
+    first = drawn["first_step"]
+    assert drawn["steps"] == [[list(e) for e in step] for step in want[first : first + 6]]
+    assert any(kind == "prefill" and rid.startswith("long") for step in drawn["steps"] for rid, _, kind in step)
+    if budget == 12:  # a long prompt's chunk shares a step with the decodes of others
+        assert any({k for _, _, k in step} == {"decode", "prefill"} for step in drawn["steps"])
 
 
 def test_itl_percentiles() -> None:

@@ -9,6 +9,9 @@ What it shows
     scheduler gives the decodes their token first and the prompt the rest, one chunk per step.
     Printed per budget: ITL (inter-token latency) p50 and p99 of the short requests, TTFT of the long ones,
     steps and throughput; the figure (chunked_prefill/itl.png) shows one short request's gaps over time.
+    FIGURE flat_batch.png: what the scheduler put in each step's flat batch (its own SchedulerOutput, recorded
+    per step) around the first long prompt's arrival, for the largest and the smallest budget: the decodes'
+    one token each and the prompt's chunk, stacked against the budget.
     Time is each engine's own clock: the sum of its step times (Engine.last_step_timing), with the engines
     stepping in turn so that they share the machine's load. The workload runs --repeats times per budget and
     takes the same steps each time, so every step counts with its fastest repeat: on a shared machine one
@@ -114,6 +117,21 @@ class Run:
         self.arrival_step: dict[str, int] = {}  # request id -> the step it arrived before
         self.tokens: dict[str, list[int]] = {}
         self.next_long = 0
+        # per step: what the scheduler put in the flat batch, (request id, tokens, "prefill" or "decode")
+        self.schedule: list[list[tuple[str, int, str]]] = []
+        self._record_schedule()
+
+    def _record_schedule(self) -> None:
+        """Keep a copy of each step's SchedulerOutput (the scheduler itself is unchanged)."""
+        scheduler = self.engine.scheduler
+        schedule = scheduler.schedule
+
+        def recorded():
+            out = schedule()
+            self._last = [(seq.request_id, n, "decode" if seq.output_token_ids and n == 1 else "prefill")
+                          for seq, n in out.scheduled]
+            return out
+        scheduler.schedule = recorded
 
     def add(self, prompt: list[int], max_tokens: int, rid: str) -> None:
         self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=rid)
@@ -125,6 +143,7 @@ class Run:
             self.add(long_prompts[self.next_long], 4, f"long-{self.next_long}")  # arrives now
             self.next_long += 1
         outputs = self.engine.step()
+        self.schedule.append(self._last)
         self.durations.append(self.engine.last_step_timing["total"])
         self.emitted.append([(out.request_id, len(out.new_token_ids)) for out in outputs])
         for out in outputs:
@@ -184,7 +203,44 @@ def draw(rows: list[dict], args: Settings) -> None:
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
            title="inter-token gaps of one short request while long prompts arrive")
     ax.legend()
-    plot.save(fig, args, "itl")
+    print(f"figure: {plot.save(fig, args, 'itl')}")
+
+
+def batch_window(run: Run, width: int) -> dict:
+    """The steps of `run` from the one before the first long prompt arrives, `width` of them: what each step's
+    flat batch held, as the scheduler returned it."""
+    first = max(0, run.arrival_step.get("long-0", 0) - 1)
+    steps = [[list(entry) for entry in step] for step in run.schedule[first : first + width]]
+    return {"budget": run.budget, "first_step": first, "steps": steps}
+
+
+def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[dict]:
+    """One panel per run: a bar per step, stacked from the scheduler's own output (decodes first, then the
+    prompt chunks), against the token budget. Returns what it drew."""
+    plt = plot.pyplot()
+    drawn = [batch_window(run, width) for run in runs]
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5.2 * len(drawn), 3.6), squeeze=False)
+    colour, used = {"decode": "C0", "short prefill": "0.75"}, {}
+    for ax, d in zip(axes[0], drawn):
+        for k, step in enumerate(d["steps"]):
+            x, bottom = d["first_step"] + k, 0
+            for rid, n, kind in step:
+                name = "decode" if kind == "decode" else ("short prefill" if rid.startswith("short") else rid)
+                c = colour.setdefault(name, f"C{len(colour)}")
+                used[name] = c
+                ax.bar(x, n, bottom=bottom, color=c, edgecolor="white", linewidth=0.5 if n >= 0.05 * d["budget"] else 0)
+                if kind == "prefill" and n >= 0.12 * d["budget"]:
+                    ax.text(x, bottom + n / 2, str(n), ha="center", va="center", fontsize=7)
+                bottom += n
+        ax.axhline(d["budget"], color="black", linestyle="--", linewidth=1)
+        ax.set(xlabel="engine step", ylabel="tokens in the step's flat batch",
+               title=f"budget {d['budget']} tokens per step (dashed)")
+    from matplotlib.patches import Patch
+    axes[0][-1].legend(handles=[Patch(color=c, label=f"{n} (prompt chunk)" if n.startswith("long") else n)
+                                for n, c in used.items()], fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'flat_batch')}")
+    return drawn
 
 
 def main() -> int:
@@ -211,11 +267,13 @@ def main() -> int:
           f"(ratio {first['itl_p99_ms'] / last['itl_p99_ms']:.1f}); the long prompts' TTFT goes from "
           f"{first['long_ttft_ms']:.1f} to {last['long_ttft_ms']:.1f} ms.")
     print(f"Every request's tokens are identical under every budget. {bench.load_average()}")
+    drawn = draw_flat_batches([by_budget[args.budgets[0]][0], by_budget[args.budgets[-1]][0]], args)
     draw(rows, args)
     if args.json:
         for r in rows:
             del r["times"]
-        report.write_json(args.json, {"device": device, "runs": rows, "load_average": bench.load_average()}, args)
+        report.write_json(args.json, {"device": device, "runs": rows, "flat_batch": drawn,
+                                      "load_average": bench.load_average()}, args)
     return 0
 
 

@@ -7,6 +7,10 @@ What it shows
     2. Sampling inside a graph: uniform noise is drawn outside the graph into a static buffer (each row from
        its request's own generator) and turned into a sample with the Gumbel-max trick. Checked two ways:
        replay == the same function run eagerly on the same noise, and 20,000 draws match softmax(logits / T).
+    FIGURE launches.png (into --plot-dir), drawn from a torch.profiler trace of one decode step run eagerly and
+       one through the graph path (the trace itself: launches.trace.json): the ops called from Python, one box
+       each, on the CPU lane; on a GPU also the CUDA launch calls and the kernels. On a CPU there is no graph, and
+       the picture shows the static step running op by op just like the eager one.
     3. On a GPU: eager vs graph time of one decode step (host preparation + forward) for each captured
        batch size, and the engine with graphs generating exactly the eager engine's tokens.
        On a CPU there is no graph to capture; the script says so and measures the CPU analogue: the fixed
@@ -31,14 +35,16 @@ Try next
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.cuda_graphs import gumbel_sample, pick_graph_size
 from mlsys.engine.step_profile import count_ops, decode_engine, decode_prompts, decode_step_inputs, time_tiny_op
@@ -46,7 +52,7 @@ from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     """Batch sizes to capture a graph for."""
     prompt_len: int = 32
@@ -188,6 +194,104 @@ def dispatch_overhead(model, args: Settings, device: str) -> dict:
 # --8<-- [end:analogue]
 
 
+# --8<-- [start:trace]
+def trace_launches(model, args: Settings, device: str, tries: int = 3) -> Path:
+    """Profile one decode step of the same batch two ways, eager then the graph path (on a GPU one replay of
+    the captured graph; on a CPU, where nothing can be captured, the same static-buffer step run op by op).
+    Of `tries` profiles it keeps the fastest (a busy machine's interruptions would hide the ops) and writes it
+    as the Chrome trace <plot_dir>/launches.trace.json (open it in ui.perfetto.dev). Returns its path."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # quiet: the profiler logs every start and stop otherwise
+    engine = graph_engine(model, min(8, max(args.sizes)), args, device)
+    g, inputs = engine.runner, decode_step_inputs(engine)
+    batch, gbatch = g.runner.prepare(*inputs), g.prepare(*inputs)
+    g.runner.execute(batch), g.replay(gbatch.buffers)  # warm-up
+    cuda = device == "cuda"
+    best, best_us = None, float("inf")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(tries):
+        with bench.steady_timing(), profile(activities=activities) as prof:
+            for name, step in (("eager step", lambda: g.runner.execute(batch)),
+                               ("graph step", lambda: g.replay(gbatch.buffers))):
+                with record_function(name):
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize()  # the step's kernels end inside its span
+        us = sum(e.cpu_time_total for e in prof.events() if e.name in ("eager step", "graph step"))
+        if us < best_us:
+            best, best_us = prof, us
+    path = plot.figure_dir(args) / "launches.trace.json"
+    best.export_chrome_trace(str(path))
+    return path
+# --8<-- [end:trace]
+
+
+def launch_lanes(path: Path) -> dict[str, list[plot.Span]]:
+    """The trace's events per step ("eager step", "graph step"), in ms from the step's start: the aten ops
+    called from Python (top level: not inside another aten op), and on a GPU the CUDA launch calls and kernels."""
+    def lane_of(e: dict) -> str | None:
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat == "user_annotation" and name in ("eager step", "graph step"):
+            return "step"
+        if cat == "cpu_op" and name.startswith("aten::"):
+            return "CPU: ops called from Python"
+        if cat == "cuda_runtime" and "Launch" in name:
+            return "CPU: CUDA launch calls"
+        if cat == "kernel":
+            return "GPU: kernels"
+        return None
+
+    spans = plot.trace_spans(path, lane_of=lane_of, kind_of=lambda e: e.get("name", "").removeprefix("aten::"))
+    steps = sorted((s for s in spans if s.lane == "step"), key=lambda s: s.start)
+    out: dict[str, list[plot.Span]] = {}
+    for k, step in enumerate(steps):
+        end = steps[k + 1].start if k + 1 < len(steps) else float("inf")
+        mine = sorted((s for s in spans if s.lane != "step" and step.start <= s.start < end), key=lambda s: s.start)
+        top, reach = [], -1.0
+        for s in mine:
+            if s.lane == "CPU: ops called from Python":
+                if s.start < reach:  # nested inside the previous top-level op: dispatched from C++
+                    continue
+                reach = s.end
+            top.append(plot.Span(s.lane, s.start - step.start, s.end - step.start, "", s.kind))
+        out[step.label] = top
+    return out
+
+
+def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str) -> dict:
+    """Eager step above, graph path below, same time axis. Returns what was drawn: per step, the ops and
+    launches per lane in order."""
+    plt = plot.pyplot()
+    common = ("linear", "layer_norm", "scaled_dot_product_attention", "index_copy_", "view")
+    kind = {s.kind: s.kind if s.kind in common else ("kernel" if s.lane.startswith("GPU") else "other op")
+            for spans in lanes.values() for s in spans}
+    kind |= {k: k for k in kind if "Launch" in k}
+    palette = plot.colours(sorted(set(kind.values())))
+    names = ["CPU: ops called from Python"] + (["CPU: CUDA launch calls", "GPU: kernels"] if device == "cuda" else [])
+    fig, axes = plt.subplots(len(lanes), 1, figsize=(11, 1.3 + 0.9 * len(names) * len(lanes)), sharex=True)
+    drawn = {}
+    for ax, (step, spans) in zip(axes, lanes.items()):
+        shown = [plot.Span(s.lane, s.start, s.end, "", kind[s.kind]) for s in spans]
+        plot.timeline(ax, shown, names, palette=palette, legend=ax is axes[0])
+        key = step.split()[0]  # "eager" or "graph"
+        drawn[key] = {lane: [s.kind for s in spans if s.lane == lane] for lane in names}
+        drawn[key] |= {"num_ops": len(drawn[key][names[0]]), "ms": max((s.end for s in spans), default=0.0)}
+        n = drawn[key]["num_ops"]
+        if key == "eager":
+            title = f"eager decode step: {n} ops called from Python, each dispatched (and on a GPU launched) alone"
+        elif device == "cuda":
+            title = (f"graph replay: {len(drawn[key]['CPU: CUDA launch calls'])} launch call(s) for "
+                     f"{len(drawn[key]['GPU: kernels'])} kernels")
+        else:
+            title = f"graph path on a CPU: nothing can be captured, so the static step still runs {n} ops one by one"
+        ax.set_title(title, fontsize=9)
+    axes[-1].set_xlabel("ms from the start of the step (torch.profiler trace)")
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'launches')}")
+    return drawn
+
+
 def check_engine(model, args: Settings, device: str) -> dict:
     """The engine with graphs generates exactly the eager engine's greedy tokens."""
     prompts = decode_prompts(max(args.sizes), args.prompt_len, seed=args.seed + 1)
@@ -233,9 +337,14 @@ def main() -> int:
     print(f"\n{'4' if device == 'cuda' else '3'}. Dispatch overhead on {device}: one op on 1-element tensors "
           f"takes {d['tiny_op_us']:.1f} us; a batch-1 decode forward makes {d['python_ops']} op calls from Python "
           f"({d['aten_ops']} aten ops in all) in {d['forward_ms']:.2f} ms, so about "
-          f"{100 * d['overhead_share']:.0f}% of it is per-op fixed cost, the part a graph replay removes.\n"
+          f"{100 * d['overhead_share']:.0f}% of it is per-op fixed cost, the part a graph replay removes "
+          f"({bench.load_average()}: the share moves with the machine's load).\n"
           f"   That forward runs at {d['forward_gflops']:.2f} GFLOP/s; a 512x512 matmul here at "
           f"{d['matmul_gflops']:.1f} GFLOP/s.")
+    d["load_average"] = bench.load_average()
+    trace = trace_launches(model, args, device)
+    print(f"   trace: {trace}")
+    results["launches"] = draw_launches(launch_lanes(trace), args, device)
     results["engine"] = e = check_engine(model, args, device)
     e["graphs_over_eager"] = e["graphs_tok_s"] / e["eager_tok_s"]
     results["load_average"] = bench.load_average()

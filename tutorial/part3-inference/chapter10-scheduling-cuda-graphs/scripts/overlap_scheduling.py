@@ -16,7 +16,10 @@ What it shows
        execution, if there is any left once the launches are done: the GPU rows add the same pair of
        engines with CUDA graphs (EngineConfig.cuda_graph_sizes), where the launch is one replay.
     3. FIGURE timeline.png (into --plot-dir): a few real decode steps of each engine at --timeline-batch
-       sequences, drawn from the engines' own stage timings on two lanes: the main thread and the forward.
+       sequences on two lanes, the main thread (from the engines' own stage timings) and the forward (when the
+       runner's forward really ran, timed in the thread that ran it); printed: each engine's median step and
+       forward. When the overlapped forward is slower than the plain one, the two threads were competing for
+       the GIL and the cores.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -149,56 +152,90 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
 # --8<-- [end:timing]
 
 
-def record_timeline(model, args: Settings, device: str, steps: int = 4) -> dict[str, list[tuple[float, dict]]]:
-    """A few decode steps of each engine: (start of the step in ms from the first, the step's stage timings)."""
+def record_timeline(model, args: Settings, device: str, steps: int = 4) -> dict[str, list[dict]]:
+    """A few decode steps of each engine, in ms from the first step's start: when each step started, its stage
+    timings, and when its forward really ran (the runner's execute, timed in whichever thread called it)."""
     out = {}
     for name, cls in (("plain", Engine), ("overlap", OverlapEngine)):
         engine = decode_engine(model, args.timeline_batch, args.prompt_len, steps + 4, device, engine_cls=cls)
         engine.step()  # warm-up; an OverlapEngine's pipeline is full afterwards
+        runs: list[tuple[float, float]] = []  # (start, end) of every forward, perf_counter seconds
+        execute = engine.runner.execute
+
+        def timed(*a, execute=execute, runs=runs, **kw):
+            t = time.perf_counter()
+            try:
+                return execute(*a, **kw)
+            finally:
+                runs.append((t, time.perf_counter()))
+        engine.runner.execute = timed  # the engine is unchanged; its runner's calls are now timed
         rows, t_first = [], None
         with bench.steady_timing():
             for _ in range(steps):
                 t = time.perf_counter()
                 t_first = t if t_first is None else t_first
                 engine.step()
-                rows.append(((t - t_first) * 1e3, dict(engine.last_step_timing)))
+                rows.append({"start": (t - t_first) * 1e3, "stages": dict(engine.last_step_timing)})
+        for row, (a, b) in zip(rows, runs[-steps:]):
+            row["forward"] = [(a - t_first) * 1e3, (b - t_first) * 1e3]
         if isinstance(engine, OverlapEngine):
             engine.close()
         out[name] = rows
     return out
 
 
-def draw_timeline(tl: dict, args: Settings) -> None:
-    """Two lanes per engine: the main thread (schedule+prepare, sample+commit) and the forward."""
-    from matplotlib.patches import Patch
+def timeline_spans(tl: dict[str, list[dict]]) -> list[plot.Span]:
+    """Two lanes per engine, main thread and forward. Plain: step n is scheduled and prepared, then computed,
+    in line. Overlap: step n's forward is launched first, then the main thread schedules and prepares step n+1
+    while it runs, then waits for it."""
+    spans = []
+    for name, rows in tl.items():
+        main, fwd = f"{name}: main thread", f"{name}: forward"
+        for n, row in enumerate(rows):
+            ms = {k: v * 1e3 for k, v in row["stages"].items() if isinstance(v, float)}
+            t, (f0, f1) = row["start"], row["forward"]
+            spans.append(plot.Span(fwd, f0, f1, f"{n}", "forward"))
+            if name == "plain":
+                spans.append(plot.Span(main, t, t + ms["schedule"] + ms["prepare"], f"{n}", "schedule + prepare"))
+                after = f1  # sampling starts when the forward returns
+            else:  # launch, then step n+1's CPU work while n's forward runs, then the wait
+                t1 = t + ms["launch"]
+                spans.append(plot.Span(main, t, t1, "", "launch"))
+                spans.append(plot.Span(main, t1, t1 + ms["overlapped"], f"{n + 1}", "schedule + prepare"))
+                spans.append(plot.Span(main, t1 + ms["overlapped"], t1 + ms["overlapped"] + ms["forward"], "",
+                                       "waiting for the forward"))
+                after = t1 + ms["overlapped"] + ms["forward"]
+            spans.append(plot.Span(main, after, after + ms["sample"] + ms["detokenize"], "", "sample + detokenize"))
+    return spans
 
+
+def timeline_summary(tl: dict[str, list[dict]]) -> dict:
+    """Per engine, over the drawn steps: the median ms per step and the median ms its forward really took."""
+    out = {}
+    for name, rows in tl.items():
+        out[f"{name}_step_ms"] = statistics.median(r["stages"]["total"] * 1e3 for r in rows)
+        out[f"{name}_forward_ms"] = statistics.median(r["forward"][1] - r["forward"][0] for r in rows)
+    out["forward_slowdown"] = out["overlap_forward_ms"] / out["plain_forward_ms"]
+    return out
+
+
+def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
+    """The two engines' steps on a shared time axis, drawn from `timeline_spans`; returns the spans drawn."""
     plt = plot.pyplot()
-    colours = {"schedule + prepare": "C0", "forward": "C1", "sample + detokenize": "C2", "waiting": "0.85"}
-    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
-    for ax, (name, rows) in zip(axes, tl.items()):
-        for start, t in rows:
-            ms = {k: v * 1e3 for k, v in t.items() if isinstance(v, float)}
-            if name == "plain":  # everything in line on one thread
-                sp = ms["schedule"] + ms["prepare"]
-                ax.broken_barh([(start, sp)], (1, 0.8), color=colours["schedule + prepare"])
-                ax.broken_barh([(start + sp, ms["forward"])], (0, 0.8), color=colours["forward"])
-                ax.broken_barh([(start + sp + ms["forward"], ms["sample"] + ms["detokenize"])], (1, 0.8),
-                               color=colours["sample + detokenize"])
-            else:  # launch, then step N+1's CPU work while N's forward runs in the worker
-                s0 = start + ms["launch"]
-                fwd_end = s0 + ms["overlapped"] + ms["forward"]
-                ax.broken_barh([(s0, fwd_end - s0)], (0, 0.8), color=colours["forward"])
-                ax.broken_barh([(s0, ms["overlapped"])], (1, 0.8), color=colours["schedule + prepare"])
-                ax.broken_barh([(s0 + ms["overlapped"], ms["forward"])], (1, 0.8), color=colours["waiting"])
-                ax.broken_barh([(fwd_end, ms["sample"] + ms["detokenize"])], (1, 0.8),
-                               color=colours["sample + detokenize"])
-        ax.set_yticks([0.4, 1.4], ["forward", "main thread"])
-        ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding", fontsize=10)
-    axes[1].set_xlabel("time (ms) from the first step's start")
-    axes[0].legend(handles=[Patch(color=c, label=n) for n, c in colours.items()], fontsize=8, ncol=4,
-                   loc="lower right", bbox_to_anchor=(1.0, 1.15))
+    spans = timeline_spans(tl)
+    palette = plot.colours(["schedule + prepare", "forward", "sample + detokenize", "launch",
+                            "waiting for the forward"])
+    palette["waiting for the forward"], palette["launch"] = "0.85", "#CC78BC"
+    fig, axes = plt.subplots(2, 1, figsize=(11, 3.8), sharex=True)
+    for ax, name in zip(axes, tl):
+        plot.timeline(ax, [s for s in spans if s.lane.startswith(name)], [f"{name}: main thread", f"{name}: forward"],
+                      palette=palette, legend=ax is axes[-1])
+        ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding (numbers: the step each box works for)",
+                     fontsize=9)
+    axes[1].set_xlabel("time (ms) from the first drawn step's start")
     fig.tight_layout()
-    plot.save(fig, args, "timeline")
+    print(f"figure: {plot.save(fig, args, 'timeline')}")
+    return spans
 
 
 def main() -> int:
@@ -218,9 +255,16 @@ def main() -> int:
     print(f"   {bench.load_average()}")
     print("   saved: plain - overlap per step; at most the plain engine's sched+prep, the CPU work that can hide behind"
           " the forward (overlap sched+prep: the same work, done while the forward ran)")
-    draw_timeline(record_timeline(model, args, device), args)
+    tl = record_timeline(model, args, device)
+    spans, summ = draw_timeline(tl, args), timeline_summary(tl)
+    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} (medians): plain step "
+          f"{summ['plain_step_ms']:.2f} ms, its forward {summ['plain_forward_ms']:.2f} ms; overlapped step "
+          f"{summ['overlap_step_ms']:.2f} ms, its forward {summ['overlap_forward_ms']:.2f} ms while the main thread "
+          f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward). "
+          f"{bench.load_average()}")
     if args.json:
         report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
+                                      "timeline": {**summ, "spans": [vars(s) for s in spans]},
                                       "load_average": bench.load_average()}, args)
     return 0
 

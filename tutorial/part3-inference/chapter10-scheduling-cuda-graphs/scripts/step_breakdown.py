@@ -113,7 +113,7 @@ def draw(rows: list[dict], args: Settings) -> None:
     axes[1].plot(labels, [100 * r["non_forward_share"] for r in rows], "o-")
     axes[1].set(xlabel="batch size", ylabel="% of the step", ylim=(0, 100),
                 title="time outside the model's forward")
-    plot.save(fig, args, "breakdown")
+    print(f"figure: {plot.save(fig, args, 'breakdown')}")
 
 
 def main() -> int:
