@@ -267,11 +267,11 @@ class Builder:
         """Whether a script takes --plot-dir. Read from its source when that settles it (a `--help` run costs a
         torch import, about 2 s, times 70 scripts); asked with `--help` only when a `_helper` beside it might
         declare the flag for it."""
-        says = ("PlotArgs", "--plot-dir", "plot_dir")
-        if any(word in (ch.path / script).read_text(encoding="utf-8") for word in says):
+        declares = re.compile(r"\bPlotArgs\b|add_argument\(\s*[\"']--plot-dir[\"']")   # not a mere mention
+        if declares.search((ch.path / script).read_text(encoding="utf-8")):
             return True
         helpers = (ch.path / script).parent.glob("_*.py")
-        if not any(word in h.read_text(encoding="utf-8") for h in helpers for word in says):
+        if not any(declares.search(h.read_text(encoding="utf-8")) for h in helpers):
             return False
         helped = self.execute(ch, [script, "--help"], quiet=True)
         return "--plot-dir" in (helped.output if helped else "")
