@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script, run, scripts_dir
+from conftest import load_script, run, scripts_dir, smoke_run
 from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
 
 CH03 = scripts_dir(3)
@@ -136,6 +136,30 @@ def test_tour_numpy_reference_is_independent_of_the_collectives() -> None:
     assert set(np.unique(X)) <= {1.0, 2.0, 3.0}  # small integers: products of 8 stay exact in float32
 
 
+def test_tour_figure_shows_where_each_id_went(smoke_cache) -> None:
+    """The figure's grids (the smoke run: W=2, root 0, k=2) are the numpy moves of the readable ids base*r + e."""
+    proc = smoke_run(smoke_cache, CH03 / "collectives_tour.py")
+    assert proc["code"] == 0, proc["stderr"]
+    res = proc["json"]["results"]
+    w, k, base, fig = 2, 2, res["figure_ids_base"], res["figure"]
+    ids = np.arange(w)[:, None] * base + np.arange(w * k)[None, :]  # (W, W*k)
+    assert len(set(ids.ravel())) == ids.size  # every element readable as its own id
+    first = ids[:, :k]  # the first piece of every rank
+    after = {  # rank -> what it holds after, None where nothing is defined (root 0)
+        "broadcast": [first[0]] * w, "scatter": list(ids[0].reshape(w, k)),
+        "gather": [first.ravel()] + [None] * (w - 1), "all_gather": [first.ravel()] * w,
+        "reduce": [first.sum(0)] + [None] * (w - 1), "all_reduce SUM": [first.sum(0)] * w,
+        "reduce_scatter": list(ids.sum(0).reshape(w, k)),
+        "all_to_all": [ids.reshape(w, w, k)[:, r].ravel() for r in range(w)],
+    }
+    assert set(fig) == set(after)
+    for name, expected in after.items():
+        for r, (before, got) in enumerate(fig[name]):
+            assert np.array_equal(before, ids[r] if name in ("scatter", "reduce_scatter", "all_to_all") else
+                                  first[r])
+            assert got is None if expected[r] is None else np.array_equal(got, expected[r]), (name, r)
+
+
 @pytest.mark.timeout(120)
 def test_composed_ops_equal_numpy(tmp_path) -> None:
     out = tmp_path / "ops.json"
@@ -172,6 +196,56 @@ def test_ring_script_counts_the_formula_bytes(tmp_path) -> None:
     big = res["lengths"][-1]
     assert big["ring_bytes_sent_max"] == big["formula_bytes_sent"] == 2 * 2 * 13107 * 4 // 3
     assert "reduce-scatter step 1: sent chunk" in proc.stdout and "all-gather     step 1" in proc.stdout
+    check_drawn_ring(res["ring_schedule"], res["ring_frames"], world_size=3)
+
+
+def brute_force_ring(w: int) -> list[tuple[int, int, int, int]]:
+    """The ring's messages found by search over contributor sets, with no chunk-index formula: at each step every
+    rank r sends one chunk to r+1. Reduce-scatter: the chunk holding the most ranks' data that r+1 shares none of
+    (double counting is impossible), ties broken by starting from the rank's own chunk. All-gather: the finished
+    chunk r+1 lacks. Returns (step, src, dst, chunk)."""
+    held = [[{r} for _ in range(w)] for r in range(w)]  # held[r][k]: ranks whose data chunk k of rank r sums
+    out = []
+    for step in range(2 * (w - 1)):
+        sends = []
+        for r in range(w):
+            nxt = (r + 1) % w
+            if step < w - 1:
+                ok = [k for k in range(w) if not held[r][k] & held[nxt][k]]
+                best = max(len(held[r][k]) for k in ok)
+                sends.append(min((k for k in ok if len(held[r][k]) == best), key=lambda k: (k - r) % w))
+            else:
+                (k,) = [k for k in range(w) if len(held[r][k]) == w and len(held[nxt][k]) < w]
+                sends.append(k)
+        before = [[set(c) for c in row] for row in held]  # every send reads the state before the step
+        for r, k in enumerate(sends):
+            held[(r + 1) % w][k] = before[(r + 1) % w][k] | before[r][k]
+            out.append((step, r, (r + 1) % w, k))
+    assert all(len(c) == w for row in held for c in row)  # the search did finish an all-reduce
+    return out
+
+
+def check_drawn_ring(schedule: list[dict], frames: list, world_size: int) -> None:
+    """The messages the figure drew equal the searched schedule, and replaying them in numpy on 10^r inputs gives
+    every frame's values and ends at the all-reduce sum."""
+    w = world_size
+    assert [(m["step"], m["src"], m["dst"], m["chunk"]) for m in schedule] == brute_force_ring(w)
+    state = np.array([[10**r] * w for r in range(w)], dtype=np.int64)  # (rank, chunk)
+    assert np.array_equal(frames[0], state)
+    for step in range(2 * (w - 1)):
+        before = state.copy()
+        for m in (m for m in schedule if m["step"] == step):
+            incoming = before[m["src"], m["chunk"]]
+            state[m["dst"], m["chunk"]] = incoming if step >= w - 1 else state[m["dst"], m["chunk"]] + incoming
+        assert np.array_equal(frames[step + 1], state), step
+    assert (state == sum(10**r for r in range(w))).all()
+
+
+def test_brute_force_ring_is_the_textbook_ring() -> None:
+    """The search above finds the ring of the lesson's docstring (W=3) and needs 2(W-1) steps at every size."""
+    assert [m[3] for m in brute_force_ring(3) if m[1] == 0] == [0, 2, 1, 0]
+    for w in range(2, 9):
+        assert len(brute_force_ring(w)) == 2 * (w - 1) * w
 
 
 # ------------------------------------------------------------------------------------ async handles, subgroups

@@ -137,6 +137,60 @@ def test_tree_cost_terms_match_the_tree_that_is_built(p: int) -> None:
     assert rvt.cost_terms("ring", p) == (2 * (p - 1), 2 * (p - 1) / p)
 
 
+def replay(schedule: list[dict], world_size: int, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run a drawn schedule in numpy on random data: in each step every message reads its sender's range as it was
+    before the step; the receiver adds it ("add") or overwrites its own ("copy"). Returns (final data per rank,
+    elements sent per rank)."""
+    data = np.random.default_rng(world_size).normal(size=(world_size, numel))
+    state, sent = data.copy(), np.zeros(world_size)
+    for step in range(max(m["step"] for m in schedule) + 1):
+        before = state.copy()
+        for m in (m for m in schedule if m["step"] == step):
+            piece = before[m["src"], m["lo"]:m["hi"]]
+            if m["op"] == "add":
+                state[m["dst"], m["lo"]:m["hi"]] += piece
+            else:
+                state[m["dst"], m["lo"]:m["hi"]] = piece
+            sent[m["src"]] += m["hi"] - m["lo"]
+    np.testing.assert_allclose(state, np.broadcast_to(data.sum(0), state.shape), rtol=1e-12, atol=1e-12)
+    return state, sent
+
+
+def check_drawn_steps(drawn: dict, world_size: int, numel: int) -> None:
+    """Both drawn schedules end in the all-reduce sum on every rank, in 2 floor(log2 p) steps; halving-doubling
+    sends 2(p-1)/p n per rank, the tree n up (every rank but the root) plus n per child down."""
+    p = world_size
+    steps = 2 * (p.bit_length() - 1)
+    _, tree_sent = replay(drawn["tree"], p, numel)
+    children = [sum((c - 1) // 2 == r for c in range(1, p)) for r in range(p)]  # heap order, counted by brute force
+    assert list(tree_sent) == [numel * ((r > 0) + children[r]) for r in range(p)]
+    assert max(m["step"] for m in drawn["tree"]) + 1 == steps
+    assert ("halving-doubling" in drawn) == (p & (p - 1) == 0)
+    if "halving-doubling" in drawn:
+        _, hd_sent = replay(drawn["halving-doubling"], p, numel)
+        assert list(hd_sent) == [2 * (p - 1) * numel / p] * p
+        assert max(m["step"] for m in drawn["halving-doubling"]) + 1 == steps
+        assert all(m["src"] ^ m["dst"] == p >> (1 + min(m["step"], steps - 1 - m["step"]))
+                   for m in drawn["halving-doubling"])  # partners at distance p/2, p/4, .., 1, then back
+
+
+def test_drawn_steps_replay_to_the_sum(tmp_path) -> None:
+    """The figure's messages (drawn at p = 4, as in the lesson), and the same schedules at other sizes and uneven
+    lengths, replayed in numpy."""
+    rvt = load("ring_vs_tree")
+    drawn = rvt.draw_steps(4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    check_drawn_steps(drawn, 4, 64)
+    assert (tmp_path / "steps.png").exists()
+    for p in (2, 3, 5, 8):
+        check_drawn_steps({"tree": rvt.tree_schedule(p, 16 * p)} | ({"halving-doubling": rvt.halving_doubling_schedule(
+            p, 16 * p)} if p & (p - 1) == 0 else {}), p, 16 * p)
+    for p in (2, 3, 4, 5, 8):
+        for numel in (1, 7, 1001):  # uneven halves: the schedule must still sum every element exactly once
+            replay(rvt.tree_schedule(p, numel), p, numel)
+            if p & (p - 1) == 0:
+                replay(rvt.halving_doubling_schedule(p, numel), p, numel)
+
+
 def test_crossover_solves_the_two_models_equal() -> None:
     rvt = load("ring_vs_tree")
     assert rvt.cost_terms("halving-doubling", 8) == (6, 1.75)
@@ -208,6 +262,7 @@ def test_ring_vs_tree_json(tmp_path) -> None:
         assert row["busbw (GB/s)"] == pytest.approx(row["size (B)"] / (row["time (us)"] * 1e-6) / 1e9 * 4 / 3)
     assert doc["memcpy_GBps"] > 0 and doc["loopback_tcp_GBps"] > 0
     assert (tmp_path / "ring_vs_tree.png").exists()
+    check_drawn_steps(doc["steps"], 3, doc["steps_numel"])
 
 
 @pytest.mark.timeout(120)

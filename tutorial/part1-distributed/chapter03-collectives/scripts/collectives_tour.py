@@ -10,7 +10,9 @@ What it shows
     from the seed without any communication, so each rank computes the numpy answer on its own and compares.
     A collective or op the backend refuses is reported as "unsupported on <backend>: <its error>" rather than a
     failure; only a wrong result fails the run (exit 1). The JSON lists each collective, supported?, checked ok.
-    The figure shows the (rank, element) grid before and after each of the eight basic collectives.
+    The figure shows the (rank, element) grid before and after each of the eight basic collectives, run a second
+    time on readable ids (element e of rank r holds 10r+e, or 100r+e when W*k > 10; also checked against numpy),
+    each cell coloured by the rank its value came from, so every piece can be followed.
 
 How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 4
@@ -193,13 +195,29 @@ def run_case(ctx: RankContext, name: str, case: Case, x, X, args: Settings) -> d
         ctx.print(f"{name}: unsupported on {ctx.backend}: {reason}")
         return {"collective": name, "supported": False, "checked_ok": None, "reason": reason}
     ctx.print(f"{name}:")
-    held = [None] * ctx.world_size
-    if name in DRAWN:  # what every rank held before and after, for rank 0's figure
-        dist.all_gather_object(held, (_values(before), _values(after)))
     ctx.print_ordered(f"before {fmt(before):<{2 * ctx.world_size * args.per_rank + 1}} after {fmt(after)}")
     if expected is not None:
         report.expect_close(f"{name} on rank {ctx.rank}", after, np.asarray(expected, dtype=np.float32), rtol=1e-6)
-    return {"collective": name, "supported": True, "checked_ok": True, "held": held if name in DRAWN else None}
+    return {"collective": name, "supported": True, "checked_ok": True}
+
+
+def id_base(world_size: int, k: int) -> int:
+    """10 when a rank's W*k elements fit in one digit, else 100: element e of rank r is then base*r + e."""
+    return 10 if world_size * k <= 10 else 100
+
+
+def figure_run(ctx: RankContext, name: str, args: Settings) -> list:
+    """Run `name` again on readable ids (element e of rank r holds base*r + e) for the figure, checked against
+    numpy like the tour; returns every rank's (before, after) for rank 0 to draw."""
+    W, k = ctx.world_size, args.per_rank
+    ids = np.arange(W)[:, None] * id_base(W, k) + np.arange(W * k)[None, :]  # (W, W*k)
+    x = torch.tensor(ids[ctx.rank], dtype=torch.float32, device=ctx.device)
+    before, after, expected = CASES[name](ctx, x, ids.astype(np.float64), k, args.root)
+    if expected is not None:
+        report.expect_close(f"{name} on ids, rank {ctx.rank}", after, np.asarray(expected, dtype=np.float32))
+    held = [None] * W
+    dist.all_gather_object(held, (_values(before), _values(after)))
+    return held
 
 
 def _values(t) -> list | None:
@@ -207,32 +225,45 @@ def _values(t) -> list | None:
 
 
 DRAWN = ["broadcast", "scatter", "gather", "reduce", "all_gather", "all_reduce SUM", "reduce_scatter", "all_to_all"]
+REDUCING = {"reduce", "all_reduce SUM", "reduce_scatter"}  # their results are sums, not pieces that moved
 
 
-def draw(rows: list[dict], args: Settings) -> str:
-    """One panel per collective: the (rank, element) grid before and after, as the lesson's table describes it."""
+def draw(held: dict[str, list], args: Settings) -> str:
+    """One column per collective: the (rank, element) grid before (top) and after (bottom), each cell coloured by
+    the rank its value came from and labelled with it (rank r's element e holds base*r + e); the sum of
+    element e over all ranks, what the reductions leave, is labelled "\u03a3e" (sigma e) and drawn grey."""
     plt = plot.pyplot()
     import seaborn as sns
 
-    shown = [r for r in rows if r.get("held")]
-    W = args.world_size
-    fig, axes = plt.subplots(2, len(shown), figsize=(2.3 * len(shown), 1.6 + 1.0 * W), squeeze=False)
-    for col, row in enumerate(shown):
-        for line, (label, side) in enumerate([("before", 0), ("after", 1)]):
-            cells = [h[side] for h in row["held"]]
+    W, k = args.world_size, args.per_rank
+    base, palette = id_base(W, k), sns.color_palette("colorblind", W)
+    fig, axes = plt.subplots(2, len(held), figsize=(2.3 * len(held), 1.6 + 1.0 * W), squeeze=False)
+    for col, (name, rows) in enumerate(held.items()):
+        for line, label in enumerate(["before", "after"]):
+            cells = [h[line] for h in rows]
             width = max(len(c) for c in cells if c is not None)
-            grid = np.full((W, width), np.nan)  # NaN (blank) where a rank holds nothing defined
-            for r, c in enumerate(cells):
-                if c is not None:
-                    grid[r, :len(c)] = c
             ax = axes[line, col]
-            sns.heatmap(grid, annot=width <= 16, fmt="g", cbar=False, cmap="crest", ax=ax, linewidths=0.5,
-                        annot_kws={"fontsize": 7})
-            ax.set_title(f"{row['collective']}\n{label}" if line == 0 else label, fontsize=9)
-            ax.set_yticklabels([f"rank {r}" for r in range(W)], rotation=0, fontsize=7)
+            image = np.ones((W, width, 3))  # white where a rank holds nothing defined
+            for r, values in enumerate(cells):
+                for j, v in enumerate(values or []):
+                    src, e = divmod(int(v), base)
+                    summed = (v - base * W * (W - 1) / 2) / W  # the sum over ranks of element e, if that is what v is
+                    is_sum = line == 1 and W > 1 and name in REDUCING and summed.is_integer()
+                    image[r, j] = (0.8, 0.8, 0.8) if is_sum else palette[src % W]
+                    text = f"\u03a3{int(summed)}" if is_sum else f"{int(v)}"
+                    ax.text(j, r, text, ha="center", va="center", fontsize=7 if width <= 8 else 5)
+            ax.imshow(image, aspect="auto")
+            ax.set_xticks(np.arange(width + 1) - 0.5, minor=True)
+            ax.set_yticks(np.arange(W + 1) - 0.5, minor=True)
+            ax.grid(which="minor", color="white", lw=1)
+            ax.grid(which="major", visible=False)
+            ax.tick_params(which="minor", length=0)
+            ax.set_title(f"{name}\n{label}" if line == 0 else label, fontsize=9)
+            ax.set_yticks(range(W), [f"rank {r}" for r in range(W)], fontsize=7)
             ax.set_xticks([])
-    fig.suptitle(f"What each of {W} ranks holds before (top) and after (bottom) each collective "
-                 f"(root = rank {args.root}; blank = not defined on that rank)")
+    fig.suptitle(f"What each of {W} ranks holds before (top) and after (bottom) each collective. Rank r's element e "
+                 f"starts as {base}r+e, coloured by r; \u03a3e = element e summed over the ranks (root = rank "
+                 f"{args.root}; blank = not defined)", fontsize=9)
     fig.tight_layout()
     return str(plot.save(fig, args, "before_after"))
 
@@ -242,25 +273,28 @@ def worker(ctx: RankContext, args: Settings) -> list[dict]:
     X = all_inputs(args.seed, ctx.world_size, args.per_rank)  # (W, W*k) everyone's, for the reference
     ctx.print(f"world_size={ctx.world_size} backend={ctx.backend} root={args.root} k={args.per_rank}")
     rows = [run_case(ctx, name, case, x, X, args) for name, case in CASES.items()]
+    figure = {name: figure_run(ctx, name, args) for name in DRAWN}  # the same collectives on readable ids
     dist.barrier()  # every rank has passed its own checks (a failing rank raised before this)
-    return rows
+    return {"rows": rows, "figure": figure}
 
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2}, world_sizes=range(1, 9), world_sizes_text="1..8")
-    rows = launch(worker, args)
-    if rows is None:  # a non-zero torchrun rank: rank 0 reports
+    result = launch(worker, args)
+    if result is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
+    rows = result["rows"]
     print()
     print(report.table([{"collective": r["collective"], "supported": "yes" if r["supported"] else "no",
                          "checked": "ok" if r["checked_ok"] else "-"} for r in rows]))
     supported = [r for r in rows if r["supported"]]
-    print(f"figure: {draw(rows, args)}")
+    print(f"figure: {draw(result['figure'], args)}")
     print(f"OK: {len(supported)} of {len(rows)} collectives supported on {args.backend} with W={args.world_size}; "
           "every supported one matches numpy on every rank")
     if args.json:
         report.write_json(args.json, {"world_size": args.world_size, "backend": args.backend,
-                                      "collectives": [{k: v for k, v in r.items() if k != "held"} for r in rows]},
+                                      "collectives": rows, "figure_ids_base": id_base(args.world_size, args.per_rank),
+                                      "figure": result["figure"]},
                           args)
     return 0
 

@@ -2,8 +2,10 @@
 
 What it shows
     1. A trace of mlsys.collectives.ring_all_reduce on a tiny tensor (one element per chunk): after every step, what
-       each rank sent, received and holds -- the reduce-scatter phase, then the all-gather phase; the figure
-       draws the same trace as one (rank, chunk) grid per step.
+       each rank sent, received and holds -- the reduce-scatter phase, then the all-gather phase. The messages are
+       read off the trace (ring_schedule) and drawn as an animation, one frame per step: the ranks on a circle,
+       an arrow per message labelled with its chunk (ring_steps.gif, and ring_steps_strip.png for print). The
+       JSON keeps the drawn messages (ring_schedule) and each frame's values (ring_frames).
     2. For several lengths (1, W-1, W+1, 1001, and a few MiB), ring_all_reduce and dist.all_reduce give the same sum
        as numpy on the concatenated inputs; the bytes each rank handed to isend are counted and compared with
        mlsys.collectives.comm_volume("all_reduce", ...); both are timed (median of --repeats runs).
@@ -14,7 +16,7 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py
     ... --mib 16 --repeats 10     # a bigger tensor, more timing runs
 
-Runtime on 2 cores: about 6 s at -w 4 with the default 4 MiB, 4 s with --smoke.
+Runtime on 2 cores: about 7 s at -w 4 with the default 4 MiB (1 s of it drawing the animation), 5 s with --smoke.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
@@ -73,15 +75,16 @@ def traced_run(ctx: RankContext) -> list[dict]:
     """Ring all-reduce of W elements (one per chunk), rank r holding 10^r in every slot: sums are readable."""
     x = torch.full((ctx.world_size,), 10.0 ** ctx.rank)  # (W,): chunk k is element k
     steps: list[str] = []
-    states = [{"phase": "start", "step": 0, "recv": None, "holds": x.tolist()}]  # for the figure
+    states = [{"phase": "start", "step": 0, "sent": None, "recv": None, "holds": [int(v) for v in x.tolist()]}]
 
     def on_step(phase, step, send_i, recv_i, nbytes, chunks):  # called after each step, on every rank
-        held = " ".join(f"{c.item():>{ctx.world_size}g}" for c in chunks)
+        held = " ".join(f"{int(c.item()):>{ctx.world_size}d}" for c in chunks)  # integers: 1111110 != 1111111
         steps.append(f"{phase:<14} step {step}: sent chunk {send_i}, got chunk {recv_i} -> holds [{held}]")
-        states.append({"phase": phase, "step": step, "recv": recv_i, "holds": [c.item() for c in chunks]})
+        states.append({"phase": phase, "step": step, "sent": send_i, "recv": recv_i,
+                       "holds": [int(c.item()) for c in chunks]})
 
     ctx.print_ordered(f"start                                           -> holds "
-                      f"[{' '.join(f'{v:>{ctx.world_size}g}' for v in x.tolist())}]")
+                      f"[{' '.join(f'{int(v):>{ctx.world_size}d}' for v in x.tolist())}]")
     ring_all_reduce(x, on_step=on_step)
     for line in steps:  # the same number of steps on every rank, so this collective loop lines up
         ctx.print_ordered(line)
@@ -143,28 +146,71 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"world_size": ctx.world_size, "backend": ctx.backend, "lengths": rows, "trace": trace}
 
 
-def draw_trace(trace: list[list[dict]], args: Settings) -> str:
-    """One panel per step: the (rank, chunk) grid of partial sums, the chunk each rank just received outlined."""
-    plt = plot.pyplot()
-    import seaborn as sns
+# --8<-- [start:draw]
+def ring_schedule(trace: list[list[dict]]) -> list[dict]:
+    """The messages the traced ring really sent, read off every rank's trace: one {step, phase, src, dst, chunk}
+    per rank per step, the sender's "sent chunk" checked against what its right neighbour says it received."""
+    W, messages = len(trace), []
+    for t in range(1, len(trace[0])):  # state 0 is the start; state t is after global step t-1
+        for src, states in enumerate(trace):
+            dst, chunk = (src + 1) % W, states[t]["sent"]
+            report.expect_equal(f"step {t - 1}: rank {dst} got the chunk rank {src} sent", trace[dst][t]["recv"],
+                                chunk)
+            messages.append({"step": t - 1, "phase": states[t]["phase"], "src": src, "dst": dst, "chunk": chunk})
+    return messages
 
-    W, steps = len(trace), len(trace[0])
-    fig, axes = plt.subplots(1, steps, figsize=(1.2 + 1.0 * W * steps / 2, 0.9 + 0.45 * W), squeeze=False)
-    for i, ax in enumerate(axes[0]):
-        grid = np.array([rank[i]["holds"] for rank in trace])  # (W ranks, W chunks)
-        sns.heatmap(np.log10(grid), annot=grid, fmt="g", cbar=False, cmap="crest", vmin=0, vmax=W, ax=ax,
-                    linewidths=0.5, annot_kws={"fontsize": 7})
-        for r, rank in enumerate(trace):
-            if rank[i]["recv"] is not None:  # outline the chunk that arrived from rank r-1 in this step
-                ax.add_patch(plt.Rectangle((rank[i]["recv"], r), 1, 1, fill=False, edgecolor="red", lw=2))
-        state = trace[0][i]
-        ax.set_title("start" if state["phase"] == "start" else f"{state['phase']}\nstep {state['step']}",
-                     fontsize=9)
-        ax.set_xlabel("chunk", fontsize=8)
-        ax.set_yticklabels([f"rank {r}" for r in range(W)] if i == 0 else [], rotation=0, fontsize=8)
-    fig.suptitle(f"Ring all-reduce on {W} ranks, rank r starting with 10^r: red = the chunk received in that step")
-    fig.tight_layout()
-    return str(plot.save(fig, args, "ring_trace"))
+
+def draw_ring(trace: list[list[dict]], messages: list[dict], args: Settings) -> tuple[str, str]:
+    """One frame per step: the W ranks on a circle, each with its W chunks (the value 10^r summed over the ranks
+    whose data a chunk holds), an arrow per message of that step labelled with its chunk, received chunks in red."""
+    plt = plot.pyplot()
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    W, frames = len(trace), len(trace[0])
+    angles = [np.pi / 2 - 2 * np.pi * r / W for r in range(W)]  # rank 0 on top, clockwise
+    centre = [(1.25 * np.cos(a), 1.25 * np.sin(a)) for a in angles]
+    cell, font = 0.36 if W <= 4 else 2.2 / (W * 1.6), 9 if W <= 4 else 6
+    fig, ax = plt.subplots(figsize=(5.6, 5.6))
+    colours = plt.get_cmap("crest")
+
+    def draw(i: int) -> None:
+        ax.clear()
+        ax.set_axis_off()
+        ax.set_xlim(-2.1, 2.1)
+        ax.set_ylim(-2.1, 2.2)
+        ax.set_aspect("equal")
+        for r, (cx, cy) in enumerate(centre):  # one row of W chunk cells per rank
+            x0 = cx - W * cell / 2
+            ax.text(cx, cy + cell * 0.85, f"rank {r}", ha="center", va="bottom", fontsize=9, weight="bold")
+            for k, value in enumerate(trace[r][i]["holds"]):
+                ranks_in = str(value).count("1")  # 10^r summed over ranks: one digit 1 per rank included
+                red = trace[r][i]["recv"] == k
+                ax.add_patch(Rectangle((x0 + k * cell, cy - cell / 2), cell, cell, lw=2.5 if red else 0.8,
+                                       edgecolor="red" if red else "white", zorder=3 if red else 2,
+                                       facecolor=colours(0.15 + 0.8 * ranks_in / W)))
+                ax.text(x0 + (k + 0.5) * cell, cy, str(value), ha="center", va="center", fontsize=font, zorder=4,
+                        color="white" if ranks_in > W / 2 else "black")
+            if r == 0:  # the chunks' names once, under rank 0: every rank's row is in the same order
+                for k in range(W):
+                    ax.text(x0 + (k + 0.5) * cell, cy - cell * 0.62, f"c{k}", ha="center", va="top", fontsize=6)
+        step = [m for m in messages if m["step"] == i - 1]
+        for m in step:  # an arc from the sender to its right neighbour, labelled with the chunk it carries
+            (x1, y1), (x2, y2) = centre[m["src"]], centre[m["dst"]]
+            ax.add_patch(FancyArrowPatch((0.62 * x1, 0.62 * y1), (0.62 * x2, 0.62 * y2), arrowstyle="-|>",
+                                         mutation_scale=14, lw=1.6, color="C3", connectionstyle="arc3,rad=0.3"))
+            mx, my = 0.45 * (x1 + x2), 0.45 * (y1 + y2)  # near the middle of the arc
+            ax.text(mx, my, f"c{m['chunk']}", ha="center", va="center", fontsize=8, color="C3",
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "C3", "lw": 0.6})
+        head = ("start: rank r holds 10^r in every chunk" if i == 0 else
+                f"{step[0]['phase']} step {trace[0][i]['step']}: each rank sends one chunk to rank r+1")
+        ax.set_title(f"ring all-reduce, {W} ranks, frame {i} of {frames - 1}\n{head}", fontsize=10)
+        ax.text(0, -2.0, f"chunks c0..c{W - 1}, in the same order on every rank; red = just received\n"
+                f"a value's digits name the ranks whose data it holds ({'1' * W} = all {W})", ha="center",
+                fontsize=7)
+
+    gif, strip = plot.animate(fig, draw, frames, args, "ring_steps", fps=0.8, strip_columns=4, dpi=72)
+    return str(gif), str(strip)
+# --8<-- [end:draw]
 
 
 def volume_table(world_size: int, num_bytes: int) -> list[dict]:
@@ -190,14 +236,19 @@ def main() -> int:
           "(see comm_volume's docstring for what N is per collective):")
     table = volume_table(args.world_size, n_bytes)
     print(report.table(table, floatfmt=".4g"))
-    print(f"figure: {draw_trace(result.pop('trace'), args)}")
+    trace = result.pop("trace")
+    messages = ring_schedule(trace)
+    for path in draw_ring(trace, messages, args):
+        print(f"figure: {path}")
     exact = [row for row in result["lengths"] if row["numel"] % args.world_size == 0]  # W divides n: exact share
     print("\nOK: ring_all_reduce equals dist.all_reduce and the float64 sum for every length; the bytes sent, summed "
           "over ranks, equal W x comm_volume's 2(W-1)/W*N for every length" +
           (f", and per rank exactly for n = {', '.join(str(r['numel']) for r in exact)} (W divides n)"
            if exact else ""))
     if args.json:
-        report.write_json(args.json, {**result, "comm_volume": table}, args)
+        frames = [[rank[i]["holds"] for rank in trace] for i in range(len(trace[0]))]  # (frames, W ranks, W chunks)
+        report.write_json(args.json, {**result, "comm_volume": table, "ring_schedule": messages,
+                                      "ring_frames": frames}, args)
     return 0
 
 

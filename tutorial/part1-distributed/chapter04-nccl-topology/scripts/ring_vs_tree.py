@@ -13,8 +13,11 @@ What it shows
     They run side by side with gloo's dist.all_reduce in the same job over a sweep of sizes (busbw per algorithm,
     nccl-tests' factor 2(p-1)/p). Then: the box's ceiling (memcpy bandwidth of a large torch copy, loopback TCP
     bandwidth through a socket), busbw as a fraction of it, an alpha-beta model time = steps*alpha + bytes*beta
-    fitted to the ring's and tree's points together by least squares, its predicted ring-vs-tree crossover size,
-    which of the two the run found faster at the largest size, and a figure of the model against the measurements.
+    fitted to the ring's and tree's points together by least squares, the model's ring-vs-tree crossover size, the
+    sizes at which the ring and the tree were each faster in this run, and a figure of the model against the
+    measurements. A second figure (steps.png) draws every message of the tree and of halving-doubling, step by step,
+    from the schedules the two all-reduces follow (tree_schedule, halving_doubling_schedule; kept in the JSON as
+    "steps").
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory. The last line: ring busbw over
     gloo busbw at the largest size.
@@ -26,7 +29,7 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
-Runtime on 2 cores: about 12-25 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 5 s.
+Runtime on 2 cores: about 15-30 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 5 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
@@ -135,21 +138,27 @@ def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
     https://doi.org/10.1177/1094342005051521
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     flat = tensor.view(-1)  # [n]
-    lo, hi, history = 0, flat.numel(), []
-    distance = world_size // 2
-    while distance >= 1:  # reduce-scatter: the range halves each step
-        partner, mid = rank ^ distance, lo + (hi - lo) // 2  # both partners hold the same [lo, hi): same mid
-        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
+    plan = halving_doubling_plan(dist.get_rank(), dist.get_world_size(), flat.numel())
+    for partner, keep, give in plan:  # reduce-scatter: the range I keep halves each step
         incoming = flat.new_empty(keep[1] - keep[0])
         sendrecv(flat[give[0]:give[1]], partner, incoming, partner)
         flat[keep[0]:keep[1]].add_(incoming)
-        history.append((partner, keep, give))
-        (lo, hi), distance = keep, distance // 2
-    for partner, keep, give in reversed(history):  # all-gather: send what I own, receive what the partner owns
+    for partner, keep, give in reversed(plan):  # all-gather: send what I own, receive what the partner owns
         sendrecv(flat[keep[0]:keep[1]], partner, flat[give[0]:give[1]], partner)
     return tensor
+
+
+def halving_doubling_plan(rank: int, world_size: int, numel: int) -> list[tuple[int, tuple, tuple]]:
+    """Rank `rank`'s reduce-scatter steps: (partner, range kept, range given) at distance p/2, p/4, .., 1."""
+    lo, hi, plan = 0, numel, []
+    distance = world_size // 2
+    while distance >= 1:
+        partner, mid = rank ^ distance, lo + (hi - lo) // 2  # both partners hold the same [lo, hi): same mid
+        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
+        plan.append((partner, keep, give))
+        (lo, hi), distance = keep, distance // 2
+    return plan
 # --8<-- [end:halving]
 
 
@@ -168,6 +177,101 @@ def algorithms(world_size: int) -> dict:
         algos["halving-doubling"] = halving_doubling_all_reduce
     algos["gloo all_reduce"] = gloo_all_reduce
     return algos
+
+
+# --8<-- [start:schedules]
+def tree_schedule(world_size: int, numel: int) -> list[dict]:
+    """Every message tree_all_reduce sends, from the same tree_parent/tree_children: a rank sends its subtree's sum
+    up once all its children's sums have arrived (a leaf at step 0); the root's total then goes down one level a
+    step. One dict per message: step, phase, src, dst, the element range [lo, hi) and what the receiver does."""
+    p = world_size
+
+    def up_step(r: int) -> int:  # the step at which r's subtree sum is complete and leaves r
+        return 1 + max((up_step(c) for c in tree_children(r, p)), default=-1)
+
+    def depth(r: int) -> int:
+        return 0 if r == 0 else 1 + depth(tree_parent(r))
+
+    top = up_step(0)  # the step at which the root holds the total and starts sending it down
+    up = [{"step": up_step(r), "phase": "reduce up", "src": r, "dst": tree_parent(r), "lo": 0, "hi": numel,
+           "op": "add"} for r in range(1, p)]
+    down = [{"step": top + depth(tree_parent(r)), "phase": "broadcast down", "src": tree_parent(r), "dst": r,
+             "lo": 0, "hi": numel, "op": "copy"} for r in range(1, p)]
+    return sorted(up + down, key=lambda m: (m["step"], m["src"]))
+
+
+def halving_doubling_schedule(world_size: int, numel: int) -> list[dict]:
+    """Every message halving_doubling_all_reduce sends, from the same halving_doubling_plan: step i of the
+    reduce-scatter gives the half it does not keep (the receiver adds it); the all-gather replays the plan
+    backwards, each rank sending the range it owns (the receiver copies it)."""
+    out = []
+    for rank in range(world_size):
+        plan = halving_doubling_plan(rank, world_size, numel)
+        for i, (partner, _, give) in enumerate(plan):
+            out.append({"step": i, "phase": "reduce-scatter (halving)", "src": rank, "dst": partner,
+                        "lo": give[0], "hi": give[1], "op": "add"})
+        for j, (partner, keep, _) in enumerate(reversed(plan)):
+            out.append({"step": len(plan) + j, "phase": "all-gather (doubling)", "src": rank, "dst": partner,
+                        "lo": keep[0], "hi": keep[1], "op": "copy"})
+    return sorted(out, key=lambda m: (m["step"], m["src"]))
+# --8<-- [end:schedules]
+
+
+# --8<-- [start:draw_steps]
+def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
+    """One row per algorithm, one panel per step: who sends to whom and how much (as a fraction of the n-element
+    buffer), from the schedules above. Returns the schedules it drew."""
+    from fractions import Fraction
+
+    from matplotlib.patches import FancyArrowPatch
+
+    p, numel = world_size, 16 * world_size  # a size every step divides evenly, so the labels are exact fractions
+    drawn = {"tree": tree_schedule(p, numel)}
+    if is_power_of_two(p):
+        drawn["halving-doubling"] = halving_doubling_schedule(p, numel)
+    tree_pos = {}
+    for r in range(p):  # heap layout: depth d on row -d, spread evenly within the row
+        d = (r + 1).bit_length() - 1
+        tree_pos[r] = ((r + 1 - 2**d + 0.5) / 2**d * (p - 1), -1.2 * d)
+    line_pos = {r: (float(r), 0.0) for r in range(p)}
+    plt = plot.pyplot()
+    cols = max(m["step"] for sched in drawn.values() for m in sched) + 1
+    size = 0.55 * p + 0.8  # inches per panel
+    fig, axes = plt.subplots(len(drawn), cols, figsize=(size * cols, (size + 0.3) * len(drawn)), squeeze=False)
+    for row, (name, sched) in enumerate(drawn.items()):
+        pos = tree_pos if name == "tree" else line_pos
+        sent = [sum(Fraction(m["hi"] - m["lo"], numel) for m in sched if m["src"] == r) for r in range(p)]
+        for step in range(cols):
+            ax = axes[row, step]
+            ax.set_axis_off()
+            ax.set_aspect("equal")
+            ys = [y for _, y in pos.values()]
+            ax.set_xlim(-0.6, p - 0.4)
+            ax.set_ylim(min(ys) - 1.0, max(ys) + 1.0)
+            for r, (x, y) in pos.items():
+                ax.add_patch(plt.Circle((x, y), 0.25, color="C0", zorder=3))
+                ax.text(x, y, str(r), ha="center", va="center", color="white", fontsize=9, zorder=4)
+            mine = [m for m in sched if m["step"] == step]
+            for m in mine:
+                (x1, y1), (x2, y2) = pos[m["src"]], pos[m["dst"]]
+                colour = "C3" if m["op"] == "add" else "C2"
+                ax.add_patch(FancyArrowPatch((x1, y1), (x2, y2), arrowstyle="-|>", mutation_scale=10, lw=1.3,
+                                             color=colour, shrinkA=7, shrinkB=7, connectionstyle="arc3,rad=0.35"))
+                frac = Fraction(m["hi"] - m["lo"], numel)
+                label = "n" if frac == 1 else f"n/{frac.denominator}" if frac.numerator == 1 else f"{frac}n"
+                dx, dy = x2 - x1, y2 - y1
+                ax.text((x1 + x2) / 2 + 0.3 * dy, (y1 + y2) / 2 - 0.3 * dx, label, fontsize=7, color=colour,
+                        ha="center", va="center")
+            ax.set_title(f"{name}, step {step}\n{mine[0]['phase'] if mine else '(done)'}", fontsize=8)
+        axes[row, 0].text(0, -0.02, "bytes sent, per rank: " + ", ".join(
+            f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent)), transform=axes[row, 0].transAxes,
+            fontsize=7, ha="left", va="top", clip_on=False)
+    fig.suptitle(f"all-reduce on {p} ranks, step by step\nred: the receiver adds it, green: the receiver copies it; "
+                 "n = the buffer's size", fontsize=9)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'steps')}")
+    return drawn
+# --8<-- [end:draw_steps]
 
 
 # --8<-- [start:model]
@@ -382,26 +486,31 @@ def main() -> int:
     summary["fit_bandwidth_text"] = (f"{summary['fit_bandwidth_GBps']:.2f} GB/s" if summary["fit_bandwidth_GBps"]
                                      else "unbounded: the fit found no per-byte cost")
     (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
+    tree_time = {r["size (B)"]: r["time (us)"] for r in rows if r["algorithm"] == "tree"}
     print("predicted ring-vs-tree crossover: " + (f"{size_text(cross)} (tree faster below, ring above)"
           if cross else f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves "
-          "fewer bytes, so the model has the ring never slower" if a_ring <= a_tree
+          "fewer bytes, so in the model (not necessarily in the measurement) the ring is never slower"
+          if a_ring <= a_tree
           else "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
-    measured = summary["measured_crossover_bytes"]
-    summary["measured_text"] = (f"the ring was faster than the tree from {size_text(measured)} on" if measured else
-                                "the tree was faster than the ring at every size"
-                                if summary["tree_faster_at_every_size"]
-                                else "the tree was faster than the ring at the largest size")
+    faster = {name: [size_text(r["size (B)"]) for r in rows if r["algorithm"] == "ring" and
+                     (r["time (us)"] < tree_time[r["size (B)"]]) == (name == "ring")] for name in ("ring", "tree")}
+    every = f"every size, {size_text(min(tree_time))} to {size_text(max(tree_time))}"
+    summary["measured_text"] = (f"the tree was faster than the ring at {every}" if not faster["ring"] else
+                                f"the ring was faster than the tree at {every}" if not faster["tree"] else
+                                f"the ring was faster at {', '.join(faster['ring'])}; the tree at "
+                                f"{', '.join(faster['tree'])}")
     summary["predicted_crossover_text"] = size_text(cross) if cross else "none"
-    print("measured: " + summary["measured_text"])
+    print("measured (median times above): " + summary["measured_text"])
     print(f"ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s;"
           f" best busbw at {size_text(summary['largest_size'])} = {best:.3f} GB/s = "
           f"{summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} of memcpy")
     print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])} with {w} ranks: "
           f"{summary['ring_over_gloo_busbw']:.2f}")
     draw(rows, summary, w, args)
+    steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
-                                      **summary}, args)
+                                      "steps_numel": 16 * w, "steps": steps, **summary}, args)
     return 0
 
 
