@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import load_script, run, scripts_dir
+from conftest import ROOT, _script_env, load_script, run, scripts_dir
 
 CH01 = scripts_dir(1)
 
@@ -44,6 +48,22 @@ def test_every_rank_holds_the_numpy_result(world_size: int, tmp_path) -> None:
         np.testing.assert_array_equal(held["gathered"], gathered.ravel())
         np.testing.assert_array_equal(held["summed"], summed)
     assert (tmp_path / "placement.png").stat().st_size > 1000
+    if world_size > 1:
+        check_launcher_tree(json.loads(out.read_text())["results"], world_size)
+    assert (tmp_path / "layout.png").stat().st_size > 1000
+
+
+def check_launcher_tree(result: dict, world_size: int) -> None:
+    """The launcher's drawn tree: the parent's own pid (recorded by the parent) on top, one fork server under it,
+    W ranks under that; the parent holds the store's listening socket and every rank connects to it."""
+    drawn, parent = result["layout"]["drawn"], result["layout"]["parent_pid"]
+    ranks = {n["rank"]: n["pid"] for n in drawn["nodes"] if "rank" in n}
+    assert sorted(ranks) == list(range(world_size)) and len(drawn["nodes"]) == world_size + 2
+    middle = [n["pid"] for n in drawn["nodes"] if "rank" not in n and n["pid"] != parent]
+    assert len(middle) == 1
+    want = [(parent, middle[0])] + [(middle[0], pid) for pid in ranks.values()]
+    assert sorted(map(tuple, drawn["edges"])) == sorted(want)
+    assert drawn["store"]["listener"] == parent and sorted(drawn["clients"]) == sorted(ranks.values())
 
 
 @pytest.mark.timeout(120)
@@ -124,22 +144,62 @@ def test_bare_spawn_all_reduce_matches_numpy(world_size: int, tmp_path) -> None:
     proc = run([CH01 / "bare_spawn.py", "-w", world_size, "--numel", 6, "--seed", 7, "--json", out], timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
-    assert sorted(line.split(":")[0] for line in lines) == [f"rank {r} of {world_size}" for r in range(world_size)]
-    np.testing.assert_allclose(json.loads(out.read_text())["results"]["sum"],
-                               bare_spawn_reference(world_size, 6, 7), rtol=0, atol=1e-12)
+    assert sorted(line.split(" (")[0] for line in lines) == [f"rank {r} of {world_size}" for r in range(world_size)]
+    result = json.loads(out.read_text())["results"]
+    np.testing.assert_allclose(result["sum"], bare_spawn_reference(world_size, 6, 7), rtol=0, atol=1e-12)
+    # the drawn tree against what the processes printed themselves: the parent its pid and the store's address,
+    # each rank its pid and its parent's pid
+    parent = re.search(r"parent pid (\d+): spawning \d+ ranks; they meet at (\S+)", proc.stdout)
+    printed = {int(r): (int(pid), int(ppid)) for r, pid, ppid in
+               re.findall(r"rank (\d+) of \d+ \(pid (\d+), parent (\d+)\)", proc.stdout)}
+    assert {ppid for _, ppid in printed.values()} == {int(parent.group(1))}  # mp.spawn: all children of the parent
+    check_tree(result["layout"]["drawn"], int(parent.group(1)), printed, parent.group(2), listener=printed[0][0])
+
+
+def check_tree(drawn: dict, root: int, printed: dict[int, tuple[int, int]], address: str, listener: int) -> None:
+    """A one-level tree: `root` above W ranks (their printed pids), `listener` holding the store at `address`."""
+    ranks = {n["rank"]: n["pid"] for n in drawn["nodes"] if "rank" in n}
+    assert ranks == {r: pid for r, (pid, _) in printed.items()}
+    assert [n["pid"] for n in drawn["nodes"] if "rank" not in n] == [root]
+    assert sorted(map(tuple, drawn["edges"])) == sorted((root, pid) for pid, _ in printed.values())
+    assert drawn["store"] == {"address": address, "listener": listener}
+    assert sorted(drawn["clients"]) == sorted(pid for pid, _ in printed.values())
 
 
 @pytest.mark.timeout(180)
 def test_bare_spawn_runs_under_torchrun_and_reports_a_crashing_rank(tmp_path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     out = tmp_path / "r.json"
-    proc = run([*torchrun, CH01 / "bare_spawn.py", "--numel", 3, "--json", out], timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sum(line.startswith("rank ") and "of 2" in line for line in proc.stdout.splitlines()) == 2
-    np.testing.assert_allclose(json.loads(out.read_text())["results"]["sum"], bare_spawn_reference(2, 3, 0),
-                               rtol=0, atol=1e-12)
+    # Popen, not run(): the test records torchrun's own pid, which the drawn tree must have as the ranks' parent
+    agent = subprocess.Popen([*torchrun, str(CH01 / "bare_spawn.py"), "--numel", "3", "--json", str(out),
+                              "--plot-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=_script_env(None), cwd=ROOT)
+    stdout, stderr = agent.communicate(timeout=110)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert sum(line.startswith("rank ") and "of 2" in line for line in stdout.splitlines()) == 2
+    result = json.loads(out.read_text())["results"]
+    np.testing.assert_allclose(result["sum"], bare_spawn_reference(2, 3, 0), rtol=0, atol=1e-12)
+    printed = {int(r): (int(pid), int(ppid)) for r, pid, ppid in
+               re.findall(r"rank (\d+) of 2 \(pid (\d+), parent (\d+)\)", stdout)}
+    store = f"{result['layout']['ranks'][0]['store']}"
+    assert store.rsplit(":", 1)[0] in ("localhost", "127.0.0.1") and (tmp_path / "layout.png").is_file()
+    check_tree(result["layout"]["drawn"], agent.pid, printed, store, listener=agent.pid)  # the agent hosts it
     # mp.spawn passes on one failed process's traceback (not always the rank that crashed) and stops the rest
     crash = run([CH01 / "bare_spawn.py", "-w", 3, "--crash-rank", 1], timeout=110)
     assert crash.returncode == 1, crash.stderr[-3000:]
     assert "a rank failed; the others were terminated" in crash.stderr
     assert "terminated with the following error" in crash.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+def test_observe_finds_the_listener_and_the_connections_of_a_real_socket() -> None:
+    """_layout.observe against sockets this test opens itself: it listens, then connects twice."""
+    layout = load_script(CH01 / "_layout.py")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        seen = layout.observe(port)
+        assert seen["store_listener"] == os.getpid() and seen["store_connections"] == 0
+        assert seen["pid"] == os.getpid() and seen["ppid"] == os.getppid()
+        with socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port)):
+            assert layout.observe(port)["store_connections"] == 2
+    assert layout.observe(port)["store_listener"] is None

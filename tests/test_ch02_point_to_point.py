@@ -60,7 +60,8 @@ def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
 def test_naive_swap_deadlocks_and_the_fixed_ones_complete(tmp_path) -> None:
     out = tmp_path / "d.json"
     # a hang would outlive run()'s timeout and fail the test; no assert on how fast the machine is
-    proc = run([CH02 / "deadlock.py", "--numel", 1 << 18, "--deadlock-timeout", 1.0, "--json", out], timeout=50)
+    proc = run([CH02 / "deadlock.py", "--numel", 1 << 18, "--deadlock-timeout", 1.0, "--json", out,
+                "--plot-dir", tmp_path], timeout=50)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())["results"]
     for rank, held in enumerate(result["per_rank"]):
@@ -71,6 +72,76 @@ def test_naive_swap_deadlocks_and_the_fixed_ones_complete(tmp_path) -> None:
         for info in held["fixed"].values():
             assert info["from_rank"] == rank ^ 1
     assert "deadlocked: timed out after 1.0 s" in proc.stdout
+    check_lanes(result["lanes"], result["world_size"])
+    assert (tmp_path / "lanes.png").stat().st_size > 1000
+
+
+# The programs the three versions run, written out here and not taken from the script: (call, peer) per rank.
+PROGRAMS = {
+    "naive: send first on both": lambda r: [("send", r ^ 1), ("recv", r ^ 1)],
+    "fix: ordered send/recv": lambda r: [("send", r ^ 1), ("recv", r ^ 1)] if r % 2 == 0 else
+    [("recv", r ^ 1), ("send", r ^ 1)],
+    "fix: isend + irecv + wait": lambda r: [("isend", r ^ 1), ("irecv", r ^ 1), ("wait(isend)", r ^ 1),
+                                             ("wait(irecv)", r ^ 1)],
+}
+
+
+def rendezvous_oracle(programs: dict[int, list]) -> dict[int, tuple[list, str | None]]:
+    """Run the programs under rendezvous semantics (a send and its recv complete together, nothing is buffered):
+    per rank, the calls it enters and the call it stays blocked in (None if it finishes)."""
+    pc = dict.fromkeys(programs, 0)
+    posted: dict[int, list] = {r: [] for r in programs}  # [kind, peer, matched]
+    entered: dict[int, list] = {r: [] for r in programs}
+
+    def post(r: int, kind: str, peer: int) -> list:
+        op = [kind, peer, False]
+        want = "recv" if kind == "send" else "send"
+        for other in posted[peer]:
+            if other[0] == want and other[1] == r and not other[2]:
+                other[2] = op[2] = True
+                break
+        posted[r].append(op)
+        return op
+
+    pending: dict[int, list | None] = dict.fromkeys(programs)
+    progress = True
+    while progress:
+        progress = False
+        for r, program in programs.items():
+            while pc[r] < len(program):
+                call, peer = program[pc[r]]
+                if pending[r] is None:
+                    entered[r].append(call)
+                    if call.startswith("wait"):
+                        kind = "send" if "isend" in call else "recv"
+                        pending[r] = next(op for op in posted[r] if op[0] == kind and op[1] == peer)
+                    else:
+                        pending[r] = post(r, call.lstrip("i"), peer)
+                if call in ("isend", "irecv") or pending[r][2]:
+                    pending[r], pc[r], progress = None, pc[r] + 1, True
+                else:
+                    break
+    return {r: (entered[r], program[pc[r]][0] if pc[r] < len(program) else None) for r, program in programs.items()}
+
+
+def check_lanes(drawn: dict, world_size: int) -> None:
+    """The drawn lanes: the point-to-point calls each rank entered, and the one it stayed stuck in, are the ones
+    the rendezvous oracle predicts; a recv never returns before its partner's send has started."""
+    assert list(drawn) == list(PROGRAMS)
+    for variant, program in PROGRAMS.items():
+        predicted = rendezvous_oracle({r: program(r) for r in range(world_size)})
+        calls = drawn[variant]
+        for rank in range(world_size):
+            mine = [c for c in calls if c["rank"] == rank and c["call"] not in ("barrier", "new_group")]
+            want, blocked = predicted[rank]
+            assert [c["call"] for c in mine] == want, (variant, rank, mine)
+            stuck = [c["call"] for c in mine if c["outcome"] == "raised"]
+            assert stuck == ([] if blocked is None else [blocked]), (variant, rank, mine)
+            for c in mine:
+                assert 0 <= c["start_ms"] <= c["end_ms"]
+                if c["call"] in ("recv", "wait(irecv)") and c["outcome"] == "returned":
+                    send = next(s for s in calls if s["rank"] == c["peer"] and s["call"] in ("send", "isend"))
+                    assert c["end_ms"] >= send["start_ms"], (variant, c, send)
 
 
 def test_stage_split_covers_every_block_once() -> None:
@@ -144,3 +215,11 @@ def test_an_unchecked_mismatch_fails_the_job_without_hanging(world_size: int) ->
     proc = run([CH02 / "debugging.py", "--unchecked", "--smoke", "-w", world_size], timeout=100)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "killed by SIGABRT" in proc.stderr or "self-check failed" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_oracle_itself_deadlocks_a_ring_of_senders_and_not_an_ordered_one() -> None:
+    ring = rendezvous_oracle({r: [("send", (r + 1) % 3), ("recv", (r - 1) % 3)] for r in range(3)})
+    assert all(blocked == "send" for _, blocked in ring.values())
+    ordered = rendezvous_oracle({r: [("send", (r + 1) % 3), ("recv", (r - 1) % 3)] if r % 2 == 0 else
+                                 [("recv", (r - 1) % 3), ("send", (r + 1) % 3)] for r in range(3)})
+    assert all(blocked is None for _, blocked in ordered.values())

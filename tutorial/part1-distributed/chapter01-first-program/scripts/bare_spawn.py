@@ -6,6 +6,10 @@ only torch and the standard library. It sets the rendezvous address itself, star
 sum computed with no communication, and leaves the group. The book's launcher (mlsys.launch) does the same job;
 chapter 1's lesson shows what it adds on top and why.
 
+For the book, each rank also records its pid, its parent's pid and which process listens on the store's port
+(`for_the_book`, with the chapter's _layout.py), and the parent draws the process tree (layout.png; printed as
+`figure: <path>`). A copy of the program for your own use can drop those parts.
+
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 4
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 1
@@ -58,18 +62,76 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         expected = sum(rank_tensor(r, args.numel, args.seed) for r in range(world_size))
         err = (x.cpu() - expected).abs().max().item()
         # one write per line: print's separate writes of text and newline can interleave between processes
-        sys.stdout.write(f"rank {rank} of {world_size}: all_reduce sum[:2] = "
-                         f"[{x[0].item():.4f}, {x[1 % args.numel].item():.4f}], max error vs local sum {err:.1e}\n")
+        sys.stdout.write(f"rank {rank} of {world_size} (pid {os.getpid()}, parent {os.getppid()}): all_reduce "
+                         f"sum[:2] = [{x[0].item():.4f}, {x[1 % args.numel].item():.4f}], "
+                         f"max error vs local sum {err:.1e}\n")
         sys.stdout.flush()
         if err > 1e-9 * world_size:
             raise RuntimeError(f"rank {rank}: all_reduce differs from the local sum by {err:.3g}")
-        if rank == 0 and args.json:
-            with open(args.json, "w") as f:
-                json.dump({"settings": vars(args) | {"world_size": world_size},
-                           "results": {"sum": x.cpu().tolist(), "max_error": err}}, f, indent=1)
+        for_the_book(rank, world_size, x, err, args)  # the book's JSON and process picture: not needed to run
     finally:
         dist.destroy_process_group()  # leave the group, error or not
 # --8<-- [end:worker]
+
+
+# ---- for the book: record where each rank ran, and draw it. A copy of the program can drop all of this. ----
+# --8<-- [start:book]
+def for_the_book(rank: int, world_size: int, x: torch.Tensor, err: float, args: argparse.Namespace) -> None:
+    """Collective: every rank observes its pids and the store's sockets; rank 0 writes the JSON and, under
+    torchrun (no parent of ours to do it), draws the process tree itself."""
+    import _layout  # this chapter's helper: standard library and /proc only
+
+    mine = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+            "store": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            **_layout.observe(int(os.environ["MASTER_PORT"]))}
+    ranks: list = [None] * world_size
+    dist.all_gather_object(ranks, mine)
+    if rank != 0:
+        return
+    layout = {"parent_pid": None, "ranks": ranks}
+    if getattr(args, "layout_file", ""):  # spawned: the parent draws, with its own pid as the root
+        with open(args.layout_file, "w") as f:
+            json.dump(ranks, f)
+    else:  # torchrun: our parent is torchrun's agent
+        title = f"torchrun --nproc-per-node {world_size}: the process tree"
+        path, layout["drawn"] = _layout.draw(ranks, os.getppid(), {os.getppid(): "torchrun (its elastic agent)"},
+                                             args, "layout", title)
+        print(f"figure: {path}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "layout_file"} |
+                       {"world_size": world_size},
+                       "results": {"sum": x.cpu().tolist(), "max_error": err, "layout": layout}}, f, indent=1)
+# --8<-- [end:book]
+
+
+def layout_file() -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="bare_spawn_layout_", suffix=".json")
+    os.close(fd)
+    return path
+
+
+def draw_spawn_layout(args: argparse.Namespace) -> None:
+    """In the parent, after mp.spawn returned: draw the tree from the ranks' observations, rooted at our own pid."""
+    import _layout
+
+    with open(args.layout_file) as f:
+        text = f.read()
+    os.unlink(args.layout_file)
+    if not text:  # the job failed before rank 0 wrote it
+        return
+    ranks = json.loads(text)
+    path, drawn = _layout.draw(ranks, os.getpid(), {os.getpid(): "python bare_spawn.py (calls mp.spawn)"}, args,
+                               "layout", f"mp.spawn, {len(ranks)} ranks: the process tree")
+    print(f"figure: {path}")
+    if args.json:  # rank 0 wrote the results; add what the parent itself knows
+        with open(args.json) as f:
+            doc = json.load(f)
+        doc["results"]["layout"].update(parent_pid=os.getpid(), drawn=drawn)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,6 +144,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of rank 0's tensor; rank r uses seed + r")
     parser.add_argument("--smoke", action="store_true", help="the smallest run: 2 ranks, 4 elements")
     parser.add_argument("--json", default="", help="rank 0 writes its settings and results here")
+    parser.add_argument("--plot-dir", default="", help="where the process-layout figure goes "
+                        "(default: .cache/figures/bare_spawn)")
 
     def usage_error(message: str) -> None:  # one line and exit code 2, like every script in the book
         print(f"{os.path.basename(sys.argv[0])}: {message}", file=sys.stderr)
@@ -118,6 +182,9 @@ def main() -> int:
         return 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the children inherit the environment
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    print(f"parent pid {os.getpid()}: spawning {args.world_size} ranks; they meet at "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    args.layout_file = layout_file()  # for the book's figure: rank 0 leaves what the ranks observed there
     try:
         mp.spawn(worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
     except mp.ProcessRaisedException as err:  # a rank raised: spawn stopped the others and passes its traceback
@@ -126,6 +193,8 @@ def main() -> int:
     except mp.ProcessExitedException as err:  # a rank died without a Python exception (a signal, os._exit)
         print(f"a rank died: {err}", file=sys.stderr)
         return 1
+    finally:
+        draw_spawn_layout(args)  # the book's figure of the processes that ran (skipped if the job failed)
     return 0
 
 

@@ -26,6 +26,7 @@ Try next
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -95,9 +96,34 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     # Collect what each rank really holds, so rank 0 can report and draw it.
     held = [None] * ctx.world_size
     dist.all_gather_object(held, {"before": x.tolist(), "gathered": torch.stack(gathered).flatten().tolist(),
-                                  "summed": summed.tolist()})
+                                  "summed": summed.tolist(), "process": where_am_i(ctx)})
     return {"world_size": ctx.world_size, "backend": ctx.backend, "per_rank": held}
 # --8<-- [end:worker]
+
+
+def where_am_i(ctx: RankContext) -> dict:
+    """For the process-layout figure: this rank's pids and what it sees of the store's sockets (see _layout.py)."""
+    import _layout  # this chapter's helper
+
+    port = int(os.environ["MASTER_PORT"])
+    return {"rank": ctx.rank, "local_rank": ctx.local_rank, "store": f"{os.environ['MASTER_ADDR']}:{port}",
+            **_layout.observe(port)}
+
+
+def draw_layout(result: dict, args: Settings) -> tuple[str, dict]:
+    """The process tree the ranks observed, rooted at this process (the launcher), or at torchrun's agent."""
+    import _layout
+
+    ranks = [held["process"] for held in result["per_rank"]]
+    if cli.under_torchrun():
+        root, roles = os.getppid(), {os.getppid(): "torchrun (its elastic agent)"}
+        title = f"torchrun --nproc-per-node {len(ranks)} hello_distributed.py: the process tree"
+    else:
+        root = os.getpid()
+        roles = {root: "python hello_distributed.py (the launcher)"}
+        roles |= {r["ppid"]: "fork server (torch already imported)" for r in ranks if r["ppid"] != root}
+        title = f"The book's launcher, {len(ranks)} ranks: the process tree"
+    return _layout.draw(ranks, root, roles, args, "layout", title)
 
 
 def draw(result: dict, args: Settings) -> str:
@@ -126,6 +152,9 @@ def main() -> int:
         return 0
     print(f"OK: all_gather and all_reduce match the expected values on all {result['world_size']} ranks")
     print(f"figure: {draw(result, args)}")
+    path, drawn = draw_layout(result, args)
+    print(f"figure: {path}")
+    result["layout"] = {"parent_pid": None if cli.under_torchrun() else os.getpid(), "drawn": drawn}
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)
     return 0

@@ -16,6 +16,9 @@ What it shows
               deadlock the lesson describes, for any W >= 2.
     The two fixed versions check that each rank received its partner's tensor (exit 1 if not). The broken group
     is destroyed afterwards; the default group was never involved, so the job goes on normally.
+    The figure (lanes.png, printed as `figure: <path>`) draws every call each rank made in the large naive attempt
+    and in both fixes, from when it was entered to when it returned or raised, one lane per rank; the same calls
+    are in the JSON under `lanes`.
 
 How to run (even world sizes; any W >= 2 with --ring)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py
@@ -37,19 +40,21 @@ Try next
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     numel: int = 1 << 22
     """Elements (float32) in the large tensor each partner sends: 4M elements = 16 MiB."""
     deadlock_timeout: float = 2.0
@@ -141,14 +146,72 @@ def nonblocking_swap(ctx: RankContext, mine: torch.Tensor, ring: bool = False) -
 # --8<-- [end:fixed]
 
 
+# ---- the lanes figure: every call each rank really made, with when it started and when it returned or raised ----
+# --8<-- [start:recording]
+RECORDED = ("barrier", "new_group", "send", "recv", "isend", "irecv")
+
+
+class _Request:
+    """Stands in for the request isend/irecv return, so that its wait() is recorded too."""
+
+    def __init__(self, request, log, name: str, peer: int) -> None:
+        self._request, self._log, self._name, self._peer = request, log, name, peer
+
+    def wait(self, *args, **kwargs):
+        with self._log(f"wait({self._name})", self._peer):
+            return self._request.wait(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording(calls: list[dict]):
+    """Wrap the torch.distributed functions the swaps call (as `dist.send(...)` etc.) so that each call appends
+    {call, peer, start, end, outcome} to `calls` (perf_counter seconds; one clock for every process of a machine)."""
+
+    @contextlib.contextmanager
+    def log(name: str, peer: int | None):
+        entry = {"call": name, "peer": peer, "start": time.perf_counter(), "outcome": "returned"}
+        calls.append(entry)
+        try:
+            yield
+        except BaseException:
+            entry["outcome"] = "raised"
+            raise
+        finally:
+            entry["end"] = time.perf_counter()
+
+    def wrap(name: str, fn):
+        @functools.wraps(fn)
+        def recorded(*args, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src"))
+            with log(name, peer):
+                out = fn(*args, **kwargs)
+            return _Request(out, log, name, peer) if name in ("isend", "irecv") else out
+        return recorded
+
+    originals = {name: getattr(dist, name) for name in RECORDED}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+# --8<-- [end:recording]
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
-    naive = [naive_swap(ctx, numel, args.deadlock_timeout, args.ring) for numel in (1, args.numel)]
+    calls: dict[str, list] = {}
+    naive = [naive_swap(ctx, 1, args.deadlock_timeout, args.ring)]
+    with recording(calls.setdefault("naive: send first on both", [])):
+        naive.append(naive_swap(ctx, args.numel, args.deadlock_timeout, args.ring))
     mine = payload(ctx.rank, args.numel, ctx.device)
     want = payload(peers(ctx, args.ring)[1], args.numel, ctx.device)
     fixed = {}
     for name, swap in (("ordered send/recv", ordered_swap), ("isend + irecv + wait", nonblocking_swap)):
-        start = time.perf_counter()
-        theirs = swap(ctx, mine, args.ring)
+        with recording(calls.setdefault(f"fix: {name}", [])):
+            dist.barrier()  # start together, so the lanes line up
+            start = time.perf_counter()
+            theirs = swap(ctx, mine, args.ring)
         fixed[name] = {"seconds": round(time.perf_counter() - start, 4), "from_rank": int(theirs[0].item())}
         report.expect_equal(f"rank {ctx.rank} {name}", theirs, want)
 
@@ -164,9 +227,57 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                      f"got rank {info['from_rank']}'s tensor")
     ctx.print_ordered("\n".join(lines))
     everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, {"rank": ctx.rank, "naive": naive, "fixed": fixed})
+    dist.all_gather_object(everyone, {"rank": ctx.rank, "naive": naive, "fixed": fixed, "calls": calls})
     return {"world_size": ctx.world_size, "numel": args.numel, "deadlock_timeout": args.deadlock_timeout,
             "per_rank": everyone}
+
+
+def lanes(per_rank: list[dict]) -> dict[str, list[dict]]:
+    """Per variant, every rank's recorded calls in ms since the first rank entered that variant's first call."""
+    out = {}
+    for variant in per_rank[0]["calls"]:
+        origin = min(c["start"] for p in per_rank for c in p["calls"][variant])
+        out[variant] = [{"rank": p["rank"], "call": c["call"], "peer": c["peer"], "outcome": c["outcome"],
+                         "start_ms": round(1e3 * (c["start"] - origin), 3),
+                         "end_ms": round(1e3 * (c["end"] - origin), 3)}
+                        for p in per_rank for c in p["calls"][variant]]
+    return out
+
+
+def draw(drawn: dict[str, list[dict]], world_size: int, numel: int, args: Settings) -> str:
+    """One panel per variant, one lane per rank, one box per call from its start to its return (or its error)."""
+    plt = plot.pyplot()
+    kind = {"barrier": "barrier / new_group (set-up)", "new_group": "barrier / new_group (set-up)",
+            "send": "blocking send", "recv": "blocking recv", "isend": "post isend / irecv",
+            "irecv": "post isend / irecv", "wait(isend)": "wait", "wait(irecv)": "wait"}
+    palette = plot.colours(dict.fromkeys(kind.values()))
+    names = [f"rank {r}" for r in range(world_size)]
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(10, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
+    for ax, (variant, calls) in zip(axes, drawn.items()):
+        spans = [plot.Span(f"rank {c['rank']}", c["start_ms"], c["end_ms"],
+                           c["call"] + ("" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} "
+                                        f"{c['peer']}"), kind[c["call"]]) for c in calls]
+        plot.timeline(ax, spans, names, unit="ms", palette=palette, legend=False)
+        width = max(c["end_ms"] for c in calls)
+        for c in calls:
+            y = world_size - 1 - c["rank"]
+            if c["call"] in ("isend", "irecv"):  # posting takes microseconds: mark it instead of a box
+                ax.annotate(c["call"], (c["start_ms"], y + 0.4), xytext=(-12 if c["call"] == "isend" else 12, 7),
+                            textcoords="offset points", ha="center", fontsize=7,
+                            arrowprops={"arrowstyle": "-", "lw": 0.8})
+            if c["outcome"] == "raised":
+                ax.text(c["end_ms"] + 0.005 * width, y, "gave up at the timeout; never reached its recv", va="center",
+                        fontsize=8, color="C3", ha="left")
+        ax.set_xlim(0, width * (1.45 if any(c["outcome"] == "raised" for c in calls) else 1.02))
+        ax.set_title(variant, fontsize=9, loc="left", pad=12)
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(facecolor=c, edgecolor="black", label=k) for k, c in palette.items()],
+               loc="lower center", ncol=len(palette), fontsize=8, frameon=False)
+    fig.suptitle(f"Swapping {numel:,} float32 elements, every call each rank made. Each panel has its own time "
+                 "scale:\n0 ms is the moment the first rank entered that version's first call", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return str(plot.save(fig, args, "lanes"))
 
 
 def main() -> int:
@@ -182,6 +293,10 @@ def main() -> int:
           f"{result['deadlock_timeout']} s timeout")
     print(f"OK: the ordered and the non-blocking swaps delivered every {'left neighbour' if args.ring else 'partner'}"
           "'s tensor")
+    result["lanes"] = lanes(result["per_rank"])
+    for p in result["per_rank"]:
+        del p["calls"]  # raw perf_counter seconds: the lanes hold the same calls, in ms from a common origin
+    print(f"figure: {draw(result['lanes'], result['world_size'], args.numel, args)}")
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)
     return 0

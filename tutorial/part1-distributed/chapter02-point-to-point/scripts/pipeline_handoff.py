@@ -7,7 +7,7 @@ What it shows
               from the next rank, backpropagates through its own layers, and sends d(loss)/d(input) to the
               previous one. The last rank's output and every parameter's gradient (gathered to rank 0) are
               compared with the same model run in one process (tolerance 1e-6). The figure is a timeline of
-              the step: when each stage computed, sent, or waited in a recv.
+              the step: when each stage set up, computed, sent, or waited in a recv.
     PITFALLS  (--pitfalls, on by default) two bugs that give a wrong answer without any error, each shown wrong,
               then right, with a check that the wrong version really differs:
               buffer reuse   the sender changes a tensor after isend() but before wait(): gloo reads the tensor
@@ -103,7 +103,8 @@ def reference(args: Settings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def pipeline_step(ctx: RankContext, args: Settings, events: list | None = None,
                   ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """One forward + backward of this rank's stage. Returns (output on the last rank else None, local grads).
-    `events`, if given, receives (what, start, end) in time.perf_counter seconds for the timeline figure."""
+    `events`, if given, receives (what, start, end) in time.perf_counter seconds for the timeline figure, from
+    the moment this call began."""
     events = [] if events is None else events
     clock = [time.perf_counter()]
 
@@ -118,12 +119,13 @@ def pipeline_step(ctx: RankContext, args: Settings, events: list | None = None,
     is_first, is_last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
     x, target = (t.to(ctx.device) for t in make_batch(args.batch_size, args.seed))
 
+    mark("set-up")  # from the moment this rank entered the step: building its stage and the batch
+
     # forward: receive the previous stage's activation (batch, hidden), run our blocks, send the result on
     if is_first:
         inp = x
     else:
         inp = torch.empty(args.batch_size, args.hidden, device=ctx.device)
-        clock[0] = time.perf_counter()
         dist.recv(inp, src=ctx.rank - 1)
         mark("waiting in recv")
         inp.requires_grad_(True)  # a leaf of this rank's graph: backward will fill inp.grad for the previous rank
@@ -215,7 +217,7 @@ def run_pitfalls(ctx: RankContext) -> dict:
 def worker(ctx: RankContext, args: Settings) -> dict:
     events: list = []
     pipeline_step(ctx, args)  # warm-up: a process's first backward also starts autograd's worker threads
-    dist.barrier()  # start together, so the timeline shows the hand-offs, not the start-up
+    dist.barrier()  # start (nearly) together: the ranks leave the barrier within a few ms of each other
     out, grads = pipeline_step(ctx, args, events)
     timeline: list = [None] * ctx.world_size
     dist.all_gather_object(timeline, events)  # perf_counter is one clock for all processes of a machine
@@ -250,16 +252,16 @@ def draw(timeline: list[list], args: Settings) -> str:
     """One row per stage: when it computed forward or backward, sent, or waited in a recv."""
     plt = plot.pyplot()
     start = min(t0 for events in timeline for _, t0, _ in events)
-    colours = {"forward": "C0", "backward": "C2", "send": "C1", "waiting in recv": "#cccccc"}
+    colours = {"set-up": "#e8e0f0", "forward": "C0", "backward": "C2", "send": "C1", "waiting in recv": "#cccccc"}
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(timeline)))
     for rank, events in enumerate(timeline):
         for what, t0, t1 in events:
             ax.barh(rank, 1e3 * (t1 - t0), left=1e3 * (t0 - start), color=colours[what], edgecolor="none")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
-              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, fontsize=8)
     ax.set_yticks(range(len(timeline)), [f"stage {r} (rank {r})" for r in range(len(timeline))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the ranks started the step together")
+    ax.set_xlabel("ms since the first rank left the barrier before the step (each row starts when its rank left it)")
     ax.set_title("One forward and backward through the pipeline: what each stage was doing")
     return str(plot.save(fig, args, "timeline"))
 
