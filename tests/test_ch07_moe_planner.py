@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,9 +97,10 @@ def ep_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("moe") / "moe.json"
     proc = run([CH07 / "moe_expert_parallel.py", "-w", "4", "--top-k", "1", "--no-renormalize", "--tokens", "48",
                 "--hidden", "16", "--train-steps", "0", "--factors", "0.5", "1.0", "2.0",
-                "--json", out], timeout=110)
+                "--json", out, "--plot-dir", out.parent], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: expert-parallel output" in proc.stdout
+    assert (out.parent / "dispatch.png").exists()
     return json.loads(out.read_text())
 
 
@@ -131,6 +133,22 @@ def test_drop_table_recomputed_in_process(ep_run):
                 assert kept <= row["capacity"] and (dropped == 0 or kept == row["capacity"])
         rates.append(row["drop_rate"])
     assert rates == sorted(rates, reverse=True)  # more capacity never drops more
+
+
+@pytest.mark.timeout(120)
+def test_dispatch_picture_send_counts_are_a_bincount_of_the_routing(ep_run):
+    """dispatch.png is drawn from the real routing of a tiny batch: the rows it says each rank sends to each rank
+    are a numpy bincount of the owners of the kept choices, and the all-to-all sent exactly those rows."""
+    d = ep_run["results"]["dispatch"]
+    W, E = ep_run["results"]["world_size"], ep_run["settings"]["num_experts"]
+    experts, keep = np.array(d["experts"]), np.array(d["keep"], dtype=bool)  # (W, n, k) each
+    assert experts.shape == (W, d["tokens_per_rank"], ep_run["settings"]["top_k"])
+    want = [np.bincount(experts[r][keep[r]] // (E // W), minlength=W).tolist() for r in range(W)]
+    assert d["drawn"]["send_counts"] == want
+    assert d["sent_rows"] == want  # what the all-to-all really carried
+    lines = d["drawn"]["lines"]  # one per (rank, token, choice), kept or dropped
+    assert sorted((r, t, c, e, k) for r, t, c, e, _, k in lines) == sorted(
+        (r, t, c, int(experts[r, t, c]), bool(keep[r, t, c])) for r, t, c in np.ndindex(*experts.shape))
 
 
 # ----------------------------------------------------------------------------------------------- the planner

@@ -157,9 +157,55 @@ def _gather_subgroup(ctx, m: int) -> list[dict]:
 def schedules_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ch07") / "schedules.json"
     proc = run([SCRIPTS / "pipeline_schedules.py", "-w", "3", "--micro-batches", "5", "--layers", "3", "--double",
-                "--json", out], timeout=110)
+                "--json", out, "--plot-dir", out.parent], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("ideal_schedules.png", "fill_drain.gif", "fill_drain_strip.png"):
+        assert (out.parent / name).exists() and f"figure: {out.parent / name}" in proc.stdout, name
     return json.loads(out.read_text())["results"]
+
+
+def tick_by_tick(orders: list[list[tuple[str, int]]]) -> tuple[list[list[tuple[str, int, int]]], int]:
+    """Brute force: advance a clock one tick at a time. A free stage starts its next action when the action's input
+    finished at an earlier or the same tick: F(i) on stage s after F(i) on s - 1, B(i) after B(i) on s + 1 (the
+    last stage after its own F(i)). F takes 1 tick, B 2. Returns each stage's (kind, mb, start) and the end tick."""
+    p = len(orders)
+    finished: dict = {}  # (kind, mb, stage) -> tick
+    pos, free, started = [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        for s in range(p):
+            if free[s] > t or pos[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][pos[s]]
+            need = (("F", i, s - 1) if s else None) if kind == "F" else ("F", i, s) if s == p - 1 else ("B", i, s + 1)
+            if need is None or finished.get(need, t + 1) <= t:
+                free[s] = finished[(kind, i, s)] = t + (1 if kind == "F" else 2)
+                started[s].append((kind, i, t))
+                pos[s] += 1
+        t += 1
+    return started, max(finished.values())
+
+
+@pytest.mark.timeout(120)
+def test_ideal_picture_is_the_brute_force_clock_of_the_orders_run(schedules_run: dict) -> None:
+    """ideal_schedules.png and fill_drain.gif draw the orders each stage ran: every box where a tick-by-tick clock
+    puts it, the idle ticks counted on the picture equal to the clock's, and (third) to the bubble formula."""
+    p, m = 3, 5
+    for name in ("gpipe", "1f1b"):
+        run_orders = [[(a[0], int(a[1:])) for a in row["order"].split()] for row in schedules_run["schedules"][name]]
+        assert run_orders == [schedule_actions(name, s, p, m) for s in range(p)]
+        started, end = tick_by_tick(run_orders)
+        boxes = schedules_run["ideal"][name]["boxes"]
+        drawn = [[(b["kind"], b["mb"], b["start"]) for b in boxes if b["rank"] == s] for s in range(p)]
+        assert drawn == started, name
+        assert all(b["end"] - b["start"] == (1 if b["kind"] == "F" else 2) for b in boxes)
+        idle = [end - sum(b["end"] - b["start"] for b in boxes if b["rank"] == s) for s in range(p)]
+        busy = [set() for _ in range(p)]  # the clock's busy ticks of every stage, counted one by one
+        for s in range(p):
+            for kind, _, start in started[s]:
+                busy[s].update(range(start, start + (1 if kind == "F" else 2)))
+        assert idle == [end - len(b) for b in busy] == schedules_run["ideal"][name]["idle_ticks"], name
+        assert [i / end for i in idle] == pytest.approx([bubble_fraction(p, m)] * p)
 
 
 @pytest.mark.timeout(120)

@@ -68,6 +68,38 @@ def test_the_runs_counted_bubble_is_the_brute_force_count_of_their_orders(real_r
             assert row["counted"] == pytest.approx(row["formula"], abs=1e-12), name
 
 
+@pytest.mark.timeout(120)
+def test_the_drawn_ideal_timelines_match_a_brute_force_clock(real_run) -> None:
+    """timelines.png draws, per schedule, the orders the ranks ran: the boxes on each rank are those orders, and
+    the idle ticks counted on the picture (in ticks of one stage's forward) are the tick-by-tick clock's; the
+    formula is only the third check."""
+    p, v, m = real_run["p"], real_run["v"], real_run["m"]
+    for name in NAMES:
+        row = real_run["schedules"][name]
+        orders = {int(r): parse(text) for r, text in row["order"].items()}
+        boxes = row["drawn_ideal"]  # [rank, kind, stage, mb, start, end], one micro-batch's forward on a rank = 1
+        assert {r: [(k, s, i) for rr, k, s, i, _, _ in sorted(boxes, key=lambda b: (b[0], b[4])) if rr == r]
+                for r in range(p)} == orders, name
+        chunks = zs.chunks_per_rank(name, v)
+        end = max(b[5] for b in boxes) * chunks
+        drawn_idle = [end - sum(b[5] - b[4] for b in boxes if b[0] == r) * chunks for r in range(p)]
+        shares, ticks = tick_count(orders, zs.placement(name, p, v))
+        assert end == pytest.approx(ticks), name
+        assert drawn_idle == pytest.approx([float(sh * ticks) for sh in shares], abs=1e-9), name
+        if zs.formula_holds(name, p, v, m):
+            assert [i / end for i in drawn_idle] == pytest.approx([zs.formula(name, p, v, m)] * p), name
+
+
+def test_ideal_boxes_of_torchs_plans_match_the_brute_force_clock() -> None:
+    """The drawing helper on torch's own plans (no process group): idle ticks on the boxes = the clock's."""
+    p, v, m = 4, 2, 8
+    for name in NAMES:
+        orders, chunks = zs.planned_orders(name, p, v, m), zs.chunks_per_rank(name, v)
+        boxes = zs.ideal_boxes(orders, zs.placement(name, p, v), chunks)
+        shares, ticks = tick_count(orders, zs.placement(name, p, v))
+        assert [i * chunks for i in zs.idle_ticks(boxes)] == pytest.approx([float(sh * ticks) for sh in shares])
+
+
 def parse(text: str) -> list[tuple[str, int, int]]:
     """'F0.1 I2.0' -> [("F", 0, 1), ("I", 2, 0)]"""
     return [(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in text.split()]

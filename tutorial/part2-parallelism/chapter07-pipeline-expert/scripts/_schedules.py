@@ -162,3 +162,44 @@ def p2p_messages(name: str, p: int, v: int, m: int) -> int:
     where = placement(name, p, v)
     crossings = sum(a != b for a, b in zip(where, where[1:]))
     return 2 * m * crossings
+
+
+# --------------------------------------------------------------------------------------- pictures of a plan
+KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad"}
+
+
+def ideal_boxes(orders: dict[int, Sequence[tuple[str, int, int]]], where: Sequence[int], chunks: int,
+                cost: dict[str, Fraction] = COST) -> list[dict]:
+    """The boxes of the ideal timeline of `orders` (see `replay`): [{rank, kind, stage, mb, start, end}], times
+    as floats in units of one micro-batch's forward on a rank. These are what `draw_ideal` draws."""
+    events = replay(orders, where, chunks, cost)
+    return [{"rank": r, "kind": e["kind"], "stage": e["stage"], "mb": e["mb"],
+             "start": float(e["start"]), "end": float(e["end"])} for r in sorted(events) for e in events[r]]
+
+
+def draw_ideal(ax, boxes: list[dict], title: str, until: float | None = None, legend: bool = True,
+               labels: bool = True) -> None:
+    """One row per rank, one box per action labelled with its micro-batch; white is idle time. With `until`,
+    only what has started by then, cut at `until` (a frame of the filling and draining animation)."""
+    from mlsys import plot
+
+    ranks = sorted({b["rank"] for b in boxes})
+    lanes = [f"rank {r}" for r in ranks]
+    palette = dict(zip(KIND_NAMES.values(), plot.colours(["F", "B", "I", "W"]).values()))
+    spans = [plot.Span(f"rank {b['rank']}", b["start"], b["end"] if until is None else min(b["end"], until),
+                       str(b["mb"]) if labels else "", KIND_NAMES[b["kind"]])
+             for b in boxes if until is None or b["start"] < until]
+    plot.timeline(ax, spans, lanes, palette=palette, legend=legend, fontsize=7)
+    end = max(b["end"] for b in boxes)
+    ax.set_xlim(0, end)
+    ax.set_xticks(range(0, int(end) + 1, 3 if end > 12 else 1))
+    if until is not None:
+        ax.axvline(until, color="black", lw=1.2)
+    ax.set_title(title, fontsize=9, loc="left")
+
+
+def idle_ticks(boxes: list[dict]) -> list[float]:
+    """Each rank's idle time on the drawn picture: the step's span minus the widths of the rank's boxes."""
+    span = max(b["end"] for b in boxes) - min(b["start"] for b in boxes)
+    ranks = sorted({b["rank"] for b in boxes})
+    return [span - sum(b["end"] - b["start"] for b in boxes if b["rank"] == r) for r in ranks]

@@ -18,8 +18,9 @@ What it shows
               cores the ranks also wait for a CPU, which blurs the wall-clock bubble; the script says so.
     MEMORY    the most micro-batch activations a rank holds at once, counted along the order it ran (a stage
               holds its activations from F until its last backward action): GPipe m, 1F1B at most p.
-    FIGURES   timelines.png (the replayed timeline of every schedule, one row per rank) and
-              timelines_measured.png (the same actions on the wall clock), into --plot-dir.
+    FIGURES   timelines.png (the replayed timeline of every schedule, one row per rank; the boxes drawn are in
+              the JSON as "drawn_ideal") and timelines_measured.png (the same actions on the wall clock), into
+              --plot-dir.
 
 How to run (world size 2..8; a pipeline needs 2 ranks, -w 1 is refused with exit 2; --micro-batches >= -w)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/interleaved_zero_bubble.py
@@ -215,7 +216,8 @@ def analyse(name: str, p: int, v: int, m: int, timeline: list) -> dict:
 def worker(ctx: RankContext, args: Settings) -> dict:
     p, v, m = ctx.world_size, args.virtual_stages, args.micro_batches
     ref_grads, ref_params, ref_loss = reference(args, p) if ctx.is_main else (None, None, None)
-    results: dict = {"p": p, "v": v, "m": m, "reference_loss": ref_loss, "schedules": {}}
+    results: dict = {"p": p, "v": v, "m": m, "reference_loss": ref_loss, "schedules": {},
+                     "cores": len(os.sched_getaffinity(0))}
     for name in zs.SCHEDULES:
         out = run_schedule(ctx, args, name)
         gathered: list = [None] * p
@@ -226,13 +228,16 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         row = analyse(name, p, v, m, out["best"]["timeline"])
         row.update(compare(name, gathered, ref_grads, ref_params, ref_loss, out["per_stage"]))
         row.update(wall_clock=out["best"]["mean"], wall_clock_per_rank=out["best"]["per_stage"],
-                   step_ms=1000 * out["best"]["span"], measured=out["best"]["timeline"])
+                   step_ms=1000 * out["best"]["span"], measured=out["best"]["timeline"],
+                   busy_ranks=sum(out["best"]["busy"]) / out["best"]["span"])  # ranks computing at once, mean
         results["schedules"][name] = row
     if ctx.is_main:
+        results["load_avg"] = os.getloadavg()[0]  # other programs' load stretches the wall clock, not the counts
         print_report(args, results)
-        draw(args, results)
-        for row in results["schedules"].values():  # the JSON keeps the numbers, not the two timelines
+        drawn = draw(args, results)
+        for name, row in results["schedules"].items():  # the JSON keeps the numbers and the boxes drawn
             del row["ideal"], row["measured"]
+            row["drawn_ideal"] = drawn[name]
     return results
 
 
@@ -275,6 +280,7 @@ def print_report(args: Settings, results: dict) -> None:
         rows.append({"schedule": name, "stages/rank": r["chunks"], "formula": round(r["formula"], 4),
                      "counted": round(r["counted"], 4), "idle slots": round(r["idle_slots"], 3),
                      "wall clock": round(r["wall_clock"], 3), "step ms": round(r["step_ms"], 1),
+                     "busy ranks": round(r["busy_ranks"], 2),
                      "peak held": max(r["peak_held"]), "p2p msgs": r["p2p_messages"],
                      "max|dparam|": r["max_param_diff"]})
     print(report.table(rows))
@@ -293,11 +299,16 @@ def print_report(args: Settings, results: dict) -> None:
             "and the counted ones are the measurement" if p > cores else
             "one core per rank; Python and message overheads still add to the wall-clock shares")
     print(f"\nwall clock: idle share from perf_counter stamps, fastest of {args.steps} steps; {note}.")
+    print(f"busy ranks: ranks computing at once, on average over the measured step ({cores} cores here, load "
+          f"average {results['load_avg']:.1f} when it ended); at or above the core count the cores, not the "
+          "schedule's gaps, set the step time")
     print("\ngradients and parameters after one SGD step equal one process for every schedule: OK")
 
 
-def draw(args: Settings, results: dict) -> None:
-    """One Gantt chart per schedule and rank: F blue, B orange, I red, W green, white = idle; paler = 2nd+ stage."""
+def draw(args: Settings, results: dict) -> dict:
+    """One Gantt chart per schedule and rank: F blue, B orange, I red, W green, white = idle; paler = 2nd+ stage.
+    Returns the boxes of the ideal chart, per schedule: [rank, kind, stage, micro-batch, start, end]."""
+    drawn: dict = {name: [] for name in results["schedules"]}
     plt = plot.pyplot()
     colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
     p, names = results["p"], list(results["schedules"])
@@ -315,6 +326,8 @@ def draw(args: Settings, results: dict) -> None:
                     pale = e["stage"] >= p  # a rank's later stages (interleaved and V placements)
                     ax.broken_barh([(x0, w)], (r - 0.4, 0.8), facecolors=colors[e["kind"]],
                                    alpha=0.55 if pale else 1.0, edgecolor="white", linewidth=0.4)
+                    if key == "ideal":
+                        drawn[name].append([r, e["kind"], e["stage"], e["mb"], x0, x0 + w])
             share = row["counted"] if key == "ideal" else row["wall_clock"]
             ax.set(yticks=range(p), yticklabels=[f"rank {r}" for r in range(p)], ylim=(p - 0.5, -0.5))
             ax.set_title(f"{name}: idle {share:.3f} ({'counted' if key == 'ideal' else 'wall clock'}), "
@@ -324,7 +337,8 @@ def draw(args: Settings, results: dict) -> None:
                        fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.15))
         axes[-1].set_xlabel(unit)
         fig.tight_layout()
-        plot.save(fig, args, fname)
+        print(f"figure: {plot.save(fig, args, fname)}")
+    return drawn
 
 
 def main() -> int:

@@ -72,6 +72,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Adam steps of the load-balancing comparison (0 skips it)."""
     aux_weight: float = 0.05
     """Weight of the auxiliary load-balancing loss in the comparison run (the other run uses 0)."""
+    example_tokens: int = 6
+    """Tokens per rank in the small routing drawn as dispatch.png (its own capacity group)."""
 
     def validate(self) -> None:
         if self.num_experts < 1 or self.world_size < 1 or self.num_experts % self.world_size:
@@ -80,6 +82,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError(f"--top-k must be in 1..{self.num_experts}, got {self.top_k}")
         if self.tokens < 1 or self.hidden < 1:
             raise cli.UsageError("--tokens and --hidden must be at least 1")
+        if not 1 <= self.example_tokens <= min(self.tokens, 16):
+            raise cli.UsageError(f"--example-tokens must be in 1..min(--tokens, 16), got {self.example_tokens}")
         if self.capacity_factor <= 0 or any(f <= 0 for f in self.factors):
             raise cli.UsageError("capacity factors must be positive")
         if self.train_steps < 0 or self.aux_weight < 0:
@@ -353,10 +357,25 @@ def train_balance(ctx: RankContext, args: Settings, aux_weight: float) -> dict:
     return {"aux_weight": aux_weight, "first": history[0], "last": history[-1]}
 
 
+def dispatch_example(ctx: RankContext, args: Settings) -> dict:
+    """A real routing of a tiny batch: the first --example-tokens tokens of every rank through `ep_forward`
+    (router, capacity, both all-to-alls), with every rank's top-k choices, keep mask and rows sent per rank."""
+    W, n, local = ctx.world_size, args.example_tokens, args.num_experts // ctx.world_size
+    moe = MoE(args).to(ctx.device)
+    bank = moe.experts.shard(ctx.rank * local, local)
+    x, _ = make_data(args, ctx.rank, ctx.device)
+    with torch.no_grad():
+        _, info = ep_forward(moe.gate, bank, x[:n], args, args.capacity_factor)  # (n, C) tokens of this rank
+    sent = gathered(torch.tensor(info["sent_rows"], device=ctx.device))  # (W*W,): [source rank, destination]
+    return {"tokens_per_rank": n, "capacity": expert_capacity(n, args.num_experts, args.top_k, args.capacity_factor),
+            "experts": gathered(info["experts"]).view(W, n, -1).tolist(),  # [rank][token][choice] -> expert
+            "keep": gathered(info["keep"]).view(W, n, -1).tolist(), "sent_rows": sent.view(W, W).tolist()}
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
     torch.manual_seed(args.seed)
     result = {"world_size": ctx.world_size, "check": check_against_dense(ctx, args),
-              "drop_table": drop_table(ctx, args)}
+              "dispatch": dispatch_example(ctx, args), "drop_table": drop_table(ctx, args)}
     if args.train_steps:
         result["training"] = [train_balance(ctx, args, w) for w in (0.0, args.aux_weight)]
     return result
@@ -381,7 +400,56 @@ def draw(result: dict, args: Settings) -> None:
                "s--", label="tokens with every choice dropped")
     right.set(xlabel="capacity factor", ylabel="fraction", title=f"drops, top-{args.top_k} of {args.num_experts}")
     right.legend(fontsize=8)
-    plot.save(fig, args, "moe_drops")
+    print(f"figure: {plot.save(fig, args, 'moe_drops')}")
+
+
+# --8<-- [start:draw_dispatch]
+def draw_dispatch(example: dict, args: Settings) -> dict:
+    """Tokens -> experts on their ranks (dispatch all-to-all) -> back to their tokens (combine all-to-all), one
+    line per (token, choice) of the real routing; a dropped choice ends in an x. Returns the lines drawn and the
+    rows each rank sends to each rank, counted from those lines."""
+    plt = plot.pyplot()
+    W, n, E = len(example["experts"]), example["tokens_per_rank"], args.num_experts
+    local = E // W
+    token_y = {(r, t): -(r * (n + 1) + t) for r in range(W) for t in range(n)}  # rank blocks, top to bottom
+    rows = W * (n + 1) - 1
+    expert_y = {e: -(e + 0.5) * rows / E + 0.5 for e in range(E)}
+    fig, ax = plt.subplots(figsize=(9, 0.3 * rows + 1.6))
+    colour = plot.colours(f"rank {r}" for r in range(W))
+    lines, send = [], [[0] * W for _ in range(W)]
+    for (r, t), y in token_y.items():
+        for choice, (e, kept) in enumerate(zip(example["experts"][r][t], example["keep"][r][t])):
+            lines.append([r, t, choice, e, e // local, bool(kept)])
+            c = colour[f"rank {r}"]
+            if kept:
+                send[r][e // local] += 1
+                ax.plot([0.15, 1.35], [y, expert_y[e]], color=c, lw=1.3)  # dispatch
+                ax.plot([1.65, 2.85], [expert_y[e], y], color=c, lw=1.3, ls="--")  # combine
+            else:  # over capacity: this choice never leaves the rank
+                ax.plot([0.15, 0.5], [y, y + (expert_y[e] - y) * 0.3], color="0.6", lw=1, ls=":")
+                ax.text(0.5, y + (expert_y[e] - y) * 0.3, "x", color="0.3", ha="center", va="center")
+        for x in (0, 3):
+            ax.text(x, y, f"r{r} t{t}", ha="center", va="center", fontsize=8,
+                    bbox={"boxstyle": "round", "fc": colour[f"rank {r}"], "alpha": 0.35})
+    for owner in range(W):  # experts grouped by the rank that owns them
+        ys = [expert_y[e] for e in range(owner * local, (owner + 1) * local)]
+        ax.add_patch(plt.Rectangle((1.3, min(ys) - 0.8), 0.4, max(ys) - min(ys) + 1.6, fc=colour[f"rank {owner}"],
+                                   alpha=0.15, ec="0.4"))
+        ax.text(1.5, max(ys) + 1.0, f"rank {owner}", ha="center", fontsize=8)
+        for e in range(owner * local, (owner + 1) * local):
+            ax.text(1.5, expert_y[e], f"expert {e}", ha="center", va="center", fontsize=8,
+                    bbox={"boxstyle": "round", "fc": "white"})
+    for x, head in ((0, "tokens, on their rank"), (0.75, "dispatch\n(all-to-all)"), (1.5, "experts compute"),
+                    (2.25, "combine\n(all-to-all back)"), (3, "weighted sum\nper token")):
+        ax.text(x, 2.2, head, ha="center", va="bottom", fontsize=9, weight="bold")
+    text = "; ".join(f"rank {r} sends " + ", ".join(f"{send[r][d]} to rank {d}" for d in range(W)) for r in range(W))
+    ax.text(1.5, -rows - 1.2, f"rows per rank pair: {text} (capacity {example['capacity']} per expert and rank)",
+            ha="center", va="top", fontsize=8)
+    ax.set(xlim=(-0.4, 3.4), ylim=(-rows - 2.2, 3.4))
+    ax.axis("off")
+    print(f"figure: {plot.save(fig, args, 'dispatch')}")
+    return {"lines": lines, "send_counts": send}
+# --8<-- [end:draw_dispatch]
 
 
 def main() -> int:
@@ -401,6 +469,13 @@ def main() -> int:
     print(f"dropped {c['dropped']} of {c['assignments']} assignments ({c['dropped'] / c['assignments']:.1%}); "
           f"{c['fully_dropped_tokens']} tokens lost all {k} experts")
     print(f"rank 0 sent {c['sent_rows']} rows to ranks 0..{args.world_size - 1} and received {c['received_rows']}")
+    d = result["dispatch"]
+    print(f"the small routing drawn in dispatch.png: the first {d['tokens_per_rank']} tokens of each rank, "
+          f"capacity {d['capacity']} per expert (tN->a,b: token N chose experts a and b; x = dropped)")
+    for r, (choices, keeps) in enumerate(zip(d["experts"], d["keep"])):
+        print(f"  rank {r}: " + "  ".join(f"t{t}->" + ",".join(f"{e}" + ("" if k else "x") for e, k in zip(es, ks))
+                                           for t, (es, ks) in enumerate(zip(choices, keeps))))
+    print(f"  rows sent [from rank][to rank]: {d['sent_rows']}")
     print(f"OK: expert-parallel output, drops, loss ({c['loss']:.6f} vs dense {c['loss_dense']:.6f}) and the "
           "gradients of router and experts equal the dense MoE in one process\n")
     print("dropped assignments per capacity factor (expert-parallel run, equal to the dense count):")
@@ -417,6 +492,7 @@ def main() -> int:
               f"{on['max_share']:.3f} vs {off['max_share']:.3f}, drop rate {on['drop_rate']:.3f} vs "
               f"{off['drop_rate']:.3f}, task loss {on['mse']:.3f} vs {off['mse']:.3f}")
     draw(result, args)
+    result["dispatch"]["drawn"] = draw_dispatch(result["dispatch"], args)
     if args.json:
         report.write_json(args.json, result, args)
     return 0

@@ -11,13 +11,17 @@ What it shows
     MEMORY    how many micro-batches each stage holds between their forward and their backward (their saved
               activations), counted while the schedule runs, and the bytes autograd kept for them (saved-tensor
               hooks, parameters excluded). GPipe holds all m; 1F1B holds at most p - s on stage s.
+    FIGURES   ideal_schedules.png: the orders the stages just ran, replayed on an ideal clock (a forward takes 1
+              tick, a backward 2, messages none), one row per stage, each box labelled with its micro-batch;
+              fill_drain.gif (+ fill_drain_strip.png): the same two timelines growing tick by tick, the pipeline
+              filling and draining. Both into --plot-dir; the boxes drawn are in the JSON under "ideal".
 
 How to run (world size 1..8, at most --layers)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py -w 4 --micro-batches 8
     torchrun --nproc-per-node 4 \
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 8
 
-Runtime on 2 cores: about 5 s with -w 4 --micro-batches 8, 3 s with --smoke.
+Runtime on 2 cores: about 8 s with -w 4 --micro-batches 8 (3 s of it drawing), 6 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 2
@@ -33,10 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import _schedules as zs
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.data import Tokenizer, get_batch, make_corpus
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
@@ -45,7 +50,7 @@ from mlsys.train import configure_optimizer
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks = pipeline stages p. Under torchrun it is taken from WORLD_SIZE."""
     micro_batches: int = 8
@@ -172,10 +177,56 @@ def print_report(args: Settings, rows: list, results: dict) -> None:
     print("\ngradients and parameters after one AdamW step match one process on every stage: OK")
 
 
+# --8<-- [start:draw]
+def draw_ideal(args: Settings, results: dict) -> dict:
+    """The orders every stage ran, replayed on an ideal clock (F = 1 tick, B = 2, messages free) and drawn: a
+    still of both schedules and an animation of them filling and draining. Returns the boxes it drew."""
+    plt = plot.pyplot()
+    drawn = {}
+    for name, stages in results["schedules"].items():  # the order each stage logged while it ran
+        orders = {row["stage"]: [(a[0], row["stage"], int(a[1:])) for a in row["order"].split()] for row in stages}
+        boxes = zs.ideal_boxes(orders, list(range(len(stages))), chunks=1)
+        drawn[name] = {"boxes": boxes, "idle_ticks": zs.idle_ticks(boxes)}
+        span = max(b["end"] for b in boxes)
+        idle = [round(i) for i in drawn[name]["idle_ticks"]]
+        print(f"ideal clock, {name}: {span:g} ticks; idle ticks per stage {idle}"
+              f" = share {drawn[name]['idle_ticks'][0] / span:.3f}")
+    titles = {name: f"{name}: idle {d['idle_ticks'][0]:g} of {max(b['end'] for b in d['boxes']):g} ticks per stage"
+              for name, d in drawn.items()}
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(10, 1.2 + 0.45 * len(results["schedules"]["gpipe"]) * 2),
+                             sharex=True)
+    for i, (ax, name) in enumerate(zip(axes, drawn)):
+        zs.draw_ideal(ax, drawn[name]["boxes"], titles[name], legend=i == 0)
+    axes[-1].set_xlabel("ticks (a forward = 1, a backward = 2, messages free)")
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'ideal_schedules')}")
+    end = max(b["end"] for d in drawn.values() for b in d["boxes"])
+    every = -(-int(end) // 6)  # at most 6 frames, the last one the finished step
+    ticks = [min(t, end) for t in range(every, int(end) + every, every)]
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(7, 0.8 + 0.3 * len(results["schedules"]["gpipe"]) * 2),
+                             sharex=True)
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.92, bottom=0.2, hspace=0.6)
+
+    def frame(i: int) -> None:
+        for ax, name in zip(axes, drawn):
+            ax.clear()
+            zs.draw_ideal(ax, drawn[name]["boxes"], f"{name} at tick {ticks[i]:g} (blue forward, orange backward)",
+                          until=ticks[i], legend=False, labels=False)
+        axes[-1].set_xlabel("ticks")
+
+    gif, strip = plot.animate(fig, frame, len(ticks), args, "fill_drain", fps=1.5, strip_columns=3)
+    print(f"figure: {gif}\nfigure: {strip}")
+    return drawn
+# --8<-- [end:draw]
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "micro_batches": 3},
                      world_sizes=range(1, 9), world_sizes_text="1..8")
     results = launch(worker, args)
+    if results is None:  # torchrun: only rank 0 reports
+        return 0
+    results["ideal"] = draw_ideal(args, results)
     if args.json:
         report.write_json(args.json, results, args)
     return 0
