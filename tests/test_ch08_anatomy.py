@@ -249,3 +249,94 @@ def test_lifecycle_kv_snapshots_hold_whole_blocks(small_model):
             assert len(table) == -(-tokens // bs), (tokens, table)
     mine = [snap[tr["rid"]][1] for snap in tr["kv"] if tr["rid"] in snap]
     assert all(a == b[: len(a)] for a, b in zip(mine, mine[1:]))
+
+
+# ------------------------------------------------------------------------------------ pictures vs oracles
+def test_flat_batch_picture_against_the_requests(small_model, tmp_path):
+    """flat_batch.png, drawn from the runner's real prepare call: one cell per token; the step holds the traced
+    prompt plus one decode per background request (counted from the prompts), positions are where each
+    sequence stands, and every slot is block_table[p // B] * B + p % B of that sequence's table."""
+    from types import SimpleNamespace
+
+    from mlsys.data import Tokenizer, make_corpus
+
+    rl = load_script(CH08 / "request_lifecycle.py")
+    background, prompt = 3, '{"name": "ada", '
+    engine = rl.busy_engine(small_model, background, seed=0)
+    batches = rl.record_flat_batches(engine)
+    tr = rl.trace_request(engine, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    batch = next(b for b in batches if tr["rid"] in b["request_ids"])
+    B = engine.config.block_size
+    cells = rl.draw_flat_batch(batch, tr["rid"], B, SimpleNamespace(plot_dir=str(tmp_path)))
+    assert (tmp_path / "flat_batch.png").exists()
+    # independent of the engine: prompt lengths of the requests, and where 1 prefill + 2 decode steps left them
+    lines = make_corpus(background, seed=0).splitlines()
+    want = {}  # request -> positions computed in this step
+    for i, line in enumerate(lines):
+        n = 1 + len(line[: 10 + 3 * i])  # <bos> + characters
+        want[i] = [n + 2]  # the prefill sampled position n, two decodes computed n and n + 1: now n + 2
+    want["traced"] = list(range(1 + len(Tokenizer().encode(prompt))))
+    assert len(cells) == sum(map(len, want.values())) == len(want["traced"]) + background
+    by_seq: dict[str, list[dict]] = {}
+    for c in cells:
+        by_seq.setdefault(c["request_id"], []).append(c)
+    assert sorted(len(v) for v in by_seq.values()) == sorted(len(v) for v in want.values())
+    assert [c["position"] for c in by_seq[tr["rid"]]] == want["traced"]
+    assert sorted(c["position"] for rid, cs in by_seq.items() if rid != tr["rid"] for c in cs) == sorted(
+        p for k, ps in want.items() if k != "traced" for p in ps)
+    for rid, cs in by_seq.items():
+        table = batch["block_tables"][batch["request_ids"].index(rid)]
+        assert [c["slot"] for c in cs] == [table[c["position"] // B] * B + c["position"] % B for c in cs]
+
+
+def simulate_scheduler(work: list[tuple[int, int]], seats: int, budget: int, static: bool) -> list[list]:
+    """Plain-Python scheduler: (prompt tokens, max_tokens) per request, all waiting at t = 0; per step the
+    (request, tokens) computed. Running first (oldest first), then admission while seats and budget last
+    (static: only into an empty batch, a whole batch at once); a request leaves after sampling max_tokens."""
+    need = [p for p, _ in work]  # tokens still to compute before the next sample
+    made, waiting, running, steps = [0] * len(work), list(range(len(work))), [], []
+    while waiting or running:
+        left, step = budget, []
+        for r in running:
+            n = min(need[r], left)
+            if n:
+                step.append((r, n))
+                left -= n
+        if not static or not running:
+            while waiting and len(running) < seats and (left > 0 or static):
+                r = waiting.pop(0)
+                running.append(r)
+                n = min(need[r], left)
+                if n:
+                    step.append((r, n))
+                    left -= n
+        for r, n in step:
+            need[r] -= n
+            if need[r] == 0:  # the chunk reached the end: one token sampled
+                made[r] += 1
+                need[r] = 1
+        running = [r for r in running if made[r] < work[r][1]]
+        steps.append(step)
+    return steps
+
+
+def test_seats_animation_against_a_plain_scheduler(small_model):
+    """seats.gif: the per-step batches of the real scheduler (both modes) equal a plain-Python simulation from
+    the requests' prompt lengths and max_tokens; tokens per step = the sum of its chunks and never exceed the
+    budget; the drawn cells are exactly those chunks, one seat per request at a time."""
+    bb = load_script(CH08 / "batching_bench.py")
+    work = [(chars + 1, n) for chars, n in bb.SEAT_DEMO]  # + <bos>
+    for mode in ("static", "continuous"):
+        steps = bb.seat_demo(small_model, mode)
+        want = simulate_scheduler(work, bb.SEAT_DEMO_SEATS, bb.SEAT_DEMO_BUDGET, static=mode == "static")
+        assert [[(f"r{r}", n) for r, n in s] for s in want] == steps, mode
+        assert all(sum(n for _, n in s) <= bb.SEAT_DEMO_BUDGET for s in steps)
+        assert sum(n for s in steps for _, n in s) == sum(p + t - 1 for p, t in work)  # every token but the last
+        cells = bb.seat_cells(steps, bb.SEAT_DEMO_SEATS, {f"r{i}": p for i, (p, _) in enumerate(work)})
+        assert [(c["request_id"], c["tokens"]) for c in cells] == [x for s in steps for x in s]
+        for i in range(len(steps)):
+            seats = [c["seat"] for c in cells if c["step"] == i]
+            assert len(seats) == len(set(seats)) and max(seats) < bb.SEAT_DEMO_SEATS
+        prefill = sum(c["tokens"] for c in cells if c["kind"] == "prefill")
+        assert prefill == sum(p for p, _ in work)
+    assert len(bb.seat_demo(small_model, "continuous")) < len(bb.seat_demo(small_model, "static")) <= 16

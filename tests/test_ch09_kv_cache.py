@@ -44,7 +44,23 @@ def test_bookkeeping_demo_counts_blocks() -> None:
     mod = load_script(CH09 / "paged_kv.py")
     out = mod.bookkeeping_demo(block_size=4, num_blocks=10)
     # A: 10 prompt + 3 decoded = 13 tokens -> 4 blocks; B: 4 + 3 = 7 tokens -> 2 blocks; A freed -> 8 free
-    assert out == {"blocks_A": 4, "blocks_B": 2, "free_after": 8}
+    assert {k: out[k] for k in ("blocks_A", "blocks_B", "free_after")} == {"blocks_A": 4, "blocks_B": 2,
+                                                                           "free_after": 8}
+
+
+def test_block_table_picture_slots(tiny_model, tmp_path) -> None:
+    """block_table.png: the slot drawn for every cached token (read from the engine's ModelRunner.prepare through
+    the real block tables) equals table[p // B] * B + p % B worked out here, and no two tokens share a slot."""
+    from types import SimpleNamespace
+
+    mod = load_script(CH09 / "paged_kv.py")
+    state = mod.bookkeeping_demo(block_size=4, num_blocks=10)["before_free"]
+    assert {n: st["tokens"] for n, st in state.items()} == {"A": 13, "B": 7}  # 10 + 3 and 4 + 3 tokens
+    slots = mod.block_table_slots(tiny_model, state, block_size=4, num_blocks=10)
+    drawn = mod.draw_block_table(state, slots, 4, 10, ("A", 9), SimpleNamespace(plot_dir=str(tmp_path)))
+    want = [(n, p, st["block_table"][p // 4] * 4 + p % 4) for n, st in state.items() for p in range(st["tokens"])]
+    assert [(d["seq"], d["position"], d["slot"]) for d in drawn] == want
+    assert len({d["slot"] for d in drawn}) == len(drawn)
 
 
 def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int,
@@ -216,6 +232,21 @@ def test_prefix_cache_script(prefix: dict) -> None:
     common = min(full_block_prefix(prompts[0], p, 1) for p in prompts[1:])  # tokens every prompt shares
     assert tree["shared_prompt_tokens"] == common and tree["first_edge_tokens"] >= common // bs * bs
     assert prefix["freed_on_reset"] == tree["cached_blocks"] > 0
+    # radix_tree.png against plain Python: each finished sequence leaves its computed tokens (all but the last
+    # sampled one) in whole blocks; the leaves drawn are the cuts no other cut extends, and the nodes where the
+    # drawn tree branches are exactly the whole-block common prefixes of two cuts that part ways
+    cuts = {tuple(s[: (len(s) - 1) // bs * bs]) for s in tree["sequences"]}
+    leaves = {c for c in cuts if not any(o != c and o[: len(c)] == c for o in cuts)}
+    branch = set()
+    for a in leaves:
+        for b in leaves:
+            if a < b:
+                branch.add(a[: full_block_prefix(list(a), list(b), bs)])
+    paths = [(tuple(e["prefix"] + e["tokens"]), e) for e in tree["edges"]]
+    assert all(len(e["tokens"]) % bs == 0 and len(e["prefix"]) % bs == 0 for _, e in paths)
+    assert {p for p, e in paths if e["children"] == 0} == leaves
+    assert {p for p, e in paths if e["children"] >= 2} | ({()} if len(tree["edges"]) and sum(
+        not e["prefix"] for e in tree["edges"]) >= 2 else set()) == branch
     assert on["stats"]["num_used_blocks"] == 0 and off["stats"]["num_used_blocks"] == 0
     assert set(prefix["ttft_p50"]) == {"no cache", "prefix cache"}  # timings are reported, never asserted
 
@@ -321,3 +352,13 @@ def test_parallel_sampling_blocks_counted_by_hand(tmp_path_factory, flags, want)
     assert r["shared"]["peak_blocks"] == want["shared"] and r["separate"]["peak_blocks"] == want["separate"]
     assert r["shared"]["cow_copies"] == want["copies"]
     assert r["shared"]["prefill_tokens"] * (4 if "1" not in flags else 1) == r["separate"]["prefill_tokens"]
+    # fork.png: every drawn reference count equals a brute-force count of the answers whose table holds the block
+    snaps = r["shared"]["snapshots"]
+    assert len(snaps) == 2 and len(r["fork_drawn"]) == sum(len(t) for s in snaps for t in s["tables"].values())
+    for d in r["fork_drawn"]:
+        snap = snaps[0] if d["panel"].startswith("after the prefill") else snaps[1]
+        assert d["ref_count"] == sum(d["block"] in t for t in snap["tables"].values()), d
+    first, second = (list(s["tables"].values()) for s in snaps)
+    n = 1 if "1" in flags else 4
+    assert len(first) == len(second) == n and all(t == first[0] for t in first)  # the fork copies the table
+    assert len({t[-1] for t in second}) == n  # after its first write every answer owns its last block

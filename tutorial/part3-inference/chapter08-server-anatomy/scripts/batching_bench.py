@@ -218,7 +218,96 @@ def draw(results: dict, args: Settings) -> None:
     arrivals = f"{args.request_rate:g} req/s Poisson" if math.isfinite(args.request_rate) else "all at t = 0"
     ax.set_title(f"{args.num_requests} requests, {arrivals}, {args.max_num_seqs} seats")
     ax.legend()
-    plot.save(fig, args, "batch_occupancy")
+    print(f"figure: {plot.save(fig, args, 'batch_occupancy')}")
+
+
+# the tiny run of the seats animation: (prompt characters, max_tokens) per request
+SEAT_DEMO = [(8, 3), (10, 8), (5, 2), (7, 4), (9, 3), (6, 5), (4, 2)]
+SEAT_DEMO_SEATS, SEAT_DEMO_BUDGET = 4, 12
+
+
+def seat_demo(model, scheduling: str) -> list[list[tuple[str, int]]]:
+    """Serve SEAT_DEMO (all at t = 0); per step, the scheduler's own (request id, tokens computed) list."""
+    engine = Engine(model, config=EngineConfig(scheduling=scheduling, max_num_seqs=SEAT_DEMO_SEATS,
+                                               max_num_batched_tokens=SEAT_DEMO_BUDGET))
+    records = make_corpus(len(SEAT_DEMO), seed=0).splitlines()
+    for i, (chars, n) in enumerate(SEAT_DEMO):
+        engine.add_request(records[i][:chars], SamplingParams(max_tokens=n, ignore_eos=True), request_id=f"r{i}")
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append([(s.request_id, n) for s, n in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recorded
+    while engine.has_unfinished():
+        engine.step()
+    return steps
+
+
+def seat_cells(steps: list[list[tuple[str, int]]], seats: int, prompt_len: dict[str, int]) -> list[dict]:
+    """Give every request a seat (the lowest free one when it is first scheduled; it keeps it until it is last
+    scheduled): one cell per (step, seat) that computed tokens, a prefill chunk while the request's computed
+    tokens are still short of its prompt, a decode after."""
+    last = {rid: i for i, step in enumerate(steps) for rid, _ in step}
+    seat_of, done, cells = {}, dict.fromkeys(last, 0), []
+    for i, step in enumerate(steps):
+        for rid, n in step:
+            if rid not in seat_of:
+                taken = {s for r, s in seat_of.items() if last[r] >= i}
+                seat_of[rid] = min(set(range(seats)) - taken)
+            kind = "prefill" if done[rid] < prompt_len[rid] else "decode"
+            cells.append({"step": i, "seat": seat_of[rid], "request_id": rid, "tokens": n, "kind": kind})
+            done[rid] += n
+    return cells
+
+
+def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
+    """Animation, one frame per engine step: the seats of both schedulers filled up to that step, one colour per
+    request, each prefill chunk labelled with its size. One image per panel, recoloured per frame (cheap)."""
+    plt = plot.pyplot()
+    from matplotlib.collections import PolyCollection
+
+    prompt_len = {f"r{i}": chars + 1 for i, (chars, _) in enumerate(SEAT_DEMO)}  # + <bos>
+    cells = {mode: seat_cells(steps, SEAT_DEMO_SEATS, prompt_len) for mode, steps in runs.items()}
+    frames = min(16, max(map(len, runs.values())))
+    colour = {f"r{i}": np.array(plt.cm.tab10(i)[:3]) for i in range(len(SEAT_DEMO))}
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.0))
+    images, labels, titles = {}, {}, {}
+    for ax, (mode, cs) in zip(axes, cells.items()):
+        images[mode] = ax.add_collection(PolyCollection(
+            [[(x, y), (x + 1, y), (x + 1, y + 1), (x, y + 1)] for y in range(SEAT_DEMO_SEATS) for x in range(frames)],
+            facecolors="white", edgecolors="white", linewidths=1))
+        labels[mode] = [(c, ax.text(c["step"] + 0.5, c["seat"] + 0.5, f"P{c['tokens']}", ha="center", va="center",
+                                    fontsize=7, color="white", weight="bold"))
+                        for c in cs if c["kind"] == "prefill" and c["step"] < frames]
+        ax.set(yticks=[k + 0.5 for k in range(SEAT_DEMO_SEATS)], xticks=range(frames + 1),
+               yticklabels=[f"seat {k}" for k in range(SEAT_DEMO_SEATS)])
+        ax.set(xlim=(0, frames), ylim=(SEAT_DEMO_SEATS, 0))
+        ax.grid(False)
+        titles[mode] = ax.set_title("", fontsize=9)
+    axes[0].tick_params(labelbottom=False)
+    axes[1].set_xlabel("engine step   (colour: request r0..r6;  Pn: prefill chunk of n tokens;  plain: decode)")
+    fig.tight_layout()
+
+    def draw(f: int) -> None:
+        for mode, cs in cells.items():
+            img = np.ones((SEAT_DEMO_SEATS, frames, 3))
+            for c in cs:
+                if c["step"] <= f and c["step"] < frames:
+                    faded = 1.0 if c["step"] == f else 0.45  # the current step in full colour
+                    img[c["seat"], c["step"]] = 1 - faded * (1 - colour[c["request_id"]])
+            images[mode].set_facecolors(img.reshape(-1, 3))
+            for c, text in labels[mode]:
+                text.set_visible(c["step"] <= f)
+            used = sum(c["tokens"] for c in cs if c["step"] == f)
+            titles[mode].set_text(f"{mode}: step {f}, {used} of {SEAT_DEMO_BUDGET} tokens in the flat batch"
+                                  if f < len(runs[mode]) else f"{mode}: finished after {len(runs[mode])} steps")
+
+    gif, strip = plot.animate(fig, draw, frames, args, "seats", fps=1.0, strip_columns=4)
+    print(f"figure: {gif}\nfigure: {strip}")
+    return cells
 
 
 def main() -> None:
@@ -228,6 +317,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     model = load_pretrained("small")
+    seats, seat_cells_drawn = {}, {}
+    if not math.isfinite(args.request_rate):  # the seats picture is drawn once, with the default (saturated) run
+        seats = {mode: seat_demo(model, mode) for mode in ("static", "continuous")}
+        seat_cells_drawn = draw_seats(seats, args)
+        print(f"seats demo: {len(SEAT_DEMO)} requests, {SEAT_DEMO_SEATS} seats, {SEAT_DEMO_BUDGET} tokens per step: "
+              f"static {len(seats['static'])} steps, continuous {len(seats['continuous'])} steps\n")
     workload = make_workload(args)
     n_long = sum(w.max_tokens >= args.long_min for w in workload)
     arrivals = f"over {workload[-1].arrival:.2f} s (Poisson, {args.request_rate:g}/s)" if math.isfinite(
@@ -270,6 +365,10 @@ def main() -> None:
                    identical_outputs=same, num_requests=len(workload), num_long=n_long, arrival_span_s=span,
                    offered_rate=len(workload) / span if span > 0 else None,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                   seat_demo={"requests": SEAT_DEMO, "seats": SEAT_DEMO_SEATS, "budget": SEAT_DEMO_BUDGET,
+                              "static_steps": len(seats.get("static", [])),
+                              "continuous_steps": len(seats.get("continuous", [])),
+                              "steps": seats, "cells": seat_cells_drawn},
                    load_average=bench.load_average())
         report.write_json(args.json, out, args)
 

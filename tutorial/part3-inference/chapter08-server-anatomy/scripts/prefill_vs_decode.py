@@ -195,7 +195,7 @@ def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) 
     axes[2].axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of this CPU ({ridge:.1f})")
     axes[2].set(xlabel="tokens in the step", ylabel="FLOPs per byte moved", title="arithmetic intensity")
     axes[2].legend(loc="upper left")
-    plot.save(fig, args, "prefill_vs_decode")
+    print(f"figure: {plot.save(fig, args, 'prefill_vs_decode')}")
 
 
 def main() -> None:
@@ -268,6 +268,8 @@ def main() -> None:
                                       "step_time_growth_after_peak": d_last["ms"] / peak["ms"],
                                       "last_step_time_ratio": d_last["ms"] / before_last["ms"],
                                       "last_batch_ratio": d_last["batch"] / before_last["batch"],
+                                      "last_doubling_tokens_per_s": "fell" if d_last["tokens_per_s"] < before_last[
+                                          "tokens_per_s"] else "rose",
                                       "load_average": bench.load_average()}, args)
 
 

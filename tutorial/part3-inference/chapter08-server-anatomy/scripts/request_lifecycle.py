@@ -14,6 +14,9 @@ What it shows
     collector held off during the trace, the load average printed beside), and TTFT / TPOT / end-to-end
     latency from the engine's request metrics. Self-check: the traced request's tokens equal
     mlsys.model.generate's greedy output for the same prompt, computed alone with a contiguous cache.
+    FIGURE  flat_batch.png (into --plot-dir): the one flat batch the engine ran in the traced request's first
+    step, recorded from the engine's own ModelRunner.prepare call: the traced request's prefill chunk beside
+    one decode token of every other sequence, with each token's sequence, position and KV slot.
     FIGURE  kv_cache.png (into --plot-dir): after every step, the tokens the traced request holds in the KV
     cache and the slots its blocks claim, and the blocks each running sequence holds, read from the engine's
     own sequences (num_computed_tokens, block_table).
@@ -108,6 +111,69 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
 # --8<-- [end:trace]
 
 
+def record_flat_batches(engine: Engine) -> list[dict]:
+    """Record every flat batch the engine packs from now on: the scheduler's (request, chunk) list and the
+    runner's positions and slot_mapping for the same step (wraps the two calls on this engine only)."""
+    batches: list[dict] = []
+    schedule, prepare = engine.scheduler.schedule, engine.runner.prepare
+
+    def recorded_schedule():
+        out = schedule()
+        batches.append({"request_ids": [s.request_id for s, _ in out.scheduled],
+                        "chunk_sizes": [n for _, n in out.scheduled]})
+        return out
+
+    def recorded_prepare(starts, token_chunks, block_tables, want_logits):
+        m = prepare(starts, token_chunks, block_tables, want_logits)
+        batches[-1].update(starts=list(starts), block_tables=[list(t) for t in block_tables],
+                           positions=m.positions.tolist(), slot_mapping=m.slot_mapping.tolist())
+        return m
+
+    engine.scheduler.schedule, engine.runner.prepare = recorded_schedule, recorded_prepare
+    return batches
+
+
+def draw_flat_batch(batch: dict, traced: str, block_size: int, args: Settings) -> list[dict]:
+    """One cell per token of the packed step: its sequence, position and slot. Returns the cells it drew."""
+    plt = plot.pyplot()
+    cells = []
+    for k, (rid, n) in enumerate(zip(batch["request_ids"], batch["chunk_sizes"])):
+        cells += [{"seq": k, "request_id": rid, "row": len(cells) + i} for i in range(n)]
+    for c in cells:
+        c["position"], c["slot"] = batch["positions"][c["row"]], batch["slot_mapping"][c["row"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.36 * len(cells)), 2.6))
+    colours = seq_colours(plt, len(batch["request_ids"]))
+    for c in cells:
+        ax.add_patch(plt.Rectangle((c["row"], 0), 1, 3, fc=colours[c["seq"]], ec="white", lw=1))
+        for y, key in ((2.5, "seq"), (1.5, "position"), (0.5, "slot")):
+            ax.text(c["row"] + 0.5, y, str(c[key]), ha="center", va="center", fontsize=6.5, color="black")
+    for y, label in ((2.5, "sequence"), (1.5, "position"), (0.5, "KV slot")):
+        ax.text(-0.3, y, label, ha="right", va="center", fontsize=8)
+    k = batch["request_ids"].index(traced)
+    rows = [c["row"] for c in cells if c["seq"] == k]
+    ax.text((rows[0] + rows[-1] + 1) / 2, 3.45, f"prefill chunk of the traced request ({len(rows)} tokens)",
+            ha="center", va="bottom", fontsize=8)
+    others = [c["row"] for c in cells if c["seq"] != k]
+    if others:
+        ax.text((min(others) + max(others) + 1) / 2, 3.45, f"{len(others)} decode tokens, one per other sequence",
+                ha="center", va="bottom", fontsize=8)
+    ax.set(xlim=(-4.5, len(cells) + 0.2), ylim=(-0.8, 4.2))
+    ax.axis("off")
+    ax.set_title(f"one engine step = one flat batch of {len(cells)} tokens (slot = block_table[position // "
+                 f"{block_size}] * {block_size} + position % {block_size})", fontsize=9)
+    print(f"figure: {plot.save(fig, args, 'flat_batch')}")
+    return cells
+
+
+def seq_colours(plt, n: int) -> list:
+    """n distinct colours: tab10, tab20, then evenly spaced hues (no colour is reused)."""
+    if n <= 10:
+        return [plt.cm.tab10(k) for k in range(n)]
+    if n <= 20:
+        return [plt.cm.tab20(k) for k in range(n)]
+    return [plt.cm.hsv(k / n) for k in range(n)]
+
+
 def kv_snapshot(engine: Engine) -> dict[str, tuple[int, list[int]]]:
     """request id -> (tokens whose K/V are cached, its block table), for every running sequence."""
     return {s.request_id: (s.num_computed_tokens, list(s.block_table)) for s in engine.scheduler.running}
@@ -134,7 +200,7 @@ def draw_kv(tr: dict, block_size: int, num_blocks: int, args: Settings) -> None:
             owner[phys] = k
             if r == tr["rid"]:
                 axes[1].text(phys % cols, phys // cols, str(logical), ha="center", va="center", color="white")
-    colours = ["#ffffff"] + [plt.cm.tab10(k % 10) for k in range(len(order))]
+    colours = ["#ffffff"] + seq_colours(plt, len(order))
     grid = [[owner[i] + 1 for i in range(row * cols, min(num_blocks, (row + 1) * cols))]
             for row in range(-(-num_blocks // cols))]
     from matplotlib.colors import ListedColormap
@@ -145,7 +211,7 @@ def draw_kv(tr: dict, block_size: int, num_blocks: int, args: Settings) -> None:
     axes[1].set(title=f"the pool of {num_blocks} blocks at step {steps[-1]}: colour = owning sequence",
                 xlabel="physical block id (row by row); numbers: the traced request's logical blocks")
     fig.tight_layout()
-    plot.save(fig, args, "kv_cache")
+    print(f"figure: {plot.save(fig, args, 'kv_cache')}")
 
 
 def stage_table(tr: dict) -> list[dict]:
@@ -166,21 +232,30 @@ def stage_table(tr: dict) -> list[dict]:
     return rows
 
 
+def busy_engine(model, background: int, seed: int) -> Engine:
+    """An engine with `background` requests already decoding (prompt i: the first 10 + 3i characters of a
+    record; one prefill step, then two decode steps), seats for one more."""
+    engine = Engine(model, config=EngineConfig(max_num_seqs=background + 1))
+    engine.generate(["{"], SamplingParams(max_tokens=2))  # warm-up: first calls pay one-off costs
+    for i, line in enumerate(make_corpus(background, seed=seed).splitlines()):  # already busy
+        engine.add_request(line[: 10 + 3 * i], SamplingParams(max_tokens=200 - 10 - 3 * i, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # the background requests prefill and start decoding
+    return engine
+
+
 def main() -> None:
     args = cli.parse(Settings, __doc__, smoke={"max_tokens": 12, "background": 2, "show_steps": 3})
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     model = load_pretrained("small")
-    engine = Engine(model, config=EngineConfig(max_num_seqs=args.background + 1))
-    engine.generate(["{"], SamplingParams(max_tokens=2))  # warm-up: first calls pay one-off costs
-    for i, line in enumerate(make_corpus(args.background, seed=args.seed).splitlines()):  # already busy
-        engine.add_request(line[: 10 + 3 * i], SamplingParams(max_tokens=200 - 10 - 3 * i, ignore_eos=True))
-    for _ in range(3):
-        engine.step()  # the background requests prefill and start decoding
+    engine = busy_engine(model, args.background, args.seed)
 
     params = SamplingParams(max_tokens=args.max_tokens)  # greedy
+    batches = record_flat_batches(engine)  # what the scheduler and the runner really packed, step by step
     with bench.steady_timing():  # no garbage-collector pause inside the traced steps
         tr = trace_request(engine, args.prompt, params)
+    first_batch = next(b for b in batches if tr["rid"] in b["request_ids"])  # the traced request's prefill step
     out, m = tr["final"], tr["final"].metrics
     print(f"prompt {args.prompt!r} -> {len(tr['ids'])} token ids {tr['ids'][:8]}...  "
           f"({args.background} other requests decoding)\n")
@@ -210,6 +285,7 @@ def main() -> None:
         engine.step()
     report.expect_equal("KV blocks in use after all requests", engine.stats()["num_used_blocks"], 0)
     engine.check_invariants()
+    cells = draw_flat_batch(first_batch, tr["rid"], engine.config.block_size, args)
     draw_kv(tr, engine.config.block_size, engine.config.num_blocks, args)
     if args.json:
         report.write_json(args.json, {"prompt_ids": tr["ids"], "token_ids": out.token_ids, "text": out.text,
@@ -219,6 +295,9 @@ def main() -> None:
                                       "forward_share": share["forward"] / 100,
                                       "decode_median_ms": decode_median,
                                       "num_steps": len(tr["steps"]), "block_size": engine.config.block_size,
+                                      "num_blocks": engine.config.num_blocks, "traced_request_id": tr["rid"],
+                                      "flat_batch": {**first_batch, "cells": cells},
+                                      "background_decodes": len(first_batch["request_ids"]) - 1,
                                       "max_kv_blocks": max(len(s[tr["rid"]][1]) for s in tr["kv"] if tr["rid"] in s),
                                       "load_average": bench.load_average()},
                           args)

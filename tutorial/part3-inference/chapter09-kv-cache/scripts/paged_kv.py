@@ -104,11 +104,70 @@ def bookkeeping_demo(block_size: int = 4, num_blocks: int = 10) -> dict:
         bm.check_invariants(list(seqs.values()))
         show(bm, seqs, f"decode step {step + 1}")
     blocks_a = len(seqs["A"].block_table)
+    state = {n: {"tokens": s.num_computed_tokens, "block_table": list(s.block_table)} for n, s in seqs.items()}
     bm.free(seqs.pop("A"))  # finished: every block goes back to the free list at once
     bm.check_invariants(list(seqs.values()))
     show(bm, seqs, "A finished, freed")
-    return {"blocks_A": blocks_a, "blocks_B": len(seqs["B"].block_table), "free_after": bm.pool.num_free}
+    return {"blocks_A": blocks_a, "blocks_B": len(seqs["B"].block_table), "free_after": bm.pool.num_free,
+            "before_free": state}
 # --8<-- [end:bookkeeping]
+
+
+def block_table_slots(model, state: dict, block_size: int, num_blocks: int) -> dict[str, list[int]]:
+    """The engine's own slot_mapping for every cached token of each sequence: ModelRunner.prepare packs all of
+    them into one step through the real block tables (nothing is computed, only the slots are read)."""
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+    names = list(state)
+    m = runner.prepare([0] * len(names), [[1] * state[n]["tokens"] for n in names],
+                       [state[n]["block_table"] for n in names], [True] * len(names))
+    slots, start = m.slot_mapping.tolist(), 0
+    out = {}
+    for n in names:
+        out[n], start = slots[start : start + state[n]["tokens"]], start + state[n]["tokens"]
+    return out
+
+
+def draw_block_table(state: dict, slots: dict[str, list[int]], block_size: int, num_blocks: int,
+                     example: tuple[str, int], args: Settings) -> list[dict]:
+    """Each sequence's logical blocks (top) point at physical blocks of the pool (bottom); every token slot of
+    the pool shows whose token it holds. One slot worked out. Returns the (sequence, position, slot) it drew."""
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    colours = {n: plt.cm.tab10(k) for k, n in enumerate(state)}
+    drawn = []
+    pool_y, slot_w = 0.0, 1.0
+    for b in range(num_blocks):  # the pool: num_blocks blocks of block_size slots
+        ax.add_patch(plt.Rectangle((b * block_size * slot_w, pool_y), block_size * slot_w, 1, fill=False, ec="0.4",
+                                   lw=1.5))
+        ax.text((b + 0.5) * block_size * slot_w, pool_y - 0.35, f"block {b}", ha="center", fontsize=7)
+    for k, (name, st) in enumerate(state.items()):
+        y = 2.2 + 1.4 * k
+        ax.text(-0.5, y + 0.5, f"{name}: {st['tokens']} tokens\nlogical -> physical", ha="right", va="center",
+                fontsize=8)
+        for logical, phys in enumerate(st["block_table"]):
+            x = logical * (block_size + 0.6)
+            ax.add_patch(plt.Rectangle((x, y), block_size, 1, fc=colours[name], alpha=0.35, ec="k"))
+            ax.text(x + block_size / 2, y + 0.5, f"L{logical} -> {phys}", ha="center", va="center",
+                    fontsize=7)
+            ax.annotate("", xy=((phys + 0.5) * block_size, pool_y + 1), xytext=(x + block_size / 2, y),
+                        arrowprops={"arrowstyle": "->", "color": colours[name], "lw": 0.8})
+        for p, slot in enumerate(slots[name]):
+            drawn.append({"seq": name, "position": p, "slot": slot})
+            ax.add_patch(plt.Rectangle((slot * slot_w, pool_y), slot_w, 1, fc=colours[name], ec="white"))
+            ax.text((slot + 0.5) * slot_w, pool_y + 0.5, str(p), ha="center", va="center", fontsize=6)
+    name, p = example
+    phys = state[name]["block_table"][p // block_size]
+    slot = slots[name][p]
+    ax.annotate(f"{name}'s position {p}: block {p} // {block_size} = {p // block_size} -> physical {phys}, "
+                f"offset {p} % {block_size} = {p % block_size}; slot {phys} * {block_size} + {p % block_size} = {slot}",
+                xy=((slot + 0.5) * slot_w, pool_y), xytext=(0, -1.6), fontsize=8,
+                arrowprops={"arrowstyle": "->", "color": "k"})
+    ax.set(xlim=(-7, num_blocks * block_size + 0.5), ylim=(-2.0, 2.4 + 1.4 * len(state)))
+    ax.axis("off")
+    ax.set_title(f"block tables into a pool of {num_blocks} blocks x {block_size} slots "
+                 "(numbers in the pool: the token position stored in each slot)", fontsize=9)
+    print(f"figure: {plot.save(fig, args, 'block_table')}")
+    return drawn
 
 
 # ------------------------------------------------------------------------------ 2. paged == contiguous attention
@@ -173,8 +232,9 @@ def run_engine(model, work, args: Settings, num_blocks: int, max_num_seqs: int) 
                        max_model_len=args.max_model_len)
     engine = Engine(model, config=cfg)
     ids = [engine.add_request(p, sp) for p, sp in work]
-    outputs, held, claimed, running, t0 = {}, [], [], [], time.perf_counter()
+    outputs, held, claimed, running, preempted, t0 = {}, [], [], [], [], time.perf_counter()
     while engine.has_unfinished():
+        before = engine.stats()["num_preemptions"]
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
@@ -182,6 +242,7 @@ def run_engine(model, work, args: Settings, num_blocks: int, max_num_seqs: int) 
         held.append(sum(s.num_computed_tokens for s in live))  # token slots actually holding K/V
         claimed.append(sum(len(s.block_table) for s in live) * args.block_size)  # slots in their blocks
         running.append(len(live))
+        preempted.append(engine.stats()["num_preemptions"] - before)  # preemptions in this step
         engine.check_invariants()
     stats = engine.stats()
     assert stats["num_used_blocks"] == 0, "blocks still held after every request finished"
@@ -190,7 +251,7 @@ def run_engine(model, work, args: Settings, num_blocks: int, max_num_seqs: int) 
             "mean_running": sum(running) / len(running), "held_token_steps": sum(held),
             "paged_claimed_token_steps": sum(claimed),
             "reserved_claimed_token_steps": sum(running) * args.max_model_len,
-            "series": {"held": held, "paged_claimed": claimed, "running": running}}
+            "series": {"held": held, "paged_claimed": claimed, "running": running, "preempted": preempted}}
 # --8<-- [end:run_engine]
 
 
@@ -204,11 +265,15 @@ def draw(runs: dict, args: Settings, pool_tokens: int) -> None:
         ax.fill_between(range(len(claimed)), claimed, step="post", alpha=0.3, label="claimed (blocks / reservations)")
         ax.step(range(len(s["held"])), s["held"], where="post", label="holding K/V")
         ax.axhline(pool_tokens, color="k", ls="--", lw=1, label="pool")
-        ax.set(title=f"{name}: {run['steps']} steps, mean {run['mean_running']:.1f} running", xlabel="engine step")
+        marks = [i for i, n in enumerate(s["preempted"]) for _ in range(n)]
+        ax.plot(marks, [pool_tokens * 1.04] * len(marks), "v", color="tab:red", ms=6, ls="none",
+                label="a preemption (one mark each)")
+        ax.set(title=f"{name}: {run['steps']} steps, mean {run['mean_running']:.1f} running, "
+                     f"{len(marks)} preemptions", xlabel="engine step")
     axes[0].set_ylabel("token slots")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.14))
-    plot.save(fig, args, "occupancy")
+    fig.legend(handles, labels, loc="lower center", ncol=4, bbox_to_anchor=(0.5, -0.14))
+    print(f"figure: {plot.save(fig, args, 'occupancy')}")
 
 
 def main() -> int:
@@ -223,6 +288,9 @@ def main() -> int:
     results["bookkeeping"] = bookkeeping_demo()
     report.expect_equal("blocks of a 10+3-token sequence", results["bookkeeping"]["blocks_A"], 4)
     report.expect_equal("free blocks after A finished", results["bookkeeping"]["free_after"], 10 - 2)
+    state = results["bookkeeping"]["before_free"]
+    slots = block_table_slots(model, state, block_size=4, num_blocks=10)
+    results["block_table_drawn"] = draw_block_table(state, slots, 4, 10, ("A", 9), args)
 
     lengths = [1, 3, 4, 5, 8, 9, 17] if args.smoke else [1, 3, 4, 5, 7, 8, 9, 16, 17, 30]
     steps = 3 if args.smoke else 6

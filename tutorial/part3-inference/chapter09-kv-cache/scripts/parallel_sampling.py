@@ -13,6 +13,9 @@ What it shows
                     each answer's own blocks after them)
          separate:  n * ceil((P + T) / bs)
        and their ratio, with the copy-on-write copies counted.
+    FIGURE  fork.png (into --plot-dir): the answers' block tables and every block's reference count, read from
+    the engine right after the fork (all blocks shared) and after the first decode step (the partly filled
+    prompt block copied by all but one answer).
     3. The prefill tokens each way: P once against n * P.
 
 How to run
@@ -34,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     n: int = 4
     """Answers to sample for the prompt."""
     prompt_len: int = 200
@@ -76,12 +79,22 @@ def expected_blocks(P: int, T: int, n: int, bs: int) -> dict[str, int]:
 # --8<-- [end:expected]
 
 
+def snapshot(engine: Engine) -> dict:
+    """Every running sequence's block table and the pool's reference count of each block they hold."""
+    tables = {f"answer {s.index}": list(s.block_table) for s in engine.scheduler.running}
+    blocks = sorted({b for t in tables.values() for b in t})
+    return {"tables": tables, "ref_counts": {b: engine.block_manager.pool.ref_counts[b] for b in blocks}}
+
+
 def run(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> dict:
-    """Queue the requests, step to the end; the most blocks in use after any step, and every answer's tokens."""
+    """Queue the requests, step to the end; the most blocks in use after any step, every answer's tokens, and the
+    block tables after the first two steps (the fork, then the first writes)."""
     for sp in params:
         engine.add_request(prompt, sp)
-    peak, answers = 0, {}
+    peak, answers, snaps = 0, {}, []
     while engine.has_unfinished():
+        if len(snaps) < 2 and engine.scheduler.running:
+            snaps.append(snapshot(engine))
         for out in engine.step():
             if out.finished:
                 answers[out.request_id, out.index] = out.token_ids
@@ -89,7 +102,38 @@ def run(engine: Engine, prompt: list[int], params: list[SamplingParams]) -> dict
         peak = max(peak, engine.stats()["num_used_blocks"])
     s = engine.stats()
     return {"peak_blocks": peak, "cow_copies": s["num_cow_copies"], "prefill_tokens": s["num_prefill_tokens"],
-            "answers": [answers[k] for k in sorted(answers, key=lambda k: (k[0], k[1]))]}
+            "answers": [answers[k] for k in sorted(answers, key=lambda k: (k[0], k[1]))], "snapshots": snaps}
+
+
+def draw_fork(snaps: list[dict], args: Settings) -> list[dict]:
+    """Two panels (after the fork, after the first writes): one row per answer, one cell per logical block
+    showing its physical block, coloured by that block's reference count. Returns what it drew."""
+    plt = plot.pyplot()
+    n_max = max(len(t) for s in snaps for t in s["tables"].values())
+    fig, axes = plt.subplots(1, len(snaps), figsize=(12, 2.8), sharey=True)
+    titles = ["after the prefill: the answers fork, every block shared", "after the first decode step: copy-on-write"]
+    cmap = plt.get_cmap("viridis")
+    top = max(max(s["ref_counts"].values()) for s in snaps)
+    drawn = []
+    for ax, snap, title in zip(axes, snaps, titles):
+        rows = list(snap["tables"].items())
+        for r, (name, table) in enumerate(rows):
+            for logical, phys in enumerate(table):
+                ref = snap["ref_counts"][phys]
+                drawn.append({"panel": title, "answer": name, "logical": logical, "block": phys, "ref_count": ref})
+                ax.add_patch(plt.Rectangle((logical, r), 1, 1, fc=cmap(0.15 + 0.7 * (ref - 1) / max(1, top - 1)),
+                                           ec="white"))
+                ax.text(logical + 0.5, r + 0.5, f"{phys}\n×{ref}", ha="center", va="center", fontsize=6.5,
+                        color="white" if ref == 1 else "black")
+        ax.set(xlim=(0, n_max), ylim=(len(rows), 0), yticks=[r + 0.5 for r in range(len(rows))],
+               yticklabels=[name for name, _ in rows], xticks=[x + 0.5 for x in range(n_max)],
+               xticklabels=range(n_max), xlabel="logical block")
+        ax.grid(False)
+        ax.set_title(title, fontsize=9)
+    fig.suptitle("each cell: the physical block and its reference count (×n: n answers hold it)", fontsize=9, y=1.02)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'fork')}")
+    return drawn
 
 
 def main() -> int:
@@ -116,12 +160,14 @@ def main() -> int:
     report.expect_equal("peak blocks, shared", shared["peak_blocks"], want["shared"])
     report.expect_equal("peak blocks, separate", separate["peak_blocks"], want["separate"])
     report.expect_equal("copy-on-write copies", shared["cow_copies"], want["copies"])
+    fork_drawn = draw_fork(shared["snapshots"], args)
     ratio = shared["peak_blocks"] / separate["peak_blocks"]
     print(f"\nsharing the prompt: {ratio:.3g}x the KV blocks ({shared['peak_blocks']} instead of "
           f"{separate['peak_blocks']}) and {shared['prefill_tokens'] / separate['prefill_tokens']:.3g}x the prefill "
           f"tokens; the goal of at most 0.5x is {'met' if ratio <= 0.5 else 'not met'}")
     if args.json:
-        report.write_json(args.json, {"shared": {k: v for k, v in shared.items() if k != "answers"},
+        report.write_json(args.json, {"fork_drawn": fork_drawn,
+                                      "shared": {k: v for k, v in shared.items() if k != "answers"},
                                       "separate": {k: v for k, v in separate.items() if k != "answers"},
                                       "expected": want, "blocks_ratio": ratio, "goal_met": ratio <= 0.5,
                                       "prefill_ratio": shared["prefill_tokens"] / separate["prefill_tokens"]}, args)

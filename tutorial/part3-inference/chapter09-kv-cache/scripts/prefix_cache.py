@@ -156,11 +156,13 @@ def tree_lines(cache, tok: Tokenizer, max_chars: int = 36) -> list[str]:
 # --8<-- [end:tree]
 
 
-def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_nodes: int = 24) -> None:
+def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_nodes: int = 24) -> list[dict]:
     """The radix tree as boxes: each edge's text, its tokens and blocks, and how many requests' token sequences
-    (prompt + output) run through it. Depth left to right, siblings top to bottom."""
+    (prompt + output) run through it. Depth left to right, siblings top to bottom. Returns the edges it drew
+    (the tokens before each edge, the edge's tokens, its children)."""
     plt = plot.pyplot()
     boxes: list[tuple[int, float, str, int]] = []  # (depth, y, label, parent index)
+    edges: list[dict] = []
     leaf = [0]
 
     def walk(node, depth: int, path: list[int], parent: int) -> float:
@@ -173,6 +175,7 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
             text = tok.decode(list(child.key), skip_special=False).replace("<bos>", "^").replace("<eos>", "$")
             text = text if len(text) <= 22 else text[:10] + " .. " + text[-8:]
             n_req = sum(seq[: len(full)] == full for seq in seqs)
+            edges.append({"prefix": path, "tokens": list(child.key), "children": len(child.children)})
             idx = len(boxes)
             boxes.append((depth, 0.0, f"{text}\n{len(child.key)} tokens, {len(child.blocks)} block(s)\n"
                                       f"{n_req} request(s)", parent))
@@ -195,7 +198,8 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
     ax.set_ylim(leaf[0], -1)
     ax.axis("off")
     ax.set_title(f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens)")
-    plot.save(fig, args, "radix_tree")
+    print(f"figure: {plot.save(fig, args, 'radix_tree')}")
+    return edges
 
 
 def main() -> int:
@@ -256,7 +260,8 @@ def main() -> int:
           + (f"Below it, {tree['first_edge_children']} children for {len(prompts)} requests: one per distinct next "
              "block (completed by generated tokens); requests that wrote the same block share one child."
              if tree["first_edge_children"] else "No request generated enough tokens to complete the next block."))
-    draw_tree(cache, tok, [p + o for p, o in zip(prompts, on["outputs"])], args)
+    sequences = [p + o for p, o in zip(prompts, on["outputs"])]
+    tree["edges"], tree["sequences"] = draw_tree(cache, tok, sequences, args), sequences
     engine.check_invariants()
     report.expect_equal("reference counts after every request finished", max(pool.ref_counts), 0)
     for r in runs.values():
