@@ -500,3 +500,29 @@ def test_a_folder_saved_by_transformers_chats_with_its_own_template_or_not_at_al
             client.chat.completions.create(model="bare", messages=messages, max_tokens=4)
         text = client.completions.create(model="bare", prompt="the cat", max_tokens=4, temperature=0)
     assert text.choices[0].text is not None and text.usage.completion_tokens >= 1
+
+
+def test_the_kv_pool_is_sized_from_a_memory_budget_and_a_long_model_is_refused_naming_the_flags() -> None:
+    """A Llama-3-8B-shaped config (32 layers, 8 K/V heads of 128, 131,072 positions), built on the meta device
+    (no memory): one full-length fp32 sequence needs 2 x 32 x 8 x 128 x 4 bytes = 256 KiB per token, 32 GiB in
+    all, more than the default 4 GiB budget, so the engine refuses it and says how many tokens would fit
+    (4 GiB / 256 KiB = 16,384). With max_model_len 8,192 the pool takes as many blocks as the budget holds."""
+    from mlsys.engine import EngineConfig
+    from mlsys.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    per_token = 2 * 32 * 8 * 128 * 4
+    with pytest.raises(ValueError) as err:
+        EngineConfig().resolve(model)
+    message = str(err.value)
+    assert "max_model_len" in message and "kv_cache_memory_bytes" in message and "\n" not in message
+    assert f"at most {(4 << 30) // per_token} tokens fit" in message
+    c = EngineConfig(max_model_len=8192).resolve(model)
+    assert c.num_blocks == (4 << 30) // (per_token * 16)           # the budget, not 32 sequences of 8,192
+    c = EngineConfig(max_model_len=8192, kv_cache_memory_bytes=1 << 40).resolve(model)
+    assert c.num_blocks == 32 * 8192 // 16                         # a budget that holds all 32 sequences
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        EngineConfig(max_model_len=8192, kv_cache_memory_bytes=per_token * 8191).resolve(model)

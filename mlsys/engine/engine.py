@@ -44,11 +44,21 @@ class FatalEngineError(RuntimeError):
     """The engine cannot compute any step (not one request's fault): step() raises it instead of isolating."""
 
 
+DEFAULT_KV_CACHE_BYTES = 4 << 30  # the KV pool's default budget: 4 GiB (kv_cache_memory_bytes overrides it)
+
+
+def kv_block_bytes(model: torch.nn.Module, block_size: int) -> int:
+    """Bytes of one KV block: K and V, every layer, block_size positions, the K/V heads, in the weights' dtype."""
+    c = model.config
+    dtype_bytes = next(model.parameters()).element_size()
+    return 2 * c.n_layer * block_size * c.n_kv_head * c.head_dim * dtype_bytes
+
+
 # --8<-- [start:config]
 @dataclass
 class EngineConfig:
     block_size: int = 16  # token positions per KV block
-    num_blocks: int | None = None  # KV pool size; None: max_num_seqs full-length sequences fit
+    num_blocks: int | None = None  # KV pool size; None: max_num_seqs full-length sequences, within the budget below
     max_num_seqs: int = 32  # at most this many sequences in one step
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + output limit; None: the model's block_size
@@ -56,6 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # radix-tree reuse of full prompt blocks
     preemption: str = "recompute"  # the only mode: free the blocks, recompute later
     device: str = "cpu"
+    kv_cache_memory_bytes: int | None = None  # budget of the KV pool (vLLM's name); None: DEFAULT_KV_CACHE_BYTES
 # --8<-- [end:config]
     tensor_parallel_size: int = 1  # ranks that split every layer (mlsys/engine/tp.py); this process is rank 0
     cuda_graph_sizes: list[int] | None = None  # decode-only steps replay a CUDA graph of these batch sizes
@@ -71,7 +82,17 @@ class EngineConfig:
         if c.block_size < 1 or c.max_num_seqs < 1 or c.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         blocks_per_seq = -(-c.max_model_len // c.block_size)
-        c.num_blocks = c.num_blocks or c.max_num_seqs * blocks_per_seq
+        if c.kv_cache_memory_bytes is not None and c.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {c.kv_cache_memory_bytes}")
+        if c.num_blocks is None:   # as many full-length sequences as max_num_seqs, but never past the budget
+            budget = c.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+            per_block = kv_block_bytes(model, c.block_size)
+            if blocks_per_seq * per_block > budget:
+                fits = budget // per_block * c.block_size
+                raise ValueError(f"one {c.max_model_len}-token sequence needs {blocks_per_seq * per_block / 2**30:.2f} "
+                                 f"GiB of KV cache, more than the {budget / 2**30:.2f} GiB budget: lower max_model_len "
+                                 f"(at most {fits} tokens fit) or raise kv_cache_memory_bytes")
+            c.num_blocks = min(c.max_num_seqs * blocks_per_seq, budget // per_block)
         if c.num_blocks < blocks_per_seq:  # else one long request could never run, even alone
             raise ValueError(f"num_blocks={c.num_blocks} cannot hold one {c.max_model_len}-token sequence "
                              f"({blocks_per_seq} blocks of {c.block_size})")

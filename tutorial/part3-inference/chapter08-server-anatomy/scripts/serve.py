@@ -91,6 +91,11 @@ class Settings(cli.Args):
     """On Ctrl-C or SIGTERM, how long requests in flight may run on before they are cut."""
     tensor_parallel_size: int = 1
     """Ranks that split every layer of the model (vLLM's name): this process and N-1 workers, gloo on CPU."""
+    max_model_len: int = 0
+    """Longest prompt + answer in tokens (vLLM's name); 0: the model's own maximum."""
+    kv_cache_memory_bytes: int = 0
+    """Memory budget of the KV cache in bytes (vLLM's name); 0: the engine's default (4 GiB). A folder whose one
+    full-length sequence does not fit is refused, naming these two flags."""
 
     def validate(self) -> None:
         if self.model not in ("small", "draft") and not Path(self.model).is_dir():
@@ -99,6 +104,8 @@ class Settings(cli.Args):
             raise cli.UsageError(f"--port must lie in 0..65535, got {self.port}")
         if self.serve_seconds < 0:
             raise cli.UsageError(f"--serve-seconds must be >= 0, got {self.serve_seconds}")
+        if self.max_model_len < 0 or self.kv_cache_memory_bytes < 0:
+            raise cli.UsageError("--max-model-len and --kv-cache-memory-bytes must be >= 0 (0: the default)")
         if self.max_num_seqs < 1 or self.threads < 1:
             raise cli.UsageError("--max-num-seqs and --threads must be at least 1")
         if not 1 <= self.max_tokens <= 200:
@@ -195,7 +202,9 @@ def main() -> int:
             prompt = list(range(1, 9))
     try:
         engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
-                                                       tensor_parallel_size=args.tensor_parallel_size))
+                                                       tensor_parallel_size=args.tensor_parallel_size,
+                                                       max_model_len=args.max_model_len or None,
+                                                       kv_cache_memory_bytes=args.kv_cache_memory_bytes or None))
     except ValueError as err:  # e.g. a tensor-parallel size that does not divide the heads
         raise cli.UsageError(str(err)) from None
     # the oracle, no HTTP: the engine's own greedy output
