@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from mlsys.data import LANGS, PEOPLE, format_record, sample_record
+from mlsys.data import LANGS, PEOPLE, Tokenizer, format_record, sample_record
 from mlsys.json_constrained import (
     INF,
     RECORD_SCHEMA,
@@ -289,3 +289,37 @@ def test_trained_model_many_seeds_and_budgets(record_fsm: SchemaFSM) -> None:
     check_all_valid(model, record_fsm, [lo, lo + 1, lo + 4, 70, 100], range(10))
     check_all_valid(model, compile_schema({}), [1, 2, 3, 30], range(10))
     check_all_valid(model, record_fsm, [lo, 80], [0], temperature=0.0)  # greedy too
+
+
+# ------------------------------------------------------------------------------------------ the drawn automaton
+def test_drawn_automaton_matches_the_language_one_character_at_a_time(small_model, tmp_path) -> None:
+    """automaton.png: every drawn state and edge against the schema's language itself, written out by hand: the
+    enum's documents are json.dumps of its values. From each drawn state (reached by its prefix), every
+    character of the alphabet is tried: an edge is drawn exactly when prefix + character still starts some
+    document. The highlighted path is a real output, a document of the language, and follows drawn edges."""
+    from types import SimpleNamespace
+
+    from conftest import load_script, scripts_dir
+
+    script = load_script(scripts_dir(11) / "constrained_decoding.py")
+    drawn = script.draw_automaton(small_model, SimpleNamespace(plot_dir=str(tmp_path)))
+    language = {json.dumps(v) for v in script.TOY_SCHEMA["enum"]}
+    prefixes = {w[:i] for w in language for i in range(len(w) + 1)}
+    nodes = {n["state"]: n for n in drawn["nodes"]}
+    assert sorted(n["prefix"] for n in drawn["nodes"]) == sorted(prefixes)  # one state per live prefix (a trie)
+    edges = {(src, char): dst for src, dst, char in drawn["edges"]}
+    assert len(edges) == len(drawn["edges"])
+    alphabet = [t for t in Tokenizer().itos if len(t) == 1]
+    for s, node in nodes.items():
+        p = node["prefix"]
+        assert node["accepting"] == (p in language), p
+        assert node["dist"] == min(len(w) - len(p) for w in language if w.startswith(p)), p
+        for char in alphabet:
+            alive = any(w.startswith(p + char) for w in language)
+            assert ((s, char) in edges) == alive, (p, char)
+            if alive:
+                assert nodes[edges[(s, char)]]["prefix"] == p + char
+    text, path = drawn["text"], drawn["path"]
+    assert text in language
+    jsonschema.validate(json.loads(text), script.TOY_SCHEMA)
+    assert [edges[(a, c)] for a, c in zip(path, text)] == path[1:] and nodes[path[-1]]["accepting"]

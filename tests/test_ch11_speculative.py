@@ -235,3 +235,37 @@ def test_recorded_steps_for_the_figure(models) -> None:
         assert 0 <= st["accepted"] <= 4 and st["new"][:-1] == st["drafts"][: st["accepted"]]
     ref = generate(target, torch.tensor([prompt]), 40)[0, len(prompt):].tolist()
     assert [t for st in steps for t in st["new"]][:40] == ref
+
+
+# ------------------------------------------------------------------------------------------ the drawn rollback
+def test_drawn_rollback_matches_an_independent_count(models, tmp_path) -> None:
+    """rollback.png: the cache lengths and cells drawn for one step with a rejection, against j counted
+    independently: the draft's and the target's own greedy continuations of the sequence (mlsys.model.generate),
+    compared token by token. After the rollback each cache holds the sequence plus the first j drafts; the
+    other drafts sit past its length, stale."""
+    from types import SimpleNamespace
+
+    target, draft = models
+    script = load_script(CH11 / "speculative.py")
+    k = 4
+    step = script.rollback_step(target, draft, TOK.encode('{"name": "', bos=True), k, 60)
+    drawn = script.draw_rollback(step, SimpleNamespace(plot_dir=str(tmp_path)))
+    seq, drafts = step["seq"], step["drafts"]
+    n = len(seq)
+    assert drafts == generate(draft, torch.tensor([seq]), k)[0, n:].tolist()
+    greedy = generate(target, torch.tensor([seq]), k)[0, n:].tolist()
+    j = next((i for i in range(k) if drafts[i] != greedy[i]), k)
+    assert j < k  # the step drawn rejects a draft
+    tgt_lens = [n - 1, n - 1, n + k, n + j]
+    drf_lens = [None, n + k - 1, n + k - 1, n + j]
+    rows = drawn["rows"]
+    assert [r["cache_len"] for r in rows[0::2]] == tgt_lens
+    assert [r["cache_len"] for r in rows[1::2]][1:] == drf_lens[1:] and rows[1]["cache_len"] in (n - 1, n - 2)
+    tokens, first = seq + drafts, drawn["first_position"]
+    for row, written in ((rows[6], n + k), (rows[7], n + k - 1)):  # after the rollback: target, draft
+        cells = {pos: (tok, st) for pos, tok, st in row["cells"]}
+        kept = [pos for pos, (_, st) in cells.items() if st in ("committed", "accepted draft")]
+        assert kept == list(range(first, n + j))
+        assert all(cells[pos][0] == tokens[pos] for pos in kept)
+        assert [pos for pos, (_, st) in cells.items() if "stale" in st] == list(range(n + j, written))
+        assert all(cells[pos][1] == "committed" for pos in range(first, n))

@@ -374,3 +374,40 @@ def test_grpo_loss_and_gradient_are_beta_times_an_independent_k3_kl(beta: float)
     assert k3.mean().item() > 1e-3 and scale > 1e-3  # two different random models: the KL term has a gradient
     for p, p0, g in zip(params, before, grads):  # the step, to 0.1% of the largest gradient entry
         torch.testing.assert_close((p.detach() - p0).double(), -beta * g.double(), rtol=1e-3, atol=1e-3 * beta * scale)
+
+
+# ----------------------------------------------------------------------------------------------- the drawn response
+@pytest.mark.timeout(120)
+def test_drawn_response_advantages_equal_an_independent_numpy_gae(tmp_path) -> None:
+    """response.png: after two short PPO iterations (the critic has been trained once, so values are not zero), the
+    rewards, values and advantages drawn for one response. The rewards are -beta k1 per token plus the score on the
+    last; the raw advantages equal a GAE written here in numpy over the drawn rewards and values (gamma 1,
+    lambda 0.95, nothing bootstrapped past the last token); the whitened ones are the batch's own."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+
+    script = load_script(scripts_dir(13) / "rlhf_loop.py")
+    torch.manual_seed(0)
+    cfg = rlhf.PPOConfig()
+    models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=4)
+    for i in range(2):
+        beta = kl_ctl.beta
+        _, batch = rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 4, 32, seed=i)
+    row = 1
+    drawn = script.draw_response(batch, beta, cfg, SimpleNamespace(plot_dir=str(tmp_path)), row=row)
+    x, n = batch.extra, int(batch.mask[row].sum())
+    k1 = (x["logprobs"][row, :n] - x["ref_logprobs"][row, :n]).numpy()
+    rewards, values = np.array(drawn["rewards"]), np.array(drawn["values"])
+    expected_rewards = -beta * k1
+    expected_rewards[-1] += x["scores"][row].item()
+    np.testing.assert_allclose(rewards, expected_rewards, atol=1e-5)
+    assert np.abs(values).max() > 1e-3  # a trained critic: the test would be trivial with V = 0
+    adv, next_adv, next_value = np.zeros(n), 0.0, 0.0
+    for t in reversed(range(n)):  # the textbook recursion, terminal after the last token
+        delta = rewards[t] + cfg.gamma * next_value - values[t]
+        next_adv = adv[t] = delta + cfg.gamma * cfg.lam * next_adv
+        next_value = values[t]
+    np.testing.assert_allclose(drawn["advantages_raw"], adv, atol=1e-5)
+    np.testing.assert_allclose(drawn["advantages"], x["advantages"][row, :n].numpy(), atol=1e-6)
+    assert drawn["raw_negative"] == int((adv < 0).sum())

@@ -196,3 +196,33 @@ def test_script_over_nccl(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["results"]["engine_ok"] is True
 
+
+
+def test_drawn_buckets_hold_every_parameter_once_within_capacity(tmp_path) -> None:
+    """buckets.png, by brute force over what was drawn: every parameter of the model appears in exactly one
+    bucket, once, in parameter order; each box sits at the running byte offset of its bucket with its tensor's
+    own size (numel x 4 bytes, from the model itself); a bucket stays within the capacity unless it holds a single
+    larger tensor; and no bucket was closed early (its first tensor would not have fitted in the bucket before)."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+    from mlsys.model import GPT, GPTConfig
+
+    script = load_script(CH14 / "weight_sync.py")
+    for kb in (96.0, 48.0, 1024.0):
+        drawn = script.draw_buckets(SimpleNamespace(plot_dir=str(tmp_path), figure_bucket_kb=kb))
+        model = GPT(GPTConfig(**script.SIZES[drawn["model"]]))
+        sizes = {n: p.numel() * p.element_size() for n, p in unique_parameters(model).items()}
+        cap = drawn["capacity"]
+        assert cap == int(kb * 1024)
+        names = [name for b in drawn["buckets"] for name, _, _ in b["slots"]]
+        assert names == list(sizes) and len(set(names)) == len(names)  # each exactly once, in order
+        for i, b in enumerate(drawn["buckets"]):
+            offset = 0
+            for name, start, nbytes in b["slots"]:
+                assert (start, nbytes) == (offset, sizes[name])
+                offset += nbytes
+            assert b["nbytes"] == offset
+            assert offset <= cap or len(b["slots"]) == 1
+            if i > 0:  # greedy: the previous bucket could not take this bucket's first tensor
+                assert drawn["buckets"][i - 1]["nbytes"] + b["slots"][0][2] > cap

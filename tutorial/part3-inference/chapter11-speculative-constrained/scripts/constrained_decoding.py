@@ -12,6 +12,9 @@ What it shows
     3. The cost of the mask per token: one row lookup in the precomputed token tables against trying every
        token on the NFA (what an interpreting parser does), next to the model's own forward time. Both give the
        same mask (checked on every state the decodes visit).
+    0. A toy schema (an enum of three names) compiled to its DFA and drawn whole, every state with dist[s] (the
+       fewest characters that still close a document), with the path of the real model's masked output
+       (automaton.png).
     4. Figures: valid share against the budget, with and without the mask (validity_vs_budget.png); the mask
        itself along two real masked outputs, at the tightest budget and at the largest (mask.png).
 
@@ -71,6 +74,77 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError(f"--num-samples must be >= 1, got {self.num_samples}")
         if not 0.0 <= self.temperature <= 5.0:
             raise cli.UsageError(f"--temperature must be in 0..5, got {self.temperature}")
+
+
+TOY_SCHEMA: dict = {"enum": ["ada", "alan", "bob"]}  # small enough to draw every state of its automaton
+
+
+def automaton_graph(fsm: SchemaFSM) -> dict:
+    """Every DFA state with the shortest text that reaches it, dist[s] and whether it accepts; every edge."""
+    prefix, order, queue = {fsm.start: ""}, [], [fsm.start]
+    while queue:  # breadth-first from the start: prefix[s] is a shortest text leading to s
+        s = queue.pop(0)
+        order.append(s)
+        for char, dst in sorted(fsm.trans[s].items()):
+            if dst not in prefix:
+                prefix[dst] = prefix[s] + char
+                queue.append(dst)
+    nodes = [{"state": s, "prefix": prefix[s], "dist": fsm.dist[s], "accepting": s in fsm.accepting} for s in order]
+    edges = [[s, dst, char] for s in order for char, dst in sorted(fsm.trans[s].items())]
+    return {"nodes": nodes, "edges": edges}
+
+
+def draw_automaton(model, args: Settings) -> dict:
+    """The toy schema's whole DFA, with the path of one real greedy masked output after '{"name": ' highlighted.
+    Returns what it drew (nodes, edges, the generated text and the states it went through)."""
+    plt = plot.pyplot()
+    fsm = SchemaFSM(TOY_SCHEMA)
+    tok = fsm.tok
+    text = constrained_generate(model, fsm, fsm.min_length + 4, prompt=tok.encode('{"name": ', bos=True))
+    path = [fsm.start]
+    for char in text:
+        path.append(fsm.trans[path[-1]][char])
+    graph = automaton_graph(fsm)
+    depth = {n["state"]: len(n["prefix"]) for n in graph["nodes"]}
+    children: dict[int, list[int]] = {}
+    for n in graph["nodes"][1:]:  # the breadth-first tree: each state under the state its prefix came through
+        parent = fsm.walk(n["prefix"][:-1])
+        children.setdefault(parent, []).append(n["state"])
+    ypos, leaf = {}, [0]
+
+    def place(s: int) -> float:  # leaves one row apart, a parent in the middle of its children
+        kids = children.get(s, [])
+        ypos[s] = sum(place(c) for c in kids) / len(kids) if kids else leaf[0]
+        if not kids:
+            leaf[0] += 1
+        return ypos[s]
+
+    place(fsm.start)
+    on_path = set(zip(path, path[1:]))
+    fig, ax = plt.subplots(figsize=(1.1 * max(depth.values()) + 2, 1.0 * leaf[0] + 1.2))
+    for src, dst, char in graph["edges"]:
+        hot = (src, dst) in on_path
+        ax.annotate("", xy=(depth[dst], ypos[dst]), xytext=(depth[src], ypos[src]),
+                    arrowprops={"arrowstyle": "->", "color": "#e6550d" if hot else "#888888", "lw": 2.4 if hot else 1,
+                                "shrinkA": 13, "shrinkB": 13})
+        ax.text((depth[src] + depth[dst]) / 2, (ypos[src] + ypos[dst]) / 2 - 0.12, char, ha="center", va="bottom",
+                fontsize=10, family="monospace", color="#e6550d" if hot else "black")
+    for n in graph["nodes"]:
+        s, x, y = n["state"], depth[n["state"]], ypos[n["state"]]
+        ax.scatter([x], [y], s=520, facecolor="#fdd0a2" if s in path else "#deebf7", edgecolor="black", zorder=3)
+        if n["accepting"]:
+            ax.scatter([x], [y], s=300, facecolor="none", edgecolor="black", zorder=4)
+        ax.text(x, y, str(s), ha="center", va="center", fontsize=8, zorder=5)
+        ax.text(x, y + 0.3, f"dist {n['dist']}", ha="center", va="top", fontsize=7, color="#555555")
+    ax.set_xlim(-0.6, max(depth.values()) + 0.6)
+    ax.set_ylim(leaf[0] - 0.3, -0.7)
+    ax.axis("off")
+    ax.set_title(f"DFA of {json.dumps(TOY_SCHEMA)}: {len(fsm.trans)} states (double circle: accepting, "
+                 f"<eos> allowed);\norange: the path of the model's masked output {text} after '{{\"name\": '",
+                 fontsize=9)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'automaton')}")
+    return {"schema": TOY_SCHEMA, "text": text, "path": path, **graph}
 
 
 def allowed_text(fsm: SchemaFSM, state: int, remaining: int) -> str:
@@ -185,7 +259,7 @@ def draw(rows: list[dict], args: Settings) -> None:
     ax.set(xlabel="token budget (max_tokens)", ylabel="outputs valid against the schema (%)", ylim=(-5, 105),
            title="Record schema, temperature " + str(args.temperature))
     ax.legend(fontsize=8)
-    plot.save(fig, args, "validity_vs_budget")
+    print(f"figure: {plot.save(fig, args, 'validity_vs_budget')}")
 
 
 def draw_masks(fsm: SchemaFSM, outputs: list[tuple[int, str]], args: Settings) -> list[dict]:
@@ -213,7 +287,7 @@ def draw_masks(fsm: SchemaFSM, outputs: list[tuple[int, str]], args: Settings) -
         ax.set(ylabel="next token", title=f"budget {budget}: {forced[-1]['one_choice']} of {len(ids)} positions "
                                           "allow exactly one token (light: allowed, dark: chosen; $ = <eos>)")
     fig.tight_layout()
-    plot.save(fig, args, "mask")
+    print(f"figure: {plot.save(fig, args, 'mask')}")
     return forced
 
 
@@ -222,6 +296,11 @@ def main() -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     model = load_pretrained("small")
+
+    # 0. a toy automaton, drawn whole
+    toy = draw_automaton(model, args)
+    print(f"0. toy schema {json.dumps(TOY_SCHEMA)}: {len(toy['nodes'])} DFA states, {len(toy['edges'])} edges; "
+          f"after '{{\"name\": ' the masked model wrote {toy['text']}, through states {toy['path']}\n")
 
     # 1. the automaton
     t0 = time.perf_counter()
@@ -262,7 +341,7 @@ def main() -> int:
     if args.json:
         results = {"nfa_states": len(fsm.nfa.edges), "dfa_states": len(fsm.trans), "min_length": fsm.min_length,
                    "rows": rows, "examples": examples, "other": extra, "mask_cost": cost,
-                   "forced": forced,
+                   "forced": forced, "toy": toy,
                    "load_average": bench.load_average()}
         report.write_json(args.json, results, args)
     return 0

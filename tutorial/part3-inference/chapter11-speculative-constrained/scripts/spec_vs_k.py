@@ -132,7 +132,7 @@ def draw(rows: list[dict], args: Settings) -> None:
     ax2.axhline(1.0, color="gray", lw=1)
     ax2.set(xlabel="k (draft tokens per step)", ylabel="speed-up over plain greedy", title="Wall-clock speed-up")
     ax2.legend(fontsize=8)
-    plot.save(fig, args, "spec_vs_k")
+    print(f"figure: {plot.save(fig, args, 'spec_vs_k')}")
 
 
 def main() -> int:

@@ -13,8 +13,10 @@ What it shows
        variation distance to p), then run on the real models.
     5. Hugging Face assisted generation (`generate(..., assistant_model=...)`) on the same two models
        (mlsys.model.to_hf_model) gives the same greedy tokens.
-    FIGURE  steps.png (into --plot-dir): the first steps of a greedy run with --k on the first prompt, one row
+    FIGURES (into --plot-dir) steps.png: the first steps of a greedy run with --k on the first prompt, one row
     per step: accepted drafts, the rejected draft, drafts never judged, and the target's correction or bonus.
+    rollback.png: the target's and the draft's KV cache at the four moments of the first step with a
+    rejection (before, after drafting, after verification, after the rollback), read off the caches' own lengths.
     Speed is measured by spec_vs_k.py.
 
 How to run
@@ -27,7 +29,8 @@ Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
         -> a longer guess in the traced step: more tokens can be accepted, and more are thrown away on a miss
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --ks 1 16
-        -> k = 16: still exactly the target's tokens; the tokens per target forward stop growing long before 16
+        -> k = 16: still exactly the target's tokens; tokens per target forward still rise from k = 8 to 16, but
+           stay far below k + 1, because a late draft survives only if every draft before it did
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --num-samples 200000
         -> ten times the draws of the acceptance rule: the empirical distribution sits even closer to p
 """
@@ -136,7 +139,109 @@ def draw_steps(steps: list[dict], k: int, args: Settings, max_rows: int = 14) ->
     ax.legend(handles=[Patch(color=c, label=n) for n, c in colours.items()], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(f"greedy speculative decoding, k = {k}: one row per target forward", fontsize=10)
-    plot.save(fig, args, "steps")
+    print(f"figure: {plot.save(fig, args, 'steps')}")
+
+
+class LoggedCache(CachedModel):
+    """A CachedModel that records its cache length after every feed and rollback (for the rollback figure)."""
+
+    def __init__(self, model, max_len: int):
+        super().__init__(model, max_len)
+        self.log: list[tuple[str, int]] = []
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        out = super().feed(ids)
+        self.log.append(("feed", self.cache_len))
+        return out
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self.log.append(("rollback", self.cache_len))
+
+
+def rollback_step(target, draft, prompt: list[int], k: int, max_new: int) -> dict:
+    """Greedy steps from the prompt until one rejects a draft; that step's cache lengths, read off both caches'
+    logs: before the step, after drafting, after the target's verification, after the rollback."""
+    cap = len(prompt) + max_new + k + 1
+    tgt, drf = LoggedCache(target, cap), LoggedCache(draft, cap)
+    tgt.feed(prompt[:-1])
+    drf.feed(prompt[:-1])
+    seq = list(prompt)
+    while True:
+        before = (tgt.cache_len, drf.cache_len)
+        tgt.log.clear()
+        drf.log.clear()
+        new, j, drafts = spec_step(tgt, drf, seq, k, temperature=0.0)
+        if j < k or len(seq) - len(prompt) >= max_new:
+            break
+        seq += new
+    drafted = [n for op, n in drf.log if op == "feed"][-1]
+    verified = [n for op, n in tgt.log if op == "feed"][-1]
+    return {"seq": seq, "drafts": drafts, "accepted": j, "new": new, "k": k, "phases": [
+        {"phase": "before the step", "target": before[0], "draft": before[1]},
+        {"phase": f"draft fed {k} tokens", "target": before[0], "draft": drafted},
+        {"phase": "target verified k + 1", "target": verified, "draft": drafted},
+        {"phase": "both rolled back", "target": tgt.cache_len, "draft": drf.cache_len}]}
+
+
+def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
+    """Both caches at the four moments of one step with a rejection: one cell per cache position, its token.
+    Returns what it drew: per phase and cache, the (position, token, status) of every drawn cell."""
+    from matplotlib.patches import Patch, Rectangle
+
+    plt = plot.pyplot()
+    tok, seq, drafts, j = Tokenizer(), step["seq"], step["drafts"], step["accepted"]
+    n = len(seq)
+    tokens = seq + drafts  # position p holds tokens[p]: the prompt/committed part, then d1..dk at n..n+k-1
+    first = max(0, n - 1 - context)
+    colours = {"committed": "#9ecae1", "pending (not cached yet)": "#ffffff", "draft, not yet judged": "#dddddd",
+               "accepted draft": "#7fc97f", "rejected draft (stale)": "#f0027f"}
+    written = {name: step["phases"][2][name] for name in ("target", "draft")}  # the furthest each cache wrote
+
+    def status(pos: int, length: int, ph: int, name: str) -> str:
+        if pos < n:
+            return "committed" if pos < length else "pending (not cached yet)" if ph < 2 else ""
+        if pos < length:
+            return "draft, not yet judged" if ph < 2 else "accepted draft" if pos - n < j else "rejected draft (stale)"
+        return "rejected draft (stale)" if ph == 3 and pos < written[name] else ""
+
+    drawn, rows = [], []
+    for ph, p in enumerate(step["phases"]):
+        for name in ("target", "draft"):
+            rows.append((f"{p['phase']}: {name}", p[name], ph, name))
+    fig, ax = plt.subplots(figsize=(0.5 * (n + len(drafts) - first) + 3.2, 0.38 * len(rows) + 1.4))
+    for r, (label, length, ph, name) in enumerate(rows):
+        cells = []
+        for pos in range(first, n + len(drafts)):
+            st = status(pos, length, ph, name)
+            if not st:
+                continue
+            cells.append((pos, tokens[pos], st))
+            y = r + ph * 0.5  # a gap between phases
+            ax.add_patch(Rectangle((pos, y), 0.92, 0.85, facecolor=colours[st], edgecolor="#555555",
+                                   linestyle="--" if st.startswith("pending") else "-", linewidth=0.8,
+                                   hatch="//" if "stale" in st else None))
+            ax.text(pos + 0.46, y + 0.43, repr(tok.decode([tokens[pos]], skip_special=False))[1:-1]
+                    .replace(" ", "\u2423"), ha="center", va="center", fontsize=8, family="monospace")
+        ax.text(n + len(drafts) + 0.3, r + ph * 0.5 + 0.43, f"len {length}", va="center", fontsize=8)
+        drawn.append({"row": label, "cache_len": length, "cells": cells})
+    ax.set_xlim(first - 0.3, n + len(drafts) + 2.2)
+    ax.set_ylim(len(rows) + 1.6, -0.3)
+    ax.set_yticks([r + ph * 0.5 + 0.43 for r, (_, _, ph, _) in enumerate(rows)], [lab for lab, *_ in rows],
+                  fontsize=8)
+    ax.set_xticks([p + 0.46 for p in range(first, n + len(drafts))], [str(p) for p in range(first, n + len(drafts))],
+                  fontsize=7)
+    ax.set_xlabel("cache position (earlier positions committed, not drawn)")
+    ax.grid(False)
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="#555555", label=s, hatch="//" if "stale" in s else None)
+                       for s, c in colours.items()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(f"one step, k = {step['k']}: {j} of {len(drafts)} drafts accepted; the target's token "
+                 f"{tok.decode([step['new'][-1]], skip_special=False)!r} becomes the new pending token",
+                 fontsize=9)
+    fig.tight_layout()
+    path = plot.save(fig, args, "rollback")
+    print(f"figure: {path}")
+    return {"first_position": first, "rows": drawn}
 
 
 # --8<-- [start:greedy_check]
@@ -229,6 +334,10 @@ def main() -> int:
     ref = generate(target, torch.tensor([prompts[0]]), args.max_new_tokens)[0, len(prompts[0]):].tolist()
     report.expect_equal("recorded steps vs target greedy", [t for st in steps for t in st["new"]][: len(ref)], ref)
     draw_steps(steps, args.k, args)
+    roll = rollback_step(target, draft, prompts[0], args.k, args.max_new_tokens)
+    roll["drawn"] = draw_rollback(roll, args)
+    print("   a step with a rejection, cache lengths (target, draft): "
+          + "; ".join(f"{p['phase']} ({p['target']}, {p['draft']})" for p in roll["phases"]) + "\n")
 
     # 2. greedy == target greedy, for every k
     rows = greedy_vs_target(target, draft, prompts, args.ks, args.max_new_tokens)
@@ -275,7 +384,10 @@ def main() -> int:
                                       "sampling_accepts": more, "alpha_greedy_min": min(alphas),
                                       "alpha_greedy_max": max(alphas), "figure_steps": min(len(steps), 14),
                                       "figure_all_accepted": sum(st["accepted"] == args.k for st in steps[:14]),
-                                      "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True}, args)
+                                      "rule_p": p[0].tolist(), "rule_tv": tv, "hf_identical": True, "rollback": roll,
+                                      "formula_k16": expected_tokens_per_step(rows[-1]["alpha"], 16),
+                                      "largest_k": rows[-1]["k"], "tokens_per_step_largest_k": rows[-1]["tokens/step"]},
+                          args)
     return 0
 
 

@@ -82,7 +82,7 @@ def plot_runs(histories: dict[str, list[dict]], args: Settings) -> None:
     axes[2].set(xlabel="iteration", ylabel="nats per response", title="KL(pi || pi_ref)")
     for ax in axes:
         ax.legend()
-    plot.save(fig, args, "comparison")
+    print(f"figure: {plot.save(fig, args, 'comparison')}")
 
 
 # --8<-- [start:interleave]
@@ -125,7 +125,9 @@ def main() -> int:
         rule, kl = [h["rule_score"] for h in history], [h["kl"] for h in history]
         extremes = {"rule_start": rule[0], "rule_min": min(rule), "rule_min_iteration": rule.index(min(rule)) + 1,
                     "valid_min": min(h["valid"] for h in history), "kl_max": max(kl),
-                    "kl_max_iteration": kl.index(max(kl)) + 1, "beta_final": history[-1]["beta"]}
+                    "kl_max_iteration": kl.index(max(kl)) + 1, "beta_final": history[-1]["beta"],
+                    # iterations whose KL was 20% or more from the target: the controller's error sat at its clip
+                    "at_clip": sum(abs(k / args.kl_target - 1) >= 0.2 for k in kl) if args.kl_target else 0}
         results[algo] = {"summary": row, "extremes": extremes, "history": history, "models_held": held}
     print(f"{args.iterations} iterations x {args.num_rollouts} rollouts ({args.num_rollouts // args.group_size} "
           f"prompts x {args.group_size}), interleaved; quality averaged over the last {len(tail)} iterations, "
@@ -138,6 +140,11 @@ def main() -> int:
         print(f"{algo}: lowest rule score {e['rule_min']:.2f} (iteration {e['rule_min_iteration']}), largest KL "
               f"{e['kl_max']:.2f} nats (iteration {e['kl_max_iteration']}), "
               f"beta {args.beta:g} -> {e['beta_final']:.3f}")
+    same = all(abs(a["beta"] - b["beta"]) < 1e-9 for a, b in zip(histories["ppo"], histories["grpo"]))
+    results["beta_paths"] = "identical" if same else "different"
+    print(f"beta per iteration: {results['beta_paths']} for the two; the KL was 20% or more from the target (the "
+          f"controller's step at its clip) in {results['ppo']['extremes']['at_clip']} of PPO's and "
+          f"{results['grpo']['extremes']['at_clip']} of GRPO's {args.iterations} iterations")
     results["cheaper"] = min(rows, key=lambda r: r["s/iter"])["algo"]  # noise decides it on a shared machine
     results["higher_reward"] = max(rows, key=lambda r: r["reward"])["algo"]
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],

@@ -116,7 +116,7 @@ def plot_history(history, args) -> None:
     ax1.set(xlabel="step", ylabel="Bradley-Terry loss", title="loss per batch")
     ax2.plot(steps, [100 * h["batch_accuracy"] for h in history])
     ax2.set(xlabel="step", ylabel="% pairs ranked right", title="batch accuracy", ylim=(0, 102))
-    plot.save(fig, args, "training")
+    print(f"figure: {plot.save(fig, args, 'training')}")
 
 
 def main() -> int:

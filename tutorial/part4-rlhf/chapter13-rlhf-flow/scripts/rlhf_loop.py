@@ -2,11 +2,12 @@
 
 What it shows
     1. One iteration, phase by phase, on --num-rollouts prompts '{"name": "<name>", ':
-       generate (mlsys.engine, temperature 1, paged KV cache, continuous batching) -> score (three forward passes:
-       actor and reference log-probs, critic values; then the reward model at the last token) -> per-token KL
-       penalty and shaped rewards -> GAE over the response tokens -> PPO epochs on actor and critic -> the new
-       actor weights pushed into the engine (Engine.load_weights). Self-checks: the engine's log-probs of the
-       tokens it sampled equal the trainer's recomputation, and sum_t r_t = score - beta * sum_t k1_t per row.
+       generate (mlsys.engine, temperature 1, paged KV cache, continuous batching) -> score (four forward passes,
+       one per model: actor and reference log-probs, critic values, the reward model's score at the last token)
+       -> per-token KL penalty and shaped rewards -> GAE over the response tokens -> PPO epochs on actor and
+       critic -> the new actor weights pushed into the engine (Engine.load_weights). Self-checks: the engine's
+       log-probs of the tokens it sampled equal the trainer's recomputation, and sum_t r_t = score - beta * sum_t
+       k1_t per row.
        One response is printed token by token with every quantity the update uses.
     2. The loop for --iterations, with an adaptive KL coefficient (Ziegler et al. 2019) keeping the KL per
        response near --kl-target (--kl-target 0: a fixed beta). A table every few iterations, and a figure of
@@ -15,6 +16,8 @@ What it shows
        --eval-prompts fresh prompts with the same sampling seeds; per policy, the rule score, the share of
        well-formed records and the reward-model score, and for the trained policy how it breaks the schema and
        what the reward model pays for each kind (reward hacking, measured). Responses side by side.
+    FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
+    response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages).
     The reward model is mlsys.rlhf.load_reward_model() (trained by reward_model.py; trained here if missing).
 
 How to run
@@ -175,7 +178,7 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
             ha="center", va="center", fontsize=10, style="italic")
     ax.set(xlim=(-2.1, 10.7), ylim=(-0.3, 3.5))
     ax.axis("off")
-    plot.save(fig, args, "loop")
+    print(f"figure: {plot.save(fig, args, 'loop')}")
 
 
 def plot_history(history: list[dict], args: Settings) -> None:
@@ -201,7 +204,52 @@ def plot_history(history: list[dict], args: Settings) -> None:
     axes[1, 0].set(xlabel="iteration", ylabel="tokens", title="mean response length")
     axes[1, 1].plot(it, [100 * v for v in col["valid"]])
     axes[1, 1].set(xlabel="iteration", ylabel="%", title="well-formed records", ylim=(0, 102))
-    plot.save(fig, args, "training")
+    print(f"figure: {plot.save(fig, args, 'training')}")
+
+
+def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settings, row: int = 0) -> dict:
+    """One response of the batch token by token: its shaped rewards r_t (-beta k1_t on every token, the score R
+    added on the last), the critic's values V_t, and the GAE advantages before and after whitening.
+    Returns what it drew."""
+    plt = plot.pyplot()
+    x, mask = batch.extra, batch.mask
+    raw, _ = rlhf.token_gae(x["rewards"], x["values"], mask, cfg.gamma, cfg.lam)  # (B, L) before whitening
+    n = int(mask[row].sum())
+    ids = batch.ids[row, batch.prompt_lens[row] :][:n].tolist()
+    tokens = [TOKENIZER.decode([t], skip_special=False) for t in ids]
+    data = {"row": row, "tokens": tokens, "beta": beta, "gamma": cfg.gamma, "lam": cfg.lam,
+            "score": x["scores"][row].item(), "k1": x["kl"]["k1"][row, :n].tolist(),
+            "rewards": x["rewards"][row, :n].tolist(), "values": x["values"][row, :n].tolist(),
+            "advantages_raw": raw[row, :n].tolist(), "advantages": x["advantages"][row, :n].tolist()}
+    data["mean_value"], data["num_tokens"] = sum(data["values"]) / n, n
+    data["raw_negative"] = sum(a < 0 for a in data["advantages_raw"])
+    data["whitened_negative"] = sum(a < 0 for a in data["advantages"])
+    t = range(n)
+    fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.16 * n + 2), 6.4), sharex=True)
+    kl_part = [-beta * k for k in data["k1"]]
+    returns = [a + v for a, v in zip(data["advantages_raw"], data["values"])]  # G_t = A_t + V_t (lambda-return)
+    axes[0].bar(t, kl_part, color="#9e9ac8", label="-beta k1_t: the KL penalty, on every token")
+    axes[0].axhline(0, color="black", lw=0.6)
+    axes[0].bar([n - 1], [data["score"]], bottom=[kl_part[-1]], color="#e6550d",
+                label=f"+ score R = {data['score']:+.2f}, on the last token only")
+    axes[0].set(ylabel="reward r_t", title=f"one response of the last iteration (row {row}), {n} tokens; "
+                f"beta = {beta:.3f}")
+    axes[1].plot(t, data["values"], "o-", ms=3, label="critic value V_t (expected)")
+    axes[1].plot(t, returns, "-", color="#e6550d", label="return G_t = A_t + V_t (what came)")
+    axes[1].set(ylabel="value")
+    axes[2].bar(t, data["advantages_raw"], color=["#31a354" if a >= 0 else "#de2d26" for a in data["advantages_raw"]],
+                label="GAE advantage A_t (raw)")
+    axes[2].plot(t, data["advantages"], "k.", ms=4, label="after whitening over the batch")
+    axes[2].axhline(0, color="black", lw=0.6)
+    axes[2].set(ylabel="advantage A_t", xlabel="response token")
+    axes[2].set_xticks(list(t), [tok.replace(" ", "\u2423") for tok in tokens], fontsize=7, family="monospace")
+    for ax in axes:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in axes:
+        ax.grid(axis="x", visible=False)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'response')}")
+    return data
 
 
 # --8<-- [start:hacking]
@@ -275,16 +323,21 @@ def main() -> int:
     # 3. what the "human" says: the SFT model and the trained policy on the same fresh prompts
     final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)
     hacking = print_hacking(sft_eval, final_eval, args)
-    checked = {}
+    checked, response = {}, {}
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
         checked = anatomy(batch, stats, history[-1]["beta"])
+        response = draw_response(batch, history[-1]["beta"], cfg, args)
+        print(f"   its values average {response['mean_value']:+.3f} against a score of {response['score']:+.3f}; "
+              f"{response['raw_negative']} of its {response['num_tokens']} raw advantages are negative, "
+              f"{response['whitened_negative']} after whitening")
     if not args.smoke and args.iterations >= 10:  # a real run must learn: +0.3 reward-model std units
         report.expect_equal("mean reward rose by >= 0.3", final["reward"] - history[0]["reward"] >= 0.3, True)
     kl_above = sum(h["kl"] > args.kl_target for h in history[1:]) / max(1, len(history) - 1)
     if args.json:
         report.write_json(args.json, {"history": history, "final": final, "kl_above_target": kl_above,
-                                      "hacking": hacking, "anatomy": checked}, args)
+                                      "hacking": hacking, "anatomy": checked,
+                                      "response": response}, args)
     return 0
 
 

@@ -275,7 +275,7 @@ def draw(result: dict, args: Settings) -> None:
     handles, labels = (left if n is not None else right).get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=7, fontsize=8, bbox_to_anchor=(0.5, -0.13))
     fig.suptitle(f"actor/reference {args.actor}, critic/reward {args.critic}", fontsize=11)
-    plot.save(fig, args, "memory_phases")
+    print(f"figure: {plot.save(fig, args, 'memory_phases')}")
 
 
 def main() -> int:

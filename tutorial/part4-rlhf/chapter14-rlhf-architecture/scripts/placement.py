@@ -324,7 +324,7 @@ def draw_timeline(results: dict, args: Settings) -> None:
                fontsize=8, bbox_to_anchor=(0.5, -0.04))
     axes[-1, 0].set_xlabel("seconds since start")
     fig.tight_layout()
-    plot.save(fig, args, "timeline")
+    print(f"figure: {plot.save(fig, args, 'timeline')}")
 
 
 def draw_learning(results: dict, args: Settings) -> None:
@@ -336,7 +336,7 @@ def draw_learning(results: dict, args: Settings) -> None:
         ax2.plot(its, [s["off_policy_gap"] for s in res["stats"]], "o-", label=name, alpha=0.8)
     ax1.set_xlabel("iteration"), ax1.set_ylabel("mean reward-model score"), ax1.legend(fontsize=8)
     ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
-    plot.save(fig, args, "learning")
+    print(f"figure: {plot.save(fig, args, 'learning')}")
 
 
 def warm_cache() -> None:
@@ -366,7 +366,10 @@ def main() -> int:
                          "ranks": table, "timelines": res["timelines"], "t0": res["t0"],
                          "idle_pct": [row["idle %"] for row in table], "weight_sync_s": table[0]["weight sync"],
                          "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
-                         "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations}
+                         "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations,
+                         # iterations after the first whose gap (a sampled k1 estimate) came out above 0
+                         "gap_positive_after_first": sum(x["off_policy_gap"] > 0 for x in res["stats"][1:]),
+                         "iterations_after_first": len(res["stats"]) - 1}
     print(f"\nMachine: {os.cpu_count()} cores, load average {load:.1f} before the run (other jobs share the cores)")
     print("Parameters each rank holds (all its models, the engine's copy included), seconds per phase and idle time "
           "per rank (idle = wall - generate - score - train):")

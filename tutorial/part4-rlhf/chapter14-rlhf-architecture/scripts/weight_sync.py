@@ -11,7 +11,8 @@ What it shows
     3. sweeps the bucket size on the largest model;
     4. on the last rollout rank, loads the received weights into the inference engine (Engine.load_weights) and
        checks that its greedy completions equal the trainer's own generate().
-    Figure: sync time against model size, per tensor vs bucketed (weight_sync/sync_time.png).
+    Figures: how plan_buckets packs the 'draft' GPT's tensors into buckets of --figure-bucket-kb KiB
+    (weight_sync/buckets.png); sync time against model size, per tensor vs bucketed (weight_sync/sync_time.png).
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py            # 1 trainer + 1 rollout
@@ -67,6 +68,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Bucket size in MB (2**20 bytes) for the bucketed sync."""
     sweep_mb: list[float] = field(default_factory=lambda: [0.0625, 0.25, 1.0, 4.0, 16.0])
     """Bucket sizes (MB) tried on the largest model; empty to skip."""
+    figure_bucket_kb: float = 96.0
+    """Bucket size (KiB) of the packing figure buckets.png, drawn for the 'draft' model."""
     iters: int = 5
     """Timed syncs per measurement, after one warm-up; the fastest is reported (the least disturbed by other work
     on a shared machine)."""
@@ -77,6 +80,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError(f"--models must name sizes from {list(SIZES)}, got {self.models}")
         if not self.bucket_mb > 0 or any(not b > 0 for b in self.sweep_mb):
             raise cli.UsageError("--bucket-mb and --sweep-mb must be > 0")
+        if not self.figure_bucket_kb > 0:
+            raise cli.UsageError("--figure-bucket-kb must be > 0")
         if self.iters < 1:
             raise cli.UsageError(f"--iters must be >= 1, got {self.iters}")
 
@@ -191,6 +196,53 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"rows": rows, "sweep": sweep, "engine_ok": engine_ok}
 
 
+def draw_buckets(args: Settings, size: str = "draft") -> dict:
+    """The real plan_buckets plan of one model at --figure-bucket-kb: one row per bucket, one box per tensor at
+    its byte offset, the capacity as a dashed line. Returns what it drew (bytes, per bucket and per tensor)."""
+    from matplotlib.patches import Patch, Rectangle
+
+    plt = plot.pyplot()
+    capacity = int(args.figure_bucket_kb * 1024)
+    params = unique_parameters(GPT(GPTConfig(**SIZES[size])))  # names, shapes, dtypes: what every rank plans from
+    plan = plan_buckets(named_meta(params), capacity)
+    colours = {"embedding": "#9ecae1", "attention": "#fdae6b", "mlp": "#a1d99b", "norm or bias": "#bcbddc"}
+
+    def kind(name: str) -> str:
+        if name.endswith("bias") or ".ln" in name or name.startswith("ln"):
+            return "norm or bias"
+        return "embedding" if name.startswith("w") else "attention" if ".attn." in name else "mlp"
+
+    drawn = []
+    fig, ax = plt.subplots(figsize=(9, 0.34 * len(plan) + 1.4))
+    for b, bucket in enumerate(plan):
+        item = torch.empty((), dtype=bucket.dtype).element_size()
+        slots = [(s.name, s.offset * item, s.numel * item) for s in bucket.slots]
+        for name, start, nbytes in slots:
+            ax.add_patch(Rectangle((start / 1024, b), nbytes / 1024, 0.8, facecolor=colours[kind(name)],
+                                   edgecolor="white", linewidth=0.8))
+            if nbytes >= 8 * 1024:  # label the big tensors only; the small ones are slivers
+                ax.text((start + nbytes / 2) / 1024, b + 0.4, name.replace(".weight", ""), ha="center",
+                        va="center", fontsize=6.5)
+        total = bucket.nbytes
+        ax.text(max(total, capacity) / 1024 + 1, b + 0.4, f"{total / 1024:.1f} KiB, {len(slots)} tensor(s)"
+                + ("  (alone: larger than a bucket)" if total > capacity else ""), va="center", fontsize=7)
+        drawn.append({"bucket": b, "nbytes": total, "slots": slots})
+    ax.axvline(capacity / 1024, color="black", ls="--", lw=1)
+    ax.set_xlim(0, max(capacity, *(b.nbytes for b in plan)) / 1024 * 1.45)
+    ax.set_ylim(len(plan), -0.2)
+    ax.set_yticks([b + 0.4 for b in range(len(plan))], [f"bucket {b}" for b in range(len(plan))], fontsize=7)
+    ax.set_xlabel(f"bytes into the flat buffer (KiB); dashed: the capacity, {args.figure_bucket_kb:g} KiB")
+    ax.set_title(f"plan_buckets for the '{size}' GPT ({len(params)} tensors in parameter order, fp32): "
+                 f"{len(plan)} buckets, one broadcast each", fontsize=9)
+    ax.grid(False)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colours.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'buckets')}")
+    return {"model": size, "capacity": capacity, "tensors": len(params), "num_buckets": len(drawn), "buckets": drawn,
+            "order": list(params)}
+
+
 def draw(rows: list[dict], args: Settings, receivers: int) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -203,7 +255,7 @@ def draw(rows: list[dict], args: Settings, receivers: int) -> None:
     ax.set_ylabel("sync time (ms, slowest rank)")
     ax.set_title(f"Trainer -> {receivers} rollout rank(s), {args.backend}")
     ax.legend()
-    plot.save(fig, args, "sync_time")
+    print(f"figure: {plot.save(fig, args, 'sync_time')}")
 
 
 def main() -> int:
@@ -212,6 +264,9 @@ def main() -> int:
                      world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (rank 0 trains, the rest roll out)")
     print(f"Weight sync: rank 0 (trainer) -> ranks 1..{args.world_size - 1} (rollout), backend {args.backend}, "
           f"{bench.load_average()} before the run")
+    packing = draw_buckets(args)
+    print(f"buckets.png: the '{packing['model']}' GPT's {packing['tensors']} tensors packed into "
+          f"{len(packing['buckets'])} buckets of at most {args.figure_bucket_kb:g} KiB")
     out = launch(worker, args)
     rows, sweep = out["rows"], out["sweep"]
     print("\n" + report.table(rows, floatfmt=".3g"))
@@ -230,7 +285,8 @@ def main() -> int:
     if args.json:
         summary = {"largest": {"model": big["model"], "MB": big["MB"], "speedup": speedup[big["model"]]},
                    "smallest": {"model": rows[0]["model"], "MB": rows[0]["MB"], "speedup": speedup[rows[0]["model"]]}}
-        report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "engine_ok": out["engine_ok"]},
+        report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "engine_ok": out["engine_ok"],
+                                      "packing": packing},
                           args)
     return 0
 
