@@ -302,13 +302,16 @@ def logprobs_of(out: RequestOutput, tokenizer, chat: bool, new_only: bool = Fals
     values = out.logprobs[len(out.logprobs) - len(ids):]
     tops = out.top_logprobs[len(out.top_logprobs) - len(ids):] if out.top_logprobs is not None else None
     text = lambda i: tokenizer.decode([i])
+    raw = getattr(tokenizer, "token_bytes", None) or (lambda i: text(i).encode("utf-8"))  # the token's own bytes
     tokens = [text(i) for i in ids]
     if chat:
-        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(text(a), alp) for a, alp in top.items()]
+        entry = lambda i, lp: {"token": text(i), "logprob": lp, "bytes": list(raw(i))}
+        return {"content": [{**entry(i, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]
                              if tops is not None else []}
-                            for t, lp, top in zip(tokens, values, tops or [None] * len(ids))]}
-    offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+                            for i, lp, top in zip(ids, values, tops or [None] * len(ids))]}
+    # offsets into the whole answer: a streamed chunk's first token starts where the text before it ended
+    start = sum(len(text(i)) for i in out.token_ids[:len(out.token_ids) - len(ids)])
+    offsets = np.cumsum([start] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
     top_block = None if tops is None else [{text(a): alp for a, alp in top.items()} for top in tops]
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_block, "text_offset": offsets}
 

@@ -210,9 +210,14 @@ def test_logprobs_of_the_sampled_tokens_plain_streamed_and_chat(small_model, ser
     assert plain.text == want.text and "".join(plain.logprobs.tokens) == want.text
     assert plain.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
     assert plain.logprobs.text_offset[0] == 0 and plain.logprobs.text_offset[1] == len(plain.logprobs.tokens[0])
-    streamed = [lp for c in client.completions.create(prompt=PROMPTS[3], logprobs=0, stream=True, **common)
-                if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    stream = client.completions.create(prompt=PROMPTS[3], logprobs=0, stream=True, **common)
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    streamed = [lp for block in chunks for lp in block.token_logprobs]
     assert streamed == pytest.approx(want.logprobs, abs=1e-6)
+    # text_offset counts from the start of the answer in every chunk, not from the chunk: oracle from the texts
+    tokens = [t for block in chunks for t in block.tokens]
+    assert [o for block in chunks for o in block.text_offset] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert len(chunks) > 1                                # several chunks, so a restart at 0 would show
     messages = [{"role": "user", "content": PROMPTS[3]}]
     chat = client.chat.completions.create(messages=messages, logprobs=True, **common).choices[0]
     assert [t.logprob for t in chat.logprobs.content] == pytest.approx(want.logprobs, abs=1e-6)

@@ -367,9 +367,14 @@ def test_chat_with_a_checkpoint_template_renders_as_transformers_does(tmp_path) 
     with ServerThread(create_app(llm.engine, "tiny-chat", chat_template=CHAT_TEMPLATE)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, temperature=0,
-                                              extra_body={"ignore_eos": True})
+                                              logprobs=True, extra_body={"ignore_eos": True})
     assert chat.usage.prompt_tokens == len(ids) and ids[0] == 0  # the template's <s>
     assert chat.choices[0].message.content == want.outputs[0].text
+    # log-prob bytes are each token's raw bytes: joined, they are the bytes of the whole answer as `tokenizers`
+    # decodes all its ids at once (a token alone may be half a character, which decoding it alone cannot show)
+    ids_out = want.outputs[0].token_ids
+    raw = b"".join(bytes(t.bytes) for t in chat.choices[0].logprobs.content) if chat.choices[0].logprobs else b""
+    assert raw.decode("utf-8", "replace") == oracle.decode(ids_out) and len(chat.choices[0].logprobs.content) == 8
 
 
 @pytest.mark.timeout(120)
@@ -526,3 +531,47 @@ def test_the_kv_pool_is_sized_from_a_memory_budget_and_a_long_model_is_refused_n
     assert c.num_blocks == 32 * 8192 // 16                         # a budget that holds all 32 sequences
     with pytest.raises(ValueError, match="lower max_model_len"):
         EngineConfig(max_model_len=8192, kv_cache_memory_bytes=per_token * 8191).resolve(model)
+
+
+def test_logprob_bytes_are_each_tokens_raw_bytes(tmp_path) -> None:
+    """A byte-level BPE splits é, 数 and 🙂 across tokens: a token decoded alone shows U+FFFD, so its log-prob
+    `bytes` must come from the token itself. Oracle: the text's own UTF-8, which the tokens' bytes must spell
+    out exactly, one non-empty piece per token (the decode of one token would put EF BF BD in their place)."""
+    from mlsys.engine.request import RequestMetrics, RequestOutput
+    from mlsys.engine.tokenizer import HFTokenizer
+    from mlsys.protocol import logprobs_of
+
+    byte_level_bpe(tmp_path, 300)
+    tok = HFTokenizer(tmp_path / "tokenizer.json", bos_id=0, eos_id=1)
+    text = "naïve café, 数据并行 🙂 déjà"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)          # some token really is part of a character
+    out = RequestOutput("r", [0], ids, ids, text, text, True, "length", RequestMetrics(0.0),
+                        logprobs=[-1.0] * len(ids))
+    got = [bytes(entry["bytes"]) for entry in logprobs_of(out, tok, chat=True)["content"]]
+    assert b"".join(got) == text.encode("utf-8") and all(got)
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["llama-style", "qwen2-style"])
+def test_a_completions_prompt_gets_bos_only_when_the_tokenizer_adds_it(tmp_path, adds_bos) -> None:
+    """A Llama tokenizer's post-processor puts <s> in front of every text, Qwen2's adds nothing: the engine
+    encodes a text prompt as transformers' tokenizer does (the oracle), instead of always prepending BOS."""
+    from tokenizers import Tokenizer, processors
+
+    from mlsys.engine import LLM, SamplingParams
+
+    _, _, kwargs = KINDS["llama-gqa"]
+    KINDS["llama-bos"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
+                          dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
+    try:
+        build("llama-bos", tmp_path)
+    finally:
+        del KINDS["llama-bos"]
+    byte_level_bpe(tmp_path, 300)
+    if adds_bos:
+        tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tok.save(str(tmp_path / "tokenizer.json"))
+    want = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))("the cat")
+    out = LLM(model=str(tmp_path), block_size=4).generate("the cat", SamplingParams(max_tokens=2))[0]
+    assert out.prompt_token_ids == list(want["input_ids"]) and (out.prompt_token_ids[0] == 0) == adds_bos

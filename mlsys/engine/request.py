@@ -32,7 +32,11 @@ import torch
 # --8<-- [start:sampling_params]
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop."""
+    """How to pick tokens for one request, and when to stop.
+
+    vLLM's names, with three differences in defaults and types: temperature 0.0 (greedy; vLLM's default is
+    1.0), max_tokens 32 (vLLM: 16), and `logprobs` a bool plus `top_logprobs` a count (vLLM: one int, the
+    number of alternatives). The server (mlsys/protocol.py) takes OpenAI's fields and defaults instead."""
 
     max_tokens: int = 32  # generate at most this many tokens
     temperature: float = 0.0  # 0 = greedy (argmax)

@@ -18,7 +18,11 @@ from mlsys.data import Tokenizer
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    """A text prompt as the model saw records in training: `<bos>` then characters."""
+    """A text prompt as the model saw text in training: the book's models, `<bos>` then characters; a folder's
+    tokenizer, with the special tokens its own post-processor adds (a Llama tokenizer adds <bos>, Qwen2's adds
+    nothing), as transformers and vLLM encode a completions prompt."""
+    if hasattr(tokenizer, "encode_with_specials"):
+        return tokenizer.encode_with_specials(prompt)
     return tokenizer.encode(prompt, bos=True)
 
 
@@ -74,6 +78,7 @@ class HFTokenizer:
                                   f"({' '.join(str(err).split())[:200]})") from None
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, None
         self.eos_ids = tuple(eos_ids) or ((eos_id,) if eos_id is not None else ())  # any of them ends a text
+        self._specials = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
 
     @property
     def vocab_size(self) -> int:
@@ -85,13 +90,44 @@ class HFTokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos and self.eos_id is not None else [])
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """The ids with the special tokens the tokenizer's post-processor adds (add_special_tokens=True)."""
+        text.encode("utf-8")
+        return self.tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE token may be part of a UTF-8 character; a
+        SentencePiece byte-fallback token <0xE6> is one byte), which decoding it alone cannot give."""
+        piece = self.tok.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if piece in self._specials:
+            return b""
+        byte_of = _byte_level_map()
+        if all(ch in byte_of for ch in piece):     # a byte-level BPE piece: each character stands for one byte
+            return bytes(byte_of[ch] for ch in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")   # SentencePiece marks a space with U+2581
+
     def token_text(self, token_id: int | None) -> str:
         """The text of one token (a chat template writes <s>, </s> and the like by name); "" for None."""
         return "" if token_id is None else (self.tok.id_to_token(token_id) or "")
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character a byte-level BPE writes for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class TokenIdsOnly:
