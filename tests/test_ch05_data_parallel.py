@@ -6,6 +6,8 @@
 - the three hand-written DDP versions (mlsys.ddp) on real ranks against single-process training on the global batch
   AND against torch.nn.parallel.DistributedDataParallel, after several SGD steps, with and without no_sync
   gradient accumulation; their all-reduce counts and bytes; the comm-volume formula 2(W-1)/W x bytes;
+- the profiled overlapped step (ddp_from_scratch.profile_overlap, in one process): torch's bucket assignment, one
+  gloo all-reduce per bucket in the raw trace, each launch inside the backward of the block that completes it;
 - the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof;
 - the plain PyTorch recipe (ddp_recipe.py): DistributedSampler gives every rank an equal share with the padding
   counted, and forgetting set_epoch is caught.
@@ -20,13 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run, scripts_dir
+from conftest import load_script, run, scripts_dir
 from mlsys.collectives import comm_volume
 from mlsys.data import load_splits
 from mlsys.ddp import BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
 from mlsys.model import GPT, GPTConfig, num_params
 
 CH05 = scripts_dir(5)
+dfs = load_script(CH05 / "ddp_from_scratch.py")
 STEPS, BATCH, LR = 4, 2, 0.5
 
 
@@ -100,6 +103,54 @@ def test_overlapped_ddp_reports_a_parameter_without_gradient(one_rank_group) -> 
     ddp(x, x)[1].backward()
     with pytest.raises(RuntimeError, match="extra"):
         ddp.finish_gradient_synchronization()
+
+
+def _segment_of(name: str, num_blocks: int) -> str:
+    """The part of the backward in which a parameter's gradient becomes final (the lesson's figure names)."""
+    if name.startswith("h."):
+        return f"block {name.split('.')[1]}"
+    return "emb." if name.startswith(("wte", "wpe")) else "head"  # wte is tied to the head: final only at the end
+
+
+@pytest.mark.timeout(60)
+def test_overlap_trace_launches_each_torch_bucket_inside_the_backward_that_fills_it(one_rank_group, tmp_path) -> None:
+    """The profiled overlapped step, in one process: its buckets are torch's own assignment, every bucket has one
+    gloo all-reduce in the raw trace file, and each launch falls inside the backward segment of the block whose
+    gradients complete the bucket (autograd runs head, last block ... first block, embeddings)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    args = SimpleNamespace(seed=0, preset="tiny", batch_size=2, bucket_mb=0.03)
+    ctx = SimpleNamespace(rank=0, world_size=1, is_main=True)
+    tokens, _ = load_splits(300, 0)
+    trace = tmp_path / "overlap.trace.json"
+    names = dfs.profile_overlap(ctx, args, tokens, trace)
+    spans = dfs.overlap_spans(trace)
+
+    model = GPT(GPTConfig.preset("tiny"))
+    named = list(model.named_parameters())[::-1]  # backward order, as torch's DDP buckets them
+    want, _ = dist._compute_bucket_assignment_by_size([p for _, p in named], [int(0.03 * 2**20)],
+                                                      [False] * len(named))
+    want_names = [[named[i][0] for i in bucket] for bucket in want]
+    assert names == want_names and len(want) >= 3
+
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    gloo = sorted((e for e in events if e["name"] == "gloo:all_reduce"), key=lambda e: e["ts"])
+    comm = sorted((s for s in spans if s.kind == dfs.ALL_REDUCE), key=lambda s: s.start)
+    assert len(gloo) == len(comm) == len(want)
+    assert [s.end - s.start for s in comm] == pytest.approx([e["dur"] / 1000 for e in gloo])
+
+    n = model.config.n_layer
+    order = ["head"] + [f"block {i}" for i in reversed(range(n))] + ["emb."]
+    segments = {s.label: s for s in spans if s.kind == "backward"}
+    assert sorted(segments) == sorted(order)
+    launches = sorted((s for s in spans if s.lane == "launch"), key=lambda s: s.start)
+    assert len(launches) == len(want)
+    for bucket, launch in zip(want_names, launches):
+        last = max((_segment_of(p, n) for p in bucket), key=order.index)  # the last part of backward it needs
+        seg = segments[last]
+        assert seg.start - 0.05 <= launch.start <= seg.end + 0.05, (bucket, last, launch, seg)
 
 
 # ----------------------------------------------------------------------------------------------- DDP on real ranks

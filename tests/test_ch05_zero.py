@@ -1,6 +1,7 @@
 """Chapter 5, ZeRO: stages 1-3 from scratch against AdamW in one process, measured memory against the 16-bytes-per-
 parameter accounting, the bytes sent per step against the ring formulas, and PyTorch's ZeroRedundancyOptimizer and
-fully_shard against our stage 1 and stage 3."""
+fully_shard against our stage 1 and stage 3; the ZeRO grid's ranges against a brute-force owner count and the bytes the
+run measured, and stage 2's step frames against what each collective writes."""
 
 from __future__ import annotations
 
@@ -198,3 +199,70 @@ def test_memory_summary_has_one_row_per_stage_and_adds_up(zero_run: dict) -> Non
     mixed = {r["stage"]: r for r in summary if r["precision"] == "mixed"}
     assert mixed[1]["optimizer_B"] < mixed[0]["optimizer_B"] and mixed[2]["grads_B"] < mixed[1]["grads_B"]
     assert mixed[3]["params_B"] < mixed[2]["params_B"]
+
+
+# ----------------------------------------------------------------------------------------------- the ZeRO grid
+def _elements(ranges) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+@pytest.mark.timeout(120)
+def test_zero_grid_owners_by_brute_force_count(zero_run: dict) -> None:
+    """The grid's ranges, element by element: a sharded kind has every real element of every unit held by exactly
+    one rank (a brute-force count over the flat vector, unit sizes from the model itself), a replicated kind has
+    it on every rank; and what the grid drew is what the ranks recorded."""
+    psi, root, block = sizes()
+    sharded = {0: set(), 1: {"optimizer"}, 2: {"optimizer", "grads"}, 3: {"optimizer", "grads", "params"}}
+    for stage in range(4):
+        layouts = zero_run["runs"][f"stage{stage}_fp32"]["layout"]
+        assert len(layouts) == W
+        real = [psi] if stage < 3 else [root] + [block] * LAYERS
+        units = layouts[0]["units"]
+        assert [b - a for a, b in units] == [padded(n, W if stage else 1) for n in real]  # stage 0: no padding
+        for kind in ("params", "grads", "optimizer"):
+            count = [0] * units[-1][1]
+            for layout in layouts:
+                for a, b in layout[kind]["held"]:
+                    for i in range(a, b):
+                        count[i] += 1
+            want = 1 if kind in sharded[stage] else W
+            for (a, _), n in zip(units, real):
+                assert set(count[a:a + n]) == {want}, (stage, kind)
+        drawn = [b for b in zero_run["grid_boxes"] if b["stage"] == stage]
+        recorded = [(r, k, a, b) for r, lay in enumerate(layouts) for k in ("params", "grads", "optimizer")
+                    for a, b in lay[k]["held"]]
+        assert sorted((b["rank"], b["kind"], b["start"], b["end"]) for b in drawn) == sorted(recorded)
+        assert all(b["own"] == (b["kind"] in sharded[stage]) for b in drawn)
+
+
+@pytest.mark.timeout(120)
+def test_zero_grid_ranges_add_up_to_the_bytes_the_run_measured(zero_run: dict) -> None:
+    """Independent of the grid's arithmetic: rank 0's recorded ranges, times the bytes of an element, are the
+    bytes held_bytes found in its storages (plus one 4-byte AdamW step counter per unit)."""
+    per = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # the fp32 master shares the shard's storage: counted once
+    for name, result in zero_run["runs"].items():
+        layout, held = result["layout"][0], result["held"]
+        p_b, g_b, o_b = per[name.split("_")[1]]
+        assert held["params"] == p_b * _elements(layout["params"]["held"]), name
+        assert held["grads"] == g_b * _elements(layout["grads"]["held"]), name
+        assert held["optimizer"] == o_b * _elements(layout["optimizer"]["held"]) + 4 * len(layout["units"]), name
+
+
+@pytest.mark.timeout(120)
+def test_zero_step_frames_change_only_what_each_collective_writes(zero_run: dict) -> None:
+    """Stage 2's recorded moments: the reduce-scatter changes only the rank's own gradient slice, the update only
+    its own slice of the parameters, and the all-gather only the others' slices -- which together are the whole."""
+    phases = zero_run["runs"]["stage2_fp32"]["phases"]
+    psi = sizes()[0]
+    S = padded(psi) // W
+    for r, moments in enumerate(phases):
+        by = dict((name, snap) for name, snap in moments)
+        assert list(by) == ["start", "backward", "reduce-scatter", "update", "all-gather"]
+        mine = set(range(r * S, (r + 1) * S))
+        changed = {m: {i for a, b in by[m]["params"]["changed"] for i in range(a, b)} for m in by}
+        grads_rs = {i for a, b in by["reduce-scatter"]["grads"]["changed"] for i in range(a, b)}
+        assert grads_rs and grads_rs <= mine
+        assert changed["update"] and changed["update"] <= mine
+        assert changed["all-gather"].isdisjoint(mine)
+        assert len((changed["update"] | changed["all-gather"]) & set(range(psi))) > 0.99 * psi
+        assert not changed["backward"] and not changed["reduce-scatter"]

@@ -111,4 +111,97 @@ def draw_memory(args, rows: list[dict], world_size: int, num_params: int) -> Non
         ax.set(ylabel="KiB held by one rank", title=f"{precision}: {num_params:,} parameters, W={world_size}")
         ax.set_ylim(0, 1.4 * max(r["peak_B"] for r in mine) / 1024)  # room for the legend above the bars
         ax.legend(fontsize="small", ncol=3, loc="upper right")
-    plot.save(fig, args, "zero_memory")
+    print(f"figure: {plot.save(fig, args, 'zero_memory')}")
+
+
+# ----------------------------------------------------------------------------------------------- the ZeRO grid
+KINDS = ("params", "grads", "optimizer")
+KIND_TITLES = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state (m, v, master)"}
+
+
+def _unit_sizes(layout: dict) -> set[tuple[int, int]]:
+    return {tuple(u) for u in layout["units"]}
+
+
+def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | None = None) -> list[dict]:
+    """One row per rank, three blocks side by side (parameters, gradients, Adam state), each block the flat
+    parameter vector (every unit's padded buffer, end to end). A held range is drawn grey when it is a full copy
+    of its unit and in the rank's colour when it is the rank's own shard; with `highlight`, ranges that changed
+    at this moment get a black hatch. Returns the boxes it drew (rank, kind, start, end, own): the tests read them."""
+    from matplotlib.patches import Rectangle
+
+    from mlsys import plot
+
+    W = len(layouts)
+    total = max(b for _, b in layouts[0]["units"])
+    gap = 0.08 * total
+    colour = plot.colours([f"rank {r}" for r in range(W)])
+    drawn = []
+    for r, layout in enumerate(layouts):
+        y = W - 1 - r
+        units = _unit_sizes(layout)
+        for k, kind in enumerate(KINDS):
+            x0 = k * (total + gap)
+            ax.add_patch(Rectangle((x0, y - 0.4), total, 0.8, fill=False, edgecolor="0.6", linewidth=0.5))
+            for a, b in layout[kind][key]:
+                own = (a, b) not in units  # a whole unit is a full copy; anything else is this rank's slice
+                ax.add_patch(Rectangle((x0 + a, y - 0.4), b - a, 0.8, color=colour[f"rank {r}"] if own else "0.8",
+                                       linewidth=0))
+                drawn.append({"rank": r, "kind": kind, "start": a, "end": b, "own": own})
+            if highlight:
+                for a, b in layout[kind]["changed"]:
+                    ax.add_patch(Rectangle((x0 + a, y - 0.4), b - a, 0.8, fill=False, hatch="////",
+                                           edgecolor="black", linewidth=0))
+    ax.set_xlim(-gap / 2, 3 * total + 2.5 * gap)
+    ax.set_ylim(-0.6, W - 0.4)
+    ax.set_yticks(range(W), [f"rank {r}" for r in reversed(range(W))])
+    ax.set_xticks([k * (total + gap) + total / 2 for k in range(3)], [KIND_TITLES[k] for k in KINDS], fontsize=8)
+    ax.grid(False)
+    return drawn
+
+
+def draw_grid(args, runs: dict, precision: str = "fp32") -> tuple[object, list[dict]]:
+    """zero_grid.png: for each stage, which elements of the flat parameters, gradients and Adam state every rank
+    holds between steps, from the layouts the ranks recorded. Returns the path and the boxes drawn."""
+    from mlsys import plot
+
+    stages = sorted(int(name[5]) for name in runs if name.endswith(precision))
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(len(stages), 1, figsize=(9, 1.0 + 0.55 * len(stages) * len(runs[
+        f"stage{stages[0]}_{precision}"]["layout"])), squeeze=False)
+    boxes = []
+    for ax, stage in zip(axes[:, 0], stages):
+        drawn = draw_rank_rows(ax, runs[f"stage{stage}_{precision}"]["layout"])
+        boxes += [b | {"stage": stage} for b in drawn]
+        ax.set_title(f"stage {stage}", fontsize=9, loc="left")
+    fig.suptitle("What each rank holds between steps (grey: a full copy; colour: the rank's own shard)", fontsize=10)
+    fig.tight_layout()
+    return plot.save(fig, args, "zero_grid"), boxes
+
+
+STEP_CAPTIONS = {
+    "start": "before the step: full parameters, a gradient shard, a 1/W slice of Adam's state",
+    "backward": "backward: every rank fills a full gradient of its own batch",
+    "reduce-scatter": "reduce-scatter: rank r keeps the sum of slice r of everyone's gradients",
+    "update": "update: rank r divides its slice by W and runs AdamW on slice r only",
+    "all-gather": "all-gather: every rank receives the other slices of the parameters",
+}
+
+
+def draw_step(args, phases: list[list]) -> tuple:
+    """zero_step.gif (+ zero_step_strip.png): stage 2's first step, one frame per recorded moment; hatched: what
+    changed since the previous frame. `phases` is per rank a list of (moment, layout)."""
+    from mlsys import plot
+
+    plt = plot.pyplot()
+    W = len(phases)
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * W))
+    names = [name for name, _ in phases[0]]
+
+    def draw(i: int) -> None:
+        ax.clear()
+        draw_rank_rows(ax, [phases[r][i][1] for r in range(W)], highlight="changed" if i else None)
+        ax.set_title(f"{i + 1}/{len(names)}  {STEP_CAPTIONS.get(names[i], names[i])}", fontsize=9, loc="left")
+        fig.tight_layout()
+
+    return plot.animate(fig, draw, len(names), args, "zero_step", fps=0.7, strip_columns=2)

@@ -9,6 +9,9 @@ What it shows
        the all-reduce calls and bytes per step and the largest parameter difference from both references.
     3. Gradient accumulation: --accum micro-batches per step, communicating only on the last one (no_sync()).
     4. When the overlapped version launched each bucket's all-reduce, as a fraction of the backward pass.
+       Then one more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
+       (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
+       of each block on one row, each bucket's all-reduce on the rows of gloo's worker threads.
     5. The all-reduce volume of one step from mlsys.collectives.comm_volume: 2(W-1)/W x gradient bytes per rank.
 
 How to run (any world size from 1 to 8)
@@ -17,7 +20,7 @@ How to run (any world size from 1 to 8)
     ... --bucket-mb 0.01 --steps 10       # more, smaller buckets; more steps
 
 The self-check fails (exit 1) if any version's parameters differ from the global-batch reference by more than
---atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 5 s at -w 2, 4 s with --smoke.
+--atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2, 5 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3
@@ -31,13 +34,15 @@ Try next
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.collectives import comm_volume
 from mlsys.data import load_splits
 from mlsys.ddp import BucketedDDP, OverlappedDDP, rank_batches, wrap
@@ -48,7 +53,7 @@ KINDS = ("naive", "bucketed", "overlapped", "torch")
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     preset: str = "tiny"
     """Model preset from mlsys.model (tiny: 29k parameters, small: 832k)."""
     steps: int = 5
@@ -131,6 +136,138 @@ def train_data_parallel(ctx: RankContext, args: Settings, tokens: torch.Tensor, 
             "backward": backward_spans[-1], "launches": launches[-1] if launches else []}
 
 
+# --8<-- [start:profile]
+@contextlib.contextmanager
+def labelled_block_backward(model: GPT):
+    """Name each block's backward in the profile: a record_function opened when autograd reaches the block's
+    output gradient and closed when its input gradient is done (module backward hooks; removed on exit)."""
+    open_ranges, handles = {}, []
+    for i, block in enumerate(model.h):
+        def pre(module, grad_output, i=i):
+            open_ranges[i] = torch.profiler.record_function(f"backward block {i}")
+            open_ranges[i].__enter__()
+
+        def post(module, grad_input, grad_output, i=i):
+            open_ranges.pop(i).__exit__(None, None, None)
+        handles += [block.register_full_backward_pre_hook(pre), block.register_full_backward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """torch's profiler backend writes a 'USDT: profiler_start/stop' line to the C stderr; keep them off the page."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trace_path) -> list[list[str]]:
+    """One OverlappedDDP step under torch.profiler (after one unprofiled warm-up step), on every rank; rank 0
+    writes the Chrome trace. Returns the parameter names of each bucket, in launch order."""
+    model = fresh_model(args, ctx.rank)
+    ddp = OverlappedDDP(model, args.bucket_mb)
+    x, y = rank_batches(tokens, ctx.rank, ctx.world_size, args.batch_size, model.config.block_size, args.seed, 1)[0]
+    ddp(x, y)[1].backward()  # warm-up: the first backward allocates what later ones reuse
+    ddp.finish_gradient_synchronization()
+    model.zero_grad(set_to_none=True)
+    with labelled_block_backward(model), quiet_stderr(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("forward"):
+            _, loss = ddp(x, y)
+        with torch.profiler.record_function("backward"):
+            loss.backward()  # the hooks launch each bucket's all-reduce from in here
+        with torch.profiler.record_function("wait for all-reduces"):
+            ddp.finish_gradient_synchronization()
+    if ctx.is_main:
+        prof.export_chrome_trace(str(trace_path))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in bucket] for bucket in ddp.buckets]
+# --8<-- [end:profile]
+
+
+COMPUTE_NAMES = ("forward", "backward", "wait for all-reduces")
+ALL_REDUCE = "all-reduce (bucket number)"
+
+
+def overlap_spans(trace_path) -> list[plot.Span]:
+    """The trace's spans to draw: forward, the backward split by block, the wait, on a "compute" row; every
+    gloo all-reduce on the row of the gloo thread that ran it, labelled with its bucket (launch order)."""
+    def lane_of(e: dict) -> str | None:
+        name = e.get("name", "")
+        if name in COMPUTE_NAMES or name.startswith("backward block"):
+            return "compute"
+        if name == "c10d::allreduce_":  # the hook's launch call, on the training thread
+            return "launch"
+        return "all-reduce" if name == "gloo:all_reduce" else None
+
+    raw = plot.trace_spans(trace_path, lane_of=lambda e: lane_of(e) and f"{lane_of(e)} {e.get('tid')}")
+    compute = sorted((s for s in raw if s.lane.startswith("compute")), key=lambda s: s.start)
+    comm = sorted((s for s in raw if s.lane.startswith("all-reduce")), key=lambda s: s.start)
+    launches = sorted((s for s in raw if s.lane.startswith("launch")), key=lambda s: s.start)
+    t0 = min(s.start for s in compute)  # time 0: the profiled step's forward starts
+    for s in raw:
+        s.start, s.end = s.start - t0, s.end - t0
+    backward = next(s for s in compute if s.label == "backward")
+    blocks = [s for s in compute if s.label.startswith("backward block")]  # last block first, as autograd runs
+    spans = [plot.Span("compute", s.start, s.end, s.label, s.label) for s in compute
+             if s.label in ("forward", "wait for all-reduces")]
+    # the backward, cut at the block boundaries: head (lm_head, ln_f) first, then the blocks, embeddings last
+    spans.append(plot.Span("compute", backward.start, blocks[0].start, "head", "backward"))
+    spans += [plot.Span("compute", b.start, b.end, b.label.removeprefix("backward "), "backward") for b in blocks]
+    spans.append(plot.Span("compute", blocks[-1].end, backward.end, "emb.", "backward"))
+    threads = list(dict.fromkeys(s.lane for s in comm))
+    for k, s in enumerate(comm):
+        spans.append(plot.Span(f"gloo thread {threads.index(s.lane) + 1}", s.start, s.end, str(k), ALL_REDUCE))
+    spans += [plot.Span("launch", s.start, s.end, f"bucket {k}", "launch") for k, s in enumerate(launches)]
+    return spans
+
+
+def overlap_summary(spans: list[plot.Span]) -> dict:
+    """What the lesson reads off the trace: how long the backward and the final wait took, how much of the
+    all-reduce time ran while the backward was still computing, and how late gloo started a launched bucket."""
+    backward = [s for s in spans if s.kind == "backward"]
+    start, end = min(s.start for s in backward), max(s.end for s in backward)
+    comm = [s for s in spans if s.kind == ALL_REDUCE]
+    launches = [s for s in spans if s.lane == "launch"]
+    busy = sum(s.end - s.start for s in comm)
+    hidden = sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in comm)
+    wait = next((s.end - s.start for s in spans if s.label == "wait for all-reduces"), 0.0)
+    return {"buckets": len(comm), "backward_ms": end - start, "allreduce_ms": busy, "wait_ms": wait,
+            "hidden_share": hidden / busy if busy else 0.0,
+            "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
+
+
+def draw_overlap(args: Settings, spans: list[plot.Span]):
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    short = {"forward": "forward", "wait for all-reduces": "wait"}  # labels that fit in narrow boxes
+    boxes = [plot.Span(s.lane, s.start, s.end, short.get(s.label, s.label.replace("block ", "blk ")), s.kind)
+             for s in spans if s.lane != "launch"]
+    lanes = ["compute"] + sorted({s.lane for s in boxes} - {"compute"})
+    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces"])
+    plot.timeline(ax, boxes, lanes, unit="ms since the profiled step's forward started (rank 0)", palette=palette,
+                  fontsize=7)
+    for s in spans:  # where the gradient hook launched each bucket: a dotted line down from the compute row
+        if s.lane == "launch":
+            ax.plot([s.start, s.start], [len(lanes) - 1.4, -0.4], color="black", linestyle=":", linewidth=1)
+            ax.annotate(f"launch {s.label.split()[-1]}", (s.start, len(lanes) - 1.45), xytext=(2, 0),
+                        textcoords="offset points", fontsize=6, ha="left", va="top")
+    ax.set_xlim(0, None)
+    ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace")
+    fig.tight_layout()
+    return plot.save(fig, args, "ddp_overlap")
+
+
 def bucket_table(model: GPT, bucket_mb: float) -> list[dict]:
     names = {id(p): n for n, p in model.named_parameters()}
     ddp = BucketedDDP(model, bucket_mb)  # collective: every rank builds it (broadcast of the weights)
@@ -188,6 +325,18 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\noverlapped DDP, last step: backward took {1e3 * (b1 - b0):.1f} ms on rank 0; bucket launches:")
     ctx.print(report.table(timeline, ".0f"))
 
+    trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main else None
+    bucket_names = profile_overlap(ctx, args, tokens, trace_path)
+    spans = []
+    if ctx.is_main:
+        spans = overlap_spans(trace_path)
+        o = overlap_summary(spans)
+        ctx.print(f"\nprofiled one more overlapped step on rank 0: trace {trace_path}")
+        ctx.print(f"backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy {o['allreduce_ms']:.1f} ms "
+                  f"in all, {o['hidden_share']:.0%} of it during the backward; final wait {o['wait_ms']:.1f} ms; "
+                  f"gloo started a launched bucket up to {o['max_start_delay_ms']:.2f} ms late")
+        ctx.print(f"figure: {draw_overlap(args, spans)}")
+
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)
     ctx.print(f"\nper step, each rank all-reduces {grad_bytes / 1024:.1f} KiB of gradients; a ring sends "
               f"2(W-1)/W x that = {volume['sent'] / 1024:.1f} KiB per rank (mlsys.collectives.comm_volume)")
@@ -197,7 +346,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print("self-check passed: every version matches the global-batch reference and torch's DDP on every rank")
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "buckets": buckets, "comparison": rows,
             "overlap_timeline": timeline, "allreduce_sent_bytes_per_rank": volume["sent"],
-            "max_diff_overlapped_vs_torch_all_ranks": same.item()}
+            "max_diff_overlapped_vs_torch_all_ranks": same.item(),
+            "overlap_trace": {"path": str(trace_path), "bucket_params": bucket_names,
+                              "spans": [vars(s) for s in spans]} | (overlap_summary(spans) if spans else {})}
 
 
 def main() -> int:

@@ -166,7 +166,7 @@ def draw(args: Settings, out: dict, world_size: int) -> None:
     ax.plot(steps, vals, "o-", color="crimson", label="validation")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"Data-parallel training on {world_size} ranks")
     ax.legend(fontsize="small")
-    plot.save(fig, args, "dp_training")
+    print(f"figure: {plot.save(fig, args, 'dp_training')}")
 
 
 def main() -> int:

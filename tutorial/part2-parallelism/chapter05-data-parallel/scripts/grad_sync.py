@@ -177,7 +177,7 @@ def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_
     right.set(yscale="log", xlabel="parameter tensor (model order)", ylabel="max |synced - full batch|",
               title="Distance from the one-process gradient")
     right.legend(fontsize="small")
-    plot.save(fig, args, "grad_sync")
+    print(f"figure: {plot.save(fig, args, 'grad_sync')}")
 
 
 def main() -> int:

@@ -180,7 +180,7 @@ def draw(args: Settings, runs: dict) -> None:
     axes[0].set(xlabel="step", ylabel="validation loss", title=f"every {args.sync_every} steps")
     axes[1].set(xlabel="MiB all-reduced per rank", ylabel="validation loss", title="against bytes sent")
     axes[1].legend()
-    plot.save(fig, args, "loss_vs_bytes")
+    print(f"figure: {plot.save(fig, args, 'loss_vs_bytes')}")
 
 
 def main() -> int:

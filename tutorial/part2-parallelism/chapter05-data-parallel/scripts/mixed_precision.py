@@ -204,7 +204,7 @@ def draw(args: Settings, runs: dict) -> None:
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="step", ylabel="loss - fp32 loss", title="16-bit runs against fp32, same batches")
     ax.legend(fontsize=8)
-    plot.save(fig, args, "loss_gap")
+    print(f"figure: {plot.save(fig, args, 'loss_gap')}")
 
 
 def main() -> int:

@@ -19,6 +19,9 @@ What it shows
     gathered layer, a full gradient before its reduce-scatter) and the bytes each rank sends per step.
     The memory table has one row per stage and precision (the busiest rank's bytes by kind, and the largest
     distance of any kind from its formula); figure zero_memory.png draws the same bytes as stacked bars.
+    Pictures of the sharding, from what the ranks really held: zero_grid.png (per stage, which elements of the flat
+    parameters, gradients and Adam state each rank keeps between steps) and zero_step.gif with its static strip
+    zero_step_strip.png (stage 2's first step moment by moment: backward, reduce-scatter, update, all-gather).
 
 How to run (world sizes 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 4
@@ -32,8 +35,9 @@ Try next
         -> stage 3 holds 1/8 of everything; the optimizer bar of stages 1-3 shrinks to 1/8 of stage 0's
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 2 --layers 12 --stages 0 3
         -> more blocks: stage 3's peak (root unit + one gathered block) becomes a smaller share of the model
-    python -c "import mlsys.memory as m; print([m.zero_bytes_per_rank(7e9, 8, s)['total'] // 2**30 for s in range(4)])"
-        -> the same formula for a 7B model on 8 ranks: [104.0, 35.0, 24.0, 13.0] GiB per rank at stages 0-3
+    python -c "import mlsys.memory as m; print([m.zero_bytes_per_rank(7e9, 8, s)['total'] / 2**30 for s in range(4)])"
+        -> the same formula for a 7B model on 8 ranks, in GiB per rank at stages 0-3 (the run's last line rounds
+           them to one decimal: 104.3, 35.9, 24.4, 13.0)
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py --stages 3
         -> stage 3 alone under torchrun; the same self-checks
 """
@@ -49,7 +53,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _zero_common import (
     build_model,
+    draw_grid,
     draw_memory,
+    draw_step,
     expect_adamw_equal,
     make_optimizer,
     memory_summary,
@@ -229,15 +235,72 @@ def held_bytes(units: list[FlatUnit], opt: torch.optim.Optimizer) -> dict[str, i
     return held
 
 
+# --8<-- [start:layout]
+def held_elements(units: list[FlatUnit]) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """What this rank holds, by kind, as (offset, values): offsets index the units' padded buffers laid end to
+    end. A full buffer starts at its unit's offset; a shard at offset + lo. Read off the real tensors (a freed
+    buffer holds nothing), so the ZeRO grid shows what the run kept, not what it was meant to keep."""
+    held: dict[str, list[tuple[int, torch.Tensor]]] = {"params": [], "grads": [], "optimizer": []}
+    base = 0
+    for u in units:
+        if u.full.untyped_storage().nbytes() > 0:
+            held["params"].append((base, u.full.detach()))
+        else:
+            held["params"].append((base + u.lo, u.shard.detach()))
+        if u.grad_full is not None:
+            held["grads"].append((base, u.grad_full))
+        elif u.grad_shard is not None:
+            held["grads"].append((base + u.lo, u.grad_shard))
+        held["optimizer"].append((base + u.lo, u.master.detach()))  # AdamW's m and v have the master's shape
+        base += u.padded
+    return held
+
+
+def layout_snapshot(units: list[FlatUnit], before: dict | None = None) -> dict:
+    """{kind: {"held": [(a, b)], "changed": [(a, b)]}}: the element ranges this rank holds, and those of them
+    whose value is new since `before` (a previous snapshot's "values"); "values" keeps copies for the next diff."""
+    snap = {"units": [], "values": {}}
+    base = 0
+    for u in units:
+        snap["units"].append((base, base + u.padded))
+        base += u.padded
+    for kind, parts in held_elements(units).items():
+        old = before["values"].get(kind, {}) if before else {}
+        held, changed, values = [], [], {}
+        for offset, t in parts:
+            t = t.float().flatten().clone()
+            values[offset] = t
+            held.append((offset, offset + t.numel()))
+            prev = old.get(offset)
+            diff = torch.ones_like(t, dtype=torch.bool) if prev is None or prev.shape != t.shape else prev != t
+            changed += runs_of(diff, offset)
+        snap[kind] = {"held": held, "changed": changed}
+        snap["values"][kind] = values
+    return snap
+
+
+def runs_of(mask: torch.Tensor, offset: int) -> list[tuple[int, int]]:
+    """The [a, b) ranges where a 1-D boolean mask is True, shifted by offset."""
+    padded = torch.cat([torch.tensor([False]), mask, torch.tensor([False])]).int()
+    edges = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    return [(offset + a, offset + b) for a, b in zip(edges[::2], edges[1::2])]
+# --8<-- [end:layout]
+
+
 class Peak:
-    """The most of each kind held at any sampled moment of a step."""
+    """The most of each kind held at any sampled moment of a step; with `phases` on, a layout snapshot at every
+    named moment (the frames of the ZeRO step animation)."""
 
     def __init__(self, units, opt):
         self.units, self.opt, self.max = units, opt, {}
+        self.phases: list[tuple[str, dict]] | None = None  # set to [] to record one step
 
-    def sample(self) -> None:
+    def sample(self, phase: str = "") -> None:
         for kind, n in held_bytes(self.units, self.opt).items():
             self.max[kind] = max(self.max.get(kind, 0), n)
+        if phase and self.phases is not None:
+            before = self.phases[-1][1] if self.phases else None
+            self.phases.append((phase, layout_snapshot(self.units, before)))
 
 
 # ----------------------------------------------------------------------------------------------- one training step
@@ -258,8 +321,9 @@ def step_replicated(model: GPT, units: list[FlatUnit], x, y, comm: CommLog, peak
         unit.alloc_grads()  # stage 2: a full gradient exists only from here to the reduce-scatter
     _, loss = model(x, y)
     loss.backward()
-    peak.sample()
+    peak.sample("backward")
     unit.reduce_grads(comm)
+    peak.sample("reduce-scatter")
     return loss.item()
 
 
@@ -308,24 +372,33 @@ def train(ctx: RankContext, args: Settings, tokens, stage: int, precision: str) 
     units = make_units(model, stage, W, ctx.rank, DTYPES[precision])
     opt = make_optimizer([u.master for u in units], args)
     comm, peak, losses = CommLog(W), Peak(units, opt), []
+    before_step, phases = layout_snapshot(units), []
     for step in range(args.steps):
+        if step == 0 and stage == 2:  # record the moments of stage 2's first step (the step animation)
+            peak.phases = [("start", before_step)]
         x, y = (t.to(ctx.device) for t in rank_batch(tokens, ctx.rank, W, step, args))
         run_step = step_stage3 if stage == 3 else step_replicated
         loss = run_step(model, units, x, y, comm, peak)
         for u in units:  # mean over ranks = the global-batch gradient; AdamW sees fp32 and only its slice
             u.master.grad = u.grad_shard.float() / W if precision == "mixed" else u.grad_shard.div_(W)
         opt.step()
+        peak.sample("update")
         for u in units:
             u.master.grad = None
             u.step_done(comm)
             if stage <= 1:
                 u.grad_full.zero_()
         held = held_bytes(units, opt)  # what stays between steps
-        peak.sample()
+        peak.sample("all-gather")
+        if peak.phases is not None:
+            phases = [(name, {k: v for k, v in snap.items() if k != "values"}) for name, snap in peak.phases]
+            peak.phases = None
         mean_loss = torch.tensor(loss, device=ctx.device)
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / W)
+    layout = {k: v for k, v in layout_snapshot(units).items() if k != "values"}  # between steps
     return {"losses": losses, "params": full_master(model, units), "held": held, "peak": peak.max,
+            "layout": layout, "phases": phases,
             "sent_per_step": {k: v / args.steps for k, v in comm.sent.items()}}
 
 
@@ -356,7 +429,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             out = train(ctx, args, tokens, stage, precision)
             formula = zero_bytes_per_rank(psi, W, stage, precision)
             held = [None] * W
-            dist.all_gather_object(held, {"held": out["held"], "peak": out["peak"]})
+            dist.all_gather_object(held, {"held": out["held"], "peak": out["peak"], "layout": out["layout"],
+                                          "phases": out["phases"]})
             if not ctx.is_main:
                 continue
             err = (out["params"] - want).abs().max().item()
@@ -379,13 +453,19 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                 "max_abs_diff_vs_adamw": err, "max_abs_diff_vs_first_stage": (out["params"] - first).abs().max().item(),
                 "final_loss": out["losses"][-1], "losses": out["losses"],
                 "sent_bytes_per_step": sum(out["sent_per_step"].values()), "sent_by_op": out["sent_per_step"],
-                "held": held[0]["held"], "peak": held[0]["peak"], "formula": formula}
+                "held": held[0]["held"], "peak": held[0]["peak"], "formula": formula,
+                "layout": [h["layout"] for h in held], "phases": [h["phases"] for h in held]}
     if not ctx.is_main:
         return {}
     ctx.print("\nbytes held between steps by the busiest rank (fp32: 4+4+8 B/param, mixed: 2+2+12); off_formula: the "
               "largest |measured/formula - 1| of the four kinds; peak: the most held at once during a step")
     ctx.print(report.table(memory_summary(rows)))
     draw_memory(args, rows, W, psi)
+    grid_path, grid_boxes = draw_grid(args, runs, args.precisions[0])
+    print(f"figure: {grid_path}")
+    step_phases = next((r["phases"] for r in runs.values() if r["phases"][0]), None)
+    if step_phases:
+        print("figure: {} (and {})".format(*draw_step(args, step_phases)))
     base = {p: runs.get(f"stage0_{p}", {}).get("sent_bytes_per_step") for p in args.precisions}
     ctx.print("\nper step: bytes one rank sends; loss after the last step; max |param - AdamW in one process| and "
               "max |param - the first stage run in the same precision|")
@@ -396,7 +476,11 @@ def worker(ctx: RankContext, args: Settings) -> dict:
          "diff_vs_first_stage": f"{r['max_abs_diff_vs_first_stage']:.2e}"}
         for name, r in runs.items()]))
     ctx.print(f"reference losses (one process): {[round(v, 4) for v in want_losses]}")
-    return {"world_size": W, "num_params": psi, "memory": rows, "runs": runs, "reference_losses": want_losses}
+    gib_7b = [zero_bytes_per_rank(7e9, 8, s)["total"] / 2**30 for s in range(4)]
+    ctx.print("the same accounting for a 7B model on 8 ranks, mixed precision: "
+              + ", ".join(f"stage {s} {g:.1f} GiB" for s, g in enumerate(gib_7b)) + " per rank")
+    return {"world_size": W, "num_params": psi, "memory": rows, "runs": runs, "reference_losses": want_losses,
+            "grid_boxes": grid_boxes, "gib_7b_8_ranks": gib_7b}
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ What it shows
     On every rank, two runs of --steps AdamW steps of the tiny GPT, each rank on its own data shard:
       ZeroRedundancyOptimizer          torch.distributed.optim: DDP all-reduces the gradients, each rank's AdamW
                                        owns whole parameter tensors (a greedy split by size), then broadcasts them
-                                       (so under DDP it moves DDP's all-reduce plus a broadcast, ~1.5x DDP);
+                                       (so under DDP it moves DDP's all-reduce plus a broadcast: half as much again);
       fully_shard                      torch.distributed.fsdp (FSDP2): each block and the root module hold a dim-0
                                        shard of every parameter as a DTensor (torch.chunk: 9 rows over 4 ranks is
                                        3, 3, 3, 0), all-gathered around each use.
