@@ -219,9 +219,12 @@ def _response_schema(fmt: Any) -> dict | None:
                            param="response_format")
     schema = spec.get("schema", {})
     try:
-        size = len(json.dumps(schema))
-    except (RecursionError, ValueError):  # nested too deeply to even write out; NaN is refused earlier
+        size = len(json.dumps(schema, allow_nan=False))
+    except RecursionError:  # nested too deeply to even write out
         raise RequestError("response_format: the schema is nested too deeply", param="response_format") from None
+    except ValueError:  # 1e400, Infinity or NaN: no bound the automaton could count to
+        raise RequestError("response_format: the schema holds a number that is not finite (Infinity, NaN, or "
+                           "beyond the float range such as 1e400)", param="response_format") from None
     if size > MAX_SCHEMA_BYTES:
         raise RequestError(f"the response_format schema exceeds {MAX_SCHEMA_BYTES} bytes", param="response_format")
     return schema

@@ -266,6 +266,19 @@ def test_bad_chat_requests_get_a_clear_400(served, body, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("bound", ['{"type": "number", "maximum": 1e400}', '{"type": "integer", "minimum": -Infinity}',
+                                   '{"type": "string", "maxLength": 1e400}', '{"type": "number", "multipleOf": NaN}'])
+def test_a_schema_with_an_infinite_bound_is_a_400_not_a_500(served, bound):
+    """The probe's case: bounds Python's json reads as inf or nan (1e400, Infinity, NaN) crashed the schema
+    compiler with a 500; the body is sent as raw bytes, since a JSON encoder would refuse to write them."""
+    head = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "{"}]})[:-1]
+    body = (head + ', "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+            + bound + "}}}").encode()
+    r = httpx.post(f"{served[0].url}/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "not finite" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.timeout(60)
 def test_sse_wire_format(served):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
