@@ -272,7 +272,10 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         yield
         await front.stop()
 
-    app = FastAPI(title="mlsys inference server", lifespan=lifespan)
+    # with a key, the interactive docs and the OpenAPI document are switched off: every route but /health
+    # answers only a client that holds the key, and those three routes cannot check one
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="mlsys inference server", lifespan=lifespan, **docs)
     app.state.answered = weakref.WeakSet()  # tasks whose response is complete (ServerThread.stop reads it)
     app.add_middleware(_MarkAnswered, answered=app.state.answered)
     app.state.async_engine = front

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -255,6 +256,11 @@ def test_api_key_is_checked_as_openai_clients_send_it(tiny_model):
         r = httpx.get(f"{server.url}/v1/models", timeout=10)  # no header at all
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # health stays open
+        for route in ("/docs", "/redoc", "/openapi.json"):   # no route answers without the key, docs included
+            assert httpx.get(f"{server.url}{route}", timeout=10).status_code in (401, 404), route
+    open_app = create_app(Engine(tiny_model, config=EngineConfig(max_model_len=48)))
+    with ServerThread(open_app, port=0) as server:                    # without a key the docs are served
+        assert httpx.get(f"{server.url}/openapi.json", timeout=10).status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------------- shutdown
@@ -293,9 +299,10 @@ def test_a_half_sent_body_gets_a_408_and_cannot_hold_shutdown(tiny_model):
     sock.close()
 
 
-def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
+def start_serve(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, str(scripts_dir(8) / "serve.py"), "--forever", "--max-tokens", "8",
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     for line in proc.stdout:
         if "until Ctrl-C or SIGTERM" in line:  # printed once the signal handlers are in place
             return proc, re.search(r"http://\S+", line).group(0)
@@ -365,8 +372,9 @@ def test_serve_warns_off_loopback_and_uses_its_api_key(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "warning: --host 0.0.0.0 accepts connections from other machines" in done.stderr
     assert "--api-key" not in done.stderr  # the key is set: no advice to set one
-    proc, url = start_serve("--api-key", "sekrit")
+    proc, url = start_serve(env={"MLSYS_API_KEY": "sekrit"})   # the key from the environment: not in `ps`
     try:
+        assert "sekrit" not in " ".join(proc.args)
         plain = httpx.get(f"{url}/v1/models")
         assert plain.status_code == 401 and plain.json()["error"]["code"] == "invalid_api_key"
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)

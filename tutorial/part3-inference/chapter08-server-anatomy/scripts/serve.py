@@ -48,6 +48,7 @@ Try next
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -86,7 +87,9 @@ class Settings(cli.Args):
     threads: int = 1
     """torch intra-op threads. 1: the tiny model's matrices are too small to split, extra threads only wait."""
     api_key: str = ""
-    """If set, /v1 routes answer only requests with `Authorization: Bearer <key>` (empty: no key)."""
+    """If set, every route but /health answers only requests with `Authorization: Bearer <key>` (the docs and
+    OpenAPI routes are off). Empty: the MLSYS_API_KEY environment variable, which unlike a flag does not show in
+    `ps`; empty too: no key."""
     grace_seconds: float = 10.0
     """On Ctrl-C or SIGTERM, how long requests in flight may run on before they are cut."""
     tensor_parallel_size: int = 1
@@ -184,6 +187,7 @@ class StopSignals:
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"port": 0, "serve_seconds": 0.0, "forever": False, "max_tokens": 8})
+    args.api_key = args.api_key or os.environ.get("MLSYS_API_KEY", "")   # the key need not appear in `ps`
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     if args.host not in LOOPBACK:
