@@ -232,3 +232,57 @@ def test_a_fail_names_the_hint_about_the_function_it_checked(tmp_path, monkeypat
 def test_task_functions_reads_what_each_task_calls() -> None:
     checker = exercises.find("ch13.1").checker
     assert exercises.task_functions(checker) == [["kl_k1"], ["kl_k3"], ["shape_rewards"]]
+
+
+# ----------------------------------------------------------------------------------------------- one task, one function
+def _written_by_learner(stub) -> set[str]:
+    """The stub's top-level functions and classes that raise NotImplementedError: what the learner writes. The given
+    wrappers the ranks call (run_and_count, probe, run_train...) are not: they only carry the learner's function."""
+    import ast
+
+    return {node.name for node in ast.parse(stub.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.FunctionDef | ast.ClassDef)
+            and any(isinstance(n, ast.Raise) and "NotImplementedError" in ast.unparse(n) for n in ast.walk(node))}
+
+
+SEVERAL_FUNCTIONS = {  # (exercise, task index): why that task calls more than one function the learner writes
+    ("ch04.1", 3): "tree_broadcast runs on real ranks, which load the attempt's own tree_parent/tree_children (no "
+                   "reference can be put in their place there): the task checks them on paper first and says "
+                   "'fix tree_children first' rather than hanging on a wrong tree",
+    ("ch14.1", 4): "sync_bucketed runs on real ranks with the attempt's own assign_buckets/pack/unpack: the task "
+                   "checks those first and names the one to fix rather than reporting a wrong broadcast",
+}
+
+
+def test_every_task_checks_one_function() -> None:
+    """A task calls exactly one function the learner writes (so a correct function is never FAIL beside a wrong one),
+    that function comes first, and a FAIL of the task points at the hints about it."""
+    for e in EXERCISES:
+        mine = _written_by_learner(e.attempt)
+        for i, functions in enumerate(exercises.task_functions(e.checker)):
+            written = [f for f in functions if f in mine]
+            where = f"{e.exercise_id} task {i + 1} ({e.checker.name})"
+            if (e.exercise_id, i) in SEVERAL_FUNCTIONS:
+                assert len(written) > 1, f"{where} calls {written} only: drop it from SEVERAL_FUNCTIONS"
+            else:
+                assert len(written) == 1, f"{where} checks {written or 'none'} of the learner's functions, want one"
+            pointer = exercises._hint_pointer(e, functions)
+            assert pointer.endswith(f"FOR={written[0]}"), f"{where} checks {written[0]}, its FAIL says: {pointer}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wrong", WRONG, ids=lambda p: f"{p.parents[2].name[:9]}/{p.stem}")
+def test_a_wrong_attempt_is_pointed_at_hints_about_its_bug(wrong) -> None:
+    """The first FAIL of a stored wrong attempt names FOR=<a function that task checks>, and tagged hints about that
+    function exist: the learner is sent to the hints about the function that failed, not to the whole list."""
+    from mlsys import workshop
+
+    exercise = _exercise_of(wrong)
+    outcomes = exercises.check(exercise, target=wrong, time_limit=60, stop_at_fail=True)
+    first = next(i for i, o in enumerate(outcomes) if o.status == "FAIL")
+    functions = exercises.task_functions(exercise.checker)[first]
+    pointer = exercises._hint_pointer(exercise, functions)
+    assert "FOR=" in pointer, pointer
+    name = pointer.split("FOR=")[1]
+    assert name in functions, (name, functions)
+    assert any(name in tags for tags, _ in workshop.tagged_hints(exercise)), f"no hint is tagged 'for: {name}'"

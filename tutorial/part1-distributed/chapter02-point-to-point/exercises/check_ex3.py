@@ -3,6 +3,8 @@ batch in one process (loss and every stage's weight and bias gradients)."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,15 @@ def reference(x, target, weights, biases) -> tuple[float, list, list]:
     return loss.item(), [w.grad for w in ws], [b.grad for b in bs]
 
 
+def _written(fn) -> None:
+    """A stub's function still raises NotImplementedError: report the task as TODO before starting any rank."""
+    if "NotImplementedError" in inspect.getsource(fn):
+        raise NotImplementedError(f"TODO: write {fn.__name__}")
+
+
 @task("micro_batched_step on 1-3 ranks, 1-4 micro-batches: loss and gradients equal the whole batch in one process")
 def check_step(ex) -> None:
+    _written(ex.micro_batched_step)  # the ranks call it through a given wrapper
     for world_size, num_micro in [(2, 1), (2, 4), (3, 2), (1, 2)]:
         gen = torch.Generator().manual_seed(10 * world_size + num_micro)
         batch, hidden = 4, 3

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
 from mlsys.exercises import run_ranks, task
 
 
+def _written(fn) -> None:
+    """A stub's function still raises NotImplementedError: report the task as TODO before starting any rank."""
+    if "NotImplementedError" in inspect.getsource(fn):
+        raise NotImplementedError(f"TODO: write {fn.__name__}")
+
+
 @task("grid_sums on 2x2, 2x3, 3x2, 1x3 and 1x1 grids: row and column sums equal numpy's; group ranks renumbered")
 def check_grid(ex) -> None:
+    _written(ex.grid_sums)  # the ranks call it through a given wrapper
     rng = np.random.default_rng(34)
     for rows, cols in [(2, 2), (2, 3), (3, 2), (1, 3), (1, 1)]:
         W = rows * cols

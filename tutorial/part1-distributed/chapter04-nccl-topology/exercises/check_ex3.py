@@ -19,6 +19,8 @@ def _tree_sends(rank: int, world_size: int) -> int:
 
 @task("tree_all_reduce on 1, 2, 5 and 6 ranks equals numpy's sum on every rank, input left unchanged")
 def check_sum(ex) -> None:
+    if "NotImplementedError" in inspect.getsource(ex.tree_all_reduce):  # run_and_count (given) calls it on each rank
+        raise NotImplementedError("TODO: write tree_all_reduce first")
     for world_size in (1, 2, 5, 6):
         rng = np.random.default_rng(world_size)
         data = rng.normal(size=(world_size, 6)).astype(np.float32)
@@ -31,7 +33,7 @@ def check_sum(ex) -> None:
             assert out["input_unchanged"], f"W={world_size}: rank {rank}'s input tensor was modified; work on a copy"
 
 
-@task("every rank sends n per tree edge it owns; the busiest sends more than the ring's 2(p-1)/p n")
+@task("tree_all_reduce: every rank sends n per tree edge it owns; the busiest sends more than the ring's 2(p-1)/p n")
 def check_traffic(ex) -> None:
     source = inspect.getsource(ex.tree_all_reduce)
     if "NotImplementedError" in source:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -28,6 +30,12 @@ def reference_buckets(numels: list[int], bucket_bytes: int) -> list[list[int]]:
     return [list(b) for b in buckets]
 
 
+def _written(fn) -> None:
+    """A stub's function still raises NotImplementedError: report the task as TODO before starting any rank."""
+    if "NotImplementedError" in inspect.getsource(fn):
+        raise NotImplementedError(f"TODO: write {fn.__name__}")
+
+
 @task("assign_buckets groups tensors exactly as torch's DDP does "
       "(torch.distributed._compute_bucket_assignment_by_size)")
 def check_assign(ex) -> None:
@@ -40,6 +48,7 @@ def check_assign(ex) -> None:
 @task("all_reduce_mean_bucketed on 1, 2 and 3 ranks: the numpy mean, original order and shapes, "
       "one all-reduce per bucket")
 def check_mean(ex) -> None:
+    _written(ex.all_reduce_mean_bucketed)  # the ranks call it through a given wrapper
     shapes = [(4, 3), (7,), (2, 2, 2), (1,), (5, 6)]  # numels 12, 7, 8, 1, 30
     for world_size, cap in [(1, 64), (2, 40), (3, 1000), (2, 4)]:
         per_rank = [[torch.randn(s, generator=torch.Generator().manual_seed(100 * r + i)) for i, s in enumerate(shapes)]

@@ -3,6 +3,8 @@ in one process, fed the mean parameter change as its gradient; and the one case 
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -11,8 +13,15 @@ from mlsys.exercises import run_ranks, task
 LR, MOMENTUM = 0.7, 0.9
 
 
+def _written(fn) -> None:
+    """A stub's function still raises NotImplementedError: report the task as TODO before starting any rank."""
+    if "NotImplementedError" in inspect.getsource(fn):
+        raise NotImplementedError(f"TODO: write {fn.__name__}")
+
+
 @task("one rank, lr 1, momentum 0: the outer step lands exactly where the inner steps ended")
 def check_identity(ex) -> None:
+    _written(ex.outer_step)  # the ranks call it through a given wrapper
     init = torch.tensor([1.0, -2.0, 3.0])
     drift = torch.tensor([0.5, 0.25, -1.0])
     (got,) = run_ranks(ex, "run_rounds", [(init, [drift], 1.0, 0.0)], timeout=30)
@@ -23,6 +32,7 @@ def check_identity(ex) -> None:
 
 @task("3 rounds on 1, 2 and 3 ranks equal torch.optim.SGD(lr 0.7, momentum 0.9, nesterov) on the mean change")
 def check_rounds(ex) -> None:
+    _written(ex.outer_step)  # the ranks call it through a given wrapper
     for world_size in (1, 2, 3):
         gen = torch.Generator().manual_seed(50 + world_size)
         init = torch.randn(6, generator=gen)

@@ -3,6 +3,8 @@ mlsys.model (output, input gradient, weight gradients) and with the sums f and g
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -16,8 +18,15 @@ def _inputs(t: int, shape: tuple, seed: int) -> tuple[torch.Tensor, list[torch.T
     return x, [torch.randn(*shape, generator=gen) for _ in range(t)]  # a different upstream gradient per rank
 
 
-@task("f (CopyToTP): forward returns x unchanged, backward sums the gradients of all ranks")
+def _written(fn) -> None:
+    """A stub's function still raises NotImplementedError: report the task as TODO before starting any rank."""
+    if "NotImplementedError" in inspect.getsource(fn):
+        raise NotImplementedError(f"TODO: write {fn.__name__}")
+
+
+@task("CopyToTP (f): forward returns x unchanged, backward sums the gradients of all ranks")
 def check_f(ex) -> None:
+    _written(ex.CopyToTP)  # the ranks call it through a given wrapper
     for t in (3,):
         x, ups = _inputs(t, (2, 3), 10 + t)
         got = run_ranks(ex, "probe", [("f", x, u) for u in ups])
@@ -29,8 +38,9 @@ def check_f(ex) -> None:
                 f"{np.round(want, 3).tolist()}")
 
 
-@task("g (ReduceFromTP): forward sums x over the ranks, backward passes the gradient through")
+@task("ReduceFromTP (g): forward sums x over the ranks, backward passes the gradient through")
 def check_g(ex) -> None:
+    _written(ex.ReduceFromTP)  # the ranks call it through a given wrapper
     for t in (2,):
         gen = torch.Generator().manual_seed(20 + t)
         xs = [torch.randn(2, 3, generator=gen) for _ in range(t)]
@@ -44,6 +54,7 @@ def check_g(ex) -> None:
 
 @task("megatron_mlp equals mlsys.model.MLP (output and all gradients) at t=2 and 4, with 1 all-reduce each way")
 def check_mlp(ex) -> None:
+    _written(ex.megatron_mlp)  # the ranks call it through a given wrapper
     torch.manual_seed(0)
     dense = MLP(GPTConfig(n_embd=8, n_head=1, vocab_size=8))
     x, (up,) = _inputs(1, (2, 5, 8), 30)

@@ -9,28 +9,28 @@ from mlsys.exercises import task
 from mlsys.model import CausalSelfAttention, GPTConfig
 
 
-def _order(ex, C: int, tp: int) -> torch.Tensor:
-    order = torch.as_tensor(ex.head_order(C, tp))
+def _order(head_order, C: int, tp: int) -> torch.Tensor:
+    order = torch.as_tensor(head_order(C, tp))
     assert order.shape == (3 * C,), f"C={C}, tp={tp}: head_order returned shape {tuple(order.shape)}, want ({3 * C},)"
     assert sorted(order.tolist()) == list(range(3 * C)), f"C={C}, tp={tp}: not a permutation of range({3 * C})"
     return order.long()
 
 
-@task("each of the tp blocks holds its heads' q rows, then k rows, then v rows (H=4, 6, 8; tp=1, 2, 3, 4)")
+@task("head_order: each of the tp blocks holds its heads' q rows, then k rows, then v rows (H=4, 6, 8; tp=1, 2, 3, 4)")
 def check_blocks(ex) -> None:
     for H, D, tp in [(4, 2, 2), (4, 3, 4), (6, 2, 3), (8, 1, 2), (4, 2, 1)]:
         C = H * D
         w = torch.arange(3 * C, dtype=torch.float64)[:, None].expand(3 * C, 2)  # row i holds i: rows readable
         by_head = w.view(3, H, D, 2)  # (q|k|v, head, row within head, in)
         per = H // tp
-        for r, block in enumerate(w[_order(ex, C, tp)].chunk(tp)):
+        for r, block in enumerate(w[_order(ex.head_order, C, tp)].chunk(tp)):
             want = torch.cat([by_head[part, r * per:(r + 1) * per].reshape(-1, 2) for part in range(3)])
             assert torch.equal(block, want), (
                 f"H={H}, head dim {D}, tp={tp}: rank {r}'s block has rows {block[:, 0].long().tolist()}, want "
                 f"{want[:, 0].long().tolist()} (its heads' q rows, then k, then v)")
 
 
-@task("attention computed per rank from its block, outputs summed, equals the dense attention (tp = 2, 4)")
+@task("head_order: attention computed per rank from its block, outputs summed, equals the dense attention (tp = 2, 4)")
 def check_attention(ex) -> None:
     torch.manual_seed(0)
     config = GPTConfig(n_head=4, n_embd=32, block_size=16, dropout=0.0)
@@ -38,7 +38,7 @@ def check_attention(ex) -> None:
     x = torch.randn(2, 8, 32)
     want = dense(x)
     for tp in (2, 4):
-        order = _order(ex, 32, tp)
+        order = _order(ex.head_order, 32, tp)
         total = dense.c_proj.bias.detach().clone()
         for r, (w, b) in enumerate(zip(dense.c_attn.weight[order].chunk(tp), dense.c_attn.bias[order].chunk(tp),
                                        strict=True)):

@@ -28,21 +28,21 @@ def engine_finish_steps(output_lens: list[int], max_num_seqs: int, scheduling: s
     return [finish[i] for i in ids]
 
 
-def _compare(ex, scheduling: str, fn_name: str) -> None:
+def _compare(finish_steps, scheduling: str) -> None:
     for lens, seats in WORKLOADS:
         want = engine_finish_steps(lens, seats, scheduling)
-        got = list(getattr(ex, fn_name)(list(lens), seats))
+        got = list(finish_steps(list(lens), seats))
         assert got == want, f"{scheduling}, output_lens {lens}, max_num_seqs {seats}: got {got}, engine {want}"
 
 
-@task("static_finish_steps equals the engine's static scheduler, step for step")
+@task("static_finish_steps: equals the engine's static scheduler, step for step")
 def check_static(ex) -> None:
-    _compare(ex, "static", "static_finish_steps")
+    _compare(ex.static_finish_steps, "static")
 
 
-@task("continuous_finish_steps equals the engine's continuous scheduler, step for step")
+@task("continuous_finish_steps: equals the engine's continuous scheduler, step for step")
 def check_continuous(ex) -> None:
-    _compare(ex, "continuous", "continuous_finish_steps")
+    _compare(ex.continuous_finish_steps, "continuous")
 
 
 @task("seat_occupancy: hand values, and continuous batching keeps more seats busy on a skewed workload")

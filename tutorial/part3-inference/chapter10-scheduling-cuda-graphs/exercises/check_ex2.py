@@ -26,19 +26,28 @@ def simulate_overlap(st: dict[str, float], steps: int = 50) -> float:
     return launches[-1] - launches[-2]
 
 
-@task("plain_step_ms adds the five stages; overlap_step_ms equals a simulated two-lane timeline")
-def check_overlap(ex) -> None:
+def _cases() -> list[dict[str, float]]:
     rng = random.Random(0)
     cases = [dict(zip(KEYS, (0.2, 0.5, 3.0, 0.1, 0.2))), dict(zip(KEYS, (1.0, 2.5, 1.5, 0.3, 0.4)))]
-    cases += [dict(zip(KEYS, (rng.uniform(0, 2) for _ in KEYS))) for _ in range(20)]
-    for st in cases:
-        assert abs(ex.plain_step_ms(dict(st)) - sum(st.values())) < 1e-9, f"plain step of {st}"
+    return cases + [dict(zip(KEYS, (rng.uniform(0, 2) for _ in KEYS))) for _ in range(20)]
+
+
+@task("plain_step_ms: the five stages one after another, their sum")
+def check_plain(ex) -> None:
+    for st in _cases():
+        got, want = ex.plain_step_ms(dict(st)), sum(st.values())
+        assert abs(got - want) < 1e-9, f"stages {({k: round(v, 3) for k, v in st.items()})}: {got:.4f}, want {want:.4f}"
+
+
+@task("overlap_step_ms: equals a simulated two-lane timeline (CPU prepares N+1 while the device runs N)")
+def check_overlap(ex) -> None:
+    for st in _cases():
         want = simulate_overlap(st)
         got = ex.overlap_step_ms(dict(st))
         assert abs(got - want) < 1e-9, f"stages {({k: round(v, 3) for k, v in st.items()})}: {got:.4f}, want {want:.4f}"
 
 
-@task("padded_rows equals pick_graph_size(n) - n from the engine, 0 when the batch runs eagerly")
+@task("padded_rows: equals pick_graph_size(n) - n from the engine, 0 when the batch runs eagerly")
 def check_padding(ex) -> None:
     for sizes in ([1, 2, 4, 8, 16, 24, 32], [8, 1, 4, 2], [3]):
         for n in range(1, max(sizes) + 4):
@@ -62,7 +71,7 @@ def engine_prefill_steps(prompt_len: int, budget: int, num_decodes: int) -> int:
             return steps
 
 
-@task("prefill_steps equals the steps the engine's scheduler takes to prefill a prompt beside running decodes")
+@task("prefill_steps: equals the steps the engine's scheduler takes to prefill a prompt beside running decodes")
 def check_chunks(ex) -> None:
     for prompt_len, budget, decodes in [(40, 16, 0), (40, 16, 3), (41, 8, 3), (9, 10, 1), (50, 64, 5), (30, 7, 6)]:
         want = engine_prefill_steps(prompt_len, budget, decodes)

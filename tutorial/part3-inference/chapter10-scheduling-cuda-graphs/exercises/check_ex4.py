@@ -16,7 +16,7 @@ SHAPES = [(8, 2, 2), (8, 2, 4), (8, 2, 8), (8, 8, 4), (4, 1, 2), (6, 3, 3), (8, 
 
 def model(H: int, H_kv: int) -> Llama:
     torch.manual_seed(H * 10 + H_kv)
-    return Llama(LlamaConfig(vocab_size=16, hidden_size=8 * H, intermediate_size=16, num_hidden_layers=1,
+    return Llama(LlamaConfig(vocab_size=16, hidden_size=8 * H, intermediate_size=48, num_hidden_layers=1,
                              num_attention_heads=H, num_key_value_heads=H_kv, max_position_embeddings=16))
 
 
