@@ -254,12 +254,35 @@ def _rendezvous(world_size: int, timeout: float) -> tuple[dict[str, str], Any]:
         return env, None
     import torch.distributed as dist
 
-    # port=0: the kernel hands out a free port atomically, with no window for another job to take it.
-    store = dist.TCPStore(env["MASTER_ADDR"], 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    # port=0: the kernel hands out a free port atomically, with no window for another job to take it. On a
+    # loopback MASTER_ADDR (the default) the store listens there only: TCPStore alone would listen on every
+    # interface, and anyone who reaches the port could write into the job's rendezvous.
+    listen = _loopback_socket(env["MASTER_ADDR"])
+    store = dist.TCPStore(env["MASTER_ADDR"], listen.getsockname()[1] if listen else 0, world_size, is_master=True,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout),
+                          **({"master_listen_fd": listen.detach()} if listen else {}))
     env.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")  # every rank joins as a client
     return env, store
 # --8<-- [end:rendezvous]
+
+
+def _loopback_socket(addr: str):
+    """A socket listening on a free port of `addr` when it is a loopback address (127.x, ::1, localhost), for the
+    store to adopt; None otherwise (a store for other hosts must listen where they can reach it)."""
+    import ipaddress
+    import socket
+
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return None
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1" if addr == "localhost" else addr, 0))
+    sock.listen(128)
+    return sock
 
 
 def _free_master_port(text: str) -> int:

@@ -304,3 +304,22 @@ def test_a_ctrl_c_while_a_rank_starts_is_raised_once_it_has_started() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_the_launchers_store_listens_on_loopback_only() -> None:
+    """The parent's TCPStore (and so tensor-parallel serving's) accepts connections from this machine only: in
+    the kernel's own table of listening sockets (/proc/net/tcp, state 0A), the store's port is bound to
+    127.0.0.1, not to every interface (0.0.0.0), which TCPStore alone would do."""
+    from mlsys.launch import _rendezvous
+
+    env, store = _rendezvous(2, 30)
+    port = int(env["MASTER_PORT"])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:
+                listening.append(addr)
+    assert listening == ["0100007F"], listening           # 127.0.0.1 in the kernel's little-endian hex
+    del store
