@@ -58,3 +58,21 @@ def enable(rank: int) -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__mlsys_traced__", False):
             setattr(dist, name, _wrap(name, fn, rank))
+    if not getattr(dist.P2POp, "__mlsys_traced__", False):
+        dist.P2POp = _p2p_op_taking_wrappers(dist.P2POp)
+
+
+def _p2p_op_taking_wrappers(base: type) -> type:
+    """torch's P2POp accepts only torch's own isend/irecv; a script that writes `dist.P2POp(dist.isend, ...)`
+    under --verbose hands it our wrapper. This subclass unwraps it (the batch is traced as batch_isend_irecv)."""
+
+    class P2POp(base):  # type: ignore[misc, valid-type]
+        __mlsys_traced__ = True
+
+        def __new__(cls, op, *args, **kwargs):
+            return base.__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    return P2POp

@@ -244,6 +244,15 @@ def test_verbose_traces_collectives() -> None:
     assert "[rank 1] <- all_reduce done in" in proc.stderr
 
 
+@pytest.mark.timeout(90)
+def test_verbose_works_with_batched_point_to_point_ops() -> None:
+    """dist.P2POp accepts only torch's own isend/irecv; under --verbose a script hands it the traced ones. The
+    ring all-reduce (mlsys.collectives) is built from P2POp batches: it must still run and be traced."""
+    proc = run([scripts_dir(3) / "ring_allreduce.py", "-w", "2", "--smoke", "--verbose"], timeout=80)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[rank 0] -> batch_isend_irecv(" in proc.stderr and "Invalid op" not in proc.stderr
+
+
 @pytest.mark.timeout(60)
 def test_nccl_without_gpus_is_a_one_line_usage_error() -> None:
     import torch
