@@ -68,7 +68,8 @@ from mlsys.protocol import (  # noqa: F401  (parse_completion_request and Reques
 DEFAULT_MODEL_NAME = "mlsys-small"
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused before it is parsed (413)
 BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is refused (408): a half-sent body holds nothing
-GENERATION_FAILED = "the server failed while generating this request; other requests were not affected"
+HEALTH_STALL_S = 20.0  # /health says 503 when requests wait and no engine step has finished for this long
+GENERATION_FAILED = "the server failed while generating this request (details in the server log)"
 
 
 # =========================================================================================== the front-end
@@ -93,6 +94,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: Exception | None = None  # set if the engine thread itself failed
         self._thread: threading.Thread | None = None
+        self.last_progress = time.monotonic()  # when the engine thread last finished a step
+        self.step_started: float | None = None  # when the step now running began (None between steps)
 
     def stats(self) -> dict:
         """The engine's counters as of its last step: a read that never waits for a step to end."""
@@ -128,7 +131,9 @@ class AsyncEngine:
     def _serve(self) -> None:
         """Drain the inbox (blocking while idle), step, publish; until "stop"."""
         while self._drain(block=not self.engine.has_unfinished()):
+            self.last_progress = time.monotonic()  # the inbox was just drained: nothing waits on this thread
             if self.engine.has_unfinished():
+                self.step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()  # the forward pass: only this thread ever waits for it
                 except FatalEngineError:
@@ -138,6 +143,7 @@ class AsyncEngine:
                 self._send([self._failure(out) if out.finish_reason == "error" else out for out in outputs
                             if isinstance(out, RequestOutput)] + [o for o in outputs if isinstance(o, tuple)])
             self._snapshot = self.engine.stats()
+            self.last_progress, self.step_started = time.monotonic(), None
         for rid in list(self.engine.requests):  # shutting down: free what is still in flight
             self.engine.abort(rid)
         with contextlib.suppress(Exception):
@@ -192,6 +198,21 @@ class AsyncEngine:
                 q.put_nowait(item)
 
     # ------------------------------------------------------------------------- the event-loop side
+    def health(self, stall_limit: float) -> tuple[bool, str]:
+        """(healthy, why not). Unhealthy when the engine thread died or never started properly, or when work is
+        waiting and no step has finished for `stall_limit` seconds (a step stuck on a stopped tensor-parallel
+        worker, or a wedged forward). An idle engine is healthy however long it has been idle."""
+        if self.dead is not None:
+            return False, f"the engine thread stopped: {type(self.dead).__name__}"
+        if self._thread is not None and not self._thread.is_alive():
+            return False, "the engine thread is not running"
+        now, started = time.monotonic(), self.step_started   # read once: the engine thread may reset it
+        if started is not None and now - started > stall_limit:
+            return False, f"no engine step has finished for {now - started:.0f} s while requests wait"
+        if not self.inbox.empty() and now - self.last_progress > stall_limit:   # commands nobody picks up
+            return False, f"the engine thread has not taken new requests for {now - self.last_progress:.0f} s"
+        return True, ""
+
     def check_alive(self) -> None:
         if self.dead is not None:
             raise RequestError("the engine stopped after an internal error (see the server log); restart the "
@@ -248,7 +269,8 @@ class _MarkAnswered:
 
 
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
-               body_timeout: float = BODY_TIMEOUT_S, chat_template: str | NoChatTemplate | None = None) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, chat_template: str | NoChatTemplate | None = None,
+               health_stall_s: float = HEALTH_STALL_S) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health over one AsyncEngine
     (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template; a NoChatTemplate
     refuses chat with its reason, for a folder that ships none) or, with None,
@@ -298,10 +320,13 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
                                          code="internal_error").body(), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
         s = front.stats()  # the engine thread's last snapshot: answers at once, even mid-step
-        return {"status": "ok", "num_running": s["num_running"], "num_waiting": s["num_waiting"],
-                "num_free_blocks": s["num_free_blocks"], "num_total_blocks": s["num_total_blocks"]}
+        ok, why = front.health(health_stall_s)
+        body = {"status": "ok" if ok else "unhealthy", "num_running": s["num_running"],
+                "num_waiting": s["num_waiting"], "num_free_blocks": s["num_free_blocks"],
+                "num_total_blocks": s["num_total_blocks"], **({} if ok else {"reason": why})}
+        return body if ok else JSONResponse(body, status_code=503)  # a load balancer takes this replica out
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -279,6 +279,32 @@ def test_a_schema_with_an_infinite_bound_is_a_400_not_a_500(served, bound):
     assert r.status_code == 400 and "not finite" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.timeout(90)
+def test_health_is_503_while_a_step_is_stuck_and_200_when_it_moves_again(small_model):
+    """/health tells the truth: a request waits and the engine's forward is held (the Gate: a wedged step, as
+    with a stopped tensor-parallel worker), so after the stall limit /health is 503 with a reason; released, it
+    is 200 again, and an idle engine stays 200 however long it idles."""
+    engine = Engine(small_model, config=EngineConfig(max_num_seqs=4))
+    gate = Gate(engine)
+    with ServerThread(create_app(engine, health_stall_s=0.3), port=0) as server:
+        url = server.url
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        gate.arm()
+        pending = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                   kwargs={"json": {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4},
+                                           "timeout": 60})
+        pending.start()
+        assert gate.entered.wait(30)
+        sick = wait_for(lambda: (r := httpx.get(f"{url}/health", timeout=10)).status_code == 503 and r,
+                        "/health to report the stuck step")
+        assert sick.json()["status"] == "unhealthy" and "no engine step has finished" in sick.json()["reason"]
+        gate.release()
+        pending.join(60)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200, "/health to recover")
+        time.sleep(0.5)                       # idle past the stall limit: idling is not stalling
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
 @pytest.mark.timeout(60)
 def test_sse_wire_format(served):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True}
