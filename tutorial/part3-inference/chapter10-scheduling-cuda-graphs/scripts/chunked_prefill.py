@@ -199,7 +199,9 @@ def draw(rows: list[dict], args: Settings) -> None:
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for row in (rows[0], rows[-1]):
         t = np.array(row["times"]["short-0"])
-        ax.plot(t[1:] * 1e3, np.diff(t) * 1e3, ".-", label=f"budget {row['budget']} tokens/step")
+        # one marker per token, no joining lines: a line would draw a single long gap as a wide triangle
+        ax.plot(t[1:] * 1e3, np.diff(t) * 1e3, "o", markersize=3.5, alpha=0.8,
+                label=f"budget {row['budget']} tokens/step")
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
            title="inter-token gaps of one short request while long prompts arrive")
     ax.legend()
@@ -218,6 +220,9 @@ def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[
     """One panel per run: a bar per step, stacked from the scheduler's own output (decodes first, then the
     prompt chunks), against the token budget. Returns what it drew."""
     plt = plot.pyplot()
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
     drawn = [batch_window(run, width) for run in runs]
     fig, axes = plt.subplots(1, len(drawn), figsize=(5.2 * len(drawn), 3.6), squeeze=False)
     colour, used = {"decode": "C0", "short prefill": "0.75"}, {}
@@ -230,12 +235,15 @@ def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[
                 used[name] = c
                 ax.bar(x, n, bottom=bottom, color=c, edgecolor="white", linewidth=0.5 if n >= 0.05 * d["budget"] else 0)
                 if kind == "prefill" and n >= 0.12 * d["budget"]:
-                    ax.text(x, bottom + n / 2, str(n), ha="center", va="center", fontsize=7)
+                    ax.text(x, bottom + n / 2, str(n), ha="center", va="center", fontsize=7,
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.85})
                 bottom += n
         ax.axhline(d["budget"], color="black", linestyle="--", linewidth=1)
         ax.set(xlabel="engine step", ylabel="tokens in the step's flat batch",
                title=f"budget {d['budget']} tokens per step (dashed)")
-    from matplotlib.patches import Patch
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and tokens are whole numbers
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0][-1].legend(handles=[Patch(color=c, label=f"{n} (prompt chunk)" if n.startswith("long") else n)
                                 for n, c in used.items()], fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()

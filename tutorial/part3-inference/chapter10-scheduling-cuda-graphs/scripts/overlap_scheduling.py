@@ -15,11 +15,12 @@ What it shows
        dispatches ops. On a GPU the forward is an asynchronous launch, so the CPU work hides behind the GPU's
        execution, if there is any left once the launches are done: the GPU rows add the same pair of
        engines with CUDA graphs (EngineConfig.cuda_graph_sizes), where the launch is one replay.
-    3. FIGURE timeline.png (into --plot-dir): a few real decode steps of each engine at --timeline-batch
-       sequences on two lanes, the main thread (from the engines' own stage timings) and the forward (when the
-       runner's forward really ran, timed in the thread that ran it); printed: each engine's median step and
-       forward. When the overlapped forward is slower than the plain one, the two threads were competing for
-       the GIL and the cores.
+    3. FIGURE timeline.png (into --plot-dir): 4 consecutive real decode steps of each engine at --timeline-batch
+       sequences (of 12 recorded, the 4 consecutive steps with the shortest total, so that one interrupted step
+       does not fill the picture) on two lanes, the main thread (from the engines' own stage timings) and the
+       forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
+       median step and forward. When the overlapped forward is slower than the plain one, the two threads were
+       competing for the GIL and the cores.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -29,9 +30,12 @@ Runtime on 2 cores: about 15 s, 4 s with --smoke. Needs two free cores to show a
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5
-        -> more alternating rounds: the speed-ups settle; on a CPU expect them near 1 either way
+        -> more alternating rounds: the medians move less from run to run; how far from 1 they sit depends on
+           the machine's load, which the table's load average shows
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --threads 2
-        -> the forward now wants both cores, and the scheduler's thread has none left to hide in
+        -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores: compare the
+           speed-ups with a default run made just before, and read the load average first, since on a busy
+           machine the load, not the thread count, decides both
 """
 
 from __future__ import annotations
@@ -148,16 +152,21 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
         g, go = med["graphs"], med["graphs+overlap"]
         row |= {"graphs ms": g["total"] * 1e3, "graphs+overlap ms": go["total"] * 1e3,
                 "speed-up w/ graphs": g["total"] / go["total"]}
+    # only the plain engine's sched+prep can hide behind the forward: a saving above it is load noise
+    row["note"] = "noise: saved > sched+prep" if row["saved ms"] > row["plain sched+prep ms"] else ""
     return row
 # --8<-- [end:timing]
 
 
-def record_timeline(model, args: Settings, device: str, steps: int = 4) -> dict[str, list[dict]]:
-    """A few decode steps of each engine, in ms from the first step's start: when each step started, its stage
-    timings, and when its forward really ran (the runner's execute, timed in whichever thread called it)."""
+def record_timeline(model, args: Settings, device: str, steps: int = 4, tries: int = 3) -> dict[str, list[dict]]:
+    """`steps` consecutive decode steps of each engine, in ms from the first drawn step's start: when each step
+    started, its stage timings, and when its forward really ran (the runner's execute, timed in whichever thread
+    called it). Of `steps * tries` recorded steps it keeps the `steps` consecutive ones with the shortest total
+    (on a busy machine the others are the ones the OS interrupted)."""
     out = {}
     for name, cls in (("plain", Engine), ("overlap", OverlapEngine)):
-        engine = decode_engine(model, args.timeline_batch, args.prompt_len, steps + 4, device, engine_cls=cls)
+        recorded = steps * tries
+        engine = decode_engine(model, args.timeline_batch, args.prompt_len, recorded + 4, device, engine_cls=cls)
         engine.step()  # warm-up; an OverlapEngine's pipeline is full afterwards
         runs: list[tuple[float, float]] = []  # (start, end) of every forward, perf_counter seconds
         execute = engine.runner.execute
@@ -171,16 +180,22 @@ def record_timeline(model, args: Settings, device: str, steps: int = 4) -> dict[
         engine.runner.execute = timed  # the engine is unchanged; its runner's calls are now timed
         rows, t_first = [], None
         with bench.steady_timing():
-            for _ in range(steps):
+            for _ in range(recorded):
                 t = time.perf_counter()
                 t_first = t if t_first is None else t_first
                 engine.step()
                 rows.append({"start": (t - t_first) * 1e3, "stages": dict(engine.last_step_timing)})
-        for row, (a, b) in zip(rows, runs[-steps:]):
+        for row, (a, b) in zip(rows, runs[-recorded:]):
             row["forward"] = [(a - t_first) * 1e3, (b - t_first) * 1e3]
         if isinstance(engine, OverlapEngine):
             engine.close()
-        out[name] = rows
+        # the window of `steps` consecutive steps that took the least time, times rebased to its first step
+        k = min(range(recorded - steps + 1),
+                key=lambda i: sum(r["stages"]["total"] for r in rows[i : i + steps]))
+        t0 = rows[k]["start"]
+        out[name] = [{"start": r["start"] - t0, "stages": r["stages"], "forward": [r["forward"][0] - t0,
+                                                                                   r["forward"][1] - t0]}
+                     for r in rows[k : k + steps]]
     return out
 
 
@@ -253,11 +268,13 @@ def main() -> int:
     print(f"2. Decode steps on {device} ({where}); median of {args.rounds} alternating rounds of {args.steps} steps")
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
-    print("   saved: plain - overlap per step; at most the plain engine's sched+prep, the CPU work that can hide behind"
-          " the forward (overlap sched+prep: the same work, done while the forward ran)")
+    print("   saved: plain - overlap per step. Only the plain engine's sched+prep is CPU work that can hide behind the"
+          " forward (overlap sched+prep: the same work, done while the forward ran), so a row that saved more than"
+          " it (note: noise) measured the machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
-    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} (medians): plain step "
+    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} (the fastest {len(tl['plain'])} "
+          f"consecutive of {3 * len(tl['plain'])} recorded; medians): plain step "
           f"{summ['plain_step_ms']:.2f} ms, its forward {summ['plain_forward_ms']:.2f} ms; overlapped step "
           f"{summ['overlap_step_ms']:.2f} ms, its forward {summ['overlap_forward_ms']:.2f} ms while the main thread "
           f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward). "

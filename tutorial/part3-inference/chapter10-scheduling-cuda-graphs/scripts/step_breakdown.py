@@ -24,7 +24,10 @@ Try next
         -> longer contexts: the forward grows faster with B (more KV to gather and attend over), and the share
            outside the forward shrinks
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --threads 2
-        -> two threads: the op count does not change; see whether the forward gets faster at all at these sizes
+        -> two torch threads: section 2's op counts stay the same; compare the `forward ms` column, B by B, with
+           a default (one-thread) run made just before on the same machine (the summary line's "B 1 -> 64" ratio
+           compares batch sizes within one run, not thread counts). With other work on the 2 cores, the second
+           thread waits for a core and the load decides the result
 """
 
 from __future__ import annotations
@@ -140,7 +143,9 @@ def main() -> int:
     print(report.table(table, floatfmt=".3f"))
     step_growth = rows[-1]["total"] / rows[0]["total"]
     b0, b1 = rows[0]["batch_size"], rows[-1]["batch_size"]
-    print(f"   B {b0} -> {b1}: {b1 / b0:g}x the tokens, {step_growth:.2f}x the step time; {bench.load_average()}")
+    token_cost_ratio = step_growth / (b1 / b0)  # ms per token at the largest B over ms per token at the smallest
+    print(f"   B {b0} -> {b1}: {b1 / b0:g}x the tokens, {step_growth:.2f}x the step time, so a token costs "
+          f"{token_cost_ratio:.2f}x as much; {bench.load_average()}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)
@@ -155,7 +160,8 @@ def main() -> int:
           f"{p1['python_ops']}. The op count is set by the model's depth, not by the batch.")
     if args.json:
         report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
-                                      "step_growth": step_growth, "load_average": bench.load_average()}, args)
+                                      "step_growth": step_growth, "token_cost_ratio": token_cost_ratio,
+                                      "load_average": bench.load_average()}, args)
     return 0
 
 
