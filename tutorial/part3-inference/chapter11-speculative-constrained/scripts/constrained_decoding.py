@@ -27,7 +27,8 @@ Runtime on 2 cores: about 20 s, 5 s with --smoke.
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --temperature 2
         -> a hot sampler that picks unlikely characters: expect the masked outputs still all to validate and
-           the unmasked ones to fail more often
+           the unmasked ones to fail more often (the two printed examples, drawn with the same seeds, can match the
+           temperature-1 ones: where the model is nearly sure, the same draw picks the same character)
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --temperature 0
         -> greedy: every sample of a budget is the same document, and it validates
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --num-samples 40
@@ -334,7 +335,7 @@ def main() -> int:
     print(f"\n3. mask per token, median over the {cost['tokens']} tokens of one decode: token tables "
           f"{1e6 * cost['table_s']:.1f} us, scanning every token on the NFA {1e6 * cost['scan_s']:.0f} us "
           f"({cost['scan_over_table']:.0f}x); one model forward {1e6 * cost['forward_s']:.0f} us, so the "
-          f"tables add {100 * cost['table_share']:.0f}% and scanning {100 * cost['scan_share']:.0f}% per token "
+          f"tables add {100 * cost['table_share']:.1f}% and scanning {100 * cost['scan_share']:.0f}% per token "
           f"(masks identical: checked); {bench.load_average()}")
 
     draw(rows, args)

@@ -27,7 +27,8 @@ Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two m
 
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
-        -> a longer guess in the traced step: more tokens can be accepted, and more are thrown away on a miss
+        -> a longer guess in the traced step (the first with a rejection, so it may accept no more than at k = 4):
+           more drafts are thrown away on the miss
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --ks 1 16
         -> k = 16: still exactly the target's tokens; tokens per target forward still rise from k = 8 to 16, but
            stay far below k + 1, because a late draft survives only if every draft before it did

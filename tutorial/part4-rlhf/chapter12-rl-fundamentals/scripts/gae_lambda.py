@@ -36,7 +36,8 @@ Try next
         -> fewer rollouts per state: the variance column is the same in expectation, but the bias^2 left at
            lambda = 1 grows, because its sampling-noise part is variance / --rollouts
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --horizon 100
-        -> shorter rollouts sum fewer random rewards: expect less variance at lambda = 1
+        -> shorter rollouts sum fewer random rewards: expect less variance at lambda = 1; which lambda is best can
+           change (it can even be 0)
 """
 
 from __future__ import annotations

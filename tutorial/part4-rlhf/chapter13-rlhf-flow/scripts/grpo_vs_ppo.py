@@ -80,8 +80,9 @@ def plot_runs(histories: dict[str, list[dict]], args: Settings) -> None:
     if args.kl_target:
         axes[2].axhline(args.kl_target, color="gray", ls="--", lw=1, label="target")
     axes[2].set(xlabel="iteration", ylabel="nats per response", title="KL(pi || pi_ref)")
-    for ax in axes:
-        ax.legend()
+    handles, labels = axes[2].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, 0.0))  # off the curves
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     print(f"figure: {plot.save(fig, args, 'comparison')}")
 
 
@@ -142,9 +143,10 @@ def main() -> int:
               f"beta {args.beta:g} -> {e['beta_final']:.3f}")
     same = all(abs(a["beta"] - b["beta"]) < 1e-9 for a, b in zip(histories["ppo"], histories["grpo"]))
     results["beta_paths"] = "identical" if same else "different"
-    print(f"beta per iteration: {results['beta_paths']} for the two; the KL was 20% or more from the target (the "
-          f"controller's step at its clip) in {results['ppo']['extremes']['at_clip']} of PPO's and "
-          f"{results['grpo']['extremes']['at_clip']} of GRPO's {args.iterations} iterations")
+    clip = (f"; the KL was 20% or more from the target (the controller's step at its clip) in "
+            f"{results['ppo']['extremes']['at_clip']} of PPO's and {results['grpo']['extremes']['at_clip']} of GRPO's "
+            f"{args.iterations} iterations") if args.kl_target else " (--kl-target 0: no controller, beta stays fixed)"
+    print(f"beta per iteration: {results['beta_paths']} for the two{clip}")
     results["cheaper"] = min(rows, key=lambda r: r["s/iter"])["algo"]  # noise decides it on a shared machine
     results["higher_reward"] = max(rows, key=lambda r: r["reward"])["algo"]
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],

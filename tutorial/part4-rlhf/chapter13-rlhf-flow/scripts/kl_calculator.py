@@ -20,11 +20,13 @@ Runtime on 2 cores: about 4 s (3 s with --smoke). --seed changes the samples.
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --num-samples 100
-        -> few samples: the sample means wander from the exact values, k1's most
+        -> few samples: the sample means wander from the exact values; which estimator wanders most depends on
+           the draw (compare each mean's distance from its exact value)
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --beta 0.5
         -> ten times the default beta in section 3: the KL part of every r_t grows tenfold, the sum check still holds
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --seed 1
-        -> other samples and another response: the estimators' ordering by spread should not change
+        -> other samples and another response: compare each estimator's spread with the default run's; with only
+           a few responses the ordering by spread can change from seed to seed
 """
 
 from __future__ import annotations

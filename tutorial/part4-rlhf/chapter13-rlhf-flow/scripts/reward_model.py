@@ -21,7 +21,8 @@ Runtime on 2 cores: about 30 s on a busy machine (a tqdm bar on a terminal), 12 
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/reward_model.py --steps 200 --plot-dir /tmp/rm
-        -> fewer training steps: compare the held-out accuracy and the probes' scores with the default run's
+        -> twice the default 100 training steps: compare the held-out accuracy and the probes' scores with the
+           default run's
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/reward_model.py --seed 1
         -> other pairs: does the blind spot (four or repeated languages scored like good records) stay?
     Only the default seed and recipe save the model the RLHF scripts load, so these leave it alone.

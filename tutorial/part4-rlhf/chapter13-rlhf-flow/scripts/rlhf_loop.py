@@ -110,7 +110,7 @@ def anatomy(batch: RolloutBatch, stats: dict, beta: float, row: int = 0) -> dict
     start = max(0, max((t for t, tok in enumerate(tokens) if TOKENIZER.itos[tok] == "["), default=0) - 1)
     cols = {"log pi (engine)": batch.engine_logprobs, "log pi (actor)": x["logprobs"],
             "log pi_ref": x["ref_logprobs"], "k1": x["kl"]["k1"], "k3": x["kl"]["k3"], "value V": x["values"],
-            "reward r_t": x["rewards"], "advantage": x["advantages"], "return": x["returns"]}
+            "reward r_t": x["rewards"], "advantage (whitened)": x["advantages"], "return": x["returns"]}
     rows = [{"t": t, "token": repr(TOKENIZER.decode([tok], skip_special=False)),
              **{k: v[row, t].item() for k, v in cols.items()}} for t, tok in enumerate(tokens)]
     print(f"   response {row}: {batch.texts[row]!r}; its tokens from the language list on:")
@@ -183,13 +183,13 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
 
 def plot_history(history: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     it = range(1, len(history) + 1)
     col = {k: [h[k] for h in history] for k in history[0]}
     axes[0, 0].plot(it, col["reward"], label="reward model score")
     axes[0, 0].plot(it, col["rule_score"], label="rule score (the 'human')")
     axes[0, 0].set(ylabel="mean per response", title="reward")
-    axes[0, 0].legend()
+    axes[0, 0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=2)  # below: no curve hidden
     axes[0, 1].plot(it, col["kl"], label="KL (sum of k1)")
     axes[0, 1].plot(it, col["kl_k3"], label="KL (sum of k3)", alpha=0.6)
     if args.kl_target:
@@ -199,11 +199,13 @@ def plot_history(history: list[dict], args: Settings) -> None:
     beta_ax.plot(it, col["beta"], color="black", lw=1, label="beta")
     beta_ax.set_ylabel("beta")
     beta_ax.grid(False)
-    axes[0, 1].legend(loc="upper left")
+    handles = axes[0, 1].get_legend_handles_labels()[0] + beta_ax.get_legend_handles_labels()[0]
+    axes[0, 1].legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=4)
     axes[1, 0].plot(it, col["response_len"])
     axes[1, 0].set(xlabel="iteration", ylabel="tokens", title="mean response length")
     axes[1, 1].plot(it, [100 * v for v in col["valid"]])
     axes[1, 1].set(xlabel="iteration", ylabel="%", title="well-formed records", ylim=(0, 102))
+    fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'training')}")
 
 
@@ -243,6 +245,9 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     axes[2].axhline(0, color="black", lw=0.6)
     axes[2].set(ylabel="advantage A_t", xlabel="response token")
     axes[2].set_xticks(list(t), [tok.replace(" ", "\u2423") for tok in tokens], fontsize=7, family="monospace")
+    for label in axes[2].get_xticklabels():
+        if len(label.get_text()) > 1:  # '<eos>' would run into its neighbour: stand it upright
+            label.set_rotation(90)
     for ax in axes:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for ax in axes:

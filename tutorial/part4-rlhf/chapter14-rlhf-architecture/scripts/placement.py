@@ -28,8 +28,9 @@ Runtime on 2 cores: about 30 s; --smoke about 10 s.
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
-        -> one trainer and two rollout ranks: the same equality checks; on 2 cores three processes share the CPUs,
-           so read the idle % column before the throughput
+        -> one trainer and two rollout ranks (co-located: the table shows which phases each of the three ranks got;
+           an uneven split can leave one with training only): the same equality checks; on 2 cores three processes
+           share the CPUs, so read the idle % column before the throughput
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py --iterations 12
         -> a longer run: the async off-policy gap per iteration, and whether the reward curves separate
 """

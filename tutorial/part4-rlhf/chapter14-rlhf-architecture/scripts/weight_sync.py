@@ -27,7 +27,8 @@ Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
         -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; more buckets, more calls
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py --bucket-mb 64
-        -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank
+        -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank; on the bigger models
+           the extra packing copy can make bucketing slower than per-tensor sends
 """
 
 from __future__ import annotations
