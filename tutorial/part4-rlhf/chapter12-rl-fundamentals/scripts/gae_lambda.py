@@ -199,6 +199,7 @@ def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     ax.axhline(rows[0]["truth noise"], ls=":", color="gray", label="noise of the MC ground truth")
     ax.set(yscale="log", xlabel="GAE lambda", ylabel="squared error of the advantage at (s, a)",
            title=f"bias and variance, log scale ({args.num_states} states x {args.rollouts} rollouts)")
+    ax.text(0.02, 0.02, "a variance of exactly 0 is drawn at 1e-6", transform=ax.transAxes, fontsize=7)
     ax.legend(fontsize=8)
     # the same MSE on a linear axis: the log axis spans orders of magnitude and flattens the minimum
     best = min(rows, key=lambda r: r["MSE"])
@@ -222,9 +223,9 @@ def plot_advantages(buf: dict, agent: ppo.ActorCritic, gamma: float, args: Setti
     for ax in (ax1, ax2):
         for t in torch.nonzero(d[:, 0]).flatten().tolist():
             ax.axvline(t + 0.5, color="gray", ls="--", lw=1)
-        ax.legend(fontsize=8, loc="upper right")
-    ax1.set(title="one real rollout (dashed: an episode ends)")
-    ax2.set(xlabel="step t")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside, not over
+    ax1.set(title="one real rollout (dashed: an episode ends)", ylabel="value / TD error")
+    ax2.set(xlabel="step t", ylabel="advantage")
     print(f"figure: {plot.save(fig, args, 'gae_advantages')}")
 
 

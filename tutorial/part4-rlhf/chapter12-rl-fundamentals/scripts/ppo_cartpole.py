@@ -95,7 +95,7 @@ def plot_rollout_grid(grid: dict, args: Settings) -> None:
             ax.text(t + 0.5, N - 0.5 - n, f"{rewards[n, t]:.3g}", ha="center", va="center", fontsize=7)
             if dones[n, t]:     # an episode ends after this step: nothing flows back across the line
                 ax.plot([t + 1, t + 1], [N - 1 - n, N - n], color="black", lw=2.5)
-    ax.set(xlim=(0, T), ylim=(0, N), xlabel="step t (time-major: the buffer's first axis)",
+    ax.set(xlim=(0, T + 0.3), ylim=(0, N), xlabel="step t (time-major: the buffer's first axis)",
            title=f"A real rollout buffer, (T, N) = ({T}, {N}): the reward stored at each step "
                  f"(CartPole with a {grid['time_limit']}-step time limit, untrained policy)")
     ax.set_xticks(np.arange(T) + 0.5, range(T), fontsize=7)
