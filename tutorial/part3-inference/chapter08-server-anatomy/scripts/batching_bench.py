@@ -28,7 +28,8 @@ Runtime on 2 cores: about 20 s (3 runs of each scheduler), 4 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --long-fraction 0
-        -> no long answers: static batches drain evenly, and the gap between the schedulers shrinks
+        -> no long answers: static batches drain evenly, and the gap between the schedulers closes or reverses
+           (static batching may now win rows: with every answer the same length it wastes few seats)
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --max-num-batched-tokens 2048
         -> a bigger token budget: the first step admits all 32 seats at once instead of about 15
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --request-rate 10 --repeats 1
@@ -273,23 +274,26 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
     cells = {mode: seat_cells(steps, SEAT_DEMO_SEATS, prompt_len) for mode, steps in runs.items()}
     frames = min(16, max(map(len, runs.values())))
     colour = {f"r{i}": np.array(plt.cm.tab10(i)[:3]) for i in range(len(SEAT_DEMO))}
-    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.0))
+    fig, axes = plt.subplots(2, 1, figsize=(9.0, 5.0))
     images, labels, titles = {}, {}, {}
     for ax, (mode, cs) in zip(axes, cells.items()):
         images[mode] = ax.add_collection(PolyCollection(
             [[(x, y), (x + 1, y), (x + 1, y + 1), (x, y + 1)] for y in range(SEAT_DEMO_SEATS) for x in range(frames)],
             facecolors="white", edgecolors="white", linewidths=1))
         labels[mode] = [(c, ax.text(c["step"] + 0.5, c["seat"] + 0.5, f"P{c['tokens']}", ha="center", va="center",
-                                    fontsize=7, color="white", weight="bold"))
+                                    fontsize=9, color="white", weight="bold"))
                         for c in cs if c["kind"] == "prefill" and c["step"] < frames]
         ax.set(yticks=[k + 0.5 for k in range(SEAT_DEMO_SEATS)], xticks=range(frames + 1),
                yticklabels=[f"seat {k}" for k in range(SEAT_DEMO_SEATS)])
         ax.set(xlim=(0, frames), ylim=(SEAT_DEMO_SEATS, 0))
         ax.grid(False)
-        titles[mode] = ax.set_title("", fontsize=9)
+        titles[mode] = ax.set_title("", fontsize=11)
     axes[0].tick_params(labelbottom=False)
-    axes[1].set_xlabel("engine step   (colour: request r0..r6;  Pn: prefill chunk of n tokens;  plain: decode)")
-    fig.tight_layout()
+    axes[1].set_xlabel("engine step   (Pn: n prompt tokens prefilled in this step;  plain: one decode token)")
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=colour[r], label=f"request {r}") for r in colour], loc="center right",
+               fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
 
     def draw(f: int) -> None:
         for mode, cs in cells.items():
@@ -305,7 +309,7 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
             titles[mode].set_text(f"{mode}: step {f}, {used} of {SEAT_DEMO_BUDGET} tokens in the flat batch"
                                   if f < len(runs[mode]) else f"{mode}: finished after {len(runs[mode])} steps")
 
-    gif, strip = plot.animate(fig, draw, frames, args, "seats", fps=1.0, strip_columns=4)
+    gif, strip = plot.animate(fig, draw, frames, args, "seats", fps=1.0, strip_columns=4, dpi=100)
     print(f"figure: {gif}\nfigure: {strip}")
     return cells
 

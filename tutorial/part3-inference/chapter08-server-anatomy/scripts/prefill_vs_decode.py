@@ -184,7 +184,7 @@ def _timed(fn) -> float:
 
 def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) -> None:
     plt = plot.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
     axes[0].plot([r["prompt_len"] for r in prefill], [r["ms"] for r in prefill], "o-")
     axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time (ms)", title="prefill: one request")
     axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1")
@@ -194,7 +194,8 @@ def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) 
     axes[2].loglog([r["batch"] for r in decode], [r["intensity"] for r in decode], "o-", label="decode")
     axes[2].axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of this CPU ({ridge:.1f})")
     axes[2].set(xlabel="tokens in the step", ylabel="FLOPs per byte moved", title="arithmetic intensity")
-    axes[2].legend(loc="upper left")
+    axes[2].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)  # outside: the points stay visible
+    fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'prefill_vs_decode')}")
 
 

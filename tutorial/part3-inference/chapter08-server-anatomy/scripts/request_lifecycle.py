@@ -32,8 +32,9 @@ Try next
         -> the request alone: every decode step computes one token, and the forward pass gets shorter
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 15
         -> 15 neighbours: the traced request's TPOT grows, because each of its steps now carries 16 sequences
-    python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --max-tokens 120
-        -> a longer answer: in kv_cache.png the request crosses more 16-token block boundaries
+    python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --max-tokens 120 --ignore-eos
+        -> a longer answer (120 tokens, past its <eos>): in kv_cache.png the request crosses more 16-token block
+           boundaries, and holds more blocks at its last step
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class Settings(cli.Args, cli.PlotArgs):
     prompt: str = '{"name": "ada", "age": '
     """The traced request's prompt (characters of the JSON-record alphabet)."""
     max_tokens: int = 48
-    """Tokens the traced request may generate (it stops earlier at <eos>)."""
+    """Tokens the traced request may generate (it stops earlier at <eos>, unless --ignore-eos)."""
+    ignore_eos: bool = False
+    """Keep generating past <eos> until --max-tokens, so that the answer has exactly that many tokens."""
     background: int = 7
     """Requests already decoding when the traced one arrives (they share its decode steps)."""
     show_steps: int = 6
@@ -141,8 +144,11 @@ def draw_flat_batch(batch: dict, traced: str, block_size: int, args: Settings) -
         cells += [{"seq": k, "request_id": rid, "row": len(cells) + i} for i in range(n)]
     for c in cells:
         c["position"], c["slot"] = batch["positions"][c["row"]], batch["slot_mapping"][c["row"]]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.36 * len(cells)), 2.6))
-    colours = seq_colours(plt, len(batch["request_ids"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.36 * len(cells)), 1.9))
+    # the traced request takes the first colour (blue), as in kv_cache.png; the others follow in batch order
+    order = sorted(range(len(batch["request_ids"])), key=lambda k: batch["request_ids"][k] != traced)
+    palette = seq_colours(plt, len(order))
+    colours = {k: palette[j] for j, k in enumerate(order)}
     for c in cells:
         ax.add_patch(plt.Rectangle((c["row"], 0), 1, 3, fc=colours[c["seq"]], ec="white", lw=1))
         for y, key in ((2.5, "seq"), (1.5, "position"), (0.5, "slot")):
@@ -151,13 +157,13 @@ def draw_flat_batch(batch: dict, traced: str, block_size: int, args: Settings) -
         ax.text(-0.3, y, label, ha="right", va="center", fontsize=8)
     k = batch["request_ids"].index(traced)
     rows = [c["row"] for c in cells if c["seq"] == k]
-    ax.text((rows[0] + rows[-1] + 1) / 2, 3.45, f"prefill chunk of the traced request ({len(rows)} tokens)",
+    ax.text((rows[0] + rows[-1] + 1) / 2, 3.2, f"prefill of the traced request ({len(rows)} tokens, blue)",
             ha="center", va="bottom", fontsize=8)
     others = [c["row"] for c in cells if c["seq"] != k]
     if others:
-        ax.text((min(others) + max(others) + 1) / 2, 3.45, f"{len(others)} decode tokens, one per other sequence",
+        ax.text((min(others) + max(others) + 1) / 2, 3.2, f"{len(others)} decode tokens, one per other sequence",
                 ha="center", va="bottom", fontsize=8)
-    ax.set(xlim=(-4.5, len(cells) + 0.2), ylim=(-0.8, 4.2))
+    ax.set(xlim=(-4.5, len(cells) + 0.2), ylim=(-0.1, 4.0))
     ax.axis("off")
     ax.set_title(f"one engine step = one flat batch of {len(cells)} tokens (slot = block_table[position // "
                  f"{block_size}] * {block_size} + position % {block_size})", fontsize=9)
@@ -208,7 +214,8 @@ def draw_kv(tr: dict, block_size: int, num_blocks: int, args: Settings) -> None:
     axes[1].set_xticks([x - 0.5 for x in range(cols + 1)], labels=[])
     axes[1].set_yticks([y - 0.5 for y in range(len(grid) + 1)], labels=[])
     axes[1].grid(color="0.3", lw=0.5)
-    axes[1].set(title=f"the pool of {num_blocks} blocks at step {steps[-1]}: colour = owning sequence",
+    axes[1].set(title=f"the pool of {num_blocks} blocks after step {steps[-1]}, the last before the request's\n"
+                      f"final step {len(tr['steps']) - 1} frees them: colour = owning sequence (traced: blue)",
                 xlabel="physical block id (row by row); numbers: the traced request's logical blocks")
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'kv_cache')}")
@@ -251,7 +258,7 @@ def main() -> None:
     model = load_pretrained("small")
     engine = busy_engine(model, args.background, args.seed)
 
-    params = SamplingParams(max_tokens=args.max_tokens)  # greedy
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # greedy
     batches = record_flat_batches(engine)  # what the scheduler and the runner really packed, step by step
     with bench.steady_timing():  # no garbage-collector pause inside the traced steps
         tr = trace_request(engine, args.prompt, params)
@@ -278,7 +285,8 @@ def main() -> None:
     print(f"finish_reason={out.finish_reason}, {len(out.token_ids)} tokens;  TTFT {lat['ttft'] * 1e3:.2f} ms, "
           f"TPOT {(lat['tpot'] or 0) * 1e3:.2f} ms, end-to-end {lat['e2e'] * 1e3:.1f} ms")
 
-    ref = generate(model, torch.tensor([tr["ids"]]), args.max_tokens, eos_id=engine.tokenizer.eos_id)
+    eos = None if args.ignore_eos else engine.tokenizer.eos_id
+    ref = generate(model, torch.tensor([tr["ids"]]), args.max_tokens, eos_id=eos)
     report.expect_equal("traced tokens vs mlsys.model.generate", out.token_ids, ref[0, len(tr["ids"]) :].tolist())
     print("self-check: tokens equal mlsys.model.generate (greedy, alone, contiguous cache)")
     while engine.has_unfinished():  # let the background requests finish, then nothing may be left over

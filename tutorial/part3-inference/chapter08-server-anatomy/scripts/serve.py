@@ -40,7 +40,8 @@ Try next
          -d '{"model": "mlsys-small", "messages": [{"role": "user", "content": "{"}], "max_tokens": 40}'
         -> (server running) the chat form: the book's model is prompted with the last user message
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --tensor-parallel-size 2
-        -> two ranks, each with half of every layer and half of the KV heads: the same answers (mlsys/engine/tp.py)
+        -> two ranks, each with half of every layer and half of the KV heads: the start-up line "tensor parallel:
+           2 ranks" lists both process ids, and the answers are the same (mlsys/engine/tp.py)
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --model path/to/checkpoint --forever
         -> your own GPT-2, Llama or Qwen2 folder (config.json + safetensors), with its tokenizer and chat template
 """
@@ -219,7 +220,11 @@ def main() -> int:
     signals = StopSignals()
     signals.server = server
     try:
-        print(f"serving {name} on {server.url} (OpenAI base_url {server.url}/v1)\n")
+        print(f"serving {name} on {server.url} (OpenAI base_url {server.url}/v1)")
+        if args.tensor_parallel_size > 1:  # show that the other ranks are real processes
+            pids = [os.getpid()] + [p.pid for p in engine.runner.group.procs]
+            print(f"tensor parallel: {len(pids)} ranks, each with 1/{len(pids)} of every layer; process ids {pids}")
+        print()
         result = demo(server.url, args.max_tokens, args.smoke, args.api_key, name, prompt)
         report.expect_equal("text of stream=false vs the engine", result["plain_text"], expected)
         if "stream_text" in result:

@@ -21,8 +21,9 @@ Runtime on 2 cores: about 5 s, 2 s with --smoke.
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py --kv-heads 1
         -> multi-query attention: an eighth of the bytes per token, and the budget no longer limits the batch
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py --kv-kib 4096
-        -> a budget large enough for every request with MHA too: both run the same batch, and the step counts meet
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py --kv-kib 8192
+        -> a budget large enough for every request with MHA too (16 requests of 64 tokens at 8 KiB per token):
+           both run the same batch, and the step counts meet
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ How to run
 Runtime on 2 cores: about 3 s, 2 s with --smoke.
 
 Try next
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py --max-tokens 150
-        -> longer answers: the private part grows, and the saving shrinks towards nothing
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py --prompt-len 100 --max-tokens 150
+        -> a shorter prompt and longer answers: the private part grows, and the saving shrinks (the shared run
+           holds most of the blocks the separate one does, and the goal of at most half is not met)
     python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py --block-size 64
         -> bigger blocks: the copied tail block is bigger, each answer's private part too
 """

@@ -27,10 +27,13 @@ How to run
 Runtime on 2 cores: about 10 s, 4 s with --smoke.
 
 Try next
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --shots 6
-        -> a longer shared system prompt: more prompt tokens come from the cache, the first edge gets longer
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --shots 1
+        -> a shorter shared system prompt (one record instead of two): a smaller share of the prompt tokens comes
+           from the cache, and the first edge is half as long
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --block-size 4
-        -> smaller blocks: more of the shared prefix fits in whole blocks, and the tree gets deeper
+        -> smaller blocks: the first edge holds the same tokens in four times as many blocks, and below it each
+           request's own tokens become a chain of small edges, so the tree gets deeper (the printout and the
+           figure say how many edges they leave out)
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32
         -> more requests: the same first edge, more children below it
 """
@@ -156,6 +159,11 @@ def tree_lines(cache, tok: Tokenizer, max_chars: int = 36) -> list[str]:
 # --8<-- [end:tree]
 
 
+def count_edges(node) -> int:
+    """Every edge below node (each child is one edge)."""
+    return sum(1 + count_edges(child) for child in node.children.values())
+
+
 def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_nodes: int = 24) -> list[dict]:
     """The radix tree as boxes: each edge's text, its tokens and blocks, and how many requests' token sequences
     (prompt + output) run through it. Depth left to right, siblings top to bottom. Returns the edges it drew
@@ -187,17 +195,25 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
         return sum(ys) / len(ys) if ys else float(leaf[0])
 
     root_y = walk(cache.root, 1, [], -1)
-    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.55 * (leaf[0] + 1))))
+    total = count_edges(cache.root)
+    max_depth = max((b[0] for b in boxes), default=1)
+    # about 2 inches per level of depth, so that neighbouring boxes (22 characters wide) never overlap
+    fig, ax = plt.subplots(figsize=(max(10.0, 0.65 * (3 * max_depth + 3)), max(3.0, 0.55 * (leaf[0] + 1))))
     ax.text(0, root_y, "root", ha="center", va="center", bbox={"boxstyle": "round", "fc": "0.9"})
     for depth, y, label, parent in boxes:
         px, py = (0, root_y) if parent < 0 else (boxes[parent][0] * 3, boxes[parent][1])
-        ax.plot([px, depth * 3], [py, y], color="0.6", lw=1, zorder=0)
+        # an elbow: out of the parent, down or up between the two columns, then straight into the child's middle
+        mid = depth * 3 - 1.5
+        ax.plot([px, mid, mid, depth * 3], [py, py, y, y], color="0.6", lw=1, zorder=0)
         ax.text(depth * 3, y, label, ha="center", va="center", fontsize=7, family="monospace",
                 bbox={"boxstyle": "round", "fc": "#dbe9f6" if depth == 1 else "#fde0c5"})
     ax.set_xlim(-1, 3 * max((b[0] for b in boxes), default=1) + 2)
     ax.set_ylim(leaf[0], -1)
     ax.axis("off")
-    ax.set_title(f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens)")
+    title = f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens)"
+    if len(boxes) < total:
+        title += f"\nonly the first {len(boxes)} of its {total} edges drawn; the rest are left out"
+    ax.set_title(title)
     print(f"figure: {plot.save(fig, args, 'radix_tree')}")
     return edges
 
@@ -252,7 +268,10 @@ def main() -> int:
             "system_tokens": len(system), "top_edges": len(top), "first_edge_tokens": len(top[0].key),
             "first_edge_children": len(top[0].children), "num_requests": len(prompts)}
     print(f"\n3. The radix tree ({tree['cached_blocks']} cached blocks; ^ = <bos>, $ = <eos>):")
-    print("\n".join(tree_lines(cache, tok)[:12]))
+    lines = tree_lines(cache, tok)
+    print("\n".join(lines[:12]))
+    if len(lines) > 12:
+        print(f"   ... {len(lines) - 12} more edges not shown ({len(lines)} in all)")
     print(f"   every prompt starts with the same {shared} tokens ({len(system)} of system prompt + "
           f"{shared - len(system)} of the question's '<bos>{{\"name\": \"'); the first edge "
           f"holds {tree['first_edge_tokens']} tokens (the shared prefix in whole blocks of {args.block_size}: "
