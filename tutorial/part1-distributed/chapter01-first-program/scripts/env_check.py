@@ -21,11 +21,12 @@ Runtime on 2 cores: about 5 s.
 
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/env_check.py -w 4
-        -> the closing all_reduce over 4 ranks must give 0+1+2+3 = 6 on each
+        -> rank r contributes r + 1, so the closing all_reduce over 4 ranks must give 1+2+3+4 = 10 on each
     python tutorial/part1-distributed/chapter01-first-program/scripts/env_check.py --require-gpu
         -> on a machine without CUDA: missing CUDA becomes a FAIL line, and the exit code is 1
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/env_check.py
-        -> the same checks, the all_reduce run by torchrun's two processes
+        -> only the all_reduce check, as one table row, run by torchrun's two processes (the version and
+           library checks are skipped: the processes already exist)
 """
 
 from __future__ import annotations

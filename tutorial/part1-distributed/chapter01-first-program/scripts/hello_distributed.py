@@ -21,7 +21,7 @@ Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 3 --crash-rank 2
         -> rank 2's traceback, the other ranks stopped within seconds, exit code 1
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py
-        -> the same output, with torchrun starting the two processes instead of the script
+        -> the same checks for 2 ranks, with torchrun starting the two processes instead of the script
 """
 
 from __future__ import annotations
@@ -131,15 +131,20 @@ def draw(result: dict, args: Settings) -> str:
     import seaborn as sns
 
     panels = [("before", "before: own tensor"), ("gathered", "after all_gather"), ("summed", "after all_reduce (sum)")]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 1.2 + 0.5 * result["world_size"]),
+    fig, axes = plt.subplots(1, 3, figsize=(12, 1.8 + 0.5 * result["world_size"]),
                              gridspec_kw={"width_ratios": [1, result["world_size"], 1]})
+    # One colour scale for all three panels, so that equal numbers have equal shades everywhere.
+    values = [v for row in result["per_rank"] for key, _ in panels for v in row[key]]
+    vmin, vmax = min(values), max(values)
     for ax, (key, title) in zip(axes, panels):
         grid = [row[key] for row in result["per_rank"]]
-        sns.heatmap(grid, annot=len(grid[0]) <= 24, fmt="g", cbar=False, cmap="crest", ax=ax, linewidths=0.5)
+        sns.heatmap(grid, annot=len(grid[0]) <= 24, fmt="g", cbar=False, cmap="crest", ax=ax, linewidths=0.5,
+                    vmin=vmin, vmax=vmax)
         ax.set_title(title)
         ax.set_xlabel("element")
         ax.set_ylabel("rank")
-    fig.suptitle(f"What each of {result['world_size']} ranks holds")
+    fig.suptitle(f"What each of {result['world_size']} ranks holds (one colour scale for all panels)")
+    fig.tight_layout()
     return str(plot.save(fig, args, "placement"))
 
 

@@ -202,7 +202,8 @@ def recording(calls: list[dict]):
 def worker(ctx: RankContext, args: Settings) -> dict:
     calls: dict[str, list] = {}
     naive = [naive_swap(ctx, 1, args.deadlock_timeout, args.ring)]
-    with recording(calls.setdefault("naive: send first on both", [])):
+    naive_name = "naive: every rank sends first (ring)" if args.ring else "naive: send first on both"
+    with recording(calls.setdefault(naive_name, [])):
         naive.append(naive_swap(ctx, args.numel, args.deadlock_timeout, args.ring))
     mine = payload(ctx.rank, args.numel, ctx.device)
     want = payload(peers(ctx, args.ring)[1], args.numel, ctx.device)
@@ -252,19 +253,22 @@ def draw(drawn: dict[str, list[dict]], world_size: int, numel: int, args: Settin
             "irecv": "post isend / irecv", "wait(isend)": "wait", "wait(irecv)": "wait"}
     palette = plot.colours(dict.fromkeys(kind.values()))
     names = [f"rank {r}" for r in range(world_size)]
-    fig, axes = plt.subplots(len(drawn), 1, figsize=(10, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(11, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
     for ax, (variant, calls) in zip(axes, drawn.items()):
         spans = [plot.Span(f"rank {c['rank']}", c["start_ms"], c["end_ms"],
                            c["call"] + ("" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} "
                                         f"{c['peer']}"), kind[c["call"]]) for c in calls]
-        plot.timeline(ax, spans, names, unit="ms", palette=palette, legend=False)
+        plot.timeline(ax, spans, names, unit="ms", palette=palette, legend=False, fontsize=7)
         width = max(c["end_ms"] for c in calls)
+        top = min(c["rank"] for c in calls)
         for c in calls:
             y = world_size - 1 - c["rank"]
-            if c["call"] in ("isend", "irecv"):  # posting takes microseconds: mark it instead of a box
-                ax.annotate(c["call"], (c["start_ms"], y + 0.4), xytext=(-12 if c["call"] == "isend" else 12, 7),
-                            textcoords="offset points", ha="center", fontsize=7,
-                            arrowprops={"arrowstyle": "-", "lw": 0.8})
+            if c["call"] in ("isend", "irecv"):  # posting takes microseconds: a tick instead of a box
+                ax.plot([c["start_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
+                if c["rank"] == top:  # named once, above the top lane, so the names cannot cover another lane
+                    ax.annotate(c["call"], (c["start_ms"], y + 0.4), xytext=(-16 if c["call"] == "isend" else 16, 7),
+                                textcoords="offset points", ha="center", fontsize=7,
+                                arrowprops={"arrowstyle": "-", "lw": 0.8})
             if c["outcome"] == "raised":
                 ax.text(c["end_ms"] + 0.005 * width, y, "gave up at the timeout; never reached its recv", va="center",
                         fontsize=8, color="C3", ha="left")

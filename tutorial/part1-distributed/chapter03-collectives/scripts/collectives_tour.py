@@ -237,12 +237,19 @@ def draw(held: dict[str, list], args: Settings) -> str:
 
     W, k = args.world_size, args.per_rank
     base, palette = id_base(W, k), sns.color_palette("colorblind", W)
-    fig, axes = plt.subplots(2, len(held), figsize=(2.3 * len(held), 1.6 + 1.0 * W), squeeze=False)
-    for col, (name, rows) in enumerate(held.items()):
+    ncols = min(4, len(held))  # at most four collectives side by side; the rest in a second band below
+    bands = -(-len(held) // ncols)
+    fig, axes = plt.subplots(2 * bands, ncols, figsize=(2.9 * ncols, bands * (1.4 + 1.0 * W) + 0.6), squeeze=False)
+    for index in range(len(held), bands * ncols):  # the unused places of an incomplete last band
+        band, col = divmod(index, ncols)
+        axes[2 * band, col].set_axis_off()
+        axes[2 * band + 1, col].set_axis_off()
+    for index, (name, rows) in enumerate(held.items()):
+        band, col = divmod(index, ncols)
         for line, label in enumerate(["before", "after"]):
             cells = [h[line] for h in rows]
             width = max(len(c) for c in cells if c is not None)
-            ax = axes[line, col]
+            ax = axes[2 * band + line, col]
             image = np.ones((W, width, 3))  # white where a rank holds nothing defined
             for r, values in enumerate(cells):
                 for j, v in enumerate(values or []):
@@ -261,7 +268,7 @@ def draw(held: dict[str, list], args: Settings) -> str:
             ax.set_title(f"{name}\n{label}" if line == 0 else label, fontsize=9)
             ax.set_yticks(range(W), [f"rank {r}" for r in range(W)], fontsize=7)
             ax.set_xticks([])
-    fig.suptitle(f"What each of {W} ranks holds before (top) and after (bottom) each collective. Rank r's element e "
+    fig.suptitle(f"What each of {W} ranks holds before (upper) and after (lower) each collective.\nRank r's element e "
                  f"starts as {base}r+e, coloured by r; \u03a3e = element e summed over the ranks (root = rank "
                  f"{args.root}; blank = not defined)", fontsize=9)
     fig.tight_layout()

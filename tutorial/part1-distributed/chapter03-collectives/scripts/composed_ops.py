@@ -20,7 +20,7 @@ Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 1
         -> one rank: every composed operation reduces to the single-process numpy answer
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 8 --extra-rows 0
-        -> even shards: averaging the per-rank means would now be right too (still checked)
+        -> even shards (the header says so): averaging the per-rank means would now be right too (still checked)
     torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
         -> the same checks under torchrun
 """
@@ -152,7 +152,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     W, r = ctx.world_size, ctx.rank
     x = shard_rows(args.seed, r, args)  # (n_r, d)
     full = np.concatenate([shard_rows(args.seed, q, args).numpy() for q in range(W)]).astype(np.float64)
-    ctx.print(f"world_size={W}: mean/var of {full.shape[0]} rows x {args.dim} columns, in uneven shards")
+    shards = "uneven" if args.extra_rows and W > 1 else "even"
+    ctx.print(f"world_size={W}: mean/var of {full.shape[0]} rows x {args.dim} columns, in {shards} shards")
     ctx.print_ordered(f"rows {x.shape[0]:3d}  local mean[0] {x[:, 0].mean().item():.4f}")
     results = {"world_size": W, "rows_per_rank": [args.rows + q * args.extra_rows for q in range(W)]}
     for name, fn in (("sums", lambda: moments_by_sums(x)), ("chan", lambda: moments_by_chan(x, W))):

@@ -170,8 +170,14 @@ def draw_ring(trace: list[list[dict]], messages: list[dict], args: Settings) -> 
     angles = [np.pi / 2 - 2 * np.pi * r / W for r in range(W)]  # rank 0 on top, clockwise
     centre = [(1.25 * np.cos(a), 1.25 * np.sin(a)) for a in angles]
     cell, font = 0.36 if W <= 4 else 2.2 / (W * 1.6), 9 if W <= 4 else 6
-    fig, ax = plt.subplots(figsize=(5.6, 5.6))
+    fig, ax = plt.subplots(figsize=(6.4, 6.4))
     colours = plt.get_cmap("crest")
+
+    def edge(cx: float, cy: float) -> tuple[float, float]:
+        """The point just outside a rank's row of cells, on the way to the centre: where its arrows start or end."""
+        ux, uy = -cx / np.hypot(cx, cy), -cy / np.hypot(cx, cy)
+        t = min((W * cell / 2 + 0.08) / max(abs(ux), 1e-9), (cell / 2 + 0.08) / max(abs(uy), 1e-9))
+        return cx + ux * t, cy + uy * t
 
     def draw(i: int) -> None:
         ax.clear()
@@ -196,19 +202,19 @@ def draw_ring(trace: list[list[dict]], messages: list[dict], args: Settings) -> 
         step = [m for m in messages if m["step"] == i - 1]
         for m in step:  # an arc from the sender to its right neighbour, labelled with the chunk it carries
             (x1, y1), (x2, y2) = centre[m["src"]], centre[m["dst"]]
-            ax.add_patch(FancyArrowPatch((0.62 * x1, 0.62 * y1), (0.62 * x2, 0.62 * y2), arrowstyle="-|>",
-                                         mutation_scale=14, lw=1.6, color="C3", connectionstyle="arc3,rad=0.3"))
+            ax.add_patch(FancyArrowPatch(edge(x1, y1), edge(x2, y2), arrowstyle="-|>", zorder=5,
+                                         mutation_scale=16, lw=1.6, color="C3", connectionstyle="arc3,rad=0.3"))
             mx, my = 0.45 * (x1 + x2), 0.45 * (y1 + y2)  # near the middle of the arc
             ax.text(mx, my, f"c{m['chunk']}", ha="center", va="center", fontsize=8, color="C3",
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "C3", "lw": 0.6})
         head = ("start: rank r holds 10^r in every chunk" if i == 0 else
-                f"{step[0]['phase']} step {trace[0][i]['step']}: each rank sends one chunk to rank r+1")
+                f"{step[0]['phase']} step {trace[0][i]['step']}: each rank sends one chunk to rank (r+1) mod {W}")
         ax.set_title(f"ring all-reduce, {W} ranks, frame {i} of {frames - 1}\n{head}", fontsize=10)
         ax.text(0, -2.0, f"chunks c0..c{W - 1}, in the same order on every rank; red = just received\n"
                 f"a value's digits name the ranks whose data it holds ({'1' * W} = all {W})", ha="center",
                 fontsize=7)
 
-    gif, strip = plot.animate(fig, draw, frames, args, "ring_steps", fps=0.8, strip_columns=4, dpi=72)
+    gif, strip = plot.animate(fig, draw, frames, args, "ring_steps", fps=0.8, strip_columns=4, dpi=100)
     return str(gif), str(strip)
 # --8<-- [end:draw]
 
@@ -232,8 +238,10 @@ def main() -> int:
     print(report.table(result["lengths"], floatfmt=".4g"))
     big = max(result["lengths"], key=lambda row: row["numel"])  # the big length (the sorted list ends with it)
     n_bytes = big["numel"] * 4
-    print(f"\nbytes each rank sends and receives, W={args.world_size}, N={n_bytes / 2**20:.4g} MiB "
-          "(see comm_volume's docstring for what N is per collective):")
+    print(f"\nbytes moved by comm_volume's count, W={args.world_size}, N={n_bytes / 2**20:.4g} MiB (see its docstring "
+          "for what N is per collective).\nsent = the most any one rank sends, received = the most any one rank "
+          "receives: under scatter\nand gather these are different ranks (the root sends or receives W-1 pieces, "
+          "every other rank one):")
     table = volume_table(args.world_size, n_bytes)
     print(report.table(table, floatfmt=".4g"))
     trace = result.pop("trace")

@@ -21,7 +21,7 @@ Runtime on 2 cores: about 5 s (process start-up and group creation dominate).
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 6 --rows 3 --all-ranks
-        -> every rank's view: its (i, j), its group ranks, what its row summed and its column gathered
+        -> every rank's line also shows what its column gathered (the other lines are printed once either way)
 """
 
 from __future__ import annotations
@@ -112,13 +112,14 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     report.expect_equal(f"mesh coordinates of rank {g}", (mesh.get_local_rank("dp"), mesh.get_local_rank("tp")), (i, j))
     report.expect_equal(f"mesh tp sum on rank {g}", mesh_sum.cpu().tolist(), grid[i].sum(0).tolist())
 
-    ctx.print(f"{W} ranks as a {R} x {C} grid (rank = i * {C} + j):")
-    ctx.print("\n".join("   " + " ".join(f"{i_ * C + j_:3d}" for j_ in range(C)) for i_ in range(R)))
+    ctx.print(f"{W} ranks as a {R} x {C} grid (rank = i * {C} + j):", all_ranks=False)  # headers: once
+    ctx.print("\n".join("   " + " ".join(f"{i_ * C + j_:3d}" for j_ in range(C)) for i_ in range(R)), all_ranks=False)
+    gathered = f"  column gathered {got['col_gather'].tolist()}" if ctx.all_ranks else ""  # --all-ranks: more
     ctx.print_ordered(f"(i, j) = ({i}, {j})  row-group rank {dist.get_rank(row)}  column-group rank "
                       f"{dist.get_rank(col)}  x {grid[i, j].tolist()}  row sum {got['row_sum'].tolist()}  "
-                      f"column's top {got['col_top'].tolist()}")
+                      f"column's top {got['col_top'].tolist()}{gathered}")
     ctx.print(f"DeviceMesh {mesh.mesh.tolist()}: 'tp' groups are the rows, 'dp' groups the columns; "
-              "same ranks and same sums as the hand-made groups")
+              "same ranks and same sums as the hand-made groups", all_ranks=False)
     return {"grid": [R, C], "row_sums": grid.sum(1).tolist(), "ok": True}
 
 
