@@ -29,7 +29,8 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
         -> the same sweep for all_gather: busbw uses the factor (n-1)/n
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
-        -> only the latency-bound end: the time stays roughly flat (noisy on a busy machine)
+        -> only the latency-bound end: the time stays roughly flat (noisy on a busy machine), and the
+           "# fit" line says the whole sweep is latency-bound (or, when noise hides the size term, why no fit is shown)
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
@@ -173,7 +174,7 @@ def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world
     ax_t.legend(fontsize=8)
     ax_b.legend(fontsize=8)
     fig.suptitle(f"{args.collective}, {world_size} ranks, {args.backend}")
-    plot.save(fig, args, f"{args.collective}_sweep")
+    print(f"figure: {plot.save(fig, args, f'{args.collective}_sweep')}")
 
 
 def main() -> int:
@@ -189,11 +190,19 @@ def main() -> int:
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     alpha, bandwidth = fit_latency_bandwidth(size, np.array([r["time (us)"] for r in rows]) * 1e-6)
-    if math.isfinite(bandwidth):
-        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
-              f"{alpha * bandwidth / 1024:.0f} KiB, bandwidth-bound above")
-    else:
+    knee = alpha * bandwidth  # where the fixed cost and the size term are equal
+    if not math.isfinite(bandwidth):
         print(f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound")
+    elif alpha <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
+        print("# no fit shown: the fitted fixed cost is not positive, so the line says nothing about where the "
+              "regimes meet; the time does not grow clearly with size here (a latency-bound sweep, noisy when the "
+              "machine is loaded)")
+    elif knee > size.max():
+        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s: the two terms would meet "
+              f"at about {knee:,.0f} B, beyond the largest size, so the whole sweep is latency-bound")
+    else:
+        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
+              f"{knee / 1024:.0f} KiB, bandwidth-bound above")
     draw(rows, alpha, bandwidth, args, args.world_size)
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,

@@ -445,10 +445,10 @@ def draw(rows: list[dict], summary: dict, world_size: int, args: Settings) -> No
         ax_t.axvline(summary["predicted_crossover_bytes"], color="gray", ls=":", label="predicted crossover")
     ax_t.set(xlabel="message size (bytes)", ylabel="time per all-reduce (us)")
     ax_b.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)")
-    ax_t.legend(fontsize=7, loc="upper left")
-    ax_b.legend(fontsize=7)
+    ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)  # below: keeps the points clear
+    ax_b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.suptitle(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (one model fitted to ring and tree)")
-    plot.save(fig, args, "ring_vs_tree")
+    print(f"figure: {plot.save(fig, args, 'ring_vs_tree')}")
 
 
 def size_text(num_bytes: float) -> str:
@@ -504,6 +504,10 @@ def main() -> int:
     print(f"ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s;"
           f" best busbw at {size_text(summary['largest_size'])} = {best:.3f} GB/s = "
           f"{summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} of memcpy")
+    if summary["fit_bandwidth_GBps"] and summary["fit_bandwidth_GBps"] > ceiling["memcpy_GBps"]:
+        print(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
+              "nothing on this box moves bytes faster than a memory copy, so the fit's beta is noise here (too few "
+              "sizes where the bytes dominate, or scheduling delays in the small ones)")
     print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])} with {w} ranks: "
           f"{summary['ring_over_gloo_busbw']:.2f}")
     draw(rows, summary, w, args)

@@ -19,15 +19,15 @@ What it shows
 
 How to run (a single process: no ranks)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py
-    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json topo.json
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json /tmp/topo.json
 
 Contract flags: --smoke skips the NCCL subprocess runs; --seed changes nothing.
 
 Runtime on 2 cores: about 2 s (no GPU); with GPUs add about 20 s for the Ring/Tree runs.
 
 Try next
-    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json topo.json
-        -> the same report, and every count in topo.json
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json /tmp/topo.json
+        -> the same report, and every count in /tmp/topo.json
     NCCL_ALGO=Tree python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py
         -> the knob table shows NCCL_ALGO=Tree (with 2+ GPUs, the Ring/Tree runs set it per run)
     lscpu; nproc
@@ -196,6 +196,11 @@ def main() -> int:
     print(f"memory  {memory_gib():.1f} GiB")
     print(f"NUMA    {len(numa)} node(s): " + "; ".join(f"node {n['node']} cpus {n['cpus']}, {n['memory_GiB']:.1f} GiB"
                                                      for n in numa))
+    numa_total = sum(n["memory_GiB"] for n in numa)
+    if numa and abs(numa_total - memory_gib()) > 0.05 * memory_gib():
+        print(f"        (the nodes' {numa_total:.1f} GiB and the {memory_gib():.1f} GiB above are counted in "
+              "different places, /sys per node and /proc/meminfo for the system; a virtual machine or sandbox can "
+              "report them differently, as here: /proc/meminfo is what free and top show)")
     lscpu = lscpu_summary()
     if lscpu:
         print("lscpu   " + ", ".join(f"{k}: {v}" for k, v in lscpu.items()))

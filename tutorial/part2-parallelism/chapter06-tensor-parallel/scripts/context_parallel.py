@@ -281,7 +281,8 @@ def draw_ring(args: Settings, steps: list[list[dict]], seq: int) -> list[dict]:
     drawn = [{"step": i, "rank": r, "kv": [a // c for a, _ in steps[r][i]["kv"]],
               "pairs": [[qc[0] // c, kc[0] // c, masked] for qc, kc, masked in steps[r][i]["pairs"]]}
              for i in range(n_steps) for r in range(world)]
-    fig, (ax, grid) = plt.subplots(1, 2, figsize=(9, 4.3), gridspec_kw={"width_ratios": [1.1, 1]})
+    # the tight layout engine from the start: plot.animate keeps it, and no frame has to switch engines
+    fig, (ax, grid) = plt.subplots(1, 2, figsize=(9, 4.3), gridspec_kw={"width_ratios": [1.1, 1]}, layout="tight")
     at = [(math.sin(2 * math.pi * r / world), math.cos(2 * math.pi * r / world)) for r in range(world)]
 
     def frame(i: int) -> None:
@@ -316,8 +317,6 @@ def draw_ring(args: Settings, steps: list[list[dict]], seq: int) -> list[dict]:
         grid.set(xlim=(0, n), ylim=(n, 0), aspect="equal", xticks=[k + 0.5 for k in range(n)],
                  yticks=[k + 0.5 for k in range(n)], xticklabels=range(n), yticklabels=range(n),
                  xlabel="key chunk", ylabel="query chunk", title="pairs scored so far (causal)")
-        if i == 0:
-            fig.tight_layout()  # once: clearing the axes keeps their positions
 
     plot.animate(fig, frame, n_steps, args, "ring", fps=0.7, strip_columns=2)
     return drawn

@@ -122,7 +122,7 @@ def block_memory(model: GPT, group, x: torch.Tensor, t: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- the block, drawn
 LINEARS = (("attn.c_attn", "column"), ("attn.c_proj", "row"), ("mlp.c_fc", "column"), ("mlp.c_proj", "row"))
-BETWEEN = ("LayerNorm 1", "attention\n(this rank's heads)", "+ residual\nLayerNorm 2", "GELU\n(this rank's units)",
+BETWEEN = ("LayerNorm 1", "attention\n(own heads)", "+ residual\nLayerNorm 2", "GELU\n(own units)",
            "+ residual")  # what runs before, between and after the four linear layers
 
 
@@ -223,9 +223,11 @@ def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool)
         ax.text(x + width / 2, 0.72, _symbol(item, b, s, h), ha="center", va="center", fontsize=8, family="monospace")
         ax.text(x + width / 2, 1.55, str(tuple(shape)), ha="center", va="bottom", fontsize=7, color="#555555")
         x += width + 0.2
-    handles = [plt.Rectangle((0, 0), 1, 1, fc=colour[k], ec="black") for k in ("full", "seq", "feat")]
-    ax.legend(handles, ["(B, T, C): whole, on every rank", f"(B, T/{t}, C): this rank's tokens",
-                        "whole sequence, this rank's features"], loc="upper center", ncol=3, fontsize=8,
+    used = ("full", "seq", "feat") if sequence_parallel else ("full", "feat")  # no sequence shards under plain TP
+    names = {"full": "(B, T, C): full size (same on every rank, but a partial sum before g/RS)",
+             "seq": f"(B, T/{t}, C): this rank's tokens", "feat": "whole sequence, this rank's features"}
+    handles = [plt.Rectangle((0, 0), 1, 1, fc=colour[k], ec="black") for k in used]
+    ax.legend(handles, [names[k] for k in used], loc="upper center", ncol=3, fontsize=8,
               bbox_to_anchor=(0.5, 0.0), frameon=False)
     ax.set(xlim=(-0.1, x), ylim=(-0.2, 1.85),
            title=(f"one block under TP+SP, t={t}: all-gather before each column layer, reduce-scatter after each "

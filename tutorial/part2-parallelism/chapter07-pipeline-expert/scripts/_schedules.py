@@ -178,15 +178,16 @@ def ideal_boxes(orders: dict[int, Sequence[tuple[str, int, int]]], where: Sequen
 
 
 def draw_ideal(ax, boxes: list[dict], title: str, until: float | None = None, legend: bool = True,
-               labels: bool = True) -> None:
+               labels: bool = True, lane: str = "rank") -> None:
     """One row per rank, one box per action labelled with its micro-batch; white is idle time. With `until`,
-    only what has started by then, cut at `until` (a frame of the filling and draining animation)."""
+    only what has started by then, cut at `until` (a frame of the filling and draining animation). `lane` names
+    the rows ("stage" where each rank runs one stage)."""
     from mlsys import plot
 
     ranks = sorted({b["rank"] for b in boxes})
-    lanes = [f"rank {r}" for r in ranks]
+    lanes = [f"{lane} {r}" for r in ranks]
     palette = dict(zip(KIND_NAMES.values(), plot.colours(["F", "B", "I", "W"]).values()))
-    spans = [plot.Span(f"rank {b['rank']}", b["start"], b["end"] if until is None else min(b["end"], until),
+    spans = [plot.Span(f"{lane} {b['rank']}", b["start"], b["end"] if until is None else min(b["end"], until),
                        str(b["mb"]) if labels else "", KIND_NAMES[b["kind"]])
              for b in boxes if until is None or b["start"] < until]
     plot.timeline(ax, spans, lanes, palette=palette, legend=legend, fontsize=7)

@@ -333,7 +333,9 @@ def draw(args: Settings, results: dict) -> dict:
             ax.set_title(f"{name}: idle {share:.3f} ({'counted' if key == 'ideal' else 'wall clock'}), "
                          f"formula {row['formula']:.3f}", fontsize=9, loc="left")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        axes[0].legend(handles, ["F forward", "B backward", "I input grad", "W weight grad"], ncol=4,
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=colors["F"], alpha=0.55))
+        axes[0].legend(handles, ["F forward", "B backward", "I input grad", "W weight grad",
+                                 "paler: a rank's second stage"], ncol=5,
                        fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.15))
         axes[-1].set_xlabel(unit)
         fig.tight_layout()

@@ -393,13 +393,13 @@ def draw(result: dict, args: Settings) -> None:
                      label=f"slots at factor {row['capacity_factor']:g}")
     left.set(xlabel="expert", ylabel="assignments (all ranks)", title="load per expert",
              xticks=range(len(wanted)))
-    left.legend(fontsize=7)
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below: keeps lines clear
     factors = [r["capacity_factor"] for r in result["drop_table"]]
     right.plot(factors, [r["drop_rate"] for r in result["drop_table"]], "o-", label="assignments dropped")
     right.plot(factors, [r["fully_dropped_tokens"] / (args.tokens * args.world_size) for r in result["drop_table"]],
                "s--", label="tokens with every choice dropped")
     right.set(xlabel="capacity factor", ylabel="fraction", title=f"drops, top-{args.top_k} of {args.num_experts}")
-    right.legend(fontsize=8)
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     print(f"figure: {plot.save(fig, args, 'moe_drops')}")
 
 
@@ -426,8 +426,9 @@ def draw_dispatch(example: dict, args: Settings) -> dict:
                 ax.plot([0.15, 1.35], [y, expert_y[e]], color=c, lw=1.3)  # dispatch
                 ax.plot([1.65, 2.85], [expert_y[e], y], color=c, lw=1.3, ls="--")  # combine
             else:  # over capacity: this choice never leaves the rank
-                ax.plot([0.15, 0.5], [y, y + (expert_y[e] - y) * 0.3], color="0.6", lw=1, ls=":")
-                ax.text(0.5, y + (expert_y[e] - y) * 0.3, "x", color="0.3", ha="center", va="center")
+                end = 0.4 + 0.2 * choice  # a token's dropped choices end at different places, so the x's do not overlap
+                ax.plot([0.15, end], [y, y + (expert_y[e] - y) * (end - 0.15) / 1.2], color="0.6", lw=1, ls=":")
+                ax.text(end, y + (expert_y[e] - y) * (end - 0.15) / 1.2, "x", color="0.3", ha="center", va="center")
         for x in (0, 3):
             ax.text(x, y, f"r{r} t{t}", ha="center", va="center", fontsize=8,
                     bbox={"boxstyle": "round", "fc": colour[f"rank {r}"], "alpha": 0.35})

@@ -35,7 +35,7 @@ Try next
         --model llama-3-8b --gpus 8 --global-batch 64
         -> one node: the ranking of every layout of 8 GPUs for an 8B model, and the pick
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py --gpus 7
-        -> 7 GPUs leave no layout that satisfies the divisibility rules: a one-line error, exit 2
+        -> 7 GPUs leave no layout that satisfies the divisibility rules: a one-line error, nothing else, exit 2
 """
 
 from __future__ import annotations
@@ -253,19 +253,23 @@ def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
     """Why `best` wins: against the best layout that differs from it in each dimension."""
     lines = []
     usable = args.gpu_mem_gib * (1 - args.reserve)
+    alts: dict[str, list[str]] = {}  # one line per distinct alternative, naming every dimension it answers
     for dim in ("tp", "pp", "dp", "ep"):
         others = [r for r in rows if r[dim] != best[dim]]
-        if not others:
-            continue
-        alt = min(others, key=lambda r: (not r["fits"], r["t_total"]))
-        name = f"dp={alt['dp']} tp={alt['tp']} pp={alt['pp']} ep={alt['ep']}"
+        if others:
+            alt = min(others, key=lambda r: (not r["fits"], r["t_total"]))
+            alts.setdefault(f"dp={alt['dp']} tp={alt['tp']} pp={alt['pp']} ep={alt['ep']}", []).append(dim)
+    for name, dims in alts.items():
+        alt = next(r for r in rows if f"dp={r['dp']} tp={r['tp']} pp={r['pp']} ep={r['ep']}" == name)
+        dim = " or ".join(dims)
+        mine = ", ".join(f"{d}={best[d]}" for d in dims)
         if not alt["fits"]:
-            lines.append(f"{dim}={best[dim]}: every layout with another {dim} needs more memory; the closest, {name}, "
+            lines.append(f"{mine}: every layout with another {dim} needs more memory; the closest, {name}, "
                          f"needs {alt['total_GiB']:.1f} GiB > {usable:.1f} GiB usable")
             continue
         diff = {k: alt[f"t_{k}"] - best[f"t_{k}"] for k in ("compute", "bubble", "tp", "dp", "pp", "ep")}
         worst = max(diff, key=diff.get)
-        lines.append(f"{dim}={best[dim]}: the best layout with another {dim}, {name}, takes {alt['t_total']:.2f} s "
+        lines.append(f"{mine}: the best layout with another {dim}, {name}, takes {alt['t_total']:.2f} s "
                      f"vs {best['t_total']:.2f} s per step, mostly from {worst} time (+{diff[worst]:.2f} s)"
                      + (f"; it would also use {alt['total_GiB']:.1f} GiB vs {best['total_GiB']:.1f} GiB"
                         if abs(alt["total_GiB"] - best["total_GiB"]) > 0.05 else ""))
@@ -291,6 +295,16 @@ def main() -> int:
     model = load_model(args)
     s = model.shape
     usable = args.gpu_mem_gib * (1 - args.reserve)
+    if args.layout:  # validate before printing anything: a usage error is one line
+        try:
+            rows = [cost(model, args, *args.layout)]
+        except ValueError as err:
+            raise cli.UsageError(f"--layout {' '.join(map(str, args.layout))}: {err}") from None
+        rejected: dict[str, int] = {}
+    else:
+        rows, rejected = candidates(model, args)
+    if not rows:
+        raise cli.UsageError("no layout satisfies the divisibility rules for these sizes")
     published = f", published {s.num_params / 1e9:.2f} B" if s.num_params else ""
     print(f"model {s.name}: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV), "
           f"MLP {s.intermediate_size}, vocab {s.vocab_size}" + (f", {model.experts} experts, top-{model.top_k}"
@@ -303,20 +317,13 @@ def main() -> int:
           f"ZeRO-{args.zero_stage}, recompute {args.recompute}")
     print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth\n")
 
-    if args.layout:
-        try:
-            rows = [cost(model, args, *args.layout)]
-        except ValueError as err:
-            raise cli.UsageError(f"--layout {' '.join(map(str, args.layout))}: {err}") from None
-        rejected: dict[str, int] = {}
-    else:
-        rows, rejected = candidates(model, args)
-    if not rows:
-        raise cli.UsageError("no layout satisfies the divisibility rules for these sizes")
     shown = ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent", "pp_GB_sent",
              "ep_GB_sent", "t_bubble", "t_total")
     table = [{k: r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"} for r in rows[:args.top]]
-    print(f"{len(rows)} layouts costed" + "".join(f"; {n} {why}" for why, n in rejected.items() if n) + ":")
+    broken, too_big = rejected.get("breaks a divisibility rule", 0), rejected.get("does not fit in memory", 0)
+    print((f"{len(rows) + broken} layouts tried, {broken} break a divisibility rule; " if broken else "")
+          + f"{len(rows)} costed, {len(rows) - too_big} fit in memory"
+          + (f"; the best {len(table)} shown:" if len(table) < len(rows) else ":"))
     print(report.table(table, floatfmt=".2f"))
     best = rows[0]
     print()

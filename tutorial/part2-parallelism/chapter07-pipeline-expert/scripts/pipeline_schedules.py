@@ -196,7 +196,7 @@ def draw_ideal(args: Settings, results: dict) -> dict:
     fig, axes = plt.subplots(len(drawn), 1, figsize=(10, 1.2 + 0.45 * len(results["schedules"]["gpipe"]) * 2),
                              sharex=True)
     for i, (ax, name) in enumerate(zip(axes, drawn)):
-        zs.draw_ideal(ax, drawn[name]["boxes"], titles[name], legend=i == 0)
+        zs.draw_ideal(ax, drawn[name]["boxes"], titles[name], legend=i == 0, lane="stage")
     axes[-1].set_xlabel("ticks (a forward = 1, a backward = 2, messages free)")
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'ideal_schedules')}")
@@ -211,7 +211,7 @@ def draw_ideal(args: Settings, results: dict) -> dict:
         for ax, name in zip(axes, drawn):
             ax.clear()
             zs.draw_ideal(ax, drawn[name]["boxes"], f"{name} at tick {ticks[i]:g} (blue forward, orange backward)",
-                          until=ticks[i], legend=False, labels=False)
+                          until=ticks[i], legend=False, labels=False, lane="stage")
         axes[-1].set_xlabel("ticks")
 
     gif, strip = plot.animate(fig, frame, len(ticks), args, "fill_drain", fps=1.5, strip_columns=3)
