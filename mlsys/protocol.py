@@ -82,7 +82,8 @@ def _is_number(x: Any) -> bool:
 
 # --8<-- [start:validate]
 def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: bool = False,
-                             chat_template: str | NoChatTemplate | None = None) -> CompletionRequest:
+                             chat_template: str | NoChatTemplate | None = None,
+                             defaults: dict | None = None) -> CompletionRequest:
     """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
     chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
     accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
@@ -120,15 +121,16 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
         raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
                            f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
                            param="max_tokens")
-    temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling, not greedy
+    defaults = defaults or {}  # a folder's generation_config.json (temperature, top_p, top_k), as vLLM reads it
+    temperature = body.get("temperature", defaults.get("temperature", 1.0))  # OpenAI's default: sampling
     if not _is_number(temperature) or not 0 <= temperature <= 2:
         raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
-    top_p = body.get("top_p", 1.0)
+    top_p = body.get("top_p", defaults.get("top_p", 1.0))
     if top_p is None:
         top_p = 1.0
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise RequestError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-    top_k = body.get("top_k")
+    top_k = body.get("top_k", defaults.get("top_k"))
     if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
         raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
     seed = body.get("seed")

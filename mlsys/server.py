@@ -270,7 +270,7 @@ class _MarkAnswered:
 
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
                body_timeout: float = BODY_TIMEOUT_S, chat_template: str | NoChatTemplate | None = None,
-               health_stall_s: float = HEALTH_STALL_S) -> FastAPI:
+               health_stall_s: float = HEALTH_STALL_S, sampling_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health over one AsyncEngine
     (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template; a NoChatTemplate
     refuses chat with its reason, for a folder that ships none) or, with None,
@@ -349,7 +349,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         raw = await read_body(request, timeout=body_timeout)
         # in a worker thread: compiling a response_format schema may take a good part of a second (bounded in
         # mlsys/json_constrained.py), and the event loop must keep serving everyone else meanwhile
-        req = await asyncio.to_thread(parse_completion_request, raw, engine, model_name, chat, chat_template)
+        req = await asyncio.to_thread(parse_completion_request, raw, engine, model_name, chat, chat_template,
+                                      sampling_defaults)
         front.check_alive()  # before a stream starts: its status line must say 503
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)

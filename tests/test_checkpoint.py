@@ -575,3 +575,38 @@ def test_a_completions_prompt_gets_bos_only_when_the_tokenizer_adds_it(tmp_path,
     want = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))("the cat")
     out = LLM(model=str(tmp_path), block_size=4).generate("the cat", SamplingParams(max_tokens=2))[0]
     assert out.prompt_token_ids == list(want["input_ids"]) and (out.prompt_token_ids[0] == 0) == adds_bos
+
+
+@pytest.mark.timeout(120)
+def test_generation_config_sets_the_sampling_defaults_of_requests_that_leave_them_out(tmp_path) -> None:
+    """vLLM reads a folder's generation_config.json for the sampling defaults of a request that names none: here
+    temperature 0.7 and top_k 5. Oracle: the engine sampling with exactly those values and the request's seed; a
+    request that names its own temperature keeps it (greedy here: the engine's greedy tokens)."""
+    import openai
+
+    from mlsys.engine import LLM, SamplingParams
+    from mlsys.engine.llm import generation_defaults
+    from mlsys.server import ServerThread, create_app
+
+    _, _, kwargs = KINDS["llama-gqa"]
+    KINDS["llama-gen"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1], dict(kwargs, vocab_size=300))
+    try:
+        build("llama-gen", tmp_path)
+    finally:
+        del KINDS["llama-gen"]
+    byte_level_bpe(tmp_path, 300)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
+                                                                 "top_k": 5, "top_p": "high"}))
+    assert generation_defaults(str(tmp_path)) == {"temperature": 0.7, "top_k": 5}   # a bad field is left out
+    llm = LLM(model=str(tmp_path), block_size=4)
+    sampled = llm.generate("the cat", SamplingParams(max_tokens=10, temperature=0.7, top_k=5, seed=11,
+                                                     ignore_eos=True))[0].outputs[0].text
+    greedy = llm.generate("the cat", SamplingParams(max_tokens=10, ignore_eos=True))[0].outputs[0].text
+    assert sampled != greedy                     # the two requests below can tell the defaults apart
+    app = create_app(llm.engine, "gen", sampling_defaults=generation_defaults(str(tmp_path)))
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        common = dict(model="gen", prompt="the cat", max_tokens=10, extra_body={"ignore_eos": True})
+        assert client.completions.create(seed=11, **common).choices[0].text == sampled
+        assert client.completions.create(temperature=0, **common).choices[0].text == greedy
+    assert llm.default_sampling_params.temperature == 0.7 and llm.default_sampling_params.top_k == 5

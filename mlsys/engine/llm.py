@@ -63,6 +63,23 @@ def load_model(model: str):
     return net, HFTokenizer(folder / "tokenizer.json", bos, eos, eos_ids)
 
 
+def generation_defaults(model: str) -> dict:
+    """The sampling defaults a checkpoint folder's generation_config.json sets (temperature, top_p, top_k), which
+    vLLM applies to requests that leave them out; {} for the book's models or a folder without the file. A field
+    with the wrong type is left out (the request's own value, or OpenAI's default, applies)."""
+    try:
+        config = json.loads((Path(model) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("do_sample") is False:   # do_sample false: greedy
+        return {"temperature": 0.0} if isinstance(config, dict) else {}
+    ok = {"temperature": lambda v: isinstance(v, (int, float)) and 0 <= v <= 2,
+          "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+          "top_k": lambda v: isinstance(v, int) and (v >= 1 or v == -1)}
+    return {k: config[k] for k, good in ok.items() if k in config and not isinstance(config[k], bool)
+            and good(config[k])}
+
+
 def special_ids(folder: Path, config: dict) -> tuple[int | None, tuple[int, ...]]:
     """(bos id, every eos id) of a folder: config.json's and generation_config.json's eos_token_id, each an int
     or a list (Llama 3.1 Instruct lists three), all of which end a text, as transformers' generate and vLLM do."""
@@ -96,6 +113,10 @@ class LLM:
         enable_prefix_caching, max_num_seqs, max_model_len, ...)."""
         net, tokenizer = load_model(model)
         self.engine = Engine(net, tokenizer, EngineConfig(**engine_args))
+        d = generation_defaults(model)   # a folder's generation_config.json sets what generate() uses by default
+        self.default_sampling_params = SamplingParams(
+            temperature=float(d.get("temperature", 0.0)), top_p=float(d.get("top_p", 1.0)),
+            top_k=None if d.get("top_k", -1) == -1 else d["top_k"])
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -118,7 +139,7 @@ class LLM:
                 raise TypeError(f"a prompt is a str or a dict with 'prompt' or 'prompt_token_ids', got {type(p)}")
             texts.append(p)
             inputs.append(p)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.default_sampling_params
         finals = iter(self.engine.generate(inputs, params))  # n outputs in a row for a request with n > 1
         results = []
         for text, sp in zip(texts, params if isinstance(params, list) else [params] * len(texts)):

@@ -64,7 +64,7 @@ from mlsys import cli, report
 from mlsys.chat import chat_template_for
 from mlsys.checkpoint import CheckpointError
 from mlsys.engine import Engine, EngineConfig, SamplingParams
-from mlsys.engine.llm import load_model
+from mlsys.engine.llm import generation_defaults, load_model
 from mlsys.server import DEFAULT_MODEL_NAME, ServerThread, create_app
 
 
@@ -215,7 +215,8 @@ def main() -> int:
     # the oracle, no HTTP: the engine's own greedy output
     expected = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=args.max_tokens))[0].text
     template = chat_template_for(args.model)   # a folder's own, a refusal if it has none, or the book's
-    app = create_app(engine, name, api_key=args.api_key or None, chat_template=template)
+    app = create_app(engine, name, api_key=args.api_key or None, chat_template=template,
+                     sampling_defaults=generation_defaults(args.model))   # a folder's generation_config.json
     server = ServerThread(app, host=args.host, port=args.port, grace_seconds=args.grace_seconds).start()
     signals = StopSignals()
     signals.server = server
