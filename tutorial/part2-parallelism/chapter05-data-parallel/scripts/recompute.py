@@ -22,7 +22,7 @@ How to run
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 512
 
-Runtime on 2 cores: about 6 s at the defaults, 3 s with --smoke.
+Runtime on 2 cores: about 3 s at the defaults, 3 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128 --seq 512

@@ -19,7 +19,7 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py
     python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
 
-Runtime on 2 cores: about 12 s, 5 s with --smoke.
+Runtime on 2 cores: about 5 s, 5 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200

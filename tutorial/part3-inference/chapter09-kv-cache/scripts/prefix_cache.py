@@ -24,7 +24,7 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32 --shots 3
 
-Runtime on 2 cores: about 10 s, 4 s with --smoke.
+Runtime on 2 cores: about 4 s, 4 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --shots 1

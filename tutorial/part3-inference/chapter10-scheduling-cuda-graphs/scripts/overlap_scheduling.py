@@ -26,7 +26,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
     python .../overlap_scheduling.py --batch-sizes 1 16 64 --steps 40 --device cuda
 
-Runtime on 2 cores: about 15 s, 4 s with --smoke. Needs two free cores to show any gain on a CPU.
+Runtime on 2 cores: about 4 s, 4 s with --smoke. Needs two free cores to show any gain on a CPU.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5

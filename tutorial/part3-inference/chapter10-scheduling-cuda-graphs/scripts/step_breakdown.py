@@ -16,7 +16,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
     python .../step_breakdown.py --batch-sizes 1 8 64 --steps 30 --device cuda
 
-Runtime on 2 cores: about 10 s, 3 s with --smoke. Timings move with the machine's load: compare shares,
+Runtime on 2 cores: about 5 s, 3 s with --smoke. Timings move with the machine's load: compare shares,
 not absolute milliseconds, across runs.
 
 Try next

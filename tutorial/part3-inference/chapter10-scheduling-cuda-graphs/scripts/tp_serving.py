@@ -21,7 +21,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py
     python .../tp_serving.py --sizes 1 2 --batch-size 32
 
-Runtime on 2 cores: about 15 s, 6 s with --smoke.
+Runtime on 2 cores: about 5 s, 6 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64

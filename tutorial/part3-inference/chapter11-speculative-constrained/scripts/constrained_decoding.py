@@ -22,7 +22,7 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --num-samples 40
 
-Runtime on 2 cores: about 20 s, 5 s with --smoke.
+Runtime on 2 cores: about 7 s, 5 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py --temperature 2

@@ -19,7 +19,7 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 4 8 --repeats 5
 
-Runtime on 2 cores: about 25 s, 5 s with --smoke. Timings are only as good as the machine is idle.
+Runtime on 2 cores: about 6 s, 5 s with --smoke. Timings are only as good as the machine is idle.
 
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 4 8 12 16

@@ -18,7 +18,7 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/structured_serving.py
     python .../structured_serving.py --batch-size 32 --repeats 5
 
-Runtime on 2 cores: about 10 s, 4 s with --smoke.
+Runtime on 2 cores: about 4 s, 4 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/structured_serving.py --batch-size 64

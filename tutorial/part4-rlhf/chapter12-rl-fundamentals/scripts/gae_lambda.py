@@ -27,7 +27,7 @@ What it prints
     the noise floor of the ground truth itself; the lambda with the lowest MSE; at lambda = 1, bias^2 beside what
     noise alone would give. Figures: gae_bias_variance.png, gae_advantages.png.
 
-Runtime on 2 cores: about 20 s (training the policy, refitting the critic, 2 x 8,192 rollouts); --smoke 4 s.
+Runtime on 2 cores: about 10 s (training the policy, refitting the critic, 2 x 8,192 rollouts); --smoke 4 s.
 
 Try next
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --train-steps 20480

@@ -24,7 +24,7 @@ What it prints
     consecutive episodes, env steps to first reach a running mean of 195 and 475) and the gradient-variance table.
     Figures: return_curves.png, grad_variance.png.
 
-Runtime on 2 cores: about 25 s (two training runs, a tqdm bar on a terminal, then 16 batches); --smoke 4 s.
+Runtime on 2 cores: about 11 s (two training runs, a tqdm bar on a terminal, then 16 batches); --smoke 4 s.
 
 Try next
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py --reinforce-lr 0.003

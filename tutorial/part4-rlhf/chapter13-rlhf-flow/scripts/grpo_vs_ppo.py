@@ -17,7 +17,7 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40 --group-size 8
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --beta 0.04 --kl-target 0   # fixed beta
 
-Runtime on 2 cores: about 45 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
+Runtime on 2 cores: about 14 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
 shared machine are noisy; the interleaving keeps the comparison fair, not the absolute numbers.
 
 Try next

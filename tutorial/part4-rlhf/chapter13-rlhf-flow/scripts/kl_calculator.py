@@ -16,7 +16,7 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --num-samples 100000 --beta 0.1
 
-Runtime on 2 cores: about 4 s (3 s with --smoke). --seed changes the samples.
+Runtime on 2 cores: about 2 s (3 s with --smoke). --seed changes the samples.
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/kl_calculator.py --num-samples 100

@@ -24,7 +24,7 @@ How to run
 
 The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/rlhf.py).
 Prints one table per placement (seconds per phase and idle per rank), the equality check and the async effect.
-Runtime on 2 cores: about 30 s; --smoke about 10 s.
+Runtime on 2 cores: about 7 s; --smoke about 10 s.
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
