@@ -1,8 +1,8 @@
 # One command surface for the book. Every target sets up .venv (pinned) on first use.
-#   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/,
+#   make book     build the executed book (runs every script, captures outputs and figures; about 9 minutes) -> book/site/,
 #                 then open it in headless Chromium where installed
 #   make serve    serve the built book on http://127.0.0.1:8000
-#   make test     the test suite (about 9.5 minutes on 2 cores)
+#   make test     the test suite (about 8 minutes of pytest on 2 cores)
 #   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
 #                 the long learning and timing checks (about 30 minutes; CI runs it after make test)
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
