@@ -5,7 +5,6 @@ against torch's scaled_dot_product_attention in float64."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mlsys.context_parallel import causal_work
-from mlsys.exercises import load_module, task
+from mlsys.exercises import load_module, reference_helpers, task
 
 # (leading dims, queries, keys on the first side, keys on the second, head dim, score scale)
 SOLUTION = Path(__file__).resolve().parent / "solutions" / "ex5_online_softmax.py"
@@ -57,17 +56,6 @@ def _compare(what: str, got_out, got_lse, want_out, want_lse, tol: float) -> Non
                                  f"({int(bad.sum())} of {bad.size} entries differ)")
 
 
-@contextmanager
-def _reference_helpers(ex, **helpers):
-    """The attempt's module with these reference functions in place of its own, for the duration of one task."""
-    saved = {name: getattr(ex, name) for name in helpers}
-    for name, fn in helpers.items():
-        setattr(ex, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(ex, name, fn)
 
 
 @task("merge: the combined (out, lse) equals softmax over the concatenated scores (batch dims, scores up to 1e3)")
@@ -153,7 +141,7 @@ def check_attention(ex) -> None:
         calls.append(1)
         return merge(*args)
 
-    with _reference_helpers(ex, merge=counted):
+    with reference_helpers(ex, merge=counted):
         for i, (b, h, s, d, block, scale) in enumerate(ATTENTION_CASES):
             gen = torch.Generator().manual_seed(100 + i)
             q, k, v = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(3))

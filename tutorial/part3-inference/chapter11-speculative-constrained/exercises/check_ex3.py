@@ -5,23 +5,9 @@ from __future__ import annotations
 
 import math
 import random
-from contextlib import contextmanager
 
 from mlsys import speculative
-from mlsys.exercises import task
-
-
-@contextmanager
-def _reference_helpers(ex, **helpers):
-    """The attempt's module with these reference functions in place of its own, for the duration of one task."""
-    saved = {name: getattr(ex, name) for name in helpers}
-    for name, fn in helpers.items():
-        setattr(ex, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(ex, name, fn)
+from mlsys.exercises import reference_helpers, task
 
 
 @task("expected_tokens: equals mlsys.speculative's formula, k + 1 at alpha = 1, 1 at alpha = 0")
@@ -49,7 +35,7 @@ def check_simulation(ex) -> None:
 
 @task("speedup: hand values (free verification, a costly draft)")
 def check_speedup(ex) -> None:
-    with _reference_helpers(ex, expected_tokens=speculative.expected_tokens_per_step):  # yours has its own tasks
+    with reference_helpers(ex, expected_tokens=speculative.expected_tokens_per_step):  # yours has its own tasks
         got = ex.speedup(0.8, 4, 0.05, 1.0)
         want = (1 - 0.8**5) / 0.2 / 1.2
         assert math.isclose(got, want, rel_tol=1e-12), f"speedup(0.8, 4, 0.05, 1.0) = {got}, want {want:.6f}"
@@ -63,7 +49,7 @@ def check_best_k(ex) -> None:
     def speedup(alpha: float, k: int, c_draft: float, c_verify: float) -> float:
         return speculative.expected_tokens_per_step(alpha, k) / (k * c_draft + c_verify)
 
-    with _reference_helpers(ex, speedup=speedup, expected_tokens=speculative.expected_tokens_per_step):
+    with reference_helpers(ex, speedup=speedup, expected_tokens=speculative.expected_tokens_per_step):
         for alpha in (0.5, 0.7, 0.8, 0.9, 0.95):
             for c_draft in (0.02, 0.1, 0.3):
                 cost = [(1 - alpha ** (k + 1)) / (1 - alpha) / (k * c_draft + 1.1) for k in range(1, 13)]

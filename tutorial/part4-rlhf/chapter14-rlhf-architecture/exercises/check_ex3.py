@@ -3,12 +3,10 @@ torch.distributions' KL, and the corrected mean against the exact expectation un
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 
-from mlsys.exercises import task
+from mlsys.exercises import reference_helpers, task
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, ...]:
@@ -35,17 +33,6 @@ def _pair() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
     return pb, pc, f, g
 
 
-@contextmanager
-def _reference_helpers(ex, **helpers):
-    """The attempt's module with these reference functions in place of its own, for the duration of one task."""
-    saved = {name: getattr(ex, name) for name in helpers}
-    for name, fn in helpers.items():
-        setattr(ex, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(ex, name, fn)
 
 
 @task("off_policy_gap: mean of behaviour - current log-prob over real tokens; sampled, it estimates the KL")
@@ -81,7 +68,7 @@ def check_weights(ex) -> None:
 def check_corrected(ex) -> None:
     # corrected_mean may call your importance_weights: numpy's weights stand in for it here, so this task checks
     # the weighted mean alone (importance_weights has its own task above)
-    with _reference_helpers(ex, importance_weights=_weights):
+    with reference_helpers(ex, importance_weights=_weights):
         pb, pc, f, g = _pair()
         x = torch.multinomial(pb, 200_000, replacement=True, generator=g).view(400, 500)
         mask = torch.ones(400, 500, dtype=torch.float64)
