@@ -39,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = REPO_ROOT / "tutorial"
 DEFAULT_TIME_LIMIT = 120.0  # seconds one task may take (--time-limit); a distributed task starts ranks in ~3 s
 OUTPUT_LIMIT = 16 << 20  # bytes an attempt may print (or write to any file) before its task fails
+MEMORY_LIMIT = 4 << 30  # bytes of data an attempt's process may add to what it starts with (RLIMIT_DATA)
 
 
 @dataclass
@@ -115,7 +116,8 @@ def find(exercise_id: str) -> Exercise:
 
 
 def check(exercise: Exercise, solution: bool = False, target: Path | None = None,
-          time_limit: float = DEFAULT_TIME_LIMIT, stop_at_fail: bool = False) -> list[Outcome]:
+          time_limit: float = DEFAULT_TIME_LIMIT, stop_at_fail: bool = False,
+          memory_limit: int = MEMORY_LIMIT) -> list[Outcome]:
     """Run every task of the exercise's checker against the attempt, the reference solution, or `target`.
 
     The attempt never runs in this process: a child process (forked from a server that has torch imported, so it
@@ -134,7 +136,8 @@ def check(exercise: Exercise, solution: bool = False, target: Path | None = None
             outcomes += [Outcome(title, "SKIPPED", "not run: an earlier task failed") for title in
                          titles[len(outcomes):]]
             break
-        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit, stop_at_fail)
+        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit, stop_at_fail,
+                               memory_limit)
     return [Outcome(o.task, "NEEDS GPU", "this task runs on CUDA; no GPU here") if g and o.status == "GPU" else o
             for o, g in zip(outcomes, gpu)]
 
@@ -188,7 +191,7 @@ def _context() -> Any:
 
 
 def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_limit: float,
-               stop_at_fail: bool = False) -> list[Outcome]:
+               stop_at_fail: bool = False, memory_limit: int = MEMORY_LIMIT) -> list[Outcome]:
     """Run tasks first.. in one child; stop at the first task the child does not survive (or overruns), or with
     `stop_at_fail` at the first FAIL."""
     import tempfile
@@ -197,7 +200,8 @@ def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_
     ctx = _context()
     ours, theirs = ctx.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile(prefix="mlsys-attempt-", suffix=".log") as output:
-        child = ctx.Process(target=_child_main, args=(str(checker), str(target), first, theirs, output.name))
+        child = ctx.Process(target=_child_main, args=(str(checker), str(target), first, theirs, output.name,
+                                                       memory_limit))
         child.start()
         theirs.close()
         outcomes: list[Outcome] = []
@@ -272,7 +276,8 @@ def _tail(output: Any, limit: int = 300) -> str:
     return (lines[-1][:limit] + ("..." if len(lines[-1]) > limit else "")) if lines else ""
 
 
-def _child_main(checker: str, target: str, first: int, conn: Any, output_path: str) -> None:
+def _child_main(checker: str, target: str, first: int, conn: Any, output_path: str,
+                memory_limit: int = MEMORY_LIMIT) -> None:
     """In the child: own process group, capped output, load checker and attempt, run tasks first.., report each."""
     import os
     import resource
@@ -286,6 +291,10 @@ def _child_main(checker: str, target: str, first: int, conn: Any, output_path: s
     run_task, send = _run_task, conn.send  # bound before the attempt is imported: it cannot swap them
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the cap a write fails with EFBIG instead of killing us
     resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
+    # memory: an attempt that grows without end gets MemoryError (its task FAILs) long before the machine's RAM
+    # runs out; the cap is on data added beyond what this process (torch imported) already holds
+    held = next((int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData")), 0)
+    resource.setrlimit(resource.RLIMIT_DATA, (held + memory_limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     import torch
 
     titles, gpu = _task_titles(Path(checker))
@@ -327,6 +336,9 @@ def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Ou
         return Outcome(title, "FAIL", (str(err) or "assertion failed")[:500])
     except SystemExit as err:
         return Outcome(title, "FAIL", f"the attempt called sys.exit({err.code!r}); a check cannot pass that way")
+    except MemoryError:
+        return Outcome(title, "FAIL", "the attempt ran out of the memory a task may use (an endless append or a "
+                                      "tensor far larger than the task needs?)")
     except Exception as err:
         if "NotImplementedError" in str(err):
             return Outcome(title, "TODO", "not implemented yet (raised on a rank)")

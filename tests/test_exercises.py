@@ -92,6 +92,9 @@ HOSTILE = {  # first function of ch01.1 misbehaving -> (status of each task, wor
     "sys.exit at import": ("import sys\nsys.exit(0)\n" + GOOD_SECOND, ["FAIL", "FAIL"], "SystemExit"),
     "prints a flood": ("def shard_bounds(n, r, w):\n    while True:\n        print('x' * 65536)\n" + GOOD_SECOND,
                        ["FAIL", "PASS"], "printed more than"),
+    "grows forever": ("def shard_bounds(n, r, w):\n    hoard = []\n    while True:\n"
+                      "        hoard.append(bytearray(1 << 24))\n" + GOOD_SECOND,
+                      ["FAIL", "PASS"], "ran out of the memory a task may use"),
     "fakes a pass": ("import mlsys.exercises as e\n"
                      "e._run_task = lambda fn, title, *a: e.Outcome(title, 'PASS')\n"
                      "def shard_bounds(n, r, w):\n    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "expected"),
@@ -106,7 +109,8 @@ def test_the_checker_survives_a_hostile_attempt(name, tmp_path) -> None:
     source, statuses, words = HOSTILE[name]
     attempt = tmp_path / "ex1_rank_arithmetic.py"
     attempt.write_text(source)
-    outcomes = exercises.check(exercises.find("ch01.1"), target=attempt, time_limit=3)
+    # a 512 MiB memory cap here (4 GiB by default): an endless append must fail long before the machine's RAM
+    outcomes = exercises.check(exercises.find("ch01.1"), target=attempt, time_limit=3, memory_limit=512 << 20)
     assert [o.status for o in outcomes] == statuses, outcomes
     assert words in outcomes[0].detail and "\n" not in outcomes[0].detail, outcomes[0].detail
 
