@@ -187,7 +187,8 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
     ctx.print("\n3. ranks 0 and 1 both recv first; faulthandler's dump while they wait (innermost frame first):")
     for q in (0, 1):
         ctx.print(f"   rank {q}: " + " <- ".join(short_path(f) for f in everyone[q]["hang"]["stack"][:4]))
-    ctx.print(f"   then the group's timeout ended the wait: {everyone[0]['hang']['error'][:120]}")
+    ctx.print(f"   then the wait ended (the group's timeout, or the peer closing the connection when its own "
+              f"timer fired first): {everyone[0]['hang']['error'][:120]}")
     return {"checked_all_raised": True,
             "barrier_error_rank0": everyone[0]["barrier"]["error"], "stack_rank0": everyone[0]["hang"]["stack"]}
 

@@ -26,7 +26,8 @@ Runtime on 2 cores: about 4 s, 4 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --budgets 512 16
-        -> a very small budget: the decoders' ITL spikes shrink further, the long prompts' TTFT grows further
+        -> a very small budget: the long prompts' TTFT grows further; the decoders' ITL stays below budget 512's
+           (whether it shrinks further than at the default smallest budget depends on the run)
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --long-len 60
         -> short "long" prompts: a whole prefill costs little more than a decode step, and chunking has
            little left to smooth

@@ -26,7 +26,8 @@ Runtime: about 8 s on 2 CPU cores (3 s with --smoke); about 20 s on an H100.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --sizes 1 3 8
-        -> graphs of 1, 3 and 8: batches of 2 pad to 3, of 4 to 7 pad to 8; the padding check still holds
+        -> graphs of 1, 3 and 8: a batch of 2 pads to 3 and one of 7 pads to 8 (the rows checked: n = 1, 2, 3, 7,
+           8); the padding check still holds
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --temperature 0.5
         -> a sharper softmax: the 20,000 Gumbel-max draws still match softmax(logits / T)
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --device cuda
