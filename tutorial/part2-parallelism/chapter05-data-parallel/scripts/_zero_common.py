@@ -202,6 +202,5 @@ def draw_step(args, phases: list[list]) -> tuple:
         ax.clear()
         draw_rank_rows(ax, [phases[r][i][1] for r in range(W)], highlight="changed" if i else None)
         ax.set_title(f"{i + 1}/{len(names)}  {STEP_CAPTIONS.get(names[i], names[i])}", fontsize=9, loc="left")
-        fig.tight_layout()
 
     return plot.animate(fig, draw, len(names), args, "zero_step", fps=0.7, strip_columns=2)

@@ -29,11 +29,13 @@ where NCCL runs on its own stream. Runtime on 2 cores: about 20 s at -w 2, 4 s w
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py --bucket-mb 0.01 0.1 1 10
-        -> very small buckets pay the per-call latency many times: bucketed and overlapped move toward naive
+        -> very small buckets pay the per-call latency many times: bucketed moves toward naive; overlapped can
+           hide part of it behind the backward
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py --n-embd 512 --repeats 5
         -> a 4x bigger model: communication is a larger share of the step, and the versions spread apart
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py -w 4
-        -> four ranks on two cores: the ranks compete for the CPU, so every version slows, local included
+        -> four ranks on two cores: the ranks compete for the CPU; compare each version with local in the same
+           run, not with the 2-rank run's milliseconds
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3
         -> with three ranks the summation order matters: "vs torch DDP" becomes rounding (about 1e-7), not 0
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py --bucket-mb 1
-        -> one bucket holds everything: one all-reduce per step, launched only when backward is over
+        -> one bucket holds everything: one all-reduce per step, launched only when the last gradient is ready,
+           at the very end of the backward (the profiled line's share counts the time before the launch too)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3 --atol 1e-9
         -> demand near bit equality at three ranks: the self-check fails (exit 1); that is why it has a tolerance
 """

@@ -20,13 +20,15 @@ What it shows
 
 How to run
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
-    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 512
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 256
 
 Runtime on 2 cores: about 3 s at the defaults, 3 s with --smoke.
 
 Try next
-    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128 --seq 512
-        -> (one at a time) the attention matrix grows with s^2: "none" grows faster than the others
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128
+    python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 256
+        -> (one at a time; 256 is the model's longest) the attention matrix grows with s^2: "none" grows faster
+           than the others
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 4
         -> FSDP2's torch.chunk leaves the last rank short on small tensors: its optimizer bytes come out lowest
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 3 --layers 2
-        -> three ranks: ZeroRedundancyOptimizer's greedy split by whole tensors gives uneven shares
+        -> three ranks: compare the per-rank shares of both: which one comes out uneven depends on the tensor
+           sizes (whole tensors for ZeroRedundancyOptimizer, torch.chunk rows for fully_shard)
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py
         -> the same two runs and checks under torchrun
 """

@@ -239,8 +239,9 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     axes[1].plot(t, data["values"], "o-", ms=3, label="critic value V_t (expected)")
     axes[1].plot(t, returns, "-", color="#e6550d", label="return G_t = A_t + V_t (what came)")
     axes[1].set(ylabel="value")
-    axes[2].bar(t, data["advantages_raw"], color=["#31a354" if a >= 0 else "#de2d26" for a in data["advantages_raw"]],
-                label="GAE advantage A_t (raw)")
+    axes[2].bar(t, data["advantages_raw"], color=["#31a354" if a >= 0 else "#de2d26" for a in data["advantages_raw"]])
+    for colour, sign in (("#31a354", ">= 0"), ("#de2d26", "< 0")):   # legend entries for both bar colours
+        axes[2].bar([0], [0], width=0, color=colour, label=f"GAE advantage A_t (raw) {sign}")
     axes[2].plot(t, data["advantages"], "k.", ms=4, label="after whitening over the batch")
     axes[2].axhline(0, color="black", lw=0.6)
     axes[2].set(ylabel="advantage A_t", xlabel="response token")
