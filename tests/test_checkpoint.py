@@ -35,8 +35,15 @@ KINDS = {
 }
 
 
-def build(kind: str, folder, **save) -> torch.nn.Module:
+def build_with(kind: str, folder, **overrides) -> torch.nn.Module:
+    """`build` of a KINDS entry with some config fields changed (a vocabulary, special ids)."""
+    kwargs = KINDS[kind][2]
+    return build(kind, folder, config=dict(kwargs, **overrides))
+
+
+def build(kind: str, folder, config: dict | None = None, **save) -> torch.nn.Module:
     config_name, model_name, kwargs = KINDS[kind]
+    kwargs = config if config is not None else kwargs
     torch.manual_seed(0)
     hf = getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
     with torch.no_grad():  # biases are zero at init: give them values, or a missing bias would go unnoticed
@@ -198,13 +205,8 @@ def served(request, tmp_path_factory):
     from mlsys.data import Tokenizer
 
     kind = request.param
-    _, _, kwargs = KINDS[kind]
     folder = tmp_path_factory.mktemp(kind + "-engine")
-    KINDS[kind + "-v"] = (KINDS[kind][0], KINDS[kind][1], dict(kwargs, vocab_size=Tokenizer().vocab_size))
-    try:
-        hf = build(kind + "-v", folder)
-    finally:
-        del KINDS[kind + "-v"]
+    hf = build_with(kind, folder, vocab_size=Tokenizer().vocab_size)
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, Tokenizer().vocab_size, (9,), generator=g).tolist()
     prompts = [shared + torch.randint(3, Tokenizer().vocab_size, (n,), generator=g).tolist() for n in (1, 4, 7, 12)]
@@ -277,12 +279,7 @@ def test_llm_generate_with_a_folder_and_its_tokenizer(tmp_path) -> None:
 
     from mlsys.engine import LLM, SamplingParams
 
-    _, _, kwargs = KINDS["qwen2-gqa"]
-    KINDS["qwen2-bpe"] = (KINDS["qwen2-gqa"][0], KINDS["qwen2-gqa"][1], dict(kwargs, vocab_size=400))
-    try:
-        hf = build("qwen2-bpe", tmp_path)
-    finally:
-        del KINDS["qwen2-bpe"]
+    hf = build_with("qwen2-gqa", tmp_path, vocab_size=400)
     byte_level_bpe(tmp_path, 400)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     llm = LLM(model=str(tmp_path), block_size=4, enable_prefix_caching=True)
@@ -349,13 +346,7 @@ def test_chat_with_a_checkpoint_template_renders_as_transformers_does(tmp_path) 
     from mlsys.engine import LLM, SamplingParams
     from mlsys.server import ServerThread, create_app
 
-    _, _, kwargs = KINDS["llama-gqa"]
-    KINDS["llama-chat"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
-                           dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
-    try:
-        build("llama-chat", tmp_path)
-    finally:
-        del KINDS["llama-chat"]
+    build_with("llama-gqa", tmp_path, vocab_size=300, bos_token_id=0, eos_token_id=1)
     byte_level_bpe(tmp_path, 300)  # "<s>" is id 0, "</s>" id 1
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
     oracle = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
@@ -385,12 +376,7 @@ def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer, preloaded
 
     run = preloaded.run if preloaded is not None else plain_run
 
-    _, _, kwargs = KINDS["qwen2-gqa"]
-    KINDS["qwen2-serve"] = (KINDS["qwen2-gqa"][0], KINDS["qwen2-gqa"][1], dict(kwargs, vocab_size=300))
-    try:
-        build("qwen2-serve", tmp_path / "tiny-qwen")
-    finally:
-        del KINDS["qwen2-serve"]
+    build_with("qwen2-gqa", tmp_path / "tiny-qwen", vocab_size=300)
     if with_tokenizer:
         byte_level_bpe(tmp_path / "tiny-qwen", 300)
     out = tmp_path / "r.json"
@@ -471,13 +457,7 @@ def test_a_folder_saved_by_transformers_chats_with_its_own_template_or_not_at_al
     from mlsys.engine import LLM, SamplingParams
     from mlsys.server import ServerThread, create_app
 
-    _, _, kwargs = KINDS["llama-gqa"]
-    KINDS["llama-jinja"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
-                            dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
-    try:
-        build("llama-jinja", tmp_path)
-    finally:
-        del KINDS["llama-jinja"]
+    build_with("llama-gqa", tmp_path, vocab_size=300, bos_token_id=0, eos_token_id=1)
     byte_level_bpe(tmp_path, 300)
     saved = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>",
                                                  eos_token="</s>", chat_template=CHAT_TEMPLATE)
@@ -560,13 +540,7 @@ def test_a_completions_prompt_gets_bos_only_when_the_tokenizer_adds_it(tmp_path,
 
     from mlsys.engine import LLM, SamplingParams
 
-    _, _, kwargs = KINDS["llama-gqa"]
-    KINDS["llama-bos"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1],
-                          dict(kwargs, vocab_size=300, bos_token_id=0, eos_token_id=1))
-    try:
-        build("llama-bos", tmp_path)
-    finally:
-        del KINDS["llama-bos"]
+    build_with("llama-gqa", tmp_path, vocab_size=300, bos_token_id=0, eos_token_id=1)
     byte_level_bpe(tmp_path, 300)
     if adds_bos:
         tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
@@ -588,12 +562,7 @@ def test_generation_config_sets_the_sampling_defaults_of_requests_that_leave_the
     from mlsys.engine.llm import generation_defaults
     from mlsys.server import ServerThread, create_app
 
-    _, _, kwargs = KINDS["llama-gqa"]
-    KINDS["llama-gen"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1], dict(kwargs, vocab_size=300))
-    try:
-        build("llama-gen", tmp_path)
-    finally:
-        del KINDS["llama-gen"]
+    build_with("llama-gqa", tmp_path, vocab_size=300)
     byte_level_bpe(tmp_path, 300)
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
                                                                  "top_k": 5, "top_p": "high"}))

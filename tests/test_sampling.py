@@ -103,16 +103,11 @@ def test_stop_strings_end_the_text_where_they_first_appear(small_model, engine_k
 
 def test_stop_strings_cut_inside_a_subword_token(tmp_path) -> None:
     """With byte-level BPE a stop string may end in the middle of a token: the text is cut there."""
-    from test_checkpoint import KINDS, build, byte_level_bpe
+    from test_checkpoint import build_with, byte_level_bpe
 
     from mlsys.engine import LLM
 
-    _, _, kwargs = KINDS["llama-gqa"]
-    KINDS["llama-bpe"] = (KINDS["llama-gqa"][0], KINDS["llama-gqa"][1], dict(kwargs, vocab_size=300))
-    try:
-        build("llama-bpe", tmp_path)
-    finally:
-        del KINDS["llama-bpe"]
+    build_with("llama-gqa", tmp_path, vocab_size=300)
     byte_level_bpe(tmp_path, 300)
     llm = LLM(model=str(tmp_path), block_size=4)
     base = llm.generate("the cat", SamplingParams(max_tokens=40, ignore_eos=True))[0].outputs[0]
