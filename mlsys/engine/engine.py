@@ -89,9 +89,11 @@ class EngineConfig:
             per_block = kv_block_bytes(model, c.block_size)
             if blocks_per_seq * per_block > budget:
                 fits = budget // per_block * c.block_size
-                raise ValueError(f"one {c.max_model_len}-token sequence needs {blocks_per_seq * per_block / 2**30:.2f} "
-                                 f"GiB of KV cache, more than the {budget / 2**30:.2f} GiB budget: lower max_model_len "
-                                 f"(at most {fits} tokens fit) or raise kv_cache_memory_bytes")
+                size = lambda n: (f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB" if n >= 2**20
+                                  else f"{n} bytes")
+                raise ValueError(f"one {c.max_model_len}-token sequence needs {size(blocks_per_seq * per_block)} of "
+                                 f"KV cache, more than the {size(budget)} budget: lower max_model_len (at most {fits} "
+                                 f"tokens fit) or raise kv_cache_memory_bytes")
             c.num_blocks = min(c.max_num_seqs * blocks_per_seq, budget // per_block)
         if c.num_blocks < blocks_per_seq:  # else one long request could never run, even alone
             raise ValueError(f"num_blocks={c.num_blocks} cannot hold one {c.max_model_len}-token sequence "
