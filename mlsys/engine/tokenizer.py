@@ -19,7 +19,10 @@ from mlsys.data import Tokenizer
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """A text prompt as the model saw text in training: the book's models, `<bos>` then characters; a folder's
-    tokenizer, with the start its own post-processor writes (HFTokenizer.encode with bos=True)."""
+    tokenizer, with the special tokens its own post-processor adds (a Llama tokenizer adds <bos>, Qwen2's adds
+    nothing), as transformers and vLLM encode a completions prompt."""
+    if hasattr(tokenizer, "encode_with_specials"):
+        return tokenizer.encode_with_specials(prompt)
     return tokenizer.encode(prompt, bos=True)
 
 
@@ -82,12 +85,15 @@ class HFTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """The ids of `text`. bos=True: the start of a text as the tokenizer's own post-processor writes it
-        (add_special_tokens=True: a Llama tokenizer adds <s>, Qwen2's nothing), as transformers and vLLM encode
-        a prompt; a BOS the tokenizer does not add is not added."""
         text.encode("utf-8")  # a lone surrogate ("\ud800" is valid JSON) raises UnicodeEncodeError, a ValueError
-        ids = self.tok.encode(text, add_special_tokens=bos).ids
-        return ids + ([self.eos_id] if eos and self.eos_id is not None else [])
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + ([self.eos_id] if eos and self.eos_id is not None else [])
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """The ids with the special tokens the tokenizer's post-processor adds (add_special_tokens=True)."""
+        text.encode("utf-8")
+        return self.tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
