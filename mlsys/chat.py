@@ -92,23 +92,137 @@ def fit_to_alphabet(text: str, alphabet: str) -> str:
     return "".join(out) if " " in known else "".join(c for c in out if c != " ")
 
 
-def render_template(template: str, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = "") -> str:
-    """A checkpoint's Jinja chat template, rendered as Hugging Face renders it (sandboxed)."""
+RENDER_TIME_LIMIT_S = 2.0  # a chat template that renders longer than this is stopped (a loop of 10**10 steps)
+MAX_RENDER_CHARS = 1 << 22  # ... or that writes more than this, or asks a filter or method for a larger size
+
+
+def render_template(template: str, messages: list[dict[str, str]], bos_token: str = "", eos_token: str = "",
+                    time_limit: float | None = None) -> str:
+    """A checkpoint's Jinja chat template, rendered as Hugging Face renders it (sandboxed), within limits.
+
+    The template comes with the model folder, so it is code the server did not write. Jinja's sandbox keeps it
+    from touching Python's internals; on top of that it is stopped (a ChatError, so a 400) when it runs longer
+    than `time_limit`, writes more than MAX_RENDER_CHARS, or asks for a bigger string or number than that
+    (`"x" * 10**10`, `2 ** 10**9`, `center(10**10)`: those would hold the thread inside one C call)."""
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise ChatError(f"the chat template refused these messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    out, size = [], 0
+    time_limit = RENDER_TIME_LIMIT_S if time_limit is None else time_limit
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                bos_token=bos_token, eos_token=eos_token)
+        with _Deadline(time_limit):
+            compiled = _environment().from_string(template)
+            for chunk in compiled.generate(messages=messages, add_generation_prompt=True, bos_token=bos_token,
+                                           eos_token=eos_token, raise_exception=raise_exception):
+                size += len(chunk)
+                if size > MAX_RENDER_CHARS:
+                    raise ChatError(f"the chat template wrote more than {MAX_RENDER_CHARS} characters")
+                out.append(chunk)
+    except _RenderTimeout:
+        raise ChatError(f"the chat template did not finish within {time_limit:g} s") from None
     except ChatError:
         raise
-    except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as err:  # whatever the messages
-        raise ChatError(f"the chat template failed on these messages: {err}") from None  # make it do
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, OverflowError,
+            MemoryError, RecursionError) as err:  # whatever the messages make it do
+        raise ChatError(f"the chat template failed on these messages: {err}") from None
+    return "".join(out)
+
+
+class _RenderTimeout(BaseException):  # not an Exception: the template's own error handling cannot swallow it
+    pass
+
+
+class _Deadline:
+    """Raise _RenderTimeout in this thread if the block is still running after `seconds`.
+
+    A thread cannot be killed from outside, but CPython can schedule an exception in it
+    (PyThreadState_SetAsyncExc), raised between two bytecodes: a Python loop stops. A timer thread schedules
+    it; leaving the block first cancels the timer, and withdraws an exception scheduled but not yet raised."""
+
+    def __init__(self, seconds: float) -> None:
+        import threading
+
+        self.seconds, self.lock, self.done, self.fired = seconds, threading.Lock(), False, False
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+
+    def __enter__(self) -> None:
+        import threading
+
+        self.thread_id = threading.get_ident()
+        self.timer.start()
+
+    def _fire(self) -> None:  # the timer thread
+        with self.lock:
+            if not self.done:
+                self.fired = True
+                _async_raise(self.thread_id, _RenderTimeout)
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        with self.lock:
+            self.done = True
+            self.timer.cancel()
+            if self.fired and kind is not _RenderTimeout:  # scheduled, not raised yet: withdraw, raise it here
+                _async_raise(self.thread_id, None)
+                raise _RenderTimeout
+
+
+def _async_raise(thread_id: int, exc: type | None) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc) if exc is not None else None)
+
+
+_ENV = None
+
+
+def _environment():
+    """One sandboxed Jinja environment for every template (compiled templates are cached by it)."""
+    global _ENV
+    if _ENV is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class _Limited(ImmutableSandboxedEnvironment):
+            intercepted_binops = frozenset(["*", "**"])
+
+            def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+                sized = [x for x in (left, right) if isinstance(x, (str, list, tuple))]
+                counts = [x for x in (left, right) if isinstance(x, int)]
+                if operator == "*" and sized and counts and len(sized[0]) * max(counts) > MAX_RENDER_CHARS:
+                    raise ChatError("the chat template asked for a string or list beyond the size limit")
+                if operator == "**" and isinstance(right, int) and isinstance(left, (int, float)) and \
+                        abs(right) * max(1, abs(int(left)).bit_length()) > 4096:
+                    raise ChatError("the chat template asked for a number beyond the size limit")
+                return super().call_binop(context, operator, left, right)
+
+            def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+                _check_sizes(args, kwargs)
+                return super().call(__context, __obj, *args, **kwargs)
+
+        env = _Limited(trim_blocks=True, lstrip_blocks=True)
+        env.filters = {name: _sized(f) for name, f in env.filters.items()}
+        _ENV = env
+    return _ENV
+
+
+def _check_sizes(args: tuple, kwargs: dict) -> None:
+    if any(isinstance(x, int) and abs(x) > MAX_RENDER_CHARS for x in (*args, *kwargs.values())):
+        raise ChatError("the chat template passed a size beyond the limit to a filter or method")
+
+
+def _sized(f: Any) -> Any:
+    """A Jinja filter that refuses integer arguments beyond MAX_RENDER_CHARS (a width, a count)."""
+    import functools
+
+    @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _check_sizes(args[1:], kwargs)
+        return f(*args, **kwargs)
+
+    return guarded
 
 
 def chat_body(request_id: str, model: str, created: int, text: str, finish_reason: str | None,

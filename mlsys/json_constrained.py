@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import deque
 
 import jsonschema
@@ -56,7 +57,8 @@ INF = 1 << 30
 # A schema can ask for an automaton of any size (a string of maxLength 10**9). The server compiles the schemas
 # clients send, so compiling is bounded: a schema whose automaton would exceed these is refused (SchemaError).
 MAX_NFA_STATES = 60_000  # an integer range of 10,000 values needs about 49,000
-MAX_SUBSET_WORK = 1_500_000  # NFA states visited by the subset construction (about 0.7 s on one core)
+MAX_NFA_SIZE = 250_000  # states + edges, estimated from the schema before anything is built (estimated_size)
+MAX_SUBSET_WORK = 1_500_000  # NFA edges followed by the subset construction (a few tenths of a second)
 # every listed property is emitted, so "required" always holds; other keywords are refused, not ignored
 KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum",
             "const", "minLength", "maxLength", "minimum", "maximum", "title", "description"}
@@ -88,7 +90,50 @@ def check_schema(schema) -> None:
 
 def _satisfies(value, schema: dict) -> bool:
     """Does `value` validate against `schema` (this node's keywords alone)? jsonschema decides."""
-    return jsonschema.validators.validator_for(schema)(schema).is_valid(value)
+    return _validator(schema)(value)
+
+
+def _validator(schema: dict):
+    """`_satisfies` for many values of one node: the validator is built once (an enum of thousands of values)."""
+    return jsonschema.validators.validator_for(schema)(schema).is_valid
+
+
+def estimated_size(schema, depth: int = ANY_DEPTH) -> int:
+    """About how many NFA states plus edges `build` would make for `schema`, by arithmetic on its keywords,
+    without building anything: the server refuses a schema over MAX_NFA_SIZE before spending time on it.
+    Malformed nodes count as small here; `build` reports what is wrong with them."""
+    if not isinstance(schema, dict):
+        return 8
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        values = values if isinstance(values, list) else []
+        return sum(2 * len(json.dumps(v)) + 4 for v in values) + 4
+    kind, size = schema.get("type"), lambda key, default: _count(schema.get(key, default))
+    if kind == "object":
+        props = schema.get("properties")
+        if not isinstance(props, dict):
+            return _ANY_SIZE[min(max(depth, 0), ANY_DEPTH)]
+        return sum(2 * len(str(k)) + 8 + estimated_size(sub, depth - 1) for k, sub in props.items()) + 8
+    if kind == "array":
+        return size("maxItems", 1) * (estimated_size(schema.get("items", {}), depth - 1) + 12) + 12
+    if kind == "string":
+        return size("maxLength", 1) * (len(STRING_CHARS) + 8) + 12
+    if kind in ("integer", "number"):
+        lo, hi = schema.get("minimum", 0), schema.get("maximum")
+        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and math.isfinite(hi - lo) and hi >= lo:
+            return int(hi - lo + 1) * (2 * len(str(int(hi))) + 4)
+        return 64
+    if kind is None and not (set(schema) - {"title", "description"}):
+        return _ANY_SIZE[min(max(depth, 0), ANY_DEPTH)]
+    return 16
+
+
+def _count(x) -> int:
+    """A length or item bound as a repeat count (1 if absent, unbounded or malformed; huge stays huge)."""
+    return int(x) if isinstance(x, int) and not isinstance(x, bool) and x > 1 else 1
+
+
+_ANY_SIZE = (600, 3_000, 12_000)  # any JSON value at depth 0, 1, 2: measured on build(), rounded up
 
 
 def _bounds(lo, hi, what: str) -> tuple[int, int | None]:
@@ -104,6 +149,7 @@ class NFA:
 
     def __init__(self) -> None:
         self.edges: list[list[tuple[str | None, int]]] = []
+        self.work = 0  # edges followed by closure() and step_nfa(): what the subset construction costs
 
     def state(self) -> int:
         if len(self.edges) >= MAX_NFA_STATES:
@@ -175,9 +221,19 @@ def _repeat(nfa: NFA, make, lo: int, hi: int | None, sep: str = "") -> tuple[int
     parts = [make()] + [sep_item() for _ in range(lo - 1)]
     if hi is None:
         parts.append(nfa.optional(nfa.loop(sep_item())))  # (sep item)*
-    else:
-        parts += [nfa.optional(sep_item()) for _ in range(hi - lo)]
-    return nfa.seq(*parts)
+        return nfa.seq(*parts)
+    # up to hi - lo optional copies, each with an epsilon exit to one shared end state: after any copy the
+    # document may go on or leave. (A chain of separate optionals would make every exit pass through all the
+    # later ones: epsilon closures of length hi, and a subset construction quadratic in maxLength.)
+    body, end = nfa.seq(*parts), nfa.state()
+    cur = body[1]
+    for _ in range(hi - lo):
+        nfa.edge(cur, end)
+        item = sep_item()
+        nfa.edge(cur, item[0])
+        cur = item[1]
+    nfa.edge(cur, end)
+    return body[0], end
 
 
 # --8<-- [start:compile]
@@ -194,7 +250,9 @@ def build(nfa: NFA, schema: dict | bool, depth: int = ANY_DEPTH) -> tuple[int, i
             raise SchemaError(f"const {schema['const']!r} contradicts the other keywords of {schema}")
         return nfa.literal(_check_alphabet(json.dumps(schema["const"])))
     if "enum" in schema:  # alternation of literals; subset construction turns it into a trie
-        values = [v for v in schema["enum"] if _satisfies(v, schema)]  # e.g. strings under type: integer
+        # each value against the other keywords (validating the enum too would compare every pair: quadratic)
+        valid = _validator({k: v for k, v in schema.items() if k != "enum"})
+        values = [v for v in schema["enum"] if valid(v)]  # e.g. strings under type: integer
         if not values:
             raise SchemaError(f"no value of the enum satisfies the other keywords of {schema}")
         return nfa.alt(*(nfa.literal(_check_alphabet(json.dumps(v))) for v in values))
@@ -269,7 +327,9 @@ def closure(nfa: NFA, states) -> frozenset[int]:
     """Every state reachable from `states` by epsilon edges alone."""
     seen, todo = set(states), list(states)
     while todo:
-        for char, dst in nfa.edges[todo.pop()]:
+        edges = nfa.edges[todo.pop()]
+        nfa.work += len(edges)
+        for char, dst in edges:
             if char is None and dst not in seen:
                 seen.add(dst)
                 todo.append(dst)
@@ -277,6 +337,7 @@ def closure(nfa: NFA, states) -> frozenset[int]:
 
 
 def step_nfa(nfa: NFA, states: frozenset[int], char: str) -> frozenset[int]:
+    nfa.work += sum(len(nfa.edges[s]) for s in states)
     return closure(nfa, {dst for s in states for c, dst in nfa.edges[s] if c == char})
 
 
@@ -309,6 +370,10 @@ class SchemaFSM:
     def __init__(self, schema: dict, tokenizer: Tokenizer | None = None):
         self.schema, self.tok = schema, tokenizer or Tokenizer()
         check_schema(schema)
+        if estimated_size(schema) > MAX_NFA_SIZE:
+            raise SchemaError(f"the schema is too large for this decoder (its automaton would need about "
+                              f"{estimated_size(schema):,} states and edges, more than {MAX_NFA_SIZE:,}); lower "
+                              "maxLength, maxItems, the ranges or the enums")
         self.nfa = NFA()
         start, self.nfa_accept = build(self.nfa, schema)
         self.nfa_start = closure(self.nfa, {start})
@@ -324,12 +389,10 @@ class SchemaFSM:
         index = {self.nfa_start: 0}
         self.subsets, self.trans = [self.nfa_start], [{}]
         queue = deque([self.nfa_start])
-        work = 0
         while queue:
             cur = queue.popleft()
             for char in sorted({c for s in cur for c, _ in self.nfa.edges[s] if c is not None}):
-                work += len(cur)
-                if work > MAX_SUBSET_WORK:
+                if self.nfa.work > MAX_SUBSET_WORK:
                     raise SchemaError("the schema is too large for this decoder (compiling it would take too "
                                       "long); lower maxLength, maxItems or the ranges")
                 nxt = step_nfa(self.nfa, cur, char)
@@ -400,6 +463,17 @@ class SchemaFSM:
                     queue.appendleft(prev) if w == 0 else queue.append(prev)
         return dist
 
+    def nbytes(self) -> int:
+        """How much memory this automaton holds (tables, lists, the NFA and the subsets), estimated from above with
+        CPython 3.11's object sizes, for a cache bounded in bytes. Tests compare it with tracemalloc."""
+        S, V = self.next_state.shape
+        tables = 2 * self.next_state.nbytes + S  # next_state, cost, accepts
+        rows = S * (56 + 8 * V) + 32 * sum(x > 256 for row in self.next_state_list for x in row)  # the list copy
+        nfa = 64 * len(self.nfa.edges) + 104 * sum(map(len, self.nfa.edges))  # lists, (char, dst) tuples, ints
+        subsets = 216 * S + 48 * sum(map(len, self.subsets))
+        trans = 232 * S + 24 * sum(map(len, self.trans))
+        return int(tables + rows + nfa + subsets + trans)
+
     def walk(self, text: str) -> int:
         """The DFA state after `text` from the start (KeyError if the text leaves the language)."""
         state = self.start
@@ -416,6 +490,73 @@ class SchemaFSM:
 
 def compile_schema(schema: dict) -> SchemaFSM:
     return SchemaFSM(schema)
+
+
+class SchemaBusy(RuntimeError):
+    """Too many other schemas are being compiled right now: try again shortly (a server answers 429)."""
+
+
+class SchemaCache:
+    """Compiled automata by schema, for a server that compiles whatever schemas its clients send.
+
+    - bounded in bytes (SchemaFSM.nbytes), least recently used first out: a few large schemas cannot fill memory;
+    - refusals are remembered too (the message, by schema text), so resending a schema that failed costs nothing;
+    - one compile per schema at a time: threads asking for a schema being compiled wait for that compile's
+      result instead of starting their own (twelve copies of one expensive schema cost one compile);
+    - at most `max_compiling` different schemas compile at once; one more raises SchemaBusy at once, so a burst
+      of new schemas cannot take every thread (or the GIL) from the requests that need none.
+    `get` returns the automaton or raises SchemaError (or SchemaBusy). Thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer | None = None, max_bytes: int = 256 << 20,
+                 max_refusals: int = 1024, max_compiling: int = 2) -> None:
+        self.tok, self.max_bytes, self.max_refusals = tokenizer, max_bytes, max_refusals
+        self.max_compiling = max_compiling
+        self._fsms: dict[str, tuple[SchemaFSM, int]] = {}  # key -> (automaton, bytes); most recent last
+        self._refused: dict[str, str] = {}  # key -> the SchemaError's message; most recent last
+        self._building: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.compiles = 0  # automata built (or attempted): what the cache saved is the calls minus these
+
+    def get(self, schema: dict, limit: bool = True) -> SchemaFSM:
+        """The automaton of `schema`; limit=False compiles even past max_compiling (the engine's own thread, for a
+        request already admitted whose automaton has since left the cache)."""
+        key = json.dumps(schema, sort_keys=True)
+        while True:
+            with self._lock:
+                if key in self._refused:
+                    raise SchemaError(self._refused[key])
+                if key in self._fsms:
+                    self._fsms[key] = self._fsms.pop(key)  # most recently used last
+                    return self._fsms[key][0]
+                building = self._building.get(key)
+                if building is None and limit and len(self._building) >= self.max_compiling:
+                    raise SchemaBusy(f"{len(self._building)} other schemas are being compiled; retry shortly")
+                if building is None:
+                    self._building[key] = threading.Event()
+                    self.compiles += 1
+                    break
+            building.wait()  # another thread compiles this schema: take its result (or refusal) when it is done
+        try:
+            fsm = SchemaFSM(schema, self.tok)
+        except (SchemaError, RecursionError) as err:
+            message = str(err) if isinstance(err, SchemaError) else "the schema is nested too deeply"
+            with self._lock:
+                self._refused[key] = message
+                while len(self._refused) > self.max_refusals:
+                    self._refused.pop(next(iter(self._refused)))
+            raise SchemaError(message) from None
+        finally:
+            with self._lock:
+                self._building.pop(key).set()
+        size = fsm.nbytes()
+        with self._lock:
+            self._fsms[key] = (fsm, size)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes and len(self._fsms) > 1:  # the newest stays, even if alone too big
+                _, old = self._fsms.pop(next(iter(self._fsms)))
+                self.nbytes -= old
+        return fsm
 
 
 # --8<-- [start:decode]

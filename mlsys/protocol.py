@@ -24,6 +24,7 @@ import numpy as np
 from mlsys.chat import ChatError, NoChatTemplate, normalize_messages, render_book, render_template
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
+from mlsys.json_constrained import SchemaBusy
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # alternatives per token, at most (vLLM's default max_logprobs)
@@ -35,14 +36,16 @@ class RequestError(Exception):
     """A request the server refuses: an HTTP status and a message for the client (OpenAI's error shape)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict | None = None) -> None:
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
         param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = "rate_limit_error" if self.status == 429 else kind
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -163,6 +166,9 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
     if schema is not None:
         try:
             fsm = engine.compile_schema(schema)
+        except SchemaBusy as err:  # other new schemas are compiling: this one may well be fine a moment later
+            raise RequestError(f"response_format: {err}", status=429, param="response_format", code="server_busy",
+                               headers={"Retry-After": "1"}) from None
         except ValueError as err:  # SchemaError, or a tokenizer the automaton cannot work over
             raise RequestError(f"response_format cannot be enforced: {err}", param="response_format") from None
         except RecursionError:

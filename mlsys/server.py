@@ -69,6 +69,11 @@ DEFAULT_MODEL_NAME = "mlsys-small"
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused before it is parsed (413)
 BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is refused (408): a half-sent body holds nothing
 HEALTH_STALL_S = 20.0  # /health says 503 when requests wait and no engine step has finished for this long
+HEADER_TIMEOUT_S = 10.0  # a connection that has not sent a complete request head within this is closed
+MAX_CONNECTIONS = 1000  # open connections at most; beyond, the oldest idle one is closed (or the newcomer)
+PARSE_WORKERS = 4  # threads that validate bodies, render chat templates and compile schemas, off the event loop
+# (at most 2 compile new schemas at once, mlsys/json_constrained.SchemaCache: the others stay free for the rest)
+PARSE_QUEUE = 256  # bodies that may wait for one of them; beyond that a request gets 429 at once
 GENERATION_FAILED = "the server failed while generating this request (details in the server log)"
 
 
@@ -279,6 +284,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401
     otherwise); /health stays open for load balancers. A body that stalls for `body_timeout` s gets a 408."""
     front = AsyncEngine(engine)
+    parsing = _BoundedPool(PARSE_WORKERS, PARSE_QUEUE)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -292,6 +298,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     async def lifespan(app):
         await front.start()
         yield
+        parsing.shutdown()
         await front.stop()
 
     # with a key, the interactive docs and the OpenAPI document are switched off: every route but /health
@@ -301,11 +308,12 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     app.state.answered = weakref.WeakSet()  # tasks whose response is complete (ServerThread.stop reads it)
     app.add_middleware(_MarkAnswered, answered=app.state.answered)
     app.state.async_engine = front
+    app.state.parsing = parsing
     started = int(time.time())
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's shape
@@ -347,10 +355,11 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     async def answer(request: Request, chat: bool):
         check_key(request)
         raw = await read_body(request, timeout=body_timeout)
-        # in a worker thread: compiling a response_format schema may take a good part of a second (bounded in
-        # mlsys/json_constrained.py), and the event loop must keep serving everyone else meanwhile
-        req = await asyncio.to_thread(parse_completion_request, raw, engine, model_name, chat, chat_template,
-                                      sampling_defaults)
+        # on a small pool of threads: compiling a response_format schema may take a few tenths of a second (bounded
+        # in mlsys/json_constrained.py) and a chat template up to its time limit (mlsys/chat.py); the event loop
+        # keeps serving everyone else meanwhile, and a burst beyond the pool and its queue is a 429 at once
+        req = await parsing.run(parse_completion_request, raw, engine, model_name, chat, chat_template,
+                                sampling_defaults)
         front.check_alive()  # before a stream starts: its status line must say 503
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         outputs = front.generate(req.prompt_ids, req.params, rid)
@@ -377,6 +386,41 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     # --8<-- [end:completions]
 
     return app
+
+
+class _BoundedPool:
+    """A few threads for request parsing, with a bounded queue: `run` answers 429 (RequestError) at once when
+    `workers + queue` jobs are already pending, instead of letting a burst of expensive bodies pile up. A job
+    counts as pending until its thread is done with it, even if its client has gone away meanwhile."""
+
+    def __init__(self, workers: int, queue: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="parse")
+        self.limit, self.pending, self.lock = workers + queue, 0, threading.Lock()
+        self.refused = 0  # requests answered 429 (an observation for tests and /metrics-style reads)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        with self.lock:
+            if self.pending >= self.limit:
+                self.refused += 1
+                raise RequestError("the server is busy validating other requests; retry shortly", status=429,
+                                   code="server_busy", headers={"Retry-After": "1"})
+            self.pending += 1
+        try:
+            future = self.pool.submit(fn, *args)
+        except RuntimeError:  # shutting down
+            self._done(None)
+            raise RequestError("the server is shutting down", status=503, code="shutting_down") from None
+        future.add_done_callback(self._done)
+        return await asyncio.wrap_future(future)
+
+    def _done(self, _: Any) -> None:  # the worker thread, when a job ends (or at once if it was never queued)
+        with self.lock:
+            self.pending -= 1
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout: float = BODY_TIMEOUT_S) -> bytes:
@@ -479,19 +523,92 @@ class _CutCounter(logging.Filter):
         return not isinstance(exc, asyncio.CancelledError)
 
 
+def _guarded_protocol(header_timeout: float, max_connections: int) -> type:
+    """uvicorn's h11 protocol with two guards it lacks, so idle or half-sent connections cannot use up the
+    process's file descriptors (and with them, every real client's chance to connect):
+
+    - a connection must send a complete request head within `header_timeout` seconds of opening, and of its
+      previous answer (uvicorn's own keep-alive timer is reset by any byte, so one byte a second kept it open);
+    - at most `max_connections` are open: a new one first closes the oldest connection with no request in
+      progress; if every connection is busy with a request, the newcomer is closed instead."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Guarded(H11Protocol):
+        opened = 0.0
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.opened = time.monotonic()
+            live = [c for c in self.connections if not c.transport.is_closing()]  # closed ones may linger a moment
+            if len(live) > max_connections:
+                idle = [c for c in live if c is not self and not c.busy()]
+                victim = min(idle, key=lambda c: c.opened) if idle else self
+                victim.transport.close()
+            self.arm()
+
+        def busy(self) -> bool:  # a request head has arrived and its answer is not complete
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def arm(self) -> None:
+            self.disarm()
+            self.head_timer = self.loop.call_later(header_timeout, self.head_timeout)
+
+        def disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_timeout(self) -> None:
+            self.head_timer = None
+            if not self.busy() and not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.busy():
+                self.disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.busy():
+                self.arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+def _raise_open_file_limit() -> int:
+    """Lift this process's soft limit on open files to the hard limit (as vLLM does); returns the new soft one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
 class ServerThread:
     """uvicorn serving `app` from a background thread: for tests, scripts and notebooks.
 
     `port=0` asks the OS for a free port; `.port` and `.url` tell which one it got once `start()` returns.
-    `stop()` drains: the socket stops accepting, requests in flight run to their end for up to `grace_seconds`,
+    Idle and half-sent connections are closed after `header_timeout` s, and at most `max_connections` are open
+    (see _guarded_protocol). `stop()` drains: the socket stops accepting, requests in flight run to their end for up to `grace_seconds`,
     then whatever is left is cut (its task cancelled, its request aborted, its KV blocks freed).
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 grace_seconds: float = 10.0) -> None:
+                 grace_seconds: float = 10.0, header_timeout: float = HEADER_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+        files = _raise_open_file_limit()  # each connection holds one; keep some for the model, logs, the store
+        protocol = _guarded_protocol(header_timeout, max(1, min(max_connections, files - 64)))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol,
                                 timeout_graceful_shutdown=max(grace_seconds, 1e-3))  # uvicorn reads 0 as "no limit"
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)

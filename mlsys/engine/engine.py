@@ -150,8 +150,7 @@ class Engine:
         self.last_step_timing: dict[str, float] = {}
         self.counters = dict(num_steps=0, num_prefill_tokens=0, num_decode_tokens=0, num_generated_tokens=0,
                              num_failed_requests=0)
-        self._schemas: dict[str, object] = {}  # compiled JSON schemas (SchemaFSM) by their canonical text
-        self._schema_lock = threading.Lock()
+        self.schemas = None  # compiled JSON schemas (a SchemaCache, made on first use), for every thread that asks
 
     # ------------------------------------------------------------ requests
 
@@ -172,7 +171,7 @@ class Engine:
                              f"max_model_len={self.config.max_model_len}")
         if not all(0 <= t < self.model.config.vocab_size for t in ids):
             raise ValueError("prompt token id out of the vocabulary")
-        fsm = None if params.json_schema is None else self.compile_schema(params.json_schema)
+        fsm = None if params.json_schema is None else self.compile_schema(params.json_schema, limit=False)
         if fsm is not None and fsm.min_length > min(params.max_tokens, self.config.max_model_len - len(ids)):
             raise ValueError(f"the shortest document the schema allows has {fsm.min_length} tokens; "
                              f"max_tokens={params.max_tokens} cannot hold it")
@@ -192,25 +191,18 @@ class Engine:
             self.scheduler.add(seq)
         return rid
 
-    def compile_schema(self, schema: dict):
+    def compile_schema(self, schema: dict, limit: bool = True):
         """Chapter 11's automaton for a JSON schema over this engine's tokenizer (compiled once per schema).
-        SchemaError (a ValueError) if the schema is outside the supported subset."""
-        import json
-
-        from mlsys.json_constrained import SchemaFSM
+        SchemaError (a ValueError) if the schema is outside the supported subset; SchemaBusy if `limit` and other
+        new schemas are compiling (mlsys/json_constrained.SchemaCache)."""
+        from mlsys.json_constrained import SchemaCache
 
         if not isinstance(self.tokenizer, Tokenizer):
             raise ValueError("structured output needs the book's character tokenizer (its automaton is over "
                              "characters); this model's tokenizer is not supported")
-        key = json.dumps(schema, sort_keys=True)
-        with self._schema_lock:  # the server's handler threads and the engine thread both ask
-            fsm = self._schemas.pop(key, None)
-        fsm = fsm or SchemaFSM(schema, self.tokenizer)
-        with self._schema_lock:
-            self._schemas[key] = fsm  # most recently used last
-            while len(self._schemas) > 32:  # a server sees schemas from every client: keep the recent ones only
-                self._schemas.pop(next(iter(self._schemas)))
-        return fsm
+        if self.schemas is None:  # a race here makes two caches, one of which is dropped: harmless
+            self.schemas = SchemaCache(self.tokenizer)
+        return self.schemas.get(schema, limit)  # bounded in bytes; refusals remembered; one compile per schema at a time
 
     def abort(self, request_id) -> None:
         """Stop a request (all its n sequences) now and free its blocks; the next step() reports each of them
