@@ -198,7 +198,7 @@ def _environment():
                     raise ChatError("the chat template asked for a number beyond the size limit")
                 return super().call_binop(context, operator, left, right)
 
-            def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
                 _check_sizes(args, kwargs)
                 return super().call(__context, __obj, *args, **kwargs)
 

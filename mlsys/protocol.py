@@ -1,7 +1,9 @@
 """OpenAI's request and response shapes for `mlsys.server`: a body checked into SamplingParams, answers as JSON.
 
 Validation refuses anything the engine cannot honour with a 4xx and a message that says why (OpenAI's error
-shape), before the request reaches the engine: the server must never answer a client's mistake with a 5xx.
+shape), before the request reaches the engine: the server must never answer a client's mistake with a 5xx. The
+bodies themselves are declared as pydantic models in mlsys/openai_protocol.py (also what /openapi.json shows);
+this module adds the checks that depend on the model and the engine, and writes the answers.
 
 What the server accepts beyond the prompt: max_tokens (max_completion_tokens for chat), temperature, top_p,
 top_k, seed, stop, n (parallel sampling: the engine shares the prompt's KV blocks between the n answers),
@@ -20,14 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
+from mlsys import openai_protocol as api
 from mlsys.chat import ChatError, NoChatTemplate, normalize_messages, render_book, render_template
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
 from mlsys.json_constrained import SchemaBusy
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-MAX_LOGPROBS = 20  # alternatives per token, at most (vLLM's default max_logprobs)
 MAX_SCHEMA_BYTES = 16_384  # a response_format schema larger than this is refused before it is compiled
 
 
@@ -59,28 +62,8 @@ class CompletionRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
 
 
-# Fields we accept and fields OpenAI defines that we refuse unless they hold their neutral value.
-_ACCEPTED = {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream", "stream_options",
-             "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "stop", "suffix", "presence_penalty",
-             "frequency_penalty", "logit_bias", "response_format"}
-_NEUTRAL = {"best_of": (1, None), "echo": (False, None),
-            "suffix": (None, ""), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-            "logit_bias": (None, {})}
-# /v1/chat/completions: messages instead of a prompt, and the chat API's own optional fields
-_CHAT_ACCEPTED = (_ACCEPTED - {"prompt", "best_of", "echo", "suffix"}) | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls"}
-_CHAT_NEUTRAL = {**{k: v for k, v in _NEUTRAL.items() if k in _CHAT_ACCEPTED},
-                 "tools": (None, []),
-                 "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False)}
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a number
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # --8<-- [start:validate]
@@ -88,8 +71,10 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
                              chat_template: str | NoChatTemplate | None = None,
                              defaults: dict | None = None) -> CompletionRequest:
     """Check a request body against the model and the engine; RequestError (4xx) with a clear message if bad.
-    chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py)."""
-    accepted, neutral = (_CHAT_ACCEPTED, _CHAT_NEUTRAL) if chat else (_ACCEPTED, _NEUTRAL)
+    chat: a /v1/chat/completions body, whose messages become the prompt (mlsys/chat.py).
+
+    First the body alone, against its pydantic model (mlsys/openai_protocol.py: fields, types, ranges); then what
+    depends on this server: the model's name, the context length, n against the engine's seats, the schema."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -98,68 +83,50 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
         raise RequestError(f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    for key in body:
-        if key not in accepted:
-            raise RequestError(f"unrecognized request argument {key!r}", param=key)
-        if key in neutral and body[key] not in neutral[key]:
-            raise RequestError(f"{key}={body[key]!r} is not supported by this server", param=key)
-    for key in ("model", "messages" if chat else "prompt"):
-        if key not in body:
-            raise RequestError(f"missing required argument {key!r}", param=key)
-    if not isinstance(body["model"], str):
-        raise RequestError("'model' must be a string", param="model")
-    if body["model"] != model_name:
-        raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
-                           status=404, param="model", code="model_not_found")
+    try:
+        req = (api.ChatCompletionRequest if chat else api.CompletionRequest).model_validate(body)
+    except ValidationError as err:
+        message, param = api.refusal(err, body, chat)
+        unknown = message.startswith(("unrecognized", "missing"))
+        if not unknown and isinstance(body.get("model"), str) and body["model"] != model_name:
+            _check_model(body["model"], model_name)  # a wrong model is a 404 before any field's 400
+        if param == "messages" and isinstance(body.get("messages"), list) and body["messages"]:
+            try:  # its own words for a bad message: which one, which part
+                normalize_messages(body["messages"])
+            except ChatError as chat_err:
+                raise RequestError(str(chat_err), param=chat_err.param) from None
+        raise RequestError(message, param=param) from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply") from None
+    _check_model(req.model, model_name)
     ids = _chat_ids(body["messages"], engine, chat_template) if chat else _prompt_ids(body["prompt"], engine)
     max_len = engine.config.max_model_len
     if chat:  # the chat API's default: as many tokens as the context leaves
-        given = body.get("max_completion_tokens", body.get("max_tokens"))
+        given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = max(1, max_len - len(ids)) if given is None else given
     else:
-        max_tokens = body.get("max_tokens", 16)  # OpenAI's default
-    if not _is_int(max_tokens):
-        raise RequestError(f"'max_tokens' must be an integer, got {max_tokens!r}", param="max_tokens")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
     if max_tokens < 1 or len(ids) + max_tokens > max_len:
         raise RequestError(f"this model's maximum context length is {max_len} tokens: the prompt has {len(ids)}, "
                            f"so max_tokens must be between 1 and {max_len - len(ids)}, got {max_tokens}",
                            param="max_tokens")
     defaults = defaults or {}  # a folder's generation_config.json (temperature, top_p, top_k), as vLLM reads it
-    temperature = body.get("temperature", defaults.get("temperature", 1.0))  # OpenAI's default: sampling
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise RequestError(f"'temperature' must be a number in [0, 2], got {temperature!r}", param="temperature")
-    top_p = body.get("top_p", defaults.get("top_p", 1.0))
-    if top_p is None:
-        top_p = 1.0
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise RequestError(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-    top_k = body.get("top_k", defaults.get("top_k"))
-    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
-        raise RequestError(f"'top_k' must be a positive integer or -1 (off), got {top_k!r}", param="top_k")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise RequestError(f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) for x in stop):
-        raise RequestError("'stop' must be a string or a list of at most 4 strings", param="stop")
-    flags = {k: body.get(k, False) for k in ("stream", "ignore_eos")}
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise RequestError(f"{key!r} must be true or false, got {value!r}", param=key)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise RequestError("'stream_options' must be an object like {\"include_usage\": true}",
-                           param="stream_options")
-    if options and not flags["stream"]:
+    temperature = req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)
+    top_p = req.top_p if req.top_p is not None else defaults.get("top_p", 1.0)  # OpenAI's defaults: sampling
+    top_k = req.top_k if "top_k" in body else defaults.get("top_k")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if req.stream_options is not None and not req.stream:
         raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    logprobs, top = _logprobs(body, chat)
-    n = body.get("n", 1)
-    if n is None:
-        n = 1
-    if not _is_int(n) or not 1 <= n <= engine.config.max_num_seqs:
+    if chat:
+        if req.top_logprobs and req.logprobs is not True:
+            raise RequestError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+        logprobs, top = req.logprobs is True, req.top_logprobs or 0
+    else:
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
+    n = 1 if req.n is None else req.n
+    if n > engine.config.max_num_seqs:
         raise RequestError(f"'n' must be an integer from 1 to {engine.config.max_num_seqs}, got {n!r}", param="n")
-    schema = _response_schema(body.get("response_format"))
+    schema = _response_schema(req.response_format, body.get("response_format"))
     if schema is not None and any(stop):   # a stop string could cut the document short: invalid JSON, served
         raise RequestError("'stop' cannot be combined with a JSON response_format: a stop string could end the "
                            "document before it is complete", param="stop")
@@ -181,51 +148,27 @@ def parse_completion_request(raw: bytes, engine: Engine, model_name: str, chat: 
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=None if top_k in (None, -1) or top_k >= vocab else top_k,  # >= V: no cut
-                            top_p=float(top_p), seed=seed % 2**64 if seed is not None else None,
-                            ignore_eos=flags["ignore_eos"], stop=tuple(x for x in stop if x),
+                            top_p=float(top_p), seed=req.seed % 2**64 if req.seed is not None else None,
+                            ignore_eos=req.ignore_eos, stop=tuple(x for x in stop if x),
                             logprobs=logprobs, top_logprobs=top, n=n, json_schema=schema)
-    return CompletionRequest(ids, params, flags["stream"], bool(options.get("include_usage", False)))
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    return CompletionRequest(ids, params, req.stream, include_usage)
 # --8<-- [end:validate]
 
 
-def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
-    """(log-probs wanted, alternatives per token). Completions: logprobs = k alternatives (0: only the sampled
-    token's). Chat: logprobs true/false, top_logprobs = k, which needs logprobs true."""
-    logprobs = body.get("logprobs")
-    if not chat:
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}",
-                               param="logprobs")
-        return logprobs is not None, logprobs or 0
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise RequestError(f"'logprobs' must be true or false, got {logprobs!r}", param="logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
-        raise RequestError(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}",
-                           param="top_logprobs")
-    if top and logprobs is not True:
-        raise RequestError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-    return logprobs is True, top or 0
+def _check_model(given: str, model_name: str) -> None:
+    if given != model_name:
+        raise RequestError(f"the model {given!r} does not exist; this server serves {model_name!r}",
+                           status=404, param="model", code="model_not_found")
 
 
-def _response_schema(fmt: Any) -> dict | None:
+def _response_schema(fmt: api.ResponseFormat | None, raw: Any) -> dict | None:
     """response_format -> the JSON schema to enforce, or None (plain text)."""
-    if fmt is None:
+    if fmt is None or fmt.type == "text":
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise RequestError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                           param="response_format")
-    if fmt["type"] == "text":
-        return None
-    if fmt["type"] == "json_object":
+    if fmt.type == "json_object":
         return {"type": "object"}
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) or \
-            not isinstance(spec.get("name", ""), str):
-        raise RequestError("'response_format.json_schema' must be an object with a 'name' and a 'schema' object",
-                           param="response_format")
-    schema = spec.get("schema", {})
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
     try:
         size = len(json.dumps(schema, allow_nan=False))
     except RecursionError:  # nested too deeply to even write out

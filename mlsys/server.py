@@ -51,7 +51,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlsys import openai_protocol as api
 from mlsys.chat import NoChatTemplate, chat_body, chat_chunk
+from mlsys.data import Tokenizer
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.engine import FatalEngineError
 from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
@@ -327,7 +329,25 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         return JSONResponse(RequestError("internal server error (see the server log)", status=500,
                                          code="internal_error").body(), status_code=500)
 
-    @app.get("/health")
+    def openapi() -> dict:
+        """FastAPI's document, plus the request bodies: the handlers read raw bytes (to bound their size and
+        time), so FastAPI cannot see the models they validate against; they are added here."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (api.CompletionRequest, api.ChatCompletionRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(js.pop("$defs", {}))
+                _document_limits(js, model_name, engine)
+                schemas[model.__name__] = js
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.get("/health", responses={200: {"model": api.Health}, 503: {"model": api.Health}})
     async def health():
         s = front.stats()  # the engine thread's last snapshot: answers at once, even mid-step
         ok, why = front.health(health_stall_s)
@@ -336,7 +356,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
                 "num_total_blocks": s["num_total_blocks"], **({} if ok else {"reason": why})}
         return body if ok else JSONResponse(body, status_code=503)  # a load balancer takes this replica out
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": api.ModelList}, **_ERRORS})
     async def models(request: Request) -> dict:
         check_key(request)
         card = {"id": model_name, "object": "model", "created": started, "owned_by": "mlsys",
@@ -344,11 +364,12 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         return {"object": "list", "data": [card]}
 
     # --8<-- [start:completions]
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_answers(api.Completion))
     async def completions(request: Request):
         return await answer(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"),
+              responses=_answers(api.ChatCompletion))
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
 
@@ -386,6 +407,37 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
     # --8<-- [end:completions]
 
     return app
+
+
+_ERRORS = {status: {"model": api.ErrorResponse, "description": why} for status, why in (
+    (400, "a body the server refuses, with the reason"), (401, "a missing or wrong API key"),
+    (404, "an unknown model or route"), (408, "a body that stopped arriving"), (413, "a body over the size limit"),
+    (429, "busy: retry after the Retry-After header's seconds"), (503, "the engine stopped"))}
+
+
+def _document_limits(js: dict, model_name: str, engine: Engine) -> None:
+    """What this server accepts beyond the generic models, written into its document: the one model it serves,
+    the context length, and for the book's character tokenizer the characters a prompt may hold."""
+    props = js["properties"]
+    props["model"]["enum"] = [model_name]
+    for key in ("max_tokens", "max_completion_tokens"):
+        if key in props:
+            props[key]["anyOf"][0].update(minimum=1, maximum=engine.config.max_model_len - 1)
+    if "prompt" in props and isinstance(engine.tokenizer, Tokenizer):
+        chars = "".join(c for c in engine.tokenizer.itos if len(c) == 1)
+        cls = "".join("\\" + c if c in "\\]^-[" else c for c in chars)
+        props["prompt"]["anyOf"][0].update(pattern=f"^[{cls}]+$", maxLength=engine.config.max_model_len - 2)
+
+
+def _body(model: str) -> dict:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
+def _answers(model: type) -> dict:
+    """The 200 of a generation route: JSON, or with "stream": true Server-Sent Events of chunks."""
+    return {200: {"model": model, "description": "the answer; with \"stream\": true, Server-Sent Events",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
 
 
 class _BoundedPool:
@@ -597,8 +649,9 @@ class ServerThread:
 
     `port=0` asks the OS for a free port; `.port` and `.url` tell which one it got once `start()` returns.
     Idle and half-sent connections are closed after `header_timeout` s, and at most `max_connections` are open
-    (see _guarded_protocol). `stop()` drains: the socket stops accepting, requests in flight run to their end for up to `grace_seconds`,
-    then whatever is left is cut (its task cancelled, its request aborted, its KV blocks freed).
+    (see _guarded_protocol). `stop()` drains: the socket stops accepting, requests in flight run to their end
+    for up to `grace_seconds`, then whatever is left is cut (its task cancelled, its request aborted, its KV
+    blocks freed).
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",

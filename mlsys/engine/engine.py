@@ -202,7 +202,7 @@ class Engine:
                              "characters); this model's tokenizer is not supported")
         if self.schemas is None:  # a race here makes two caches, one of which is dropped: harmless
             self.schemas = SchemaCache(self.tokenizer)
-        return self.schemas.get(schema, limit)  # bounded in bytes; refusals remembered; one compile per schema at a time
+        return self.schemas.get(schema, limit)  # bounded in bytes; refusals kept; one compile per schema at a time
 
     def abort(self, request_id) -> None:
         """Stop a request (all its n sequences) now and free its blocks; the next step() reports each of them
