@@ -3,11 +3,18 @@
 `enable(rank)` wraps the public functions of `torch.distributed` (the ones a script calls as `dist.all_reduce(...)`)
 so each call prints one line when it starts and one when it returns, with the tensor's shape and dtype and the time
 spent. Calls that torch makes internally are not traced, only the script's own.
+
+`recording(calls)` does the same silently for the point-to-point calls, for pictures: inside the `with`, each call
+(and each `wait()` on the request an isend, irecv or batch_isend_irecv returned) appends
+{call, peer, numel, start, end, outcome} to `calls`; `note(calls, what, value)` adds an instant of the script's
+own (a tensor changed, a buffer read) to the same list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import sys
 import time
 from typing import Any
@@ -70,9 +77,92 @@ def _p2p_op_taking_wrappers(base: type) -> type:
         __mlsys_traced__ = True
 
         def __new__(cls, op, *args, **kwargs):
-            return base.__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+            return base.__new__(cls, inspect.unwrap(op), *args, **kwargs)
 
         def __init__(self, op, *args, **kwargs):
-            super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+            super().__init__(inspect.unwrap(op), *args, **kwargs)
 
     return P2POp
+
+
+# ---- recording for pictures -----------------------------------------------------------------------------------
+# --8<-- [start:recording]
+RECORDED = ("barrier", "new_group", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+class _Request:
+    """Stands in for the request isend/irecv return, so that its wait() is recorded too."""
+
+    def __init__(self, request: Any, log: Any, name: str, peer: int | None, numel: int | None) -> None:
+        self._request, self._log, self._name, self._peer, self._numel = request, log, name, peer, numel
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        with self._log(f"wait({self._name})", self._peer, self._numel):
+            return self._request.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed(), ... unchanged
+        return getattr(self._request, name)
+
+
+@contextlib.contextmanager
+def recording(calls: list[dict]):
+    """Wrap the torch.distributed functions in RECORDED (called as `dist.send(...)` etc.) so that each call appends
+    {call, peer, numel, start, end, outcome} to `calls`: start and end in time.perf_counter() seconds (one clock for
+    every process of a machine), outcome "returned" or "raised". batch_isend_irecv is one call, with the operations
+    it posted under "ops" as [kind, peer, numel]; the requests it returns are recorded as wait(isend) / wait(irecv),
+    in the order of its list."""
+    import torch.distributed as dist
+
+    @contextlib.contextmanager
+    def log(name: str, peer: int | None, numel: int | None = None):
+        entry = {"call": name, "peer": peer, "numel": numel, "start": time.perf_counter(), "outcome": "returned"}
+        calls.append(entry)
+        try:
+            yield
+        except BaseException:
+            entry["outcome"] = "raised"
+            raise
+        finally:
+            entry["end"] = time.perf_counter()
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if name == "batch_isend_irecv":
+                ops = list(args[0] if args else kwargs["p2p_op_list"])
+                with log(name, None):
+                    calls[-1]["ops"] = [["isend" if op.op is real_isend else "irecv", op.peer, op.tensor.numel()]
+                                        for op in ops]  # what the one call posted
+                    works = fn(*args, **kwargs)
+                return [_Request(w, log, "isend" if op.op is real_isend else "irecv", op.peer, op.tensor.numel())
+                        for w, op in zip(works, ops)]
+            p2p = name in ("send", "recv", "isend", "irecv")
+            peer = kwargs.get("dst", kwargs.get("src", args[1] if p2p and len(args) > 1 else None))
+            numel = (args[0] if args else kwargs["tensor"]).numel() if p2p else None
+            with log(name, peer, numel):
+                out = fn(*args, **kwargs)
+            return _Request(out, log, name, peer, numel) if name in ("isend", "irecv") else out
+        return recorded
+
+    originals = {name: getattr(dist, name) for name in RECORDED}
+    real_isend, p2p_op = inspect.unwrap(originals["isend"]), dist.P2POp
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        dist.P2POp = _p2p_op_taking_wrappers(p2p_op)  # so that P2POp(dist.isend, ...) accepts the wrapper
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        dist.P2POp = p2p_op
+
+
+def note(calls: list[dict], what: str, value: Any = None) -> None:
+    """An instant of the script's own in the same record: `what` happened now; `value` (a tensor is stored as its
+    list) is what the script saw or wrote."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    now = time.perf_counter()
+    calls.append({"call": what, "peer": None, "numel": None, "start": now, "end": now, "outcome": "note",
+                  "value": value})
+# --8<-- [end:recording]

@@ -54,6 +54,49 @@ def test_chain_and_ring_values_on_real_ranks(world_size: int, tmp_path) -> None:
             np.testing.assert_array_equal(value, chain[rank] if name.startswith("chain") else ring[rank], err_msg=name)
         assert set(held["values"]) == set(held["times_us"]) and all(t > 0 for t in held["times_us"].values())
     assert len(result["per_rank"][0]["values"]) == 5  # 2 chain + 3 ring patterns
+    check_ring_lanes(result["ring_lanes"], result["ring_messages"], world_size)
+
+
+def ring_programs(w: int) -> list:
+    """The three ring versions as the lesson describes them, written out here: (call, peer) per rank. The batched
+    one posts an isend and an irecv in one batch_isend_irecv call, so it is the non-blocking program."""
+    right, left = (lambda r: (r + 1) % w), (lambda r: (r - 1) % w)
+    nonblocking = lambda r: [("isend", right(r)), ("irecv", left(r)), ("wait(isend)", right(r)),
+                             ("wait(irecv)", left(r))]
+    return [lambda r: [("send", right(r)), ("recv", left(r))] if r % 2 == 0 else
+            [("recv", left(r)), ("send", right(r))], nonblocking, nonblocking]
+
+
+def check_ring_lanes(drawn: dict, messages: dict, world_size: int) -> None:
+    """The ring picture: each rank's calls, and each arrow (sender, receiver, the call that posted the send, the
+    call that completed the receive), are the ones the rendezvous oracle finds for the three programs; nobody stays
+    blocked; a rank's calls follow one another; no receive completes before its send was posted."""
+    assert [v[:2] for v in drawn] == ["1.", "2.", "3."] and "batch" in list(drawn)[2]
+    for n, (version, program) in enumerate(zip(drawn, ring_programs(world_size))):
+        matches: list = []
+        predicted = rendezvous_oracle({r: program(r) for r in range(world_size)}, matches)
+        calls = drawn[version]
+        for rank in range(world_size):
+            mine = [c for c in calls if c["rank"] == rank]
+            entered = [c["call"] for c in mine]
+            if n == 2:  # one call posts both
+                assert entered[0] == "batch_isend_irecv" and mine[0]["ops"] == [
+                    ["isend", (rank + 1) % world_size, mine[1]["numel"]], ["irecv", (rank - 1) % world_size,
+                                                                           mine[2]["numel"]]], mine
+                entered = ["isend", "irecv", *entered[1:]]
+            assert (entered, None) == predicted[rank], (version, rank, mine)
+            for before, after in zip(mine, mine[1:]):
+                assert before["end_ms"] <= after["start_ms"], (version, before, after)
+        post = {"send": "send", "isend": "batch_isend_irecv" if n == 2 else "isend"}
+        done = {"recv": "recv", "irecv": "wait(irecv)"}
+        want = sorted((s, d, post[sc], done[dc]) for s, d, sc, dc in matches)
+        assert sorted((m["src"], m["dst"], m["posted_by"], m["received_by"]) for m in messages[version]) == want
+        for m in messages[version]:
+            assert m["received_ms"] >= m["posted_ms"], (version, m)
+        for c in calls:  # a blocking send returns only once its receiver has entered the matching recv
+            if c["call"] == "send":
+                recv = next(d for d in calls if d["rank"] == c["peer"] and d["call"] == "recv")
+                assert c["end_ms"] >= recv["start_ms"], (version, c, recv)
 
 
 @pytest.mark.timeout(60)
@@ -86,19 +129,22 @@ PROGRAMS = {
 }
 
 
-def rendezvous_oracle(programs: dict[int, list]) -> dict[int, tuple[list, str | None]]:
+def rendezvous_oracle(programs: dict[int, list], matches: list | None = None) -> dict[int, tuple[list, str | None]]:
     """Run the programs under rendezvous semantics (a send and its recv complete together, nothing is buffered):
-    per rank, the calls it enters and the call it stays blocked in (None if it finishes)."""
+    per rank, the calls it enters and the call it stays blocked in (None if it finishes). `matches`, if given,
+    receives (sender, receiver, sender's posting call, receiver's posting call) for every send and recv that met."""
     pc = dict.fromkeys(programs, 0)
     posted: dict[int, list] = {r: [] for r in programs}  # [kind, peer, matched]
     entered: dict[int, list] = {r: [] for r in programs}
 
-    def post(r: int, kind: str, peer: int) -> list:
-        op = [kind, peer, False]
+    def post(r: int, kind: str, peer: int, call: str) -> list:
+        op = [kind, peer, False, call]
         want = "recv" if kind == "send" else "send"
         for other in posted[peer]:
             if other[0] == want and other[1] == r and not other[2]:
                 other[2] = op[2] = True
+                if matches is not None:
+                    matches.append((r, peer, call, other[3]) if kind == "send" else (peer, r, other[3], call))
                 break
         posted[r].append(op)
         return op
@@ -116,7 +162,7 @@ def rendezvous_oracle(programs: dict[int, list]) -> dict[int, tuple[list, str | 
                         kind = "send" if "isend" in call else "recv"
                         pending[r] = next(op for op in posted[r] if op[0] == kind and op[1] == peer)
                     else:
-                        pending[r] = post(r, call.lstrip("i"), peer)
+                        pending[r] = post(r, call.lstrip("i"), peer, call)
                 if call in ("isend", "irecv") or pending[r][2]:
                     pending[r], pc[r], progress = None, pc[r] + 1, True
                 else:
@@ -163,10 +209,145 @@ def test_pipeline_matches_one_process(world_size: int, num_blocks: int, tmp_path
     assert result["max_abs_diff_output"] <= 1e-6 and result["max_abs_diff_grad"] <= 1e-6
     assert result["num_params_checked"] == 2 * num_blocks  # a weight and a bias per Linear
     assert sum(result["stages"], []) == list(range(num_blocks))
-    # the pitfalls really produced a wrong value, and the fixed versions the right one
-    pit = result["pitfalls"]
-    assert pit["buffer reuse"]["buggy_received"] == [7.0] * 4 and pit["buffer reuse"]["fixed_received"] == [1.0] * 4
-    assert pit["missing wait"]["buggy_received"] == [0.0] * 4 and pit["missing wait"]["fixed_received"] == [5.0] * 4
+
+
+# ----------------------------------------------------------------------------------------------- silent bugs
+# The four runs of silent_bugs.py as the lesson describes them, written out here: per rank, its operations on named
+# buffers. ("write", buf, value, note) and ("read", buf, note) are the script's notes; waits name what they wait on.
+SILENT_PROGRAMS = {
+    "buffer reuse, buggy": {0: [("isend", 1, "data"), ("write", "data", 7.0, "fill_(7)"), ("barrier",),
+                                ("wait", "isend")],
+                            1: [("barrier",), ("recv", 0, "got"), ("read", "got", "read")]},
+    "buffer reuse, fixed": {0: [("isend", 1, "data"), ("barrier",), ("wait", "isend"),
+                                ("write", "data", 7.0, "fill_(7)")],
+                            1: [("barrier",), ("recv", 0, "got"), ("read", "got", "read")]},
+    "missing wait, buggy": {0: [("barrier",), ("send", 1, "five")],
+                            1: [("irecv", 0, "got"), ("read", "got", "read"), ("barrier",), ("wait", "irecv"),
+                                ("read", "got", "read after wait")]},
+    "missing wait, fixed": {0: [("barrier",), ("send", 1, "five")],
+                            1: [("irecv", 0, "got"), ("barrier",), ("wait", "irecv"), ("read", "got", "read")]},
+}
+SILENT_MEMORY = {0: {"data": 1.0, "five": 5.0}, 1: {"got": 0.0}}  # every buffer holds 4 copies of one value
+
+
+def buffer_oracle(programs: dict[int, list], memory: dict[int, dict]) -> dict[int, list[dict]]:
+    """Run the programs under rendezvous semantics with data: a send and its receive meet once both are posted,
+    and only then are the sender's bytes copied, from whatever its buffer holds at that moment. A blocking call
+    or a wait returns once its operation has met; a barrier once every rank has reached it. Returns per rank the
+    events {call, value, start, end}, with start and end as vector clocks, so that "a ended before b began" in every
+    possible run is end(a) <= start(b)."""
+    world = len(programs)
+    memory = {r: dict(memory.get(r, {})) for r in programs}
+    clock = {r: [0] * world for r in programs}
+    pc, events = dict.fromkeys(programs, 0), {r: [] for r in programs}
+    posted: list[dict] = []  # {rank, kind, peer, buf, met, clock}
+    at_barrier: dict[int, list] = {}  # barrier number -> clocks of the ranks that reached it
+    barriers_done = dict.fromkeys(programs, 0)
+    blocked: dict[int, dict | None] = dict.fromkeys(programs)
+
+    def tick(r: int) -> list[int]:
+        clock[r][r] += 1
+        return list(clock[r])
+
+    def merge(r: int, other: list[int]) -> None:
+        clock[r] = [max(a, b) for a, b in zip(clock[r], other)]
+
+    def post(r: int, kind: str, peer: int, buf: str) -> dict:
+        op = {"rank": r, "kind": kind, "peer": peer, "buf": buf, "met": None, "clock": list(clock[r])}
+        want = "recv" if kind == "send" else "send"
+        other = next((o for o in posted if o["rank"] == peer and o["peer"] == r and o["kind"] == want
+                      and o["met"] is None), None)
+        if other is not None:  # they meet now: the bytes are copied from the sender's buffer as it is now
+            send, recv = (op, other) if kind == "send" else (other, op)
+            memory[recv["rank"]][recv["buf"]] = memory[send["rank"]][send["buf"]]
+            op["met"] = other["met"] = [max(a, b) for a, b in zip(op["clock"], other["clock"])]
+        posted.append(op)
+        return op
+
+    progress = True
+    while progress:
+        progress = False
+        for r, program in programs.items():
+            while pc[r] < len(program):
+                step = program[pc[r]]
+                if blocked[r] is None:  # enter the next operation
+                    start = tick(r)
+                    what, *rest = step
+                    if what in ("write", "read"):
+                        if what == "write":
+                            memory[r][rest[0]] = rest[1]
+                        events[r].append({"call": rest[-1], "value": memory[r][rest[0]], "start": start, "end": start})
+                        pc[r], progress = pc[r] + 1, True
+                        continue
+                    if what == "barrier":
+                        at_barrier.setdefault(barriers_done[r], []).append(list(clock[r]))
+                        blocked[r] = {"call": "barrier", "start": start, "n": barriers_done[r]}
+                    elif what == "wait":
+                        op = next(o for o in posted if o["rank"] == r and o["kind"] == rest[0].lstrip("i"))
+                        blocked[r] = {"call": f"wait({rest[0]})", "start": start, "op": op}
+                    else:
+                        op = post(r, what.lstrip("i"), rest[0], rest[1])
+                        blocked[r] = {"call": what, "start": start, "op": op, "async": what.startswith("i")}
+                b = blocked[r]
+                if b["call"] == "barrier":
+                    if len(at_barrier[b["n"]]) < world:
+                        break
+                    for other in at_barrier[b["n"]]:
+                        merge(r, other)
+                    barriers_done[r] += 1
+                elif not b.get("async"):
+                    if b["op"]["met"] is None:
+                        break
+                    merge(r, b["op"]["met"])
+                events[r].append({"call": b["call"], "value": None, "start": b["start"], "end": tick(r)})
+                blocked[r], pc[r], progress = None, pc[r] + 1, True
+    assert all(pc[r] == len(p) for r, p in programs.items()), "the oracle's programs deadlocked"
+    return events
+
+
+def check_silent_bugs(result: dict) -> None:
+    """The picture's calls and notes, rank by rank, are the oracle's; every note shows the value the oracle's
+    buffers held; and wherever the oracle says one thing must end before another begins (across ranks, through a
+    barrier or a message), the recorded milliseconds agree: the fill before the recv that read it, the read before
+    the send that filled the buffer."""
+    world, lanes = result["world_size"], result["lanes"]
+    assert list(lanes) == list(SILENT_PROGRAMS)
+    for panel, programs in SILENT_PROGRAMS.items():
+        programs = {r: programs.get(r, [("barrier",)]) for r in range(world)}
+        predicted = buffer_oracle(programs, SILENT_MEMORY)
+        drawn = {r: [c for c in lanes[panel] if c["rank"] == r] for r in range(world)}
+        for r in range(world):
+            assert [c["call"] for c in drawn[r]] == [e["call"] for e in predicted[r]], (panel, r, drawn[r])
+            for c, e in zip(drawn[r], predicted[r]):
+                if e["value"] is not None:
+                    assert c["value"] == [e["value"]] * 4, (panel, c, e)
+        for i in range(world):
+            for j in range(world):
+                for c, e in zip(drawn[i], predicted[i]):
+                    for d, f in zip(drawn[j], predicted[j]):
+                        if i != j and all(a <= b for a, b in zip(e["end"], f["start"])):
+                            assert c["end_ms"] <= d["start_ms"], (panel, c, d)
+    got = result["pitfalls"]
+    assert got["buffer reuse"]["buggy_received"] == [7.0] * 4 and got["buffer reuse"]["fixed_received"] == [1.0] * 4
+    assert got["missing wait"]["buggy_received"] == [0.0] * 4 and got["missing wait"]["fixed_received"] == [5.0] * 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])
+def test_silent_bugs_picture_is_what_the_rendezvous_oracle_predicts(world_size: int, tmp_path) -> None:
+    out = tmp_path / "s.json"
+    proc = run([CH02 / "silent_bugs.py", "-w", world_size, "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    check_silent_bugs(json.loads(out.read_text())["results"])
+    assert (tmp_path / "silent_bugs.png").stat().st_size > 1000
+
+
+def test_the_buffer_oracle_reads_the_changed_tensor_and_the_stale_buffer() -> None:
+    """The oracle alone, without any run: it finds both bugs, and that the fixes cure them."""
+    reads = {panel: [e["value"] for e in buffer_oracle(p, SILENT_MEMORY)[1] if e["value"] is not None]
+             for panel, p in SILENT_PROGRAMS.items()}
+    assert reads == {"buffer reuse, buggy": [7.0], "buffer reuse, fixed": [1.0], "missing wait, buggy": [0.0, 5.0],
+                     "missing wait, fixed": [5.0]}
 
 
 def test_reference_is_the_plain_model_on_autograd() -> None:

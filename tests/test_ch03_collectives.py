@@ -248,6 +248,122 @@ def test_brute_force_ring_is_the_textbook_ring() -> None:
         assert len(brute_force_ring(w)) == 2 * (w - 1) * w
 
 
+# ------------------------------------------------------------------------------------------- bytes on the wire
+def link_model_schedule(collective: str, w: int) -> list[tuple[int, int, int]]:
+    """(step, src, dst) of every piece the collective moves, found by a greedy search over what each rank holds,
+    with no index formula: in every step each rank sends at most one piece and receives at most one, along the
+    links the algorithm allows (a chain, the root's links, the ring, any pair), always a piece its receiver still
+    needs. Root 0; the chains run 0 -> W-1 (broadcast) and W-1 -> 0 (reduce).
+
+    held[r][k] is the set of ranks whose data rank r's piece k holds (for all_to_all: whose block for whom)."""
+    everyone = set(range(w))
+    mine = [[{r} for _ in range(w)] for r in range(w)]  # every rank holds its own data in every piece
+    rooted = [[{0} if r == 0 else set() for _ in range(w)] for r in range(w)]  # only the root holds data
+    start = {
+        "broadcast": rooted, "scatter": rooted, "reduce": mine, "reduce_scatter": mine, "all_reduce": mine,
+        "gather": [[{r} if k == 0 else set() for k in range(w)] for r in range(w)],  # contributions in piece 0
+        "all_gather": [[{r} if k == r else set() for k in range(w)] for r in range(w)],  # own piece only
+        "all_to_all": [[{(r, k)} for k in range(w)] for r in range(w)],  # rank r's block k is meant for rank k
+    }[collective]
+    finished = {  # when the collective is done
+        "broadcast": lambda h: all(h[r][k] for r in range(w) for k in range(w)),
+        "scatter": lambda h: all(h[r][r] for r in range(w)),
+        "gather": lambda h: all(h[0][k] == {k} for k in range(w)),
+        "all_gather": lambda h: all(h[r][k] == {k} for r in range(w) for k in range(w)),
+        "reduce": lambda h: all(h[0][k] == everyone for k in range(w)),
+        "reduce_scatter": lambda h: all(h[r][r] == everyone for r in range(w)),
+        "all_reduce": lambda h: all(c == everyone for row in h for c in row),
+        "all_to_all": lambda h: all(h[r][k] == {(k, r)} for r in range(w) for k in range(w) if k != r),
+    }[collective]
+
+    def choose(h: list, src: int, busy: set) -> tuple[int, int] | None:
+        """(receiver, piece) that `src` sends this step, or None; `busy`: receivers already taken this step."""
+        options: list[tuple[int, int]] = []  # in order of preference
+        if collective == "broadcast" and src < w - 1:  # forward down the chain what the next rank lacks
+            options = [(src + 1, k) for k in range(w) if h[src][k] and not h[src + 1][k]]
+        elif collective == "reduce" and src > 0:  # pass up a partial sum of the whole suffix src..W-1
+            options = [(src - 1, k) for k in range(w)
+                       if h[src][k] >= set(range(src, w)) and not h[src - 1][k] & h[src][k]]
+        elif collective == "scatter" and src == 0:  # the root deals out pieces, lowest rank first
+            options = [(d, d) for d in range(1, w) if not h[d][d]]
+        elif collective == "gather" and src > 0 and not h[0][src]:  # one piece into the root per step
+            options = [(0, src)] if all(h[0][d] for d in range(1, src)) else []
+        elif collective == "all_gather":
+            options = [((src + 1) % w, k) for k in range(w) if h[src][k] and not h[(src + 1) % w][k]]
+        elif collective in ("reduce_scatter", "all_reduce"):
+            dst = (src + 1) % w
+            if any(h[r][r] != everyone for r in range(w)):  # reducing: the biggest partial sum that would not
+                partial = [k for k in range(w) if k != src and not h[src][k] & h[dst][k]]  # count a rank twice,
+                options = [(dst, k) for k in sorted(partial, key=lambda k: (-len(h[src][k]), -((k - src) % w)))]
+            elif collective == "all_reduce":  # ties: the piece whose owner is farthest ahead; then pass totals on
+                options = [(dst, k) for k in range(w) if h[src][k] == everyone and h[dst][k] != everyone]
+        elif collective == "all_to_all":  # a block its receiver still lacks, nearest receiver first
+            options = [(d, d) for d in sorted(range(w), key=lambda d: (d - src) % w) if d != src and
+                       h[d][src] != {(src, d)}]
+        return next((o for o in options if o[0] not in busy), None)
+
+    held, out, t = start, [], 0
+    while not finished(held):
+        before, busy, moves = [[set(c) for c in row] for row in held], set(), []
+        for src in range(w):
+            choice = choose(before, src, busy)
+            if choice is not None:
+                busy.add(choice[0])
+                moves.append((src, *choice))
+        assert moves, f"{collective}: the search is stuck at step {t}"
+        for src, dst, k in moves:
+            if collective == "all_to_all":  # src's input block for dst (its input is not overwritten) lands in
+                held[dst][src] = {(src, dst)}  # slot src of dst's output
+            elif collective == "gather":
+                held[0][src] = set(before[src][0])
+            elif collective in ("broadcast", "scatter", "all_gather") or before[src][k] == everyone != before[dst][k] \
+                    and collective == "all_reduce" and all(before[r][r] == everyone for r in range(w)):
+                held[dst][k] = set(before[src][k])  # a copy
+            else:
+                held[dst][k] = before[dst][k] | before[src][k]  # an addition
+            out.append((t, src, dst))
+        t += 1
+    return out
+
+
+def check_bytes_on_the_wire(res: dict) -> None:
+    """Every message the figure drew is one the link-model search finds, with one piece (N/W bytes) each; the
+    busiest sender and receiver, counted here, are comm_volume's."""
+    w, piece = res["world_size"], res["piece_bytes"]
+    assert list(res["messages"]) == list(COLLECTIVES)
+    for name, msgs in res["messages"].items():
+        assert sorted((m["step"], m["src"], m["dst"]) for m in msgs) == sorted(link_model_schedule(name, w)), name
+        assert all(m["bytes"] == piece for m in msgs), name
+        sent = [sum(m["bytes"] for m in msgs if m["src"] == r) for r in range(w)]
+        received = [sum(m["bytes"] for m in msgs if m["dst"] == r) for r in range(w)]
+        v = comm_volume(name, w * piece, w)
+        assert (max(sent), max(received)) == (v["sent"], v["received"]), name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [pytest.param(3, marks=pytest.mark.sweep), 4])
+def test_bytes_on_the_wire_picture_is_the_link_model_search(world_size: int, tmp_path) -> None:
+    out = tmp_path / "b.json"
+    proc = run([CH03 / "bytes_on_the_wire.py", "-w", world_size, "--piece-numel", 3, "--json", out,
+                "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    check_bytes_on_the_wire(json.loads(out.read_text())["results"])
+    assert (tmp_path / "bytes_on_the_wire.png").stat().st_size > 1000
+
+
+def test_link_model_search_steps() -> None:
+    """The search alone: the ring collectives take W-1 steps (all-reduce 2(W-1)), the chains W + W-2, the rooted
+    ones W-1 (the root's link is the bottleneck), and every rank sends and receives at most one piece a step."""
+    for w in range(2, 9):
+        want = {"broadcast": 2 * w - 2, "reduce": 2 * w - 2, "all_reduce": 2 * w - 2}
+        for name in COLLECTIVES:
+            sched = link_model_schedule(name, w)
+            assert 1 + max(t for t, _, _ in sched) == want.get(name, w - 1), (name, w)
+            for t in {t for t, _, _ in sched}:
+                this = [(s, d) for u, s, d in sched if u == t]
+                assert len({s for s, _ in this}) == len(this) == len({d for _, d in this}), (name, w, t)
+
+
 # ------------------------------------------------------------------------------------ async handles, subgroups
 def async_worker(ctx, numel: int) -> dict:
     mod = load_script(CH03 / "async_ops.py")

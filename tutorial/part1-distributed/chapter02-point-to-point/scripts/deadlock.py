@@ -40,9 +40,7 @@ Try next
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
 import time
 from dataclasses import dataclass
 
@@ -51,6 +49,7 @@ import torch.distributed as dist
 
 from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
+from mlsys.trace import recording
 
 
 @dataclass
@@ -146,57 +145,7 @@ def nonblocking_swap(ctx: RankContext, mine: torch.Tensor, ring: bool = False) -
 # --8<-- [end:fixed]
 
 
-# ---- the lanes figure: every call each rank really made, with when it started and when it returned or raised ----
-# --8<-- [start:recording]
-RECORDED = ("barrier", "new_group", "send", "recv", "isend", "irecv")
-
-
-class _Request:
-    """Stands in for the request isend/irecv return, so that its wait() is recorded too."""
-
-    def __init__(self, request, log, name: str, peer: int) -> None:
-        self._request, self._log, self._name, self._peer = request, log, name, peer
-
-    def wait(self, *args, **kwargs):
-        with self._log(f"wait({self._name})", self._peer):
-            return self._request.wait(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def recording(calls: list[dict]):
-    """Wrap the torch.distributed functions the swaps call (as `dist.send(...)` etc.) so that each call appends
-    {call, peer, start, end, outcome} to `calls` (perf_counter seconds; one clock for every process of a machine)."""
-
-    @contextlib.contextmanager
-    def log(name: str, peer: int | None):
-        entry = {"call": name, "peer": peer, "start": time.perf_counter(), "outcome": "returned"}
-        calls.append(entry)
-        try:
-            yield
-        except BaseException:
-            entry["outcome"] = "raised"
-            raise
-        finally:
-            entry["end"] = time.perf_counter()
-
-    def wrap(name: str, fn):
-        @functools.wraps(fn)
-        def recorded(*args, **kwargs):
-            peer = kwargs.get("dst", kwargs.get("src"))
-            with log(name, peer):
-                out = fn(*args, **kwargs)
-            return _Request(out, log, name, peer) if name in ("isend", "irecv") else out
-        return recorded
-
-    originals = {name: getattr(dist, name) for name in RECORDED}
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, wrap(name, fn))
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-# --8<-- [end:recording]
+# The lanes figure records every call each rank made with mlsys.trace.recording (see the lesson's Under the hood).
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
@@ -251,7 +200,8 @@ def draw(drawn: dict[str, list[dict]], world_size: int, numel: int, args: Settin
     kind = {"barrier": "barrier / new_group (set-up)", "new_group": "barrier / new_group (set-up)",
             "send": "blocking send", "recv": "blocking recv", "isend": "post isend / irecv",
             "irecv": "post isend / irecv", "wait(isend)": "wait", "wait(irecv)": "wait"}
-    palette = plot.colours(dict.fromkeys(kind.values()))
+    c10 = list(plot.colours(map(str, range(10))).values())  # the book's colour-blind palette, by index
+    palette = dict(zip(dict.fromkeys(kind.values()), (c10[7], c10[1], c10[2], c10[9], c10[4])))  # as in ring_lanes
     names = [f"rank {r}" for r in range(world_size)]
     fig, axes = plt.subplots(len(drawn), 1, figsize=(11, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
     for ax, (variant, calls) in zip(axes, drawn.items()):

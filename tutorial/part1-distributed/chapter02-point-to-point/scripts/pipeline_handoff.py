@@ -8,12 +8,6 @@ What it shows
               previous one. The last rank's output and every parameter's gradient (gathered to rank 0) are
               compared with the same model run in one process (tolerance 1e-6). The figure is a timeline of
               the step: when each stage set up, computed, sent, or waited in a recv.
-    PITFALLS  (--pitfalls, on by default) two bugs that give a wrong answer without any error, each shown wrong,
-              then right, with a check that the wrong version really differs:
-              buffer reuse   the sender changes a tensor after isend() but before wait(): gloo reads the tensor
-                             only when the receiver is ready, so the receiver gets the changed value;
-              missing wait   the receiver reads an irecv buffer before wait(): it sees the zeros it allocated.
-              Both are made deterministic with a dist.barrier() handshake, not with timing luck.
 
 How to run (any world size >= 2; --num-blocks must be >= the world size)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py -w 4
@@ -26,8 +20,8 @@ Try next
         -> two stages of three blocks each; the gradients still match one process exactly
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py -w 4 --num-blocks 3
         -> a usage error (exit 2): every stage needs at least one block
-    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py --no-pitfalls --verbose
-        -> only the pipeline, each send and recv of activations and gradients traced
+    python tutorial/part1-distributed/chapter02-point-to-point/scripts/pipeline_handoff.py --verbose
+        -> each send and recv of activations and gradients traced, on every rank
 """
 
 from __future__ import annotations
@@ -53,8 +47,6 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Width of every hidden layer."""
     batch_size: int = 8
     """Rows in the input batch."""
-    pitfalls: bool = True
-    """Also run the two pitfall demonstrations (buffer reuse, missing wait)."""
 
     def validate(self) -> None:
         if self.num_blocks < self.world_size:
@@ -155,65 +147,6 @@ def pipeline_step(ctx: RankContext, args: Settings, events: list | None = None,
 # --8<-- [end:pipeline]
 
 
-# --8<-- [start:pitfalls]
-def pitfall_buffer_reuse(ctx: RankContext, safe: bool) -> list[float] | None:
-    """Rank 0 isends [1,1,1,1] to rank 1, then overwrites the tensor with 7s. Returns what rank 1 received."""
-    if ctx.rank == 0:
-        data = torch.ones(4)
-        request = dist.isend(data, dst=1)
-        if safe:
-            dist.barrier()  # handshake first (so the timing is the same in both versions)...
-            request.wait()  # ...and change the tensor only after the send has completed
-            data.fill_(7.0)
-        else:
-            data.fill_(7.0)  # BUG: the send is still in flight; gloo has not read `data` yet
-            dist.barrier()  # handshake: rank 1 posts its recv only now, after the change
-            request.wait()
-    elif ctx.rank == 1:
-        got = torch.zeros(4)
-        dist.barrier()
-        dist.recv(got, src=0)
-        return got.tolist()
-    else:
-        dist.barrier()
-    return None
-
-
-def pitfall_missing_wait(ctx: RankContext, safe: bool) -> list[float] | None:
-    """Rank 0 sends [5,5,5,5] only after a barrier; rank 1 reads its irecv buffer. Returns what rank 1 read."""
-    if ctx.rank == 1:
-        got = torch.zeros(4)
-        request = dist.irecv(got, src=0)
-        if safe:
-            dist.barrier()
-            request.wait()  # the data is ours only after wait() returns
-            seen = got.clone()
-        else:
-            seen = got.clone()  # BUG: read before wait(); rank 0 cannot even have sent yet (it waits on the barrier)
-            dist.barrier()
-            request.wait()
-        return seen.tolist()
-    dist.barrier()
-    if ctx.rank == 0:
-        dist.send(torch.full((4,), 5.0), dst=1)
-    return None
-# --8<-- [end:pitfalls]
-
-
-def run_pitfalls(ctx: RankContext) -> dict:
-    results = {}
-    for name, fn, sent in (("buffer reuse", pitfall_buffer_reuse, [1.0] * 4),
-                           ("missing wait", pitfall_missing_wait, [5.0] * 4)):
-        wrong, right = fn(ctx, safe=False), fn(ctx, safe=True)
-        if ctx.rank == 1:
-            # The demonstration is itself checked: the buggy version must differ, the fixed one must match.
-            if wrong == sent:
-                raise cli.SelfCheckFailed(f"{name}: the buggy version got the right value {wrong}; bug not shown")
-            report.expect_equal(f"{name} (fixed)", right, sent)
-            results[name] = {"sent": sent, "buggy_received": wrong, "fixed_received": right}
-    return results
-
-
 def worker(ctx: RankContext, args: Settings) -> dict:
     events: list = []
     pipeline_step(ctx, args)  # warm-up: a process's first backward also starts autograd's worker threads
@@ -239,12 +172,6 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         result["timeline"] = timeline
     ctx.print_ordered(f"stage {ctx.rank}: blocks {list(stage_blocks(args.num_blocks, ctx.rank, ctx.world_size))}, "
                       f"{len(grads)} parameter gradients" + (f", output {tuple(out.shape)}" if out is not None else ""))
-    if args.pitfalls and ctx.backend != "gloo":
-        ctx.print("pitfall demos skipped: they are written for gloo's CPU transfers; NCCL's timing differs")
-    elif args.pitfalls:
-        pit: list = [None] * ctx.world_size
-        dist.all_gather_object(pit, run_pitfalls(ctx))
-        result["pitfalls"] = pit[1]
     return result
 
 
@@ -275,9 +202,6 @@ def main() -> int:
     print(f"pipeline vs one process: max |output diff| = {result['max_abs_diff_output']:.2e}, "
           f"max |grad diff| = {result['max_abs_diff_grad']:.2e} over {result['num_params_checked']} parameters")
     print(f"figure: {draw(result.pop('timeline'), args)}")
-    for name, seen in result.get("pitfalls", {}).items():
-        print(f"pitfall {name}: sent {seen['sent']}, buggy version received {seen['buggy_received']}, "
-              f"fixed version received {seen['fixed_received']}")
     print("OK: the pipelined forward and backward match the single-process model")
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)

@@ -8,8 +8,11 @@ What it shows
            Rank r must end up holding rank (r-1) % W's tensor.
     Every rank computes the value it must hold without any communication and compares (exit 1 on a mismatch).
     Each pattern is repeated --repeats times; the mean time per rank and pattern goes to --json only (W ranks on
-    2 shared cores time the scheduler, not the pattern). The figure draws the chain and the ring with the values
-    each rank really held.
+    2 shared cores time the scheduler, not the pattern).
+    Figures: chain_and_ring.png draws the chain and the ring with the values each rank really held;
+    ring_lanes.png runs each ring version once more with every call recorded (mlsys.trace.recording) and draws
+    one lane per rank, a box per call from its start to its return, and an arrow per message from the call that
+    posted it to the call that completed its receive. The JSON keeps them under `ring_lanes` and `ring_messages`.
 
 How to run (any world size >= 2)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 4
@@ -18,7 +21,7 @@ How to run (any world size >= 2)
 
 Contract flags: --seed changes nothing here (every value is a function of the rank, so nothing is random).
 
-Runtime on 2 cores: about 4 s with -w 4 (mostly starting the ranks), 3 s with --smoke.
+Runtime on 2 cores: about 5 s with -w 4 (mostly starting the ranks and drawing), 4 s with --smoke.
 
 Try next
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 5
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from mlsys import cli, plot, report
 from mlsys.bench import steady_timing
 from mlsys.launch import RankContext, launch
+from mlsys.trace import recording
 
 
 @dataclass
@@ -103,7 +107,7 @@ def chain_nonblocking(ctx: RankContext, numel: int) -> torch.Tensor:
         value += ctx.rank
     if ctx.rank < ctx.world_size - 1:
         request = dist.isend(value, dst=ctx.rank + 1)
-        request.wait()  # `value` must not change until this returns (see pipeline_handoff.py --pitfalls)
+        request.wait()  # `value` must not change until this returns (see silent_bugs.py)
     return value
 # --8<-- [end:chain]
 
@@ -157,6 +161,23 @@ def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
         return out, (time.perf_counter() - start) / repeats * 1e6
 
 
+RING_VERSIONS = {  # the panels of ring_lanes.png, in the order the lesson lists the three ways
+    "1. order the calls: even ranks send first, odd ranks receive first": ring_even_odd,
+    "2. non-blocking: post isend and irecv, then wait on both": ring_isend_irecv,
+    "3. batched: batch_isend_irecv posts both in one call, then wait on both": ring_batched,
+}
+
+
+def record_ring(ctx: RankContext, own: torch.Tensor) -> dict[str, list[dict]]:
+    """Each ring version once more, started together, with every call this rank makes recorded."""
+    calls: dict[str, list[dict]] = {}
+    for name, version in RING_VERSIONS.items():
+        dist.barrier()  # not recorded: the lanes begin with the ring's own calls
+        with recording(calls.setdefault(name, [])):
+            version(ctx, own)
+    return calls
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
     own = ring_own(ctx.rank, args.numel).to(ctx.device)  # cuda:<local rank> under nccl, else cpu
     patterns = {
@@ -180,7 +201,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print_ordered(f"chain holds {held['chain send/recv'][:shown].tolist()}...  "
                       f"ring got {held['ring isend/irecv'][:shown].tolist()}... "
                       f"(from rank {(ctx.rank - 1) % ctx.world_size})")
-    mine = {"rank": ctx.rank, "values": {k: v.cpu().tolist() for k, v in held.items()}, "times_us": times_us}
+    calls = record_ring(ctx, own)
+    mine = {"rank": ctx.rank, "values": {k: v.cpu().tolist() for k, v in held.items()}, "times_us": times_us,
+            "calls": calls}
     everyone: list = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     return {"world_size": ctx.world_size, "numel": args.numel, "repeats": args.repeats, "per_rank": everyone}
@@ -226,6 +249,91 @@ def draw(result: dict, args: Settings) -> str:
     return str(plot.save(fig, args, "chain_and_ring"))
 
 
+def ring_lanes(per_rank: list[dict]) -> dict[str, list[dict]]:
+    """Per ring version, every rank's recorded calls in ms since the first rank entered that version's first call."""
+    out = {}
+    for version in RING_VERSIONS:
+        origin = min(c["start"] for p in per_rank for c in p["calls"][version])
+        out[version] = [{"rank": p["rank"], "call": c["call"], "peer": c["peer"], "numel": c["numel"],
+                         "ops": c.get("ops"), "start_ms": round(1e3 * (c["start"] - origin), 3),
+                         "end_ms": round(1e3 * (c["end"] - origin), 3)}
+                        for p in per_rank for c in p["calls"][version]]
+    return out
+
+
+def ring_messages(calls: list[dict]) -> list[dict]:
+    """The messages of one version, read off the recorded calls: for each send a rank posted (send, isend, or an
+    isend inside batch_isend_irecv), the call that posted it and the call on the receiver that completed the
+    matching receive (recv, or wait on an irecv). Between two ranks the k-th send matches the k-th receive."""
+    def posts(c: dict) -> list[tuple[str, int]]:  # ("send", peer) it posted or ("recv", peer) it completed
+        if c["call"] == "batch_isend_irecv":  # its receives complete in the wait(irecv) calls that follow
+            return [("send", peer) for kind, peer, _ in c["ops"] if kind == "isend"]
+        return {"send": [("send", c["peer"])], "isend": [("send", c["peer"])], "recv": [("recv", c["peer"])],
+                "wait(irecv)": [("recv", c["peer"])]}.get(c["call"], [])
+
+    sends = [(c, peer) for c in calls for kind, peer in posts(c) if kind == "send"]  # in each rank's call order
+    recvs = [(c, peer) for c in calls for kind, peer in posts(c) if kind == "recv"]
+    out = []
+    for i, (c, dst) in enumerate(sends):
+        k = sum(1 for o, d in sends[:i] if o["rank"] == c["rank"] and d == dst)  # earlier sends on this pair
+        matching = [r for r, src in recvs if r["rank"] == dst and src == c["rank"]]
+        if k < len(matching):
+            out.append({"src": c["rank"], "dst": dst, "posted_by": c["call"], "posted_ms": c["start_ms"],
+                        "received_by": matching[k]["call"], "received_ms": matching[k]["end_ms"]})
+    return out
+
+
+def event_order(calls: list[dict]) -> dict[float, int]:
+    """Every start and end time of the calls, all ranks together, numbered in the order they happened."""
+    return {t: i for i, t in enumerate(sorted({c[k] for c in calls for k in ("start_ms", "end_ms")}))}
+
+
+def draw_lanes(lanes: dict[str, list[dict]], messages: dict[str, list[dict]], world_size: int, numel: int,
+               args: Settings) -> str:
+    """One panel per ring version, one lane per rank, a box per call, an arrow per message. The x axis is the
+    order of events, not milliseconds: W processes on 2 shared cores space them mostly by the scheduler's whims."""
+    plt = plot.pyplot()
+    kind = {"send": "blocking send", "recv": "blocking recv", "isend": "post (isend, irecv, batch)",
+            "irecv": "post (isend, irecv, batch)", "batch_isend_irecv": "post (isend, irecv, batch)",
+            "wait(isend)": "wait", "wait(irecv)": "wait"}
+    c10 = list(plot.colours(map(str, range(10))).values())  # the book's colour-blind palette, by index
+    palette = {"blocking send": c10[1], "blocking recv": c10[2], "post (isend, irecv, batch)": c10[9],
+               "wait": c10[4]}  # the colours of deadlock.py's lanes
+    names = [f"rank {r}" for r in range(world_size)]
+    fig, axes = plt.subplots(len(lanes), 1, figsize=(11, 1.2 + len(lanes) * (0.8 + 0.42 * world_size)))
+    for ax, (version, calls) in zip(axes, lanes.items()):
+        at = event_order(calls)
+        spans = [plot.Span(f"rank {c['rank']}", at[c["start_ms"]], at[c["end_ms"]] + 0.05, "", kind[c["call"]])
+                 for c in calls]
+        plot.timeline(ax, spans, names, palette=palette, legend=False)
+        for c, span in zip(calls, spans):  # the call's name inside its box; narrow boxes get it upright
+            label = "batch" if c["call"] == "batch_isend_irecv" else c["call"] + (
+                "" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} {c['peer']}")
+            px_per_unit = ax.get_window_extent().width / (len(at) + 1)
+            wide = (span.end - span.start) * px_per_unit >= 0.6 * 7 * fig.dpi / 72 * len(label) + 4
+            short = "wait" if c["call"].startswith("wait") else label.split(" ")[0]  # upright: the arrows name peers
+            ax.text((span.start + span.end) / 2, world_size - 1 - c["rank"], label if wide else short, ha="center",
+                    va="center", fontsize=7 if wide else 6.5, rotation=0 if wide else 90)
+        for m in messages[version]:  # the message: from where it was posted to where its receive completed
+            ax.annotate("", xy=(at[m["received_ms"]] + 0.05, world_size - 1 - m["dst"]),
+                        xytext=(at[m["posted_ms"]], world_size - 1 - m["src"]),
+                        arrowprops={"arrowstyle": "-|>", "color": "black", "lw": 1.2, "shrinkA": 0, "shrinkB": 0})
+        ax.set_xlim(-0.3, len(at) - 0.7)
+        ax.set_xticks([])
+        ax.set_title(version, fontsize=9, loc="left")
+    axes[-1].set_xlabel("order of events: every start and end of a call, all ranks together, in the order they "
+                        "happened (milliseconds in the JSON)", fontsize=8)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, edgecolor="black", label=k) for k, c in palette.items()]
+    handles.append(plt.Line2D([], [], color="black", marker=">", label="a message: posted -> its receive done"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(f"The ring shift on {world_size} ranks ({numel:,} float32 elements each): every call each rank "
+                 "made, three ways", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return str(plot.save(fig, args, "ring_lanes"))
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "numel": 8, "repeats": 3},
                      world_sizes=lambda w: w >= 2, world_sizes_text=">= 2 (point-to-point needs a peer)")
@@ -234,6 +342,12 @@ def main() -> int:
         return 0
     # The mean times per pattern go to --json only: W ranks sharing 2 cores time the scheduler, not the patterns.
     print(f"figure: {draw(result, args)}")
+    result["ring_lanes"] = ring_lanes(result["per_rank"])
+    for p in result["per_rank"]:
+        del p["calls"]  # raw perf_counter seconds: ring_lanes holds the same calls, in ms from a common origin
+    result["ring_messages"] = {v: ring_messages(calls) for v, calls in result["ring_lanes"].items()}
+    lanes_png = draw_lanes(result["ring_lanes"], result["ring_messages"], result["world_size"], args.numel, args)
+    print(f"figure: {lanes_png}")
     print(f"OK: chain and ring values match the expected values on all {result['world_size']} ranks")
     if args.json:
         report.write_json(args.json, {"ok": True, **result}, args)

@@ -9,7 +9,7 @@ What it shows
     2. For several lengths (1, W-1, W+1, 1001, and a few MiB), ring_all_reduce and dist.all_reduce give the same sum
        as numpy on the concatenated inputs; the bytes each rank handed to isend are counted and compared with
        mlsys.collectives.comm_volume("all_reduce", ...); both are timed (median of --repeats runs).
-    3. The communication-volume table of every collective for this W and the big size, from comm_volume.
+    (The bytes of every other collective, message by message: bytes_on_the_wire.py.)
 
 How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 4
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from mlsys import cli, plot, report
 from mlsys.bench import load_average, steady_timing
-from mlsys.collectives import COLLECTIVES, comm_volume, ring_all_reduce
+from mlsys.collectives import comm_volume, ring_all_reduce
 from mlsys.launch import RankContext, launch
 
 
@@ -219,15 +219,6 @@ def draw_ring(trace: list[list[dict]], messages: list[dict], args: Settings) -> 
 # --8<-- [end:draw]
 
 
-def volume_table(world_size: int, num_bytes: int) -> list[dict]:
-    rows = []
-    for name in COLLECTIVES:
-        v = comm_volume(name, num_bytes, world_size)
-        rows.append({"collective": name, "algorithm": v["algorithm"], "sent_MiB": v["sent"] / 2**20,
-                     "received_MiB": v["received"] / 2**20, "sent/N": v["sent"] / num_bytes})
-    return rows
-
-
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "mib": 0.25, "repeats": 2},
                      world_sizes=range(1, 9), world_sizes_text="1..8")
@@ -236,14 +227,6 @@ def main() -> int:
         return 0
     print(f"\nmedian times, {load_average()}")
     print(report.table(result["lengths"], floatfmt=".4g"))
-    big = max(result["lengths"], key=lambda row: row["numel"])  # the big length (the sorted list ends with it)
-    n_bytes = big["numel"] * 4
-    print(f"\nbytes moved by comm_volume's count, W={args.world_size}, N={n_bytes / 2**20:.4g} MiB (see its docstring "
-          "for what N is per collective).\nsent = the most any one rank sends, received = the most any one rank "
-          "receives: under scatter\nand gather these are different ranks (the root sends or receives W-1 pieces, "
-          "every other rank one):")
-    table = volume_table(args.world_size, n_bytes)
-    print(report.table(table, floatfmt=".4g"))
     trace = result.pop("trace")
     messages = ring_schedule(trace)
     for path in draw_ring(trace, messages, args):
@@ -255,7 +238,7 @@ def main() -> int:
            if exact else ""))
     if args.json:
         frames = [[rank[i]["holds"] for rank in trace] for i in range(len(trace[0]))]  # (frames, W ranks, W chunks)
-        report.write_json(args.json, {**result, "comm_volume": table, "ring_schedule": messages,
+        report.write_json(args.json, {**result, "ring_schedule": messages,
                                       "ring_frames": frames}, args)
     return 0
 
