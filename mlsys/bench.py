@@ -4,14 +4,18 @@ Shared by the benchmarks from Chapter 4 on, so that every busbw in the book is c
 time the slowest rank over a loop of calls after a warm-up (nccl-tests averages over ranks by default, `-a 1`;
 the slowest rank is its `-a 3`, which this book uses because a collective is done only when its last rank is),
 then convert with the per-collective factors of https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md.
+At the end, the two ceilings of one box that a CPU busbw is compared with: a memory copy and loopback TCP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
+import socket
 import statistics
+import threading
 import time
 import typing
 
@@ -95,3 +99,44 @@ def load_average() -> str:
     except OSError:  # not available on this platform
         return f"load average n/a on {os.cpu_count()} cores"
     return f"load average {one:.2f} on {os.cpu_count()} cores"
+
+
+# --8<-- [start:ceiling]
+def memcpy_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large torch copy (best of a few): the memory system's ceiling for anything that moves bytes
+    inside one box (each byte copied is read once and written once)."""
+    src, dst = torch.ones(num_bytes // 4), torch.empty(num_bytes // 4)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def loopback_tcp_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes/s through one TCP connection on 127.0.0.1 (what gloo's pairs of ranks use on one box), best of a few."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    payload, sink = bytearray(num_bytes), bytearray(num_bytes)
+
+    def drain() -> None:
+        view, got = memoryview(sink), 0
+        while got < num_bytes:
+            got += conn.recv_into(view[got:])
+
+    best = math.inf
+    try:
+        for _ in range(repeats):
+            reader = threading.Thread(target=drain)
+            start = time.perf_counter()
+            reader.start()
+            client.sendall(payload)
+            reader.join()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        for s in (client, conn, server):
+            s.close()
+    return num_bytes / best
+# --8<-- [end:ceiling]

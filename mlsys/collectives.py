@@ -1,8 +1,11 @@
 """Collectives built from point-to-point messages, and what each collective costs in bytes.
 
 `ring_all_reduce(tensor, group)` is an in-place SUM all-reduce made only of `isend`/`irecv` pairs between ring
-neighbours; `comm_volume(collective, num_bytes, world_size)` says how many bytes one process sends and receives in
-the bandwidth-optimal algorithm of each collective. Chapter 3 teaches both; later chapters import them.
+neighbours; chapter 4 adds two more made the same way, `tree_all_reduce` (sums up a binary tree, the total back
+down) and `halving_doubling_all_reduce` (Rabenseifner's, for a power-of-two world size).
+`comm_volume(collective, num_bytes, world_size)` says how many bytes one process sends and receives in the
+bandwidth-optimal algorithm of each collective. Chapter 3 teaches the ring and the volumes; later chapters import
+them.
 """
 
 from __future__ import annotations
@@ -92,6 +95,91 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         tensor.copy_(flat.view_as(tensor))
     return tensor
 # --8<-- [end:ring]
+
+
+# ------------------------------------------------------- two more all-reduces (chapter 4): tree, halving-doubling
+def sendrecv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
+    """Post a send and a receive together and wait for both (either may be absent or empty).
+
+    Plain isend/irecv rather than batch_isend_irecv: with gloo on this CPU the batched call was the slower of the
+    two for small messages (it adds bookkeeping around the same two operations)."""
+    works = [dist.isend(send, dst)] if send is not None and send.numel() else []
+    works += [dist.irecv(recv, src)] if recv is not None and recv.numel() else []
+    for work in works:
+        work.wait()
+
+
+# --8<-- [start:tree]
+def tree_parent(rank: int) -> int | None:
+    """Binary tree in heap order: rank r's parent is (r-1)//2; rank 0 is the root.
+
+                0
+              /   \\
+             1     2
+            / \\   / \\
+           3   4 5   6      floor(log2 p) levels below the root: p=4 -> 2, p=5 -> 2, p=8 -> 3
+    """
+    return None if rank == 0 else (rank - 1) // 2
+
+
+def tree_children(rank: int, world_size: int) -> list[int]:
+    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
+
+
+def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place SUM: every child's partial sum flows up to rank 0, then the total flows back down."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    parent, children = tree_parent(rank), tree_children(rank, world_size)
+    incoming = [torch.empty_like(tensor) for _ in children]  # [n] per child
+    for work in [dist.irecv(buf, c) for buf, c in zip(incoming, children)]:  # both children at once
+        work.wait()
+    for buf in incoming:
+        tensor.add_(buf)  # now: the sum over my subtree
+    if parent is not None:
+        dist.send(tensor, parent)
+        dist.recv(tensor, parent)  # the root's total, coming back down
+    for work in [dist.isend(tensor, c) for c in children]:
+        work.wait()
+    return tensor
+# --8<-- [end:tree]
+
+
+# --8<-- [start:halving]
+def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Rabenseifner's all-reduce for a power-of-two world size, in place (SUM).
+
+    Reduce-scatter by recursive halving: at distance d = p/2, p/4, .., 1 exchange half of the current range with
+    partner rank ^ d; the rank whose bit d is 0 keeps the lower half. After log2(p) steps each rank owns 1/p of the
+    vector, fully summed. All-gather by recursive doubling replays the steps backwards, swapping owned ranges.
+    Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
+    https://doi.org/10.1177/1094342005051521
+    """
+    flat = tensor.view(-1)  # [n]
+    plan = halving_doubling_plan(dist.get_rank(), dist.get_world_size(), flat.numel())
+    for partner, keep, give in plan:  # reduce-scatter: the range I keep halves each step
+        incoming = flat.new_empty(keep[1] - keep[0])
+        sendrecv(flat[give[0]:give[1]], partner, incoming, partner)
+        flat[keep[0]:keep[1]].add_(incoming)
+    for partner, keep, give in reversed(plan):  # all-gather: send what I own, receive what the partner owns
+        sendrecv(flat[keep[0]:keep[1]], partner, flat[give[0]:give[1]], partner)
+    return tensor
+
+
+def halving_doubling_plan(rank: int, world_size: int, numel: int) -> list[tuple[int, tuple, tuple]]:
+    """Rank `rank`'s reduce-scatter steps: (partner, range kept, range given) at distance p/2, p/4, .., 1."""
+    lo, hi, plan = 0, numel, []
+    distance = world_size // 2
+    while distance >= 1:
+        partner, mid = rank ^ distance, lo + (hi - lo) // 2  # both partners hold the same [lo, hi): same mid
+        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
+        plan.append((partner, keep, give))
+        (lo, hi), distance = keep, distance // 2
+    return plan
+# --8<-- [end:halving]
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 # --8<-- [start:volume]

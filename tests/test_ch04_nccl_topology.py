@@ -248,21 +248,112 @@ def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp
     assert (tmp_path / f"{collective}_sweep.png").exists()
 
 
-@pytest.mark.timeout(120)
-def test_ring_vs_tree_json(tmp_path) -> None:
-    out = tmp_path / "r.json"
+@pytest.fixture(scope="module")
+def ring_vs_tree_run(tmp_path_factory):
+    """One small run of ring_vs_tree.py at 3 ranks (five sizes, 256 B .. 64 KiB), shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("ring_vs_tree")
     proc = run([CH04 / "ring_vs_tree.py", "-w", 3, "--max-bytes", 65536, "--max-iters", 2, "--rounds", 1,
-                "--json", out, "--plot-dir", tmp_path])
+                "--json", tmp / "r.json", "--plot-dir", tmp])
     assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((tmp / "r.json").read_text())["results"], tmp
+
+
+@pytest.mark.timeout(120)
+def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
+    proc, doc, tmp = ring_vs_tree_run
     assert "halving-doubling needs a power-of-two world size; skipped for 3 ranks" in proc.stdout
-    doc = json.loads(out.read_text())["results"]
     assert set(doc["max_abs_error"]) == {"ring", "tree", "gloo all_reduce"}
     assert max(doc["max_abs_error"].values()) < 1e-4
     for row in doc["rows"]:
         assert row["busbw (GB/s)"] == pytest.approx(row["size (B)"] / (row["time (us)"] * 1e-6) / 1e9 * 4 / 3)
     assert doc["memcpy_GBps"] > 0 and doc["loopback_tcp_GBps"] > 0
-    assert (tmp_path / "ring_vs_tree.png").exists()
+    for name in ("ring_vs_tree", "alpha_beta", "ceiling", "steps"):
+        assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])
+
+
+def hand_cost_terms(algorithm: str, p: int) -> tuple[float, float]:
+    """(steps, bytes factor) of the lesson's formulas, the tree's read off the built tree by brute force."""
+    if algorithm == "tree":
+        return critical_path_of_built_tree(p)
+    steps = 2 * (p - 1) if algorithm == "ring" else 2 * math.log2(p)
+    return steps, 2 * (p - 1) / p
+
+
+def weighted_nonnegative_fit(steps: np.ndarray, moved: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """min sum ((steps*alpha + moved*beta) / t - 1)^2 over alpha, beta >= 0, by the 2x2 normal equations (and, when
+    their solution has a negative part, the better of the two one-variable fits): not the script's lstsq."""
+    a = np.stack([steps, moved], axis=1) / seconds[:, None]
+    gram, rhs = a.T @ a, a.T @ np.ones_like(seconds)
+    det = gram[0, 0] * gram[1, 1] - gram[0, 1] ** 2
+    both = ((rhs[0] * gram[1, 1] - rhs[1] * gram[0, 1]) / det, (rhs[1] * gram[0, 0] - rhs[0] * gram[0, 1]) / det)
+    if min(both) >= 0:
+        return both
+    one = [(max(0.0, rhs[0] / gram[0, 0]), 0.0), (0.0, max(0.0, rhs[1] / gram[1, 1]))]
+    return min(one, key=lambda x: float(np.sum((a @ np.array(x) - 1) ** 2)))
+
+
+def check_alpha_beta_figure(drawn: dict, rows: list[dict], p: int) -> None:
+    """The drawn model is a fit on the fit sizes' ring and tree points only, and every other point is held out:
+    alpha and beta equal an independent fit on exactly those points; the fitted and held-out sizes split the sweep,
+    each held-out size between two fitted ones; every model time and knee is the lesson's formula."""
+    sizes = sorted({r["size (B)"] for r in rows})
+    fit, held = drawn["fit_sizes"], drawn["held_out_sizes"]
+    assert sorted(fit + held) == sizes and not set(fit) & set(held)
+    assert all(min(fit) < s < max(fit) for s in held)
+    seen = [r for r in rows if r["algorithm"] in ("ring", "tree") and r["size (B)"] in fit]
+    steps = np.array([hand_cost_terms(r["algorithm"], p)[0] for r in seen])
+    moved = np.array([hand_cost_terms(r["algorithm"], p)[1] * r["size (B)"] for r in seen])
+    alpha, beta = weighted_nonnegative_fit(steps, moved, np.array([r["time (us)"] * 1e-6 for r in seen]))
+    assert (drawn["alpha_s"], drawn["beta_s_per_byte"]) == pytest.approx((alpha, beta), rel=1e-6, abs=1e-15)
+    measured = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
+    assert set(drawn["panels"]) == {r["algorithm"] for r in rows} - {"gloo all_reduce"}
+    for name, panel in drawn["panels"].items():
+        a, b = hand_cost_terms(name, p)
+        assert (panel["steps"], panel["bytes_factor"]) == pytest.approx((a, b))
+        if beta > 0:
+            assert panel["knee_bytes"] == pytest.approx(a * alpha / (b * beta))
+        assert sorted(q["size (B)"] for q in panel["points"]) == sizes
+        for q in panel["points"]:
+            fitted = name in ("ring", "tree") and q["size (B)"] in fit
+            assert q["role"] == ("fit" if fitted else "held out")
+            assert q["measured (us)"] == measured[name, q["size (B)"]]
+            assert q["model (us)"] == pytest.approx(1e6 * (a * alpha + b * q["size (B)"] * beta))
+
+
+def test_alpha_beta_figure_is_fitted_on_other_sizes_than_it_predicts(ring_vs_tree_run) -> None:
+    _, doc, _ = ring_vs_tree_run
+    check_alpha_beta_figure(doc["figures"]["alpha_beta"], doc["rows"], 3)
+    assert doc["held_out_points"] == 2 * len(doc["held_out_sizes"])  # ring and tree; no halving-doubling at p = 3
+
+
+def test_halving_doubling_is_only_ever_predicted(tmp_path) -> None:
+    """At p = 4, on synthetic timings, the figure as drawn: the fit sees the ring and the tree at every other size,
+    never halving-doubling, whose model times are the lesson's 2 log2(p) alpha + 2(p-1)/p n beta."""
+    rvt = load("ring_vs_tree")
+    rng = np.random.default_rng(1)
+    rows = [{"algorithm": name, "size (B)": 256 * 4**k, "time (us)": float(rng.uniform(50, 5e4)),
+             "busbw (GB/s)": 1.0} for k in range(6) for name in ("ring", "tree", "halving-doubling", "gloo all_reduce")]
+    drawn = rvt.draw_alpha_beta(rvt.summarise(rows, 4), 4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    check_alpha_beta_figure(drawn, rows, 4)
+    assert drawn["fit_sizes"] == [256, 4096, 65536, 262144] and drawn["held_out_sizes"] == [1024, 16384]
+    assert (tmp_path / "alpha_beta.png").exists()
+
+
+def test_ceiling_figure_draws_busbw_under_the_two_ceilings(ring_vs_tree_run) -> None:
+    """The drawn lines are nccl-tests' busbw (size / time * 2(p-1)/p, recomputed here from the times), not algbw;
+    the two ceilings are the run's measurements, and the printed fraction is the best busbw over each."""
+    _, doc, _ = ring_vs_tree_run
+    drawn, p = doc["figures"]["ceiling"], 3
+    for name, line in drawn["lines"].items():
+        mine = sorted((r["size (B)"], r["time (us)"]) for r in doc["rows"] if r["algorithm"] == name)
+        assert line["size (B)"] == [s for s, _ in mine]
+        want = [s / (t * 1e-6) / 1e9 * 2 * (p - 1) / p for s, t in mine]
+        assert line["busbw (GB/s)"] == pytest.approx(want)
+    assert (drawn["memcpy_GBps"], drawn["loopback_tcp_GBps"]) == (doc["memcpy_GBps"], doc["loopback_tcp_GBps"])
+    best = max(line["busbw (GB/s)"][-1] for line in drawn["lines"].values())
+    assert doc["fraction_of_memcpy"] == pytest.approx(best / drawn["memcpy_GBps"])
+    assert doc["fraction_of_tcp"] == pytest.approx(best / drawn["loopback_tcp_GBps"])
 
 
 @pytest.mark.timeout(120)

@@ -148,16 +148,54 @@ def test_a_dead_worker_ends_the_engine_with_its_name_and_leaves_no_process(small
             os.kill(pid, 0)
 
 
-def test_tp_profile_counts_the_bytes_each_step_reduces(tmp_path_factory):
-    """tp_serving.py --smoke (batch 4): two all-reduces per layer of the 4 layers, each of 4 tokens x 128 floats:
-    8 calls and 8 * 4 * 128 * 4 = 16384 bytes per decode step (worked out by hand), and half the KV per rank."""
+@pytest.fixture(scope="module")
+def tp_serving_smoke(tmp_path_factory):
+    """One `tp_serving.py --smoke` run (TP 1 and 2, batch 4): its JSON results and its figure folder."""
     from conftest import run_json, scripts_dir
 
-    r = run_json(tmp_path_factory, scripts_dir(10) / "tp_serving.py", "--smoke")
+    plots = tmp_path_factory.mktemp("tp_serving_figures")
+    return run_json(tmp_path_factory, scripts_dir(10) / "tp_serving.py", "--smoke", "--plot-dir", plots), plots
+
+
+def test_tp_profile_counts_the_bytes_each_step_reduces(tp_serving_smoke):
+    """tp_serving.py --smoke (batch 4): two all-reduces per layer of the 4 layers, each of 4 tokens x 128 floats:
+    8 calls and 8 * 4 * 128 * 4 = 16384 bytes per decode step (worked out by hand), and half the KV per rank."""
+    r, _ = tp_serving_smoke
     one, two = r["runs"]
     assert (one["tp"], two["tp"]) == (1, 2)
     assert two["all_reduces_per_step"] == 8 and two["bytes_per_step"] == 16384
     assert one["bytes_per_step"] == 0 and two["kv_bytes_per_rank"] * 2 == one["kv_bytes_per_rank"]
+
+
+def test_tp_step_picture_shows_two_all_reduces_per_layer(tp_serving_smoke, small_model):
+    """The traced decode step's picture against the model's definition and gloo's own events in the trace file. Oracle
+    1: the dense model's row-parallel projections, counted by name (each block's attn.c_proj and mlp.c_proj:
+    under TP each ends in one all-reduce), in module order: the drawn all-reduces are one per projection,
+    labelled L0 attn, L0 MLP, L1 attn, ... Oracle 2: the trace's gloo:all_reduce events inside the drawn step,
+    the fastest of those traced (recorded by gloo, not by the script): as many, each of (batch, hidden) floats,
+    and each starting inside one drawn all-reduce box."""
+    import json
+
+    r, plots = tp_serving_smoke
+    pic = r["traced_step"]
+    projections = [name for name, m in small_model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name.endswith("c_proj")]
+    assert len(projections) == 2 * small_model.config.n_layer
+    want = [f"L{name.split('.')[1]} {'attn' if '.attn.' in name else 'MLP'}" for name in projections]
+    drawn = [s for s in pic["spans"] if s["kind"] == "all-reduce"]
+    assert [s["label"] for s in drawn] == want and pic["all_reduces"] == len(want)
+
+    events = json.loads((plots / "tp_step.trace.json").read_text())["traceEvents"]
+    step = min((e for e in events if e.get("name") == "decode step"), key=lambda e: e["dur"])  # the one drawn
+    inside = [e for e in events if e.get("name") == "gloo:all_reduce" and step["ts"] <= e["ts"] <= step["ts"]
+              + step["dur"]]
+    assert len(inside) == len(projections)
+    assert all(e["args"]["Input Dims"] == [[4, small_model.config.n_embd]] for e in inside)  # batch 4 (smoke)
+    starts_ms = [(e["ts"] - step["ts"]) / 1000 for e in inside]
+    for box in drawn:
+        assert sum(box["start"] - 1e-6 <= t <= box["end"] + 1e-6 for t in starts_ms) == 1, box
+    assert 0 < pic["all_reduce_share"] <= pic["collective_share"] <= 1
+    assert (plots / "tp_step.png").exists()
 
 
 def test_tp_on_cuda_needs_one_gpu_per_rank(small_model):

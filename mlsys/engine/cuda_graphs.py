@@ -6,7 +6,8 @@ runs. A CUDA graph records the kernels of one step once and replays the whole
 sequence with a single launch. The price is that a graph is frozen: the same
 kernels on the same memory addresses with the same shapes. So vLLM and SGLang
 capture the decode step for a list of batch sizes (vLLM's
-`cudagraph_capture_sizes`: 1, 2, 4, then multiples of 8) and at run time:
+`cudagraph_capture_sizes`: 1, 2, 4, then multiples of 8 up to 256 and of 16
+beyond, up to min(2 * max_num_seqs, 512)) and at run time:
 
     n running sequences ──pick──> smallest captured size B >= n
         ──pad──> rows n..B-1 are dummies: token 0 at position 0, writing their K/V into a scratch block
@@ -44,7 +45,8 @@ from mlsys.engine.model_runner import ModelRunner
 
 # --8<-- [start:pick]
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's list: 1, 2, 4, then every multiple of 8, up to (and including) max_num_seqs."""
+    """1, 2, 4, then every multiple of 8, up to (and including) max_num_seqs: vLLM's list for the batch sizes this
+    engine meets (vLLM steps by 16 above 256 and stops at min(2 * max_num_seqs, 512))."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
     return sizes + [max_num_seqs]
 

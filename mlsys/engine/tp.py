@@ -19,14 +19,14 @@ attention and N dividing the K/V heads, each rank holds H_kv / N of them; with N
 each rank holds the one K/V head its query heads share, replicated on N / H_kv ranks, as vLLM does. So the KV
 memory per rank shrinks N-fold (down to one head), and the same pool holds N times the tokens.
 
-Processes, in the shape of vLLM's multiprocessing executor: the process that builds the engine is rank 0. It
-schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py) starts ranks 1..N-1 (gloo on CPU;
-with EngineConfig(device="cuda"), NCCL with rank r on cuda:r). Every step,
-rank 0 broadcasts the packed batch (the ModelInput of model_runner.py, and the copy-on-write block copies) and all
-ranks run the same forward, each on its shard; the all-reduces keep them in step, and rank 0 reads the logits.
-A worker that dies makes the next step raise `WorkerDied`, naming the rank; the engine does not try to carry on.
-The ranks form this process's default process group, so a process holds one tensor-parallel engine at a time
-(close() the first before building another), and not inside a job that already has a process group.
+Processes, in the shape of vLLM V0's multiprocessing executor (v1 starts every rank as a worker): the process that
+builds the engine is rank 0. It schedules, samples and detokenizes as before; `start_workers` (mlsys/launch.py)
+starts ranks 1..N-1 (gloo on CPU; with EngineConfig(device="cuda"), NCCL with rank r on cuda:r). Every step, rank 0
+broadcasts the packed batch (the ModelInput of model_runner.py, and the copy-on-write block copies) and all ranks
+run the same forward, each on its shard; the all-reduces keep them in step, and rank 0 reads the logits. A worker
+that dies makes the next step raise `WorkerDied`, naming the rank; the engine does not try to carry on. The ranks
+form this process's default process group, so a process holds one tensor-parallel engine at a time (close() the
+first before building another), and not inside a job that already has a process group.
 """
 
 from __future__ import annotations

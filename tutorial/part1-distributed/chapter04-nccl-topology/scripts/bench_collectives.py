@@ -3,7 +3,7 @@
 What it shows
     One collective (all_reduce by default) timed at message sizes from a few bytes to tens of MiB. For each size:
     warm-up calls, then a timed loop (barrier first, time.perf_counter around the loop, the MAX of the elapsed time
-    over ranks, as nccl-tests reports it). Columns as in nccl-tests:
+    over ranks: nccl-tests' -a 3; its default, -a 1, averages over ranks). Columns as in nccl-tests:
       size (B)    bytes of the full buffer (all_reduce/broadcast: the tensor; all_gather: the gathered output;
                   reduce_scatter: the input being scattered; all_to_all: each rank's send buffer)
       count       elements of float32 in that buffer
@@ -79,11 +79,12 @@ class Settings(cli.DistArgs, cli.PlotArgs):
 
 
 def sizes(args: Settings) -> list[int]:
+    """min_bytes, times step_factor, .. up to max_bytes, which is always included."""
     out, size = [], args.min_bytes
-    while size <= args.max_bytes:
+    while size < args.max_bytes:
         out.append(size)
         size *= args.step_factor
-    return out
+    return out + [args.max_bytes]
 
 
 def iterations(size_bytes: int, args: Settings) -> int:
@@ -131,9 +132,12 @@ def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Cal
 
 
 def worker(ctx: RankContext, args: Settings) -> list[dict]:
-    rows = []
+    rows, counts = [], []
     for size in sizes(args):
         count = element_count(args.collective, size, ctx.world_size)
+        if count in counts:  # two requested sizes round to the same buffer (e.g. 8 B and 32 B at 5 ranks)
+            continue
+        counts.append(count)
         call, result = make_call(args.collective, count, ctx)
         call()  # one checked call before timing: a fast wrong answer is worth nothing
         got, want = result()

@@ -1,26 +1,30 @@
-"""Ring vs tree vs recursive halving-doubling all-reduce, by hand, against gloo's own, with an alpha-beta model.
+"""Ring vs tree vs recursive halving-doubling all-reduce, by hand, against gloo's own, and an alpha-beta model.
 
 What it shows
-    Three all-reduce algorithms written from isend/irecv, each checked equal to dist.all_reduce (float32 tolerance,
-    an odd length that no world size divides) before it is timed:
-      ring      mlsys.collectives.ring_all_reduce: reduce-scatter + all-gather around a ring, 2(p-1) steps,
-                each rank sends 2(p-1)/p * n bytes (bandwidth-optimal, latency grows with p);
+    Three all-reduce algorithms written from isend/irecv (mlsys/collectives.py), each checked equal to
+    dist.all_reduce (float32 tolerance, an odd length that most world sizes do not divide) before it is timed:
+      ring      reduce-scatter + all-gather around a ring, 2(p-1) steps, each rank sends 2(p-1)/p * n bytes
+                (bandwidth-optimal, latency grows with p);
       tree      reduce up a binary (heap-order) tree to rank 0, then broadcast down: 2 floor(log2 p) steps, but
-                a parent takes the whole n from each of its two children (and sends n to each on the way down),
-                so up to 2n per level cross its link (few steps, many bytes);
+                a parent takes the whole n from each of its two children (and sends n to each on the way down);
       halving-doubling  Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive doubling,
                 2 log2(p) steps AND 2(p-1)/p * n bytes; power-of-two p only (skipped otherwise, with a message).
-    They run side by side with gloo's dist.all_reduce in the same job over a sweep of sizes (busbw per algorithm,
-    nccl-tests' factor 2(p-1)/p). Then: the box's ceiling (memcpy bandwidth of a large torch copy, loopback TCP
-    bandwidth through a socket), busbw as a fraction of it, an alpha-beta model time = steps*alpha + bytes*beta
-    fitted to the ring's and tree's points together by least squares, the model's ring-vs-tree crossover size, the
-    sizes at which the ring and the tree were each faster in this run, and a figure of the model against the
-    measurements. A second figure (steps.png) draws every message of the tree and of halving-doubling, step by step,
-    from the schedules the two all-reduces follow (tree_schedule, halving_doubling_schedule; kept in the JSON as
-    "steps").
+    The output has four sections:
+      1. correctness: each algorithm's largest difference from dist.all_reduce;
+      2. the median time per all-reduce of every algorithm and gloo's own at each size (they take turns, so a
+         burst of load hits all of them), which of ring and tree was faster where, ring busbw over gloo's;
+      3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) fitted by least squares to the
+         ring's and the tree's times at every other size, then compared with the points it did not see (the
+         sizes in between, and every halving-doubling point): measured/model per size, the median and worst
+         factor on the held-out points, and the model's ring-vs-tree crossover beside the measured one;
+      4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
+         busbw at the largest size as a fraction of each.
+    Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
+    two all-reduces follow; kept in the JSON as "steps"), ring_vs_tree.png (the measured times), alpha_beta.png
+    (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded) and
+    ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures".
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
-    same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory. The last line: ring busbw over
-    gloo busbw at the largest size.
+    same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
 
 How to run (any world size >= 2: one rank has nothing to reduce; halving-doubling needs a power of two)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py
@@ -29,7 +33,7 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
-Runtime on 2 cores: about 15-30 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 5 s.
+Runtime on 2 cores: about 50-120 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 10 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
@@ -43,9 +47,6 @@ Try next
 from __future__ import annotations
 
 import math
-import socket
-import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,11 +54,21 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
-from mlsys.bench import busbw, load_average, time_collective
-from mlsys.collectives import ring_all_reduce
+from mlsys.bench import busbw, load_average, loopback_tcp_bandwidth, memcpy_bandwidth, time_collective
+from mlsys.collectives import (
+    halving_doubling_all_reduce,
+    halving_doubling_plan,
+    is_power_of_two,
+    ring_all_reduce,
+    tree_all_reduce,
+    tree_children,
+    tree_parent,
+)
 from mlsys.launch import RankContext, launch
 
 ELEMENT_BYTES = 4  # float32
+FITTED = ("ring", "tree")  # the algorithms whose points the alpha-beta fit sees
+MODELLED = ("ring", "tree", "halving-doubling")  # the algorithms the model gives a time for
 
 
 @dataclass
@@ -80,90 +91,6 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError(f"need {ELEMENT_BYTES} <= --min-bytes <= --max-bytes")
         if self.max_iters < 1 or self.rounds < 1 or self.check_numel < 1:
             raise cli.UsageError("need --max-iters, --rounds and --check-numel >= 1")
-
-
-def sendrecv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
-    """Post a send and a receive together and wait for both (either may be absent or empty).
-
-    Plain isend/irecv rather than batch_isend_irecv: with gloo on this CPU the batched call was the slower of the
-    two for small messages (it adds bookkeeping around the same two operations)."""
-    works = [dist.isend(send, dst)] if send is not None and send.numel() else []
-    works += [dist.irecv(recv, src)] if recv is not None and recv.numel() else []
-    for work in works:
-        work.wait()
-
-
-# --8<-- [start:tree]
-def tree_parent(rank: int) -> int | None:
-    """Binary tree in heap order: rank r's parent is (r-1)//2; rank 0 is the root.
-
-                0
-              /   \\
-             1     2
-            / \\   / \\
-           3   4 5   6      floor(log2 p) levels below the root: p=4 -> 2, p=5 -> 2, p=8 -> 3
-    """
-    return None if rank == 0 else (rank - 1) // 2
-
-
-def tree_children(rank: int, world_size: int) -> list[int]:
-    return [c for c in (2 * rank + 1, 2 * rank + 2) if c < world_size]
-
-
-def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place SUM: every child's partial sum flows up to rank 0, then the total flows back down."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    parent, children = tree_parent(rank), tree_children(rank, world_size)
-    incoming = [torch.empty_like(tensor) for _ in children]  # [n] per child
-    for work in [dist.irecv(buf, c) for buf, c in zip(incoming, children)]:  # both children at once
-        work.wait()
-    for buf in incoming:
-        tensor.add_(buf)  # now: the sum over my subtree
-    if parent is not None:
-        dist.send(tensor, parent)
-        dist.recv(tensor, parent)  # the root's total, coming back down
-    for work in [dist.isend(tensor, c) for c in children]:
-        work.wait()
-    return tensor
-# --8<-- [end:tree]
-
-
-# --8<-- [start:halving]
-def halving_doubling_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Rabenseifner's all-reduce for a power-of-two world size, in place (SUM).
-
-    Reduce-scatter by recursive halving: at distance d = p/2, p/4, .., 1 exchange half of the current range with
-    partner rank ^ d; the rank whose bit d is 0 keeps the lower half. After log2(p) steps each rank owns 1/p of the
-    vector, fully summed. All-gather by recursive doubling replays the steps backwards, swapping owned ranges.
-    Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH" (IJHPCA 2005),
-    https://doi.org/10.1177/1094342005051521
-    """
-    flat = tensor.view(-1)  # [n]
-    plan = halving_doubling_plan(dist.get_rank(), dist.get_world_size(), flat.numel())
-    for partner, keep, give in plan:  # reduce-scatter: the range I keep halves each step
-        incoming = flat.new_empty(keep[1] - keep[0])
-        sendrecv(flat[give[0]:give[1]], partner, incoming, partner)
-        flat[keep[0]:keep[1]].add_(incoming)
-    for partner, keep, give in reversed(plan):  # all-gather: send what I own, receive what the partner owns
-        sendrecv(flat[keep[0]:keep[1]], partner, flat[give[0]:give[1]], partner)
-    return tensor
-
-
-def halving_doubling_plan(rank: int, world_size: int, numel: int) -> list[tuple[int, tuple, tuple]]:
-    """Rank `rank`'s reduce-scatter steps: (partner, range kept, range given) at distance p/2, p/4, .., 1."""
-    lo, hi, plan = 0, numel, []
-    distance = world_size // 2
-    while distance >= 1:
-        partner, mid = rank ^ distance, lo + (hi - lo) // 2  # both partners hold the same [lo, hi): same mid
-        keep, give = ((lo, mid), (mid, hi)) if rank & distance == 0 else ((mid, hi), (lo, mid))
-        plan.append((partner, keep, give))
-        (lo, hi), distance = keep, distance // 2
-    return plan
-# --8<-- [end:halving]
-
-
-def is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def gloo_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -309,6 +236,39 @@ def fit_alpha_beta(steps: np.ndarray, bytes_moved: np.ndarray, time_s: np.ndarra
     return float(alpha), float(beta)
 
 
+def split_sizes(sizes: list[int]) -> tuple[list[int], list[int]]:
+    """(sizes the model is fitted on, sizes held out to test it): every other size of the sweep, with the smallest
+    and the largest always fitted, so that every held-out size lies between two fitted ones."""
+    fit = sizes[::2] + ([sizes[-1]] if len(sizes) % 2 == 0 else [])
+    return fit, [s for s in sizes if s not in fit]
+
+
+def fit_on(rows: list[dict], world_size: int, fit_sizes: list[int]) -> tuple[float, float]:
+    """One (alpha, beta) for the ring and the tree together, from their measured times at `fit_sizes` only: the
+    same two numbers must explain both algorithms, each with its own steps and bytes."""
+    points = [(*cost_terms(r["algorithm"], world_size), r["size (B)"], r["time (us)"] * 1e-6) for r in rows
+              if r["algorithm"] in FITTED and r["size (B)"] in fit_sizes]
+    steps, factor, size, seconds = (np.array(col, dtype=float) for col in zip(*points))
+    return fit_alpha_beta(steps, factor * size, seconds)
+
+
+def model_vs_measured(rows: list[dict], world_size: int, fit_sizes: list[int], alpha: float,
+                      beta: float) -> list[dict]:
+    """Every measured point of a modelled algorithm beside the model's time for it. Role "fit": a ring or tree
+    point the fit saw; "held out": every other point (halving-doubling's were never fitted at all)."""
+    out = []
+    for r in rows:
+        if r["algorithm"] not in MODELLED:
+            continue
+        a, b = cost_terms(r["algorithm"], world_size)
+        model_us = 1e6 * (a * alpha + b * r["size (B)"] * beta)
+        fitted = r["algorithm"] in FITTED and r["size (B)"] in fit_sizes
+        out.append({"algorithm": r["algorithm"], "size (B)": r["size (B)"], "role": "fit" if fitted else "held out",
+                    "measured (us)": r["time (us)"], "model (us)": model_us,
+                    "measured/model": r["time (us)"] / model_us if model_us > 0 else math.inf})
+    return out
+
+
 def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
     """Size where the model's ring and tree times are equal (tree faster below it); None if there is none."""
     (a_ring, b_ring), (a_tree, b_tree) = cost_terms("ring", world_size), cost_terms("tree", world_size)
@@ -370,85 +330,126 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"rows": rows, "max_abs_error": errors}
 
 
-# --8<-- [start:ceiling]
-def memcpy_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """Bytes/s of a large torch copy (best of a few): the memory system's ceiling for anything on this box."""
-    src, dst = torch.ones(num_bytes // 4), torch.empty(num_bytes // 4)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
-
-
-def loopback_tcp_bandwidth(num_bytes: int = 64 * 2**20, repeats: int = 3) -> float:
-    """Bytes/s through one TCP connection on 127.0.0.1 (what gloo's pairs use here), best of a few."""
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
-    conn, _ = server.accept()
-    payload, sink = bytearray(num_bytes), bytearray(num_bytes)
-
-    def drain() -> None:
-        view, got = memoryview(sink), 0
-        while got < num_bytes:
-            got += conn.recv_into(view[got:])
-
-    best = math.inf
-    try:
-        for _ in range(repeats):
-            reader = threading.Thread(target=drain)
-            start = time.perf_counter()
-            reader.start()
-            client.sendall(payload)
-            reader.join()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        for s in (client, conn, server):
-            s.close()
-    return num_bytes / best
-# --8<-- [end:ceiling]
-
-
 def summarise(rows: list[dict], world_size: int) -> dict:
+    """The measured comparison (which of ring and tree was faster where, ring against gloo), then the alpha-beta
+    model fitted on every other size and tested on the sizes it did not see."""
     sizes = sorted({r["size (B)"] for r in rows})
-    ring = {r["size (B)"]: r for r in rows if r["algorithm"] == "ring"}
-    tree = {r["size (B)"]: r for r in rows if r["algorithm"] == "tree"}
-    gloo = {r["size (B)"]: r for r in rows if r["algorithm"] == "gloo all_reduce"}
-    # one fit over the ring's AND the tree's points: the same alpha and beta must explain both algorithms
-    points = [(*cost_terms(name, world_size), s, table[s]["time (us)"] * 1e-6)
-              for name, table in (("ring", ring), ("tree", tree)) for s in sizes]
-    steps, factor, size, seconds = (np.array(col, dtype=float) for col in zip(*points))
-    alpha, beta = fit_alpha_beta(steps, factor * size, seconds)
-    measured_cross = next((s for i, s in enumerate(sizes)  # smallest size from which ring stays faster than tree
-                           if all(ring[t]["time (us)"] < tree[t]["time (us)"] for t in sizes[i:])), None)
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "predicted_crossover_bytes": crossover_bytes(alpha, beta,
-            world_size), "measured_crossover_bytes": measured_cross, "largest_size": sizes[-1],
-            "faster_at_largest": "ring" if ring[sizes[-1]]["time (us)"] < tree[sizes[-1]]["time (us)"] else "tree",
-            "tree_faster_at_every_size": all(tree[t]["time (us)"] <= ring[t]["time (us)"] for t in sizes),
-            "ring_over_gloo_busbw": ring[sizes[-1]]["busbw (GB/s)"] / gloo[sizes[-1]]["busbw (GB/s)"]}
+    time_of = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
+    busbw_of = {(r["algorithm"], r["size (B)"]): r["busbw (GB/s)"] for r in rows}
+    ring_faster = [s for s in sizes if time_of["ring", s] < time_of["tree", s]]
+    tree_faster = [s for s in sizes if s not in ring_faster]
+    every = f"every size, {size_text(sizes[0])} to {size_text(sizes[-1])}"
+    measured_text = (f"the tree was faster than the ring at {every}" if not ring_faster else
+                     f"the ring was faster than the tree at {every}" if not tree_faster else
+                     f"the ring was faster at {', '.join(map(size_text, ring_faster))}; the tree at "
+                     f"{', '.join(map(size_text, tree_faster))}")
+    fit_sizes, held_sizes = split_sizes(sizes)
+    alpha, beta = fit_on(rows, world_size, fit_sizes)
+    points = model_vs_measured(rows, world_size, fit_sizes, alpha, beta)
+    off = lambda p: max(p["measured/model"], 1 / p["measured/model"])  # how many times off, either way
+    held, fitted = ([p for p in points if p["role"] == role] for role in ("held out", "fit"))
+    cross = crossover_bytes(alpha, beta, world_size)
+    return {"largest_size": sizes[-1], "measured_text": measured_text,
+            "faster_at_largest": "ring" if sizes[-1] in ring_faster else "tree",
+            "tree_faster_at_every_size": not ring_faster,
+            "ring_over_gloo_busbw": busbw_of["ring", sizes[-1]] / busbw_of["gloo all_reduce", sizes[-1]],
+            "fit_sizes": fit_sizes, "held_out_sizes": held_sizes, "alpha_s": alpha, "beta_s_per_byte": beta,
+            "fit_bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else None, "model_points": points,
+            "held_out_points": len(held), "held_out_worst_factor": max(map(off, held), default=None),
+            "held_out_median_factor": float(np.median([off(p) for p in held])) if held else None,
+            "held_out_off_by_2x": sum(off(p) > 2 for p in held),
+            "fit_worst_factor": max(map(off, fitted)), "predicted_crossover_bytes": cross,
+            **{f"{name}_median_ratio": float(np.median([p["measured/model"] for p in points if p["algorithm"] == name]))
+               for name in dict.fromkeys(p["algorithm"] for p in points)},
+            "predicted_crossover_text": size_text(cross) if cross else "none"}
 
 
-def draw(rows: list[dict], summary: dict, world_size: int, args: Settings) -> None:
+def draw_times(rows: list[dict], world_size: int, args: Settings) -> None:
+    """Time per all-reduce of every algorithm against size, as measured (no model)."""
     plt = plot.pyplot()
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    x = np.array(sorted({r["size (B)"] for r in rows}), dtype=float)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):
-        mine = [r for r in rows if r["algorithm"] == name]
-        ax_t.loglog(x, [r["time (us)"] for r in mine], "o", color=f"C{i}", label=f"{name} (measured)")
-        ax_b.loglog(x, [r["busbw (GB/s)"] for r in mine], "o-", color=f"C{i}", label=name)
-        if name in ("ring", "tree"):
-            a, b = cost_terms(name, world_size)
-            model = 1e6 * (a * summary["alpha_s"] + b * x * summary["beta_s_per_byte"])
-            ax_t.loglog(x, model, "--", color=f"C{i}", label=f"{name} (alpha-beta model)")
-    if summary["predicted_crossover_bytes"]:
-        ax_t.axvline(summary["predicted_crossover_bytes"], color="gray", ls=":", label="predicted crossover")
-    ax_t.set(xlabel="message size (bytes)", ylabel="time per all-reduce (us)")
-    ax_b.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)")
-    ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)  # below: keeps the points clear
-    ax_b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    fig.suptitle(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (one model fitted to ring and tree)")
+        mine = sorted((r["size (B)"], r["time (us)"]) for r in rows if r["algorithm"] == name)
+        ax.loglog(*zip(*mine), "o-", color=f"C{i}", label=name)
+    ax.set(xlabel="message size (bytes)", ylabel="time per all-reduce (us), median")
+    ax.legend(fontsize=8)
+    ax.set_title(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (measured)", fontsize=10)
     print(f"figure: {plot.save(fig, args, 'ring_vs_tree')}")
+
+
+# --8<-- [start:draw_model]
+def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
+    """One panel per modelled algorithm: its measured points (filled: seen by the fit; hollow: held out, with
+    measured/model written beside them), the model a*alpha + b*n*beta (dashed) and its two terms (dotted), and
+    the sizes where the latency term is the larger (latency-bound) or the byte term (bandwidth-bound) shaded.
+    Returns what it drew."""
+    plt = plot.pyplot()
+    alpha, beta, points = summary["alpha_s"], summary["beta_s_per_byte"], summary["model_points"]
+    names = list(dict.fromkeys(p["algorithm"] for p in points))
+    fig, axes = plt.subplots(1, len(names), figsize=(4.3 * len(names), 4.0), sharey=True, squeeze=False)
+    lo, hi = min(p["size (B)"] for p in points), max(p["size (B)"] for p in points)
+    grid = np.geomspace(lo, hi, 64)
+    panels = {}
+    for ax, name in zip(axes[0], names):
+        a, b = cost_terms(name, world_size)
+        knee = a * alpha / (b * beta) if beta > 0 else math.inf  # latency term == byte term
+        ax.axvspan(lo, min(max(knee, lo), hi), color="C1", alpha=0.15, label="latency-bound")
+        if knee < hi:
+            ax.axvspan(max(knee, lo), hi, color="C0", alpha=0.10, label="bandwidth-bound")
+        ax.loglog(grid, 1e6 * (a * alpha + b * grid * beta), "--", color="0.2", label="model a·α + b·n·β")
+        ax.loglog(grid, np.full_like(grid, 1e6 * a * alpha), ":", color="C1", lw=1.2, label="latency term a·α")
+        if beta > 0:
+            ax.loglog(grid, 1e6 * b * grid * beta, ":", color="C0", lw=1.2, label="byte term b·n·β")
+        mine = [p for p in points if p["algorithm"] == name]
+        for role, face in (("fit", "C3"), ("held out", "none")):
+            pts = [p for p in mine if p["role"] == role]
+            if pts:
+                ax.loglog([p["size (B)"] for p in pts], [p["measured (us)"] for p in pts], "o", color="C3",
+                          mfc=face, label=f"measured, {'seen by the fit' if role == 'fit' else 'held out'}")
+        for p in mine:
+            if p["role"] == "held out":
+                right = p["size (B)"] == hi  # the last point: write to its left, inside the axes
+                ax.annotate(f"×{p['measured/model']:.2g}", (p["size (B)"], p["measured (us)"]),
+                            xytext=(-4 if right else 4, 4), ha="right" if right else "left",
+                            textcoords="offset points", fontsize=7, color="C3")
+        ax.set_title(f"{name}: {a:g}α + {b:.3g}·nβ", fontsize=10)
+        ax.set_xlabel("message size n (bytes)")
+        panels[name] = {"steps": a, "bytes_factor": b, "knee_bytes": knee if math.isfinite(knee) else None,
+                        "points": mine}
+    axes[0, 0].set_ylabel("time per all-reduce (us)")
+    shown = [p["measured (us)"] for p in points] + [p["model (us)"] for p in points]
+    axes[0, 0].set_ylim(0.5 * min(shown), 2 * max(shown))  # the term lines may run far below: keep the points
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8,
+               bbox_to_anchor=(0.5, -0.1))
+    bandwidth = f"1/β = {1 / beta / 1e9:.2f} GB/s" if beta > 0 else "β = 0"
+    fig.suptitle(f"one alpha-beta model, fitted to ring and tree at {len(summary['fit_sizes'])} of "
+                 f"{len(summary['fit_sizes']) + len(summary['held_out_sizes'])} sizes: α = {alpha * 1e6:.0f} us "
+                 f"per step, {bandwidth} ({world_size} ranks)", fontsize=10)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'alpha_beta')}")
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "fit_sizes": summary["fit_sizes"],
+            "held_out_sizes": summary["held_out_sizes"], "panels": panels}
+# --8<-- [end:draw_model]
+
+
+def draw_ceiling(rows: list[dict], ceiling: dict, world_size: int, args: Settings) -> dict:
+    """busbw of every algorithm against size, under the box's two ceilings. Returns the lines it drew."""
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    lines = {}
+    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):
+        mine = sorted((r["size (B)"], r["busbw (GB/s)"]) for r in rows if r["algorithm"] == name)
+        ax.loglog(*zip(*mine), "o-", color=f"C{i}", label=name)
+        lines[name] = {"size (B)": [s for s, _ in mine], "busbw (GB/s)": [b for _, b in mine]}
+    ax.axhline(ceiling["memcpy_GBps"], color="0.2", ls="--", label=f"memcpy {ceiling['memcpy_GBps']:.2f} GB/s")
+    ax.axhline(ceiling["loopback_tcp_GBps"], color="0.4", ls=":",
+               label=f"loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s")
+    ax.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"busbw under the ceilings of this box, {world_size} ranks", fontsize=10)
+    print(f"figure: {plot.save(fig, args, 'ceiling')}")
+    return {"lines": lines, **ceiling}
 
 
 def size_text(num_bytes: float) -> str:
@@ -457,6 +458,37 @@ def size_text(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def print_model(summary: dict, w: int) -> None:
+    """Section 3 of the output: the fit, measured/model at every size, and the model's crossover."""
+    fit, held = summary["fit_sizes"], summary["held_out_sizes"]
+    print(f"\n3. alpha-beta model: one (alpha, beta) fitted to the ring's and the tree's times at "
+          f"{', '.join(map(size_text, fit))}; held out: " + (", ".join(map(size_text, held)) or "no size")
+          + (" and every halving-doubling point" if any(p["algorithm"] == "halving-doubling"
+                                                          for p in summary["model_points"]) else ""))
+    print(f"fit: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, beta = {summary['beta_s_per_byte'] * 1e9:.3f} "
+          "ns per byte " + (f"(1/beta = {summary['fit_bandwidth_GBps']:.2f} GB/s)" if summary["fit_bandwidth_GBps"]
+                            else "(no per-byte cost: the fit put all of every time into alpha)"))
+    ratio = {(p["algorithm"], p["size (B)"]): p["measured/model"] for p in summary["model_points"]}
+    names = list(dict.fromkeys(p["algorithm"] for p in summary["model_points"]))
+    print(report.table([{"size (B)": s, "ring, tree points": "fit" if s in fit else "held out",
+                         **{f"{n} measured/model": ratio[n, s] for n in names}} for s in sorted(fit + held)],
+                       floatfmt=".2f"))
+    if summary["held_out_points"]:
+        print(f"held out: {summary['held_out_points']} points, measured/model off by a factor of "
+              f"{summary['held_out_median_factor']:.2f} (median) and {summary['held_out_worst_factor']:.2f} at worst;"
+              f" {summary['held_out_off_by_2x']} of them more than 2x off (on the fitted points themselves: "
+              f"{summary['fit_worst_factor']:.2f} at worst)")
+    print("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"
+                                                                  for n in names))
+    (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
+    cross = summary["predicted_crossover_bytes"]
+    print("the model's ring-vs-tree crossover: " + (
+        f"{size_text(cross)} (tree faster below, ring above); measured: {summary['measured_text']}" if cross else
+        f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves fewer bytes, so "
+        "in the model (not necessarily in the measurement) the ring is never slower" if a_ring <= a_tree else
+        "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
 
 
 def main() -> int:
@@ -469,52 +501,40 @@ def main() -> int:
     if result is None:
         return 0
     rows, w = result["rows"], args.world_size
-    print("correctness vs dist.all_reduce (max abs error over", args.check_numel, "elements):",
-          ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
-    print(f"median of {args.rounds} round(s) per size, the algorithms taking turns; {load_average()}")
-    print(report.table(rows, floatfmt=".3f"))
+    print(f"1. correctness vs dist.all_reduce (max abs error over {args.check_numel} elements): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
+    names = list(dict.fromkeys(r["algorithm"] for r in rows))
+    time_of = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
+    print(f"\n2. time per all-reduce (us), the median of {args.rounds} round(s), the algorithms taking turns; "
+          f"{load_average()}")
+    print(report.table([{"size (B)": s, **{n: time_of[n, s] for n in names},
+                         "fastest": min(names, key=lambda n: time_of[n, s])}
+                        for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     summary = summarise(rows, w)
+    print(f"measured: {summary['measured_text']}")
+    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: "
+          f"{summary['ring_over_gloo_busbw']:.2f}")
+    print_model(summary, w)
     ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}
-    best = max(r["busbw (GB/s)"] for r in rows if r["size (B)"] == summary["largest_size"])
-    summary.update(ceiling, best_busbw_GBps=best, fraction_of_tcp=best / ceiling["loopback_tcp_GBps"],
-                   fraction_of_memcpy=best / ceiling["memcpy_GBps"])
-    cross = summary["predicted_crossover_bytes"]
-    print(f"\nalpha-beta fit to the ring and tree points: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, "
-          f"beta = {summary['beta_s_per_byte'] * 1e9:.3f} ns per byte (1/beta = "
-          f"{1 / summary['beta_s_per_byte'] / 1e9 if summary['beta_s_per_byte'] > 0 else math.inf:.2f} GB/s)")
-    summary["fit_bandwidth_GBps"] = 1 / summary["beta_s_per_byte"] / 1e9 if summary["beta_s_per_byte"] > 0 else None
+    best = max((r for r in rows if r["size (B)"] == summary["largest_size"]), key=lambda r: r["busbw (GB/s)"])
+    summary.update(ceiling, best_busbw_GBps=best["busbw (GB/s)"], best_busbw_algorithm=best["algorithm"],
+                   fraction_of_tcp=best["busbw (GB/s)"] / ceiling["loopback_tcp_GBps"],
+                   fraction_of_memcpy=best["busbw (GB/s)"] / ceiling["memcpy_GBps"])
     summary["fit_bandwidth_text"] = (f"{summary['fit_bandwidth_GBps']:.2f} GB/s" if summary["fit_bandwidth_GBps"]
                                      else "unbounded: the fit found no per-byte cost")
-    (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
-    tree_time = {r["size (B)"]: r["time (us)"] for r in rows if r["algorithm"] == "tree"}
-    print("predicted ring-vs-tree crossover: " + (f"{size_text(cross)} (tree faster below, ring above)"
-          if cross else f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves "
-          "fewer bytes, so in the model (not necessarily in the measurement) the ring is never slower"
-          if a_ring <= a_tree
-          else "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
-    faster = {name: [size_text(r["size (B)"]) for r in rows if r["algorithm"] == "ring" and
-                     (r["time (us)"] < tree_time[r["size (B)"]]) == (name == "ring")] for name in ("ring", "tree")}
-    every = f"every size, {size_text(min(tree_time))} to {size_text(max(tree_time))}"
-    summary["measured_text"] = (f"the tree was faster than the ring at {every}" if not faster["ring"] else
-                                f"the ring was faster than the tree at {every}" if not faster["tree"] else
-                                f"the ring was faster at {', '.join(faster['ring'])}; the tree at "
-                                f"{', '.join(faster['tree'])}")
-    summary["predicted_crossover_text"] = size_text(cross) if cross else "none"
-    print("measured (median times above): " + summary["measured_text"])
-    print(f"ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s;"
-          f" best busbw at {size_text(summary['largest_size'])} = {best:.3f} GB/s = "
-          f"{summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} of memcpy")
+    print(f"\n4. ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} "
+          f"GB/s; best busbw at {size_text(summary['largest_size'])} = {best['busbw (GB/s)']:.3f} GB/s "
+          f"({best['algorithm']}) = {summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} "
+          "of memcpy")
     if summary["fit_bandwidth_GBps"] and summary["fit_bandwidth_GBps"] > ceiling["memcpy_GBps"]:
         print(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
-              "nothing on this box moves bytes faster than a memory copy, so the fit's beta is noise here (too few "
-              "sizes where the bytes dominate, or scheduling delays in the small ones)")
-    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])} with {w} ranks: "
-          f"{summary['ring_over_gloo_busbw']:.2f}")
-    draw(rows, summary, w, args)
+              "nothing on this box moves bytes faster than a memory copy, so the fit's beta is not a speed here")
+    draw_times(rows, w, args)
+    figures = {"alpha_beta": draw_alpha_beta(summary, w, args), "ceiling": draw_ceiling(rows, ceiling, w, args)}
     steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
-                                      "steps_numel": 16 * w, "steps": steps, **summary}, args)
+                                      "steps_numel": 16 * w, "steps": steps, "figures": figures, **summary}, args)
     return 0
 
 

@@ -54,8 +54,8 @@ BENCH = Path(__file__).resolve().parent / "bench_collectives.py"
 NCCL_KNOBS = {
     "NCCL_ALGO": "which algorithms NCCL may use (Ring, Tree, CollnetDirect, CollnetChain, NVLS, NVLSTree, PAT)",
     "NCCL_PROTO": "which protocols NCCL may use (LL, LL128, Simple)",
-    "NCCL_DEBUG": "logging level (VERSION, WARN, INFO, TRACE); INFO prints the topology and the rings/trees built",
-    "NCCL_DEBUG_SUBSYS": "which parts log at INFO (INIT, COLL, P2P, NET, GRAPH, TUNING, ...)",
+    "NCCL_DEBUG": "logging level (VERSION, WARN, INFO, TRACE); INFO prints the rings/trees and transports chosen",
+    "NCCL_DEBUG_SUBSYS": "which parts log at INFO (INIT, COLL, P2P, NET, GRAPH, TUNING, ...); GRAPH: the topology",
     "NCCL_P2P_DISABLE": "1: no direct GPU-to-GPU copies (NVLink/PCIe peer-to-peer); traffic goes through host memory",
     "NCCL_P2P_LEVEL": "the farthest path peer-to-peer may cross (NVL, PIX, PXB, PHB, SYS)",
     "NCCL_SHM_DISABLE": "1: no shared-memory transport between processes on one node",

@@ -2,8 +2,9 @@
 
 What it shows
     1. Padding: a batch of n sequences runs in the smallest captured size B >= n (vLLM's sizes 1, 2, 4, 8,
-       16, ...), its extra rows writing into a scratch KV block. For several n (captured sizes and sizes in
-       between) the static-buffer decode step's logits are compared with the eager ModelRunner's.
+       16, ..., in steps of 8 up to 256), its extra rows writing into a scratch KV block. For several n
+       (captured sizes and sizes in between) the static-buffer decode step's logits are compared with the eager
+       ModelRunner's.
     2. Sampling inside a graph: uniform noise is drawn outside the graph into a static buffer (each row from
        its request's own generator) and turned into a sample with the Gumbel-max trick. Checked two ways:
        replay == the same function run eagerly on the same noise, and 20,000 draws match softmax(logits / T).
@@ -335,7 +336,8 @@ def main() -> int:
     results: dict = {"device": device, "sizes": args.sizes}
     if device == "cpu":
         print("No CUDA GPU here: CUDA graphs cannot be captured on this machine. The padded static-buffer step "
-              "runs uncaptured (checks 1, 2, 4), and section 3 measures the CPU analogue of launch overhead.\n")
+              "runs uncaptured, op by op: sections 1 and 2 check it, section 3 measures the CPU analogue of launch "
+              "overhead, and the last line runs the engine with it.\n")
     else:
         print(f"GPU: {torch.cuda.get_device_name(0)}; graphs captured for batch sizes {args.sizes}\n")
     results["padding"] = check_padding(model, args, device)

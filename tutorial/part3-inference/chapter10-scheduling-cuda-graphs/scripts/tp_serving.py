@@ -6,22 +6,29 @@ What it shows
     KV cache. Each decode step then costs two all-reduces per layer, of the step's (tokens, hidden) activations.
     1. Self-check: the tokens at every N equal the tokens at N = 1.
     2. For each N, over the decode steps of a full batch: the median step time; the time rank 0 spends inside
-       all-reduce (waiting for the slowest rank included); the bytes each all-reduce was given per step, against
-       the formula 2 * layers * tokens * hidden * 4 bytes (float32); and the share of the step that is
+       all-reduce (waiting for the slowest rank included); the bytes the step's all-reduces were given together,
+       against the formula 2 * layers * tokens * hidden * 4 bytes (float32); and the share of the step that is
        communication. The KV bytes each rank holds shrink as 1/N.
+    3. The picture (tp_step.png): three decode steps at the smallest N above 1 traced with torch.profiler on
+       rank 0, with every sublayer's compute labelled; the fastest of them drawn on four lanes (where each layer
+       begins; rank 0's compute; rank 0 inside a collective: sending the batch, then the two all-reduces of every
+       layer; gloo's threads carrying the collectives out), and the trace itself beside it (tp_step.trace.json,
+       for ui.perfetto.dev). The line above the figure's path gives that step's time, its all-reduce time and
+       share, the time spent sending the batch, and the median all-reduce against the median compute of one
+       sublayer. The JSON keeps the drawn boxes ("traced_step").
     On this machine the ranks are processes on 2 CPU cores talking through gloo over loopback TCP: every
     all-reduce is a few system calls and copies, and N ranks share 2 cores. There is nothing to gain here, and
-    the table shows what it costs. With GPUs joined by NVLink the same all-reduce of a few hundred KiB takes
-    tens of microseconds while each GPU's share of the matmuls shrinks N-fold, which is where tensor-parallel serving
-    pays off (and where a model too big for one GPU's memory needs it at all). With GPUs (--device auto or
-    cuda), the same table follows on NCCL, rank r on cuda:r, for the sizes this machine has GPUs for; without
-    them the script says so and prints the gloo table alone.
+    the table and the picture show what it costs. With GPUs joined by NVLink the same all-reduce of a few hundred
+    KiB takes tens of microseconds while each GPU's share of the matmuls shrinks N-fold, which is where
+    tensor-parallel serving pays off (and where a model too big for one GPU's memory needs it at all). With GPUs
+    (--device auto or cuda), the same table follows on NCCL, rank r on cuda:r, for the sizes this machine has
+    GPUs for; without them the script says so and prints the gloo table alone (the picture is always gloo's).
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py
     python .../tp_serving.py --sizes 1 2 --batch-size 32
 
-Runtime on 2 cores: about 5 s, 6 s with --smoke.
+Runtime on 2 cores: about 10 s, 8 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64
@@ -30,21 +37,24 @@ Try next
 
 from __future__ import annotations
 
+import os
 import statistics
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine import tp as tp_module
+from mlsys.tp_comm import ReduceFromTP
 from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     """Tensor-parallel sizes to run (each must divide the small model's 4 heads)."""
     batch_size: int = 16
@@ -60,8 +70,9 @@ class Settings(cli.Args):
         if self.device == "cuda" and torch.cuda.device_count() < max(self.sizes):
             raise cli.UsageError(f"--device cuda needs {max(self.sizes)} GPUs for --sizes {self.sizes}; this "
                                  f"machine has {torch.cuda.device_count()}")
-        if not 1 <= self.batch_size <= 64 or not 2 <= self.max_tokens <= 128:
-            raise cli.UsageError("--batch-size must lie in 1..64 and --max-tokens in 2..128")
+        if not 1 <= self.batch_size <= 64 or not 6 <= self.max_tokens <= 128:
+            raise cli.UsageError("--batch-size must lie in 1..64 and --max-tokens in 6..128 (a prefill, two "
+                                 "warm-up decode steps, then three traced ones)")
 
 
 # --8<-- [start:measure]
@@ -99,6 +110,143 @@ def measure(model, prompts: list[list[int]], args: Settings, size: int, device: 
 # --8<-- [end:measure]
 
 
+# --8<-- [start:trace]
+STEP, FORWARD, SEND = "decode step", "forward on rank 0's shard", "runner.execute"
+TRIES = 3  # decode steps traced; the picture keeps the fastest (on a shared machine one may be interrupted)
+ALL_REDUCE = ReduceFromTP.__name__  # the profiler names an autograd Function's forward after its class
+
+
+def labelled(fn, name: str):
+    """`fn`, run inside a profiler region called `name`, so that the trace says what each op belongs to."""
+    def run(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return run
+
+
+def trace_decode_step(model, prompts: list[list[int]], args: Settings, size: int, trace_path: Path) -> None:
+    """TRIES full-batch decode steps of a TP=`size` engine under torch.profiler, as rank 0 runs them, written as a
+    Chrome trace. Rank 0's shard labels its sublayers ("layer i attention", "layer i MLP"), embedding and head;
+    the runner's execute (broadcast of the batch, then the forward) is labelled too."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # quiet: the profiler logs every start and stop otherwise
+    engine = Engine(model, Tokenizer(), EngineConfig(tensor_parallel_size=size, max_num_seqs=args.batch_size))
+    try:
+        runner = engine.runner  # rank 0's TPRunner; .local is its ModelRunner on rank 0's shard
+        shard = runner.local.model
+        for i, block in enumerate(shard.blocks):
+            block.attention_qkv = labelled(block.attention_qkv, f"layer {i} attention")
+            block.attention_out = labelled(block.attention_out, f"layer {i} attention")
+            block.feed_forward = labelled(block.feed_forward, f"layer {i} MLP")
+        attend = runner.local.attention  # paged attention over this rank's KV heads, called with the layer index
+        runner.local.attention = lambda layer, *rest: labelled(attend, f"layer {layer} attention")(layer, *rest)
+        shard.embed, shard.head = labelled(shard.embed, "embed"), labelled(shard.head, "head")
+        runner.local.execute = labelled(runner.local.execute, FORWARD)
+        runner.execute, runner.prepare = labelled(runner.execute, SEND), labelled(runner.prepare, "prepare")
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+        full = lambda t: t["num_seqs"] == t["num_batched_tokens"] == args.batch_size  # a full-batch decode step
+        decodes = 0
+        while decodes < 2:  # warm-up: the prefill, then two full-batch decode steps
+            engine.step()
+            decodes += full(engine.last_step_timing)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(TRIES):
+                with torch.profiler.record_function(STEP):
+                    engine.step()
+                if not full(engine.last_step_timing):
+                    raise cli.SelfCheckFailed(f"a traced step was not a decode of all {args.batch_size} sequences")
+        prof.export_chrome_trace(str(trace_path))
+    finally:
+        engine.close()
+# --8<-- [end:trace]
+
+
+# --8<-- [start:spans]
+def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
+    """The fastest traced step as boxes on four lanes, in ms from its start: where each layer begins; rank 0's
+    compute (the labelled regions, minus the time spent inside a collective); rank 0's time inside a collective
+    (sending the batch, and each all-reduce, named after the sublayer that called it); and gloo's own threads
+    carrying the collectives out (exchanging with rank 1, waiting for its half included). Also what the lesson
+    reads off them."""
+    raw = plot.trace_spans(trace_path, lane_of=lambda e: str(e.get("tid")), kind_of=lambda e: "")
+    step = min((s for s in raw if s.label == STEP), key=lambda s: s.end - s.start)
+    main = [s for s in raw if s.lane == step.lane and step.start <= s.start and s.end <= step.end]
+    regions = [s for s in main if s.label.startswith("layer ") or s.label in ("prepare", "embed", "head")]
+    forward = next(s for s in main if s.label == FORWARD)
+    send = next(s for s in main if s.label == SEND)
+    waits = [plot.Span("collective", send.start, forward.start, "batch", "broadcast")]
+    for s in sorted((s for s in main if s.label == ALL_REDUCE), key=lambda s: s.start):
+        caller = next(r for r in regions if r.label.startswith("layer ") and r.start <= s.start <= r.end)
+        i, part = caller.label.split()[1:]
+        waits.append(plot.Span("collective", s.start, s.end, f"L{i} {'attn' if part == 'attention' else part}",
+                               "all-reduce"))
+    compute: list[plot.Span] = []
+    for r in sorted(regions, key=lambda r: r.start):  # each region minus the waits inside it
+        cuts = sorted((w.start, w.end) for w in waits if w.start < r.end and w.end > r.start)
+        start = r.start
+        for lo, hi in [*cuts, (r.end, r.end)]:
+            if lo > start:
+                label = r.label.replace("layer ", "L").replace(" attention", " attn")
+                kind = "attention" if "attention" in r.label else "MLP" if "MLP" in r.label else "other"
+                last = compute[-1] if compute else None
+                if last and last.label == label and not any(last.end <= w.start < start for w in waits):
+                    last.end = min(lo, r.end)  # the same sublayer, no collective in between: one box
+                else:
+                    compute.append(plot.Span("compute", start, min(lo, r.end), label, kind))
+            start = max(start, hi)
+    gloo = [plot.Span("gloo", s.start, s.end, "", "gloo runs the collective") for s in raw
+            if s.label.startswith("gloo:") and step.start <= s.start <= step.end]
+    layers = {}  # the step lane: where each layer begins, from its first region
+    for r in regions:
+        if r.label.startswith("layer "):
+            layers.setdefault(int(r.label.split()[1]), r.start)
+    edges = [step.start, *layers.values(), max(r.end for r in regions if r.label.startswith("layer ")), step.end]
+    names = ["prepare, send batch", *(f"layer {i}" for i in layers), "head, sample"]
+    parts = [plot.Span("step", a, b, n, "engine" if i in (0, len(names) - 1) else f"layer {i % 2}")
+             for i, (a, b, n) in enumerate(zip(edges, edges[1:], names))]
+    spans = [plot.Span(s.lane, s.start - step.start, s.end - step.start, s.label, s.kind)
+             for s in [*parts, *compute, *waits, *gloo]]
+    reduce_ms = sum(w.end - w.start for w in waits if w.kind == "all-reduce")
+    step_ms = step.end - step.start
+    summary = {"step_ms": step_ms, "all_reduces": sum(w.kind == "all-reduce" for w in waits),
+               "all_reduce_ms": reduce_ms, "broadcast_ms": waits[0].end - waits[0].start,
+               "compute_ms": sum(c.end - c.start for c in compute), "all_reduce_share": reduce_ms / step_ms,
+               "collective_share": sum(w.end - w.start for w in waits) / step_ms,
+               "median_all_reduce_ms": statistics.median(w.end - w.start for w in waits if w.kind == "all-reduce"),
+               "median_sublayer_compute_ms": statistics.median(c.end - c.start for c in compute
+                                                               if c.kind in ("attention", "MLP"))}
+    return spans, summary
+# --8<-- [end:spans]
+
+
+def draw_step(spans: list[plot.Span], summary: dict, size: int, args: Settings) -> Path:
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(12, 3.0))
+    lanes = {"step": "rank 0: the step", "compute": "rank 0: compute", "collective": "rank 0: in a collective",
+             "gloo": "gloo's threads: running it"}
+    import seaborn as sns
+
+    c = sns.color_palette("colorblind", 10)
+    palette = {"attention": c[0], "MLP": c[2], "other": c[7], "all-reduce": c[3], "broadcast": c[4],
+               "gloo runs the collective": c[5],
+               "engine": "0.97", "layer 0": "0.82", "layer 1": "0.9"}  # the step lane: greys
+    plot.timeline(ax, [plot.Span(lanes[s.lane], s.start, s.end, s.label, s.kind) for s in spans],
+                  list(lanes.values()), unit="ms since the decode step started (rank 0)", palette=palette,
+                  legend=False, fontsize=7)
+    from matplotlib.patches import Patch
+
+    shown = ["attention", "MLP", "other", "all-reduce", "broadcast", "gloo runs the collective"]
+    ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k if k != "other" else
+                             "prepare, embed, head") for k in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              fontsize=7, frameon=False)
+    ax.set_xlim(0, summary["step_ms"])
+    ax.set_title(f"The fastest of {TRIES} decode steps at TP={size} on this CPU, from rank 0's torch.profiler "
+                 f"trace: {summary['all_reduces']} all-reduces, {summary['collective_share']:.0%} of the step inside "
+                 "a collective", fontsize=9)
+    fig.tight_layout()
+    return plot.save(fig, args, "tp_step")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"sizes": [1, 2], "batch_size": 4, "max_tokens": 8})
     torch.set_num_threads(1)  # rank 0 shares the 2 cores with its workers
@@ -131,8 +279,25 @@ def main() -> int:
     print(f"\nTP={last['tp']}: {last['step_ms'] / base['step_ms']:.3g}x the step time of TP={base['tp']}, "
           f"{last['comm_share']:.0%} of it inside all-reduce; each rank holds "
           f"{last['kv_bytes_per_rank'] / base['kv_bytes_per_rank']:.3g}x the KV bytes")
+    traced = next((n for n in sorted(set(args.sizes)) if n > 1), None)
+    picture = None
+    if traced:
+        trace_path = plot.figure_dir(args) / "tp_step.trace.json"
+        trace_decode_step(model, prompts, args, traced, trace_path)
+        spans, picture = step_spans(trace_path)
+        print(f"\none decode step at TP={traced} under the profiler (rank 0): {picture['step_ms']:.2f} ms, "
+              f"{picture['all_reduces']} all-reduces taking {picture['all_reduce_ms']:.2f} ms "
+              f"({picture['all_reduce_share']:.0%}), sending the batch {picture['broadcast_ms']:.2f} ms; "
+              f"median all-reduce {picture['median_all_reduce_ms']:.3f} ms against a median "
+              f"{picture['median_sublayer_compute_ms']:.3f} ms of compute per sublayer")
+        picture |= {"tp": traced, "spans": [vars(s) for s in spans]}
+        print(f"figure: {draw_step(spans, picture, traced, args)}")
+        print(f"trace: {trace_path}")
+    else:
+        print("\nno TP size above 1 in --sizes: no traced step")
     if args.json:
         report.write_json(args.json, {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+                                      "traced_step": picture,
                                       "slowdown": last["step_ms"] / base["step_ms"],
                                       "kv_ratio": last["kv_bytes_per_rank"] / base["kv_bytes_per_rank"],
                                       "last_tp": last["tp"], "last_comm_share": last["comm_share"],
