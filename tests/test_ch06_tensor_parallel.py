@@ -106,6 +106,43 @@ def transformer(tmp_path_factory) -> dict:
                     "--n-embd", "32")
 
 
+@pytest.fixture(scope="module")
+def shards_t2(tmp_path_factory) -> dict:
+    """tp_shards.py on 2 ranks: two heads per rank, 47 token ids padded to 48."""
+    return run_json(tmp_path_factory, CH06 / "tp_shards.py", "-w", "2", "--n-layer", "1", "--seq", "8",
+                    "--plot-dir", tmp_path_factory.mktemp("shards_t2"))
+
+
+@pytest.fixture(scope="module")
+def shards_t5(tmp_path_factory) -> dict:
+    """tp_shards.py on 5 ranks: one head per rank, 47 token ids padded to 50 (three zero rows on the last rank)."""
+    return run_json(tmp_path_factory, CH06 / "tp_shards.py", "-w", "5", "--n-head", "5", "--n-embd", "40",
+                    "--batch", "1", "--seq", "8", "--plot-dir", tmp_path_factory.mktemp("shards_t5"))
+
+
+def collectives_from_definition(model, batch: int, seq: int, t: int) -> dict:
+    """The collectives of one training step, per layer and direction, from the dense model's definition and the
+    lesson's plan: in attention and the MLP, c_proj is row-parallel (g: all-reduce forward) and every other linear
+    layer column-parallel (f: all-reduce backward); the tied embedding/head is split by vocabulary rows (the
+    embedding sums its partial lookups forward; the head all-gathers the padded logits forward and, being a column
+    layer, all-reduces its input gradient backward). Backward visits the layers in reverse."""
+    import math
+
+    import torch.nn as nn
+
+    C, V = model.config.n_embd, model.config.vocab_size
+    n = batch * seq * C * 4
+    layers = [("embedding", [("all_reduce", n)], [])]
+    for i, block in enumerate(model.h):
+        for part in ("attn", "mlp"):
+            linears = [name for name, m in getattr(block, part).named_children() if isinstance(m, nn.Linear)]
+            layers.append((f"block {i} {part}", [("all_reduce", n) for name in linears if name == "c_proj"],
+                           [("all_reduce", n) for name in linears if name != "c_proj"]))
+    layers.append(("head", [("all_gather", batch * seq * math.ceil(V / t) * t * 4)], [("all_reduce", n)]))
+    return {"forward": [(name, op, b) for name, fwd, _ in layers for op, b in fwd],
+            "backward": [(name, op, b) for name, _, bwd in reversed(layers) for op, b in bwd]}
+
+
 @pytest.mark.timeout(120)
 def test_tp_equals_dense_for_1_2_4(transformer: dict) -> None:
     n = 2 * 16 * 32 * 4  # batch * seq * hidden * float32
@@ -213,6 +250,92 @@ def test_layers_figure_blocks_tile_a_in_rank_order(tmp_path_factory) -> None:
     assert res["split"]["column"] == {"X": [4, 4, 16], "A": [16, 32], "Y": [4, 4, 32], "blocks": [[0, 16], [16, 32]]}
     assert res["split"]["row"] == {"X": [4, 4, 32], "A": [32, 16], "Y": [4, 4, 16], "blocks": [[0, 16], [16, 32]]}
     assert (plots / "tp_split.png").is_file()
+
+
+# ----------------------------------------------------------------------------------------------- the three pictures
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", ["shards_t2", "shards_t5"])
+def test_heads_figure_gives_rank_r_heads_r_times_h_over_t(which: str, request) -> None:
+    """heads.png colours each (q|k|v, head) of c_attn and each head's c_proj columns by the rank whose shard held
+    those rows, located by matching them in the dense weights. Rank r must hold heads r*H/t .. (r+1)*H/t - 1 of q,
+    of k and of v, and the same heads' columns of c_proj (D = C/H rows or columns per head)."""
+    drawn = request.getfixturevalue(which)
+    t, H, C = drawn["t"], drawn["n_head"], drawn["n_embd"]
+    D, per = C // H, H // t
+    for r, rank in enumerate(drawn["ranks"]):
+        heads = range(r * per, (r + 1) * per)
+        rows = sorted(part * C + h * D + d for part in range(3) for h in heads for d in range(D))
+        cols = sorted(h * D + d for h in heads for d in range(D))
+        got_rows = [i for lo, hi in rank["heads"]["c_attn_rows"] for i in range(lo, hi)]
+        got_cols = [i for lo, hi in rank["heads"]["c_proj_cols"] for i in range(lo, hi)]
+        assert got_rows == rows and got_cols == cols, (which, r)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", ["shards_t2", "shards_t5"])
+def test_vocab_figure_owner_of_each_token_is_id_over_rows_per_rank(which: str, request) -> None:
+    """vocab.png: rank r holds rows r*ceil(V/t) .. of the table padded to t*ceil(V/t) (the padding on the last
+    rank), and in its masked lookup of the batch exactly the token ids in its rows come out non-zero: each token
+    of the batch is looked up by one rank, id // ceil(V/t)."""
+    import math
+
+    drawn = request.getfixturevalue(which)
+    t, V, idx = drawn["t"], drawn["vocab_size"], drawn["idx"]
+    per = math.ceil(V / t)
+    for r, rank in enumerate(drawn["ranks"]):
+        assert rank["vocab_rows"] == [r * per, (r + 1) * per]
+        assert rank["padding_rows"] == (t * per - V if r == t - 1 else 0)
+        assert rank["looked_up"] == [[int(i // per == r) for i in row] for row in idx], (which, r)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", ["shards_t2", "shards_t5"])
+def test_comm_figure_is_the_collectives_of_the_model_definition(which: str, request) -> None:
+    """comm.png draws, per layer and direction, the collectives comm_log recorded in one training step. They must
+    be those the dense model's definition implies (collectives_from_definition), with their bytes."""
+    from mlsys.model import GPT
+
+    drawn = request.getfixturevalue(which)
+    model = GPT(GPTConfig(n_layer=drawn["n_layer"], n_head=drawn["n_head"], n_embd=drawn["n_embd"], block_size=256))
+    want = collectives_from_definition(model, drawn["batch"], drawn["seq"], drawn["t"])
+    for phase in ("forward", "backward"):
+        got = [(e["layer"], e["op"], e["bytes"]) for e in drawn["comm_by_layer"] if e["phase"] == phase]
+        assert got == want[phase], (which, phase)
+
+
+@pytest.mark.timeout(180)
+def test_trace_puts_each_collective_inside_the_layer_that_issues_it(smoke_cache) -> None:
+    """tp_trace.py's smoke run (2 ranks, 1 layer). In the raw Chrome trace rank 0 wrote: the gloo collectives, in
+    time order, each inside the profiler range of the layer that issues it (a range enclosing its midpoint), are
+    those the dense model's definition implies; and the figure's communication rows are those very events."""
+    import json
+    from pathlib import Path
+
+    from mlsys.model import GPT
+
+    proc = smoke_run(smoke_cache, CH06 / "tp_trace.py")
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    doc = proc["json"]
+    settings, res = doc["settings"], doc["results"]
+    trace = Path(proc["plot_dir"]) / "tp_step.trace.json"
+    assert trace.is_file() and res["trace"].endswith("tp_step.trace.json")
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    gloo = sorted((e for e in events if e["name"] in ("gloo:all_reduce", "gloo:all_gather")), key=lambda e: e["ts"])
+    ranges = [e for e in events if e["name"].startswith(("forward ", "backward "))]
+    seen = []
+    for e in gloo:
+        mid = e["ts"] + e["dur"] / 2
+        inside = [r for r in ranges if r["ts"] <= mid <= r["ts"] + r["dur"]]
+        assert len(inside) == 1, (e, inside)
+        direction, layer = inside[0]["name"].split(" ", 1)
+        seen.append((direction, layer, e["name"].removeprefix("gloo:")))
+    model = GPT(GPTConfig(n_layer=settings["n_layer"], n_head=settings["n_head"], n_embd=settings["n_embd"],
+                          block_size=256))
+    want = collectives_from_definition(model, settings["batch"], settings["seq"], settings["world_size"])
+    assert seen == [(ph, layer, op) for ph in ("forward", "backward") for layer, op, _ in want[ph]]
+    drawn = sorted((s for s in res["spans"] if s["lane"].startswith("gloo thread")), key=lambda s: s["start"])
+    assert [s["end"] - s["start"] for s in drawn] == pytest.approx([e["dur"] / 1000 for e in gloo], abs=1e-6)
+    assert [s["kind"] for s in drawn] == [e["name"].removeprefix("gloo:").replace("_", "-") for e in gloo]
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2 x TP and HSDP
