@@ -42,6 +42,7 @@ class ParallelMesh:
         return f"ParallelMesh(dp={self.sizes['dp']}, tp={self.sizes['tp']}, pp={self.sizes['pp']}, rank={self.rank})"
 
     # ------------------------------------------------------------------------------------------- arithmetic
+    # --8<-- [start:layout]
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         """The global rank at these coordinates."""
         coords = {"pp": pp, "dp": dp, "tp": tp}
@@ -64,6 +65,7 @@ class ParallelMesh:
             raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
         c = self.coords(rank)
         return [self.rank_of(**{**c, dim: i}) for i in range(self.sizes[dim])]
+    # --8<-- [end:layout]
 
     def all_groups(self, dim: str) -> list[list[int]]:
         """Every group along `dim` (a partition of all ranks), ordered by the other coordinates."""

@@ -28,7 +28,9 @@ Chapter 7 teaches it; the 3-D mesh of the same chapter reuses it inside a bigger
 
 Sends are non-blocking (isend; completed at the end of the step) and receives block until the data is there, so
 no schedule that is valid on paper can deadlock; each channel keeps the receive for its next message posted ahead.
-Tags keep activations (forward) and gradients (backward) apart.
+Tags keep activations (forward) and gradients (backward) apart. Under torch.profiler the runner's work shows up
+by name (record_function): "F3" / "B3" (compute of micro-batch 3), "recv act 3" / "recv grad 3" (blocked waiting
+for that message), "send act 3" / "send grad 3" (posting it), "wait for sends" and "tied grad exchange".
 
 Also here: `schedule_actions` (the order of operations of a stage), `check_actions`, `max_in_flight`,
 `bubble_fraction` ((p - 1) / (m + p - 1)), `simulate` (the ideal timeline of a schedule), `measured_bubble`
@@ -51,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from mlsys.model import GPT
 
@@ -301,17 +304,19 @@ def run_pipeline_step(stage: nn.Module, stage_ranks: Sequence[int], micro_batche
 
     posted: dict[int, tuple[torch.Tensor, Any]] = {}  # tag -> the receive posted ahead for the next message
 
-    def recv(shape: tuple, src: int, tag: int, more: bool) -> torch.Tensor:
+    def recv(shape: tuple, src: int, tag: int, more: bool, name: str) -> torch.Tensor:
         """The next message from `src` on this channel; with `more`, post the receive for the one after it.
 
         Messages on a channel arrive in micro-batch order, so posting the next irecv early lets the peer's
-        isend find a waiting receiver and deliver while this stage computes.
+        isend find a waiting receiver and deliver while this stage computes. `name` labels the wait in a
+        torch.profiler trace ("recv act 3").
         """
         if tag not in posted:
             buf = torch.empty(shape, dtype=param.dtype, device=param.device)
             posted[tag] = (buf, dist.irecv(buf, src=src, group=group, tag=tag))
         buf, work = posted.pop(tag)
-        work.wait()  # blocks until the peer's message is in
+        with record_function(name):
+            work.wait()  # blocks until the peer's message is in
         if more:
             nxt = torch.empty(shape, dtype=param.dtype, device=param.device)
             posted[tag] = (nxt, dist.irecv(nxt, src=src, group=group, tag=tag))
@@ -323,34 +328,38 @@ def run_pipeline_step(stage: nn.Module, stage_ranks: Sequence[int], micro_batche
         if s == 0:
             x = micro_batches[i].to(param.device)  # (B, T) token ids
         else:
-            x = recv((B, T, width), prev_rank, _TAG_ACT, i < m - 1).requires_grad_()  # (B, T, C) from stage s-1
+            x = recv((B, T, width), prev_rank, _TAG_ACT, i < m - 1, f"recv act {i}").requires_grad_()  # from s-1
             inputs[i] = x
-        start = clock()
-        with meter.hooks(i):
-            out = stage(x)  # (B, T, C), or logits (B, T, V) on the last stage
-            if s == p - 1:
-                loss = F.cross_entropy(out.flatten(0, 1), targets[i].to(param.device).flatten())
-                losses.append(loss.detach())
-                out = loss / m  # each micro-batch contributes 1/m of the batch's mean loss
-        events.append({"kind": "F", "mb": i, "start": start, "end": clock()})
+        with record_function(f"F{i}"):  # names the forward in a torch.profiler trace
+            start = clock()
+            with meter.hooks(i):
+                out = stage(x)  # (B, T, C), or logits (B, T, V) on the last stage
+                if s == p - 1:
+                    loss = F.cross_entropy(out.flatten(0, 1), targets[i].to(param.device).flatten())
+                    losses.append(loss.detach())
+                    out = loss / m  # each micro-batch contributes 1/m of the batch's mean loss
+            events.append({"kind": "F", "mb": i, "start": start, "end": clock()})
         outputs[i] = out
         if s < p - 1:
             sent = out.detach()
-            pending.append((sent, dist.isend(sent, dst=next_rank, group=group, tag=_TAG_ACT)))
+            with record_function(f"send act {i}"):
+                pending.append((sent, dist.isend(sent, dst=next_rank, group=group, tag=_TAG_ACT)))
     # --8<-- [end:forward]
 
     # --8<-- [start:backward]
     def backward(i: int) -> None:
         out = outputs.pop(i)
         # dL/d(out) from stage s+1 (the last stage starts from its loss)
-        grad = None if s == p - 1 else recv(tuple(out.shape), next_rank, _TAG_GRAD, i < m - 1)
-        start = clock()
-        torch.autograd.backward(out, grad)  # frees this micro-batch's saved activations
-        events.append({"kind": "B", "mb": i, "start": start, "end": clock()})
+        grad = None if s == p - 1 else recv(tuple(out.shape), next_rank, _TAG_GRAD, i < m - 1, f"recv grad {i}")
+        with record_function(f"B{i}"):
+            start = clock()
+            torch.autograd.backward(out, grad)  # frees this micro-batch's saved activations
+            events.append({"kind": "B", "mb": i, "start": start, "end": clock()})
         meter.release(i)
         if s > 0:
             x = inputs.pop(i)
-            pending.append((x.grad, dist.isend(x.grad, dst=prev_rank, group=group, tag=_TAG_GRAD)))
+            with record_function(f"send grad {i}"):
+                pending.append((x.grad, dist.isend(x.grad, dst=prev_rank, group=group, tag=_TAG_GRAD)))
     # --8<-- [end:backward]
 
     for kind, i in actions:
@@ -362,10 +371,12 @@ def run_pipeline_step(stage: nn.Module, stage_ranks: Sequence[int], micro_batche
             backward(i)
             live -= 1
         peak_live = max(peak_live, live)
-    for _, work in pending:  # the tensor stays referenced until its send is complete
-        work.wait()
+    with record_function("wait for sends"):
+        for _, work in pending:  # the tensor stays referenced until its send is complete
+            work.wait()
     if sync_tied and p > 1:
-        sync_tied_grads(stage, stage_ranks, group)
+        with record_function("tied grad exchange"):
+            sync_tied_grads(stage, stage_ranks, group)
     return {
         "loss": float(torch.stack(losses).mean()) if losses else None,
         "events": events,

@@ -267,17 +267,58 @@ def test_mesh_coordinates_match_a_numpy_array_of_ranks(dp, tp, pp):
         mesh.coords(dp * tp * pp)
 
 
+def assert_picture_is_the_mesh(picture: dict, dp: int, tp: int, pp: int) -> None:
+    """mesh.png against the oracle np.arange(world).reshape(pp, dp, tp): every rank drawn where the picture's own
+    labels (its panel's stage, the nearest tp column tick and dp row tick) give its coordinates; the ranks inside
+    each solid outline are a TP group, inside each dashed one a DP group; one fill colour per PP group."""
+    grid = np.arange(dp * tp * pp).reshape(pp, dp, tp)
+    assert sorted(c["rank"] for c in picture["cells"]) == list(range(dp * tp * pp))
+
+    def nearest(ticks: list[dict], at: float) -> int:
+        return int(min(ticks, key=lambda t: abs(t["at"] - at))["label"].split()[1])
+
+    for c in picture["cells"]:
+        (stage,) = [pn["stage"] for pn in picture["panels"] if pn["x0"] < c["x"] < pn["x1"]]
+        assert grid[stage, nearest(picture["yticks"], c["y"]), nearest(picture["xticks"], c["x"])] == c["rank"], c
+
+    def inside(o: dict) -> list[int]:
+        return sorted(c["rank"] for c in picture["cells"] if o["x0"] < c["x"] < o["x1"] and o["y0"] < c["y"] < o["y1"])
+
+    for dim, axis in (("tp", 2), ("dp", 1)):
+        want = sorted(np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis]).tolist())
+        assert sorted(inside(o) for o in picture["outlines"] if o["dim"] == dim) == want, dim
+    fills: dict[str, list[int]] = {}  # the colour each cell was filled with -> its ranks
+    for c in picture["cells"]:
+        fills.setdefault(c["fill"], []).append(c["rank"])
+    assert sorted(sorted(v) for v in fills.values()) == sorted(grid.reshape(pp, -1).T.tolist())
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(2, 3, 2), (3, 1, 2), (1, 2, 3)])
+def test_mesh_picture_places_every_rank_by_its_coordinates(dp, tp, pp, tmp_path):
+    """The drawing alone, for shapes the test run does not use (no dimension twice the same size)."""
+    from mlsys.mesh import ParallelMesh
+
+    mesh3d = load_script(CH07 / "mesh_3d.py")
+    mesh = ParallelMesh(dp, tp, pp)
+    args = mesh3d.Settings(world_size=dp * tp * pp, dp=dp, tp=tp, pp=pp, plot_dir=str(tmp_path))
+    picture = mesh3d.draw(args, {dim: mesh.all_groups(dim) for dim in ("dp", "tp", "pp")})
+    assert (tmp_path / "mesh.png").is_file()
+    assert_picture_is_the_mesh(picture, dp, tp, pp)
+
+
 @pytest.mark.timeout(120)
 def test_mesh_3d_run_equals_single_process(tmp_path):
     """4 ranks as dp=1 x tp=2 x pp=2 (the suite's smoke run covers 2x2x2): groups checked against
-    init_device_mesh inside the run, loss and every gradient/parameter shard against one process."""
+    init_device_mesh inside the run, loss and every gradient/parameter shard against one process, and the
+    picture the run recorded in its JSON against the numpy oracle."""
     out = tmp_path / "mesh.json"
     proc = run([CH07 / "mesh_3d.py", "-w", "4", "--dp", "1", "--tp", "2", "--pp", "2", "--steps", "1",
                 "--seq-len", "8", "--json", out, "--plot-dir", tmp_path], timeout=110)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "mesh.png").is_file()
+    assert (tmp_path / "mesh.png").is_file() and f"figure: {tmp_path / 'mesh.png'}" in proc.stdout
     r = json.loads(out.read_text())["results"]
     assert r["groups"]["tp"] == [[0, 1], [2, 3]] and r["groups"]["pp"] == [[0, 2], [1, 3]]
+    assert_picture_is_the_mesh(r["picture"], 1, 2, 2)
     step = r["steps"][0]
     assert step["loss_3d"] == pytest.approx(step["loss_single"], rel=1e-5)
     assert step["max_grad_diff"] < 1e-5 and step["max_param_diff"] < 1e-5

@@ -273,3 +273,76 @@ def test_measured_bubble_agrees_with_the_formula_where_the_lesson_says(tmp_path)
     for schedule in ("gpipe", "1f1b"):
         assert runs[schedule, 1] == pytest.approx(0.5, abs=0.1), runs
         assert bubble_fraction(2, 4) - 0.03 <= runs[schedule, 4] < runs[schedule, 1], runs
+
+
+# ----------------------------------------------------------------------------------------------- the profiler trace
+def one_f_one_b_as_a_memory_rule(s: int, p: int, m: int) -> list[tuple[str, int]]:
+    """The oracle, written as the rule 1F1B obeys rather than as its three phases: stage s runs the next forward
+    while forwards are left and fewer than p - s micro-batches are in flight, else the backward of the oldest."""
+    order, fwd, bwd = [], 0, 0
+    while bwd < m:
+        if fwd < m and fwd - bwd < p - s:
+            order.append(("F", fwd))
+            fwd += 1
+        else:
+            order.append(("B", bwd))
+            bwd += 1
+    return order
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def trace_run(request, tmp_path_factory) -> tuple[int, dict, list[dict]]:
+    """pipeline_trace.py at p = 2 (the lesson's) and 3, m = 5: its JSON and the raw events of its merged trace."""
+    p = request.param
+    out = tmp_path_factory.mktemp(f"trace{p}") / "trace.json"
+    proc = run([SCRIPTS / "pipeline_trace.py", "--smoke", "-w", str(p), "--micro-batches", "5", "--json", out,
+                "--plot-dir", out.parent], timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    png, trace = out.parent / "pipeline_1f1b.png", out.parent / "pipeline_1f1b.trace.json"
+    assert png.is_file() and f"figure: {png}" in proc.stdout
+    return p, json.loads(out.read_text())["results"], json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.timeout(120)
+def test_trace_shows_the_1f1b_order_and_the_picture_draws_it(trace_run) -> None:
+    """The merged torch.profiler trace file itself: per process (stage), the runner's F<i>/B<i> ranges sorted by
+    time are the 1F1B order computed here as a memory rule; the boxes of pipeline_1f1b.png are exactly those
+    events (ms from the first compute start); every stage waits only on its own channels (activations from the
+    stage before, gradients from the one after)."""
+    p, res, raw = trace_run
+    m = 5
+    stage_of = {e["pid"]: int(e["args"]["name"].split()[1]) for e in raw
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert sorted(set(stage_of.values())) == list(range(p))
+    ranges = [e for e in raw if e.get("ph") == "X" and e.get("pid") in stage_of]
+    compute = {s: sorted((e for e in ranges if stage_of[e["pid"]] == s and e["name"][0] in "FB"
+                          and e["name"][1:].isdigit()), key=lambda e: e["ts"]) for s in range(p)}
+    t0 = min(e["ts"] for events in compute.values() for e in events)
+    for s in range(p):
+        assert [(e["name"][0], int(e["name"][1:])) for e in compute[s]] == one_f_one_b_as_a_memory_rule(s, p, m), s
+        drawn = [(sp["label"], sp["start"], sp["end"]) for sp in res["spans"] if sp["lane"] == f"stage {s}"]
+        want = [(e["name"], (e["ts"] - t0) / 1000, (e["ts"] + e["dur"] - t0) / 1000) for e in compute[s]]
+        assert [d[0] for d in drawn] == [w[0] for w in want]
+        assert [t for d in drawn for t in d[1:]] == pytest.approx([t for w in want for t in w[1:]], abs=1e-6)
+        waits = {e["name"].split()[1] for e in ranges if stage_of[e["pid"]] == s and e["name"].startswith("recv ")}
+        assert waits == {c for c, on in (("act", s > 0), ("grad", s < p - 1)) if on}, (s, waits)
+
+
+@pytest.mark.timeout(120)
+def test_trace_bubble_is_counted_from_the_raw_events_and_the_ideal_by_the_tick_clock(trace_run) -> None:
+    """The idle shares the lesson quotes: measured = 1 - (a stage's F/B time) / (first start to last end over all
+    stages), recomputed here from the raw trace events; ideal = the tick-by-tick clock of the oracle orders."""
+    p, res, raw = trace_run
+    m = 5
+    stage_of = {e["pid"]: int(e["args"]["name"].split()[1]) for e in raw
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in raw if e.get("ph") == "X" and e.get("pid") in stage_of and e["name"][0] in "FB"
+           and e["name"][1:].isdigit()]
+    span = max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
+    idle = [1 - sum(e["dur"] for e in ops if stage_of[e["pid"]] == s) / span for s in range(p)]
+    assert res["measured"]["per_stage"] == pytest.approx(idle, abs=1e-6)
+    assert res["measured"]["mean"] == pytest.approx(sum(idle) / p, abs=1e-6)
+    started, end = tick_by_tick([one_f_one_b_as_a_memory_rule(s, p, m) for s in range(p)])
+    busy = [sum(1 if k == "F" else 2 for k, _, _ in started[s]) for s in range(p)]
+    assert res["ideal_per_stage"] == pytest.approx([1 - b / end for b in busy])
+    assert res["ideal"] == pytest.approx((p - 1) / (m + p - 1))

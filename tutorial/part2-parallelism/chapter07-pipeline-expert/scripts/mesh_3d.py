@@ -12,7 +12,9 @@ What it shows
     3. The loss, every gradient and every parameter after the step equal a single-process GPT trained on the
        whole batch (the reference's gradients and weights are sharded the same way and compared shard by shard).
 
-    Figure mesh.png: the ranks placed by the groups the run built, one panel per pipeline stage.
+    Figure mesh.png: the ranks placed by the groups the run built, one panel per pipeline stage, a dp x tp grid
+    in each: solid outlines around the TP groups, dashed ones around the DP groups, one fill colour per pipeline.
+    Everything drawn (cells, outlines, tick labels) is in the JSON under "picture".
 
 How to run (world size = dp * tp * pp)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py               # 8 ranks, 2x2x2
@@ -207,35 +209,65 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             for d in ("dp", "tp", "pp")}, "steps": rows}
 
 
-def draw(args: Settings, groups: dict[str, list[list[int]]]) -> None:
+# --8<-- [start:draw]
+def draw(args: Settings, groups: dict[str, list[list[int]]]) -> dict:
     """mesh.png: one panel per pipeline stage, a dp x tp grid of ranks in each. A rank's place is read from the
-    groups the run built (and checked against init_device_mesh): column = index in its TP group, row = index in its
-    DP group, panel = index in its PP group. Boxes of one colour form a TP group; arrows join a pipeline."""
+    groups the run built (and checked against init_device_mesh): column = its index in its TP group, row = its
+    index in its DP group, panel = its index in its PP group. Solid outlines are TP groups, dashed ones DP groups,
+    and one fill colour marks one pipeline (PP group). Returns what it drew: every cell, outline and tick label."""
     plt = plot.pyplot()
-    where = {}
+    from matplotlib.colors import to_hex
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch, Patch
+
+    where: dict[int, dict[str, int]] = {}
     for dim in ("tp", "dp", "pp"):
         for group in groups[dim]:
             for i, rank in enumerate(group):
                 where.setdefault(rank, {})[dim] = i
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(1, args.pp, figsize=(2.2 + 2.0 * args.pp * args.tp, 1.4 + 1.2 * args.dp), squeeze=False)
-    for rank, c in where.items():
-        ax = axes[0][c["pp"]]
-        tp_group = next(i for i, g in enumerate(groups["tp"]) if rank in g)
-        ax.add_patch(plt.Rectangle((c["tp"] + 0.1, -c["dp"] - 0.9), 0.8, 0.8,
-                                   color=colors[tp_group % len(colors)], alpha=0.5))
-        ax.text(c["tp"] + 0.5, -c["dp"] - 0.5, f"rank {rank}", ha="center", va="center", fontsize=9)
-    for s, ax in enumerate(axes[0]):
-        ax.set(xlim=(0, args.tp), ylim=(-args.dp, 0), title=f"pipeline stage {s}", aspect="equal")
-        ax.set_xticks([i + 0.5 for i in range(args.tp)], [f"tp {i}" for i in range(args.tp)])
-        ax.set_yticks([-i - 0.5 for i in range(args.dp)], [f"dp {i}" for i in range(args.dp)])
-        ax.grid(False)
+    pipeline = {rank: n for n, group in enumerate(groups["pp"]) for rank in group}
+    fill = plot.colours(f"pipeline {n}" for n in range(len(groups["pp"])))  # one colour per PP group
+    fig, ax = plt.subplots(figsize=(1.0 + 1.6 * args.pp * (args.tp + 0.6), 1.2 + 1.3 * args.dp))
+    drawn: dict = {"cells": [], "outlines": [], "xticks": [], "yticks": [], "panels": []}
+    for rank, c in sorted(where.items()):
+        x, y = c["pp"] * (args.tp + 1) + c["tp"], -c["dp"]  # the cell's lower left corner is (x, y - 1)
+        color = fill[f"pipeline {pipeline[rank]}"]
+        ax.add_patch(plt.Rectangle((x + 0.1, y - 0.9), 0.8, 0.8, color=color, alpha=0.45, linewidth=0))
+        ax.text(x + 0.5, y - 0.5, f"rank {rank}", ha="center", va="center", fontsize=9)
+        drawn["cells"].append({"rank": rank, "x": x + 0.5, "y": y - 0.5, "fill": to_hex(color)})
+    for dim, pad, style, color in (("tp", 0.04, "-", "black"), ("dp", 0.12, "--", "0.35")):
+        for group in groups[dim]:
+            xs = [c["x"] for c in drawn["cells"] if c["rank"] in group]
+            ys = [c["y"] for c in drawn["cells"] if c["rank"] in group]
+            x0, x1, y0, y1 = min(xs) - 0.4 - pad, max(xs) + 0.4 + pad, min(ys) - 0.4 - pad, max(ys) + 0.4 + pad
+            ax.add_patch(plt.Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, linestyle=style, edgecolor=color,
+                                       linewidth=1.6))
+            drawn["outlines"].append({"dim": dim, "x0": x0, "x1": x1, "y0": y0, "y1": y1})
+    for s in range(args.pp):
+        left = s * (args.tp + 1)
+        ax.text(left + args.tp / 2, 0.35, f"pipeline stage {s}", ha="center", va="bottom", fontsize=10)
+        drawn["panels"].append({"stage": s, "x0": left, "x1": left + args.tp})
+        drawn["xticks"] += [{"at": left + k + 0.5, "label": f"tp {k}"} for k in range(args.tp)]
         if s + 1 < args.pp:
-            ax.annotate("", xy=(1.12, 0.5), xytext=(1.0, 0.5), xycoords="axes fraction",
-                        arrowprops={"arrowstyle": "->", "lw": 1.5}, annotation_clip=False)
-    fig.suptitle(f"dp={args.dp} x tp={args.tp} x pp={args.pp}: a row of one colour is a TP group, a column a DP "
-                 "group, the same cell across stages a pipeline", fontsize=9)
-    plot.save(fig, args, "mesh")
+            ax.add_patch(FancyArrowPatch((left + args.tp + 0.2, -args.dp / 2), (left + args.tp + 0.8, -args.dp / 2),
+                                         arrowstyle="-|>", mutation_scale=18, color="black", lw=1.5))
+    drawn["yticks"] = [{"at": -j - 0.5, "label": f"dp {j}"} for j in range(args.dp)]
+    ax.set_xticks([t["at"] for t in drawn["xticks"]], [t["label"] for t in drawn["xticks"]])
+    ax.set_yticks([t["at"] for t in drawn["yticks"]], [t["label"] for t in drawn["yticks"]])
+    ax.set(xlim=(-0.3, args.pp * (args.tp + 1) - 0.7), ylim=(-args.dp - 0.3, 0.8), aspect="equal")
+    ax.grid(False)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    handles = [Line2D([], [], color="black", lw=1.6, label="TP group (solid)"),
+               Line2D([], [], color="0.35", lw=1.6, linestyle="--", label="DP group (dashed)")]
+    handles += [Patch(color=fill[f"pipeline {n}"], alpha=0.45, label=f"pipeline {n}: ranks {g}")
+                for n, g in enumerate(groups["pp"])]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(f"dp={args.dp} x tp={args.tp} x pp={args.pp} = {args.dp * args.tp * args.pp} ranks, "
+                 "as the run grouped them", fontsize=10)
+    print(f"figure: {plot.save(fig, args, 'mesh')}")
+    return drawn
+# --8<-- [end:draw]
 
 
 def main() -> int:
@@ -252,7 +284,7 @@ def main() -> int:
           f"per pipeline (1F1B), SGD lr={args.lr}: the 3-D run against one process on the whole batch")
     print(report.table(result["steps"], floatfmt=".6g"))
     print("OK: loss, every gradient shard and every parameter shard after each step equal the single-process model")
-    draw(args, result["groups"])
+    result["picture"] = draw(args, result["groups"])
     if args.json:
         report.write_json(args.json, result, args)
     return 0
