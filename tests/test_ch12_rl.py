@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script, run, run_json, scripts_dir
+from conftest import load_script, run, run_json, scripts_dir, smoke_run
 from mlsys import rl
 
 CH12 = scripts_dir(12)
@@ -274,6 +274,59 @@ def test_discounted_return_and_crossing() -> None:
     assert rv.running_mean_drop(rise_and_fall, window=3) == {"drop": 90.0, "peak": 90.0, "peak_step": 70,
                                                               "low": 0.0, "low_step": 100}
     assert rv.running_mean_drop(curve, window=20)["drop"] == 0.0  # a steady climb never falls
+
+
+def test_gae_episode_picture_equals_a_direct_sum_of_td_errors(smoke_cache) -> None:
+    """gae_advantages.png (gae_lambda.py's "episode" in --json): one real rollout's rewards, values and dones as
+    drawn, and the TD errors and advantages drawn beside them. Here delta_t is computed from the drawn rewards and
+    values in numpy, and A_t as the direct sum sum_l (gamma lambda)^l delta_{t+l} up to the episode's end (or the
+    rollout's), with no recursion."""
+    proc = smoke_run(smoke_cache, CH12 / "gae_lambda.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    ep = proc["json"]["results"]["episode"]
+    gamma = ep["gamma"]
+    r, v, d = (np.array(ep[k], dtype=np.float64) for k in ("rewards", "values", "dones"))
+    T = len(r)
+    assert 0 < d.sum() and d[-1] == 0  # an episode ends inside the rollout, and the rollout stops mid-episode
+    v_next = np.append(v[1:], ep["last_value"])
+    delta = r + gamma * v_next * (1 - d) - v
+    np.testing.assert_allclose(ep["td_errors"], delta, rtol=1e-5, atol=1e-4)
+    assert ep["ends"] == np.flatnonzero(d).tolist() and ep["at_end"]["t"] == ep["ends"][0]
+    for lam, drawn in ep["advantages"].items():
+        want = np.zeros(T)
+        for t in range(T):
+            k = t
+            while True:  # delta_t + (gamma lambda) delta_t+1 + ... , stopping after the step an episode ends
+                want[t] += (gamma * float(lam)) ** (k - t) * delta[k]
+                if d[k] or k == T - 1:
+                    break
+                k += 1
+        np.testing.assert_allclose(drawn, want, rtol=1e-4, atol=1e-3, err_msg=f"lambda {lam}")
+
+
+def test_clip_batch_picture_against_the_definition() -> None:
+    """clip_batch.png (ppo_cartpole.clip_batch): a real minibatch of a short PPO run, with a learning rate high
+    enough that ratios leave the band. Against the definitions, in numpy: rho = exp(logp_new - logp_old); the clip
+    fraction training logged is the share with |rho - 1| > eps; approx KL is mean((rho - 1) - log rho); and a sample
+    gets no gradient exactly where the clipped term wins: A > 0 with rho > 1 + eps, or A < 0 with rho < 1 - eps."""
+    pc = load_script(CH12 / "ppo_cartpole.py")
+    ppo = load_script(CH12 / "_ppo.py")
+    args = ppo.Settings(total_steps=2048, num_envs=4, num_steps=64, update_epochs=10, lr=0.01, eval_every=10**9,
+                        eval_episodes=2)
+    cb = pc.clip_batch(ppo.train(args, seed=0, progress=False), args.clip_eps)
+    eps = cb["clip_eps"]
+    rho = np.exp(np.array(cb["logp_new"], dtype=np.float64) - np.array(cb["logp_old"], dtype=np.float64))
+    adv, grad = np.array(cb["advantage"]), np.array(cb["gradient"])
+    np.testing.assert_allclose(cb["ratio"], rho, rtol=1e-6)
+    outside = np.abs(rho - 1) > eps
+    assert cb["clip_frac"] == pytest.approx(outside.mean(), abs=1e-6)
+    assert cb["approx_kl"] == pytest.approx(np.mean((rho - 1) - np.log(rho)), rel=1e-4, abs=1e-7)
+    flat = ((adv > 0) & (rho > 1 + eps)) | ((adv < 0) & (rho < 1 - eps))
+    np.testing.assert_array_equal(grad, ~flat & (adv != 0))
+    assert (cb["samples"], cb["outside"], cb["no_gradient_above"], cb["no_gradient_below"],
+            cb["outside_with_gradient"]) == (len(rho), outside.sum(), (flat & (adv > 0)).sum(),
+                                             (flat & (adv < 0)).sum(), (outside & ~flat).sum())
+    assert flat.any() and (outside & ~flat).any(), "the picture should show both kinds of samples outside the band"
 
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_json, scripts_dir
+from conftest import run_json, scripts_dir, smoke_run
 from mlsys import rlhf
 from mlsys.engine import Engine, EngineConfig
 from mlsys.model import GPT, GPTConfig
@@ -53,6 +53,63 @@ def test_preference_pairs_are_labelled_by_the_rule() -> None:
         assert rlhf.rule_score(chosen) > rlhf.rule_score(rejected)
         assert chosen.split('"')[3] == rejected.split('"')[3]  # same name: the same prompt
     assert rlhf.make_preference_pairs(20, seed=3) == pairs[:20]  # deterministic
+
+
+def _rule_by_hand(text: str) -> int:
+    """The preference rule, written here from the schema with the json library: 0 unless the text is one JSON
+    object with exactly the keys name, age, city, langs (in that order) holding a known name, an integer age in
+    range, a known city and 1 to 3 distinct known languages; else the number of languages."""
+    import json
+
+    from mlsys.data import AGE_RANGE, LANGS, MAX_LANGS, PEOPLE
+
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        return 0
+    if not isinstance(rec, dict) or list(rec) != ["name", "age", "city", "langs"]:
+        return 0
+    langs, age = rec["langs"], rec["age"]
+    ok = (rec["name"] in PEOPLE and isinstance(age, int) and not isinstance(age, bool)
+          and AGE_RANGE[0] <= age <= AGE_RANGE[1] and rec["city"] in {p.city for p in PEOPLE.values()}
+          and isinstance(langs, list) and 1 <= len(langs) <= MAX_LANGS
+          and all(isinstance(x, str) and x in LANGS for x in langs) and len(set(langs)) == len(langs))
+    return len(langs) if ok else 0
+
+
+def test_records_picture_counts_agree_with_the_rule_written_by_hand(smoke_cache) -> None:
+    """records.png (preference_rule.py --smoke): the SFT model's responses, the examples drawn with their scores,
+    and the bars of responses per score and per malformed kind, against the rule written here with json."""
+    import json
+
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "preference_rule.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    res = proc["json"]["results"]
+    texts, prompts = res["texts"], res["prompts"]
+    assert len(texts) == len(prompts) == proc["json"]["settings"]["num_prompts"]
+    assert all(t.startswith(p) for t, p in zip(texts, prompts))  # each response continues its own prompt
+    by_hand = [_rule_by_hand(t) for t in texts]
+    assert res["scores"] == by_hand
+    assert res["per_score"] == {str(s): by_hand.count(s) for s in range(4)}
+    assert all(by_hand.count(s) > 0 for s in range(4)), "the picture should show every score, malformed included"
+    malformed = [t for t, s in zip(texts, by_hand) if s == 0]
+    kinds = res["per_kind"]
+    assert kinds["well_formed"] == len(texts) - len(malformed)
+    assert sum(n for k, n in kinds.items() if k != "well_formed") == len(malformed)
+
+    def not_json(t: str) -> bool:
+        try:
+            json.loads(t)
+            return False
+        except ValueError:
+            return True
+    assert kinds["not_json"] == sum(map(not_json, malformed))
+    assert kinds["four_plus_langs"] == sum(not not_json(t) and isinstance(json.loads(t), dict)
+                                           and isinstance(json.loads(t).get("langs"), list)
+                                           and len(json.loads(t)["langs"]) > 3 for t in malformed)
+    shown = res["examples"]
+    assert len(set(shown)) == len(shown) == min(proc["json"]["settings"]["examples"], len(texts))
+    assert {by_hand[i] for i in shown} >= {0, 1, 2, 3}  # one of each score among the examples drawn
 
 
 # ------------------------------------------------------------------------------------------ reward model
@@ -376,24 +433,33 @@ def test_grpo_loss_and_gradient_are_beta_times_an_independent_k3_kl(beta: float)
         torch.testing.assert_close((p.detach() - p0).double(), -beta * g.double(), rtol=1e-3, atol=1e-3 * beta * scale)
 
 
-# ----------------------------------------------------------------------------------------------- the drawn response
-@pytest.mark.timeout(120)
-def test_drawn_response_advantages_equal_an_independent_numpy_gae(tmp_path) -> None:
-    """response.png: after two short PPO iterations (the critic has been trained once, so values are not zero), the
-    rewards, values and advantages drawn for one response. The rewards are -beta k1 per token plus the score on the
-    last; the raw advantages equal a GAE written here in numpy over the drawn rewards and values (gamma 1,
-    lambda 0.95, nothing bootstrapped past the last token); the whitened ones are the batch's own."""
-    from types import SimpleNamespace
-
-    from conftest import load_script
-
-    script = load_script(scripts_dir(13) / "rlhf_loop.py")
+# ----------------------------------------------------------------------------------------------- the drawn pictures
+@pytest.fixture(scope="module")
+def two_ppo_iterations():
+    """Two short PPO iterations (4 rollouts of at most 72 tokens; the critic has been trained once, so the second
+    batch's values are not zero): the second batch, the beta it was shaped with, its stats and the config."""
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = rlhf.PPOConfig()
     models, opts, kl_ctl, engine = rlhf.setup_rlhf(cfg, max_num_seqs=4)
     for i in range(2):
         beta = kl_ctl.beta
-        _, batch = rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 4, 32, seed=i)
+        stats, batch = rlhf.rlhf_iteration(engine, models, opts, kl_ctl, cfg, 4, 72, seed=i)
+    return batch, beta, stats, cfg
+
+
+@pytest.mark.timeout(120)
+def test_drawn_response_advantages_equal_an_independent_numpy_gae(tmp_path, two_ppo_iterations) -> None:
+    """response.png: after two short PPO iterations, the rewards, values and advantages drawn for one response.
+    The rewards are -beta k1 per token plus the score on the last; the raw advantages equal a GAE written here in
+    numpy over the drawn rewards and values (gamma 1, lambda 0.95, nothing bootstrapped past the last token); the
+    whitened ones are the batch's own."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+
+    script = load_script(scripts_dir(13) / "rlhf_loop.py")
+    batch, beta, _, cfg = two_ppo_iterations
     row = 1
     drawn = script.draw_response(batch, beta, cfg, SimpleNamespace(plot_dir=str(tmp_path)), row=row)
     x, n = batch.extra, int(batch.mask[row].sum())
@@ -411,3 +477,44 @@ def test_drawn_response_advantages_equal_an_independent_numpy_gae(tmp_path) -> N
     np.testing.assert_allclose(drawn["advantages_raw"], adv, atol=1e-5)
     np.testing.assert_allclose(drawn["advantages"], x["advantages"][row, :n].numpy(), atol=1e-6)
     assert drawn["raw_negative"] == int((adv < 0).sum())
+
+
+@pytest.mark.timeout(120)
+def test_drawn_iteration_shapes_and_grids_against_counts_from_the_texts(tmp_path, two_ppo_iterations) -> None:
+    """iteration.png: the tensors of one iteration, drawn in dataflow order. Their shapes against counts made here
+    from the response texts alone (a character-level tokenizer: <bos>, one id per character, <eos> unless the
+    response hit the token limit): ids (B, max prompt + response), every per-token grid (B, max response), the
+    reward model's scores (B,); each drawn grid has exactly each row's response tokens, padding blank; the ids
+    drawn spell the texts; each row's drawn rewards sum to its score minus beta times its drawn k1; the drawn
+    advantages have mean 0 and standard deviation 1 over the real tokens (whitening)."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+    from mlsys.data import Tokenizer
+
+    script = load_script(scripts_dir(13) / "rlhf_loop.py")
+    batch, beta, stats, _ = two_ppo_iterations
+    drawn = script.draw_iteration(batch, stats, 2, SimpleNamespace(plot_dir=str(tmp_path)))
+    max_tokens = 72
+    prompts = [t[: t.index('", ') + 3] for t in batch.texts]  # '{"name": "ada", ' starts every text
+    resp_chars = [len(t) - len(p) for t, p in zip(batch.texts, prompts)]
+    n = [min(max_tokens, c + 1) for c in resp_chars]  # + <eos>, unless the limit cut the response first
+    assert min(n) < max_tokens or max(resp_chars) == max_tokens
+    B, L, T = len(prompts), max(n), max(1 + len(p) + k for p, k in zip(prompts, n))
+    for title, shape in drawn["shapes"].items():
+        want = [B, T] if "ids" in title else [B] if "reward model" in title else [B, L]
+        assert shape == want, (title, shape, want)
+    grids = {k: np.array(v, dtype=float) for k, v in drawn.items() if isinstance(v, list) and k not in
+             ("ids", "scores")}
+    assert len(grids) == 8
+    for name, g in grids.items():
+        assert g.shape == (B, L) and (~np.isnan(g)).sum(1).tolist() == n, name
+    itos = Tokenizer().itos
+    for b, text in enumerate(batch.texts):
+        row = drawn["ids"][b]
+        assert row[0] == 1 and "".join(itos[i] for i in row[1: 1 + len(text)]) == text
+    k1, rewards = np.nan_to_num(grids["3. KL: k1 = log pi - log pi_ref"]), np.nan_to_num(grids["3. shaped reward r_t"])
+    np.testing.assert_allclose(rewards.sum(1), np.array(drawn["scores"]) - drawn["beta"] * k1.sum(1), atol=1e-5)
+    assert drawn["beta"] == pytest.approx(beta)
+    adv = grids["4. GAE: advantage, whitened"][~np.isnan(grids["4. GAE: advantage, whitened"])]
+    assert abs(adv.mean()) < 1e-5 and adv.std() == pytest.approx(1.0, abs=1e-4)

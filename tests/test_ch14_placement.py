@@ -104,7 +104,8 @@ def test_planner_script_runs_and_writes_json(tmp_path_factory) -> None:
     plots = tmp_path_factory.mktemp("plots")
     res = run_json(tmp_path_factory, CH14 / "memory_planner.py", "--actor", "llama-3-70b", "--plot-dir", plots)
     assert res["kv_total_bytes"] == 327680 * 256 * 2048  # Llama-3-70B: 2 x 80 x 8 x 128 x 2 B per token
-    assert (plots / "memory_phases.png").exists()
+    assert (plots / "memory_phases.png").exists() and (plots / "roles.png").exists()
+    _check_roles(res["roles"], "llama-3-70b", "llama-3-8b")  # the critic and reward model stay 8B
 
 
 def test_fp32_logits_against_checkpointed_layer_inputs_8b_and_70b(planner) -> None:
@@ -117,6 +118,50 @@ def test_fp32_logits_against_checkpointed_layer_inputs_8b_and_70b(planner) -> No
         with_head = planner.train_activation_bytes(s, 1, 1, "full", lm_head=True)
         without = planner.train_activation_bytes(s, 1, 1, "full", lm_head=False)
         assert (with_head - without > without) is more, name
+
+
+def _role_bytes_from_real_models(actor: str, critic: str) -> dict[str, dict[str, int]]:
+    """Each role's bytes counted from the parameters of the real architecture, built by Hugging Face transformers
+    on the meta device (no memory): LlamaForCausalLM for actor and reference, LlamaModel plus a hidden -> 1 linear
+    (with bias) for critic and reward model. Sum of p.numel() times the element size of each dtype: bf16 weights and
+    gradients, fp32 master weights and Adam's two fp32 moments for the trained two; bf16 weights alone otherwise."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    def config(name: str) -> LlamaConfig:
+        s = kvm.MODEL_SHAPES[name]
+        return LlamaConfig(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                           num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                           num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, tie_word_embeddings=False)
+
+    with torch.device("meta"):
+        lm = LlamaForCausalLM(config(actor))
+        trunk, head = LlamaModel(config(critic)), torch.nn.Linear(config(critic).hidden_size, 1)
+    n_lm = sum(p.numel() for p in lm.parameters())
+    n_scalar = sum(p.numel() for p in trunk.parameters()) + sum(p.numel() for p in head.parameters())
+    bf16, fp32 = (torch.empty(0, dtype=d).element_size() for d in (torch.bfloat16, torch.float32))
+    trained = {"weights": bf16, "grads": bf16, "optimizer": 3 * fp32}
+    frozen = {"weights": bf16, "grads": 0, "optimizer": 0}
+    return {role: {"params": n, **{k: n * b for k, b in per.items()}}
+            for role, n, per in (("actor", n_lm, trained), ("critic", n_scalar, trained),
+                                 ("reward", n_scalar, frozen), ("reference", n_lm, frozen))}
+
+
+def _check_roles(drawn: dict, actor: str, critic: str) -> None:
+    want = _role_bytes_from_real_models(actor, critic)
+    assert list(drawn) == list(want)
+    for role, w in want.items():
+        got = drawn[role]
+        assert got["params"] == w["params"], role
+        for part in ("weights", "grads", "optimizer"):
+            assert got[part] == pytest.approx(w[part], rel=1e-12), (role, part)
+
+
+def test_roles_picture_against_parameters_of_the_real_models(smoke_cache) -> None:
+    """roles.png of the default run (Llama-3-8B in all four roles): each bar's weights, gradients and optimizer
+    state against bytes counted from the real architecture's parameters (transformers on the meta device)."""
+    proc = smoke_run(smoke_cache, CH14 / "memory_planner.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    _check_roles(proc["json"]["results"]["roles"], "llama-3-8b", "llama-3-8b")
 
 
 # ------------------------------------------------------------------------------------------ placements
@@ -208,6 +253,32 @@ def test_each_rank_holds_the_models_its_role_needs(placement_json: dict) -> None
     assert [r["params held"] for r in res["colocated"]["ranks"]] == [3 * gpt + 2 * scalar] * world
     for placement in ("disaggregated", "async"):
         assert [r["params held"] for r in res[placement]["ranks"]] == [2 * gpt + 2 * scalar] + [gpt] * (world - 1)
+
+
+@pytest.mark.timeout(300)
+def test_placement_picture_roles_and_work_per_rank(placement_json: dict) -> None:
+    """placement.png: which rank held which model and ran which shards, as the ranks reported it, against the
+    placement worked out here from the world size W and the number of shards S alone: co-located, every rank holds
+    the four models and an engine and runs shards s with s mod W == rank; disaggregated (and async), rank 0 holds
+    the four models and scores every micro-batch, and rollout rank r holds only an engine and generates the shards
+    with s mod (W - 1) == r - 1. Parameter counts from a fresh GPT of the draft config."""
+    from mlsys.model import GPT
+    from mlsys.weights import load_pretrained
+
+    cfg = load_pretrained("draft").config
+    gpt = sum(p.numel() for p in GPT(cfg).parameters())
+    scalar = gpt + cfg.n_embd + 1
+    four = {"actor": gpt, "critic": scalar, "reward_model": scalar, "reference": gpt}
+    res, settings = placement_json["results"], placement_json["settings"]
+    W, S = settings["world_size"], settings["shards"]
+    assert res["colocated"]["placed"] == [{"params": 3 * gpt + 2 * scalar, "roles": {**four, "engine": gpt},
+                                           "generated": [s for s in range(S) if s % W == r],
+                                           "scored": [s for s in range(S) if s % W == r]} for r in range(W)]
+    for placement in ("disaggregated", "async"):
+        want = [{"params": 2 * gpt + 2 * scalar, "roles": four, "generated": [], "scored": list(range(S))}]
+        want += [{"params": gpt, "roles": {"engine": gpt}, "generated": [s for s in range(S) if s % (W - 1) == r - 1],
+                  "scored": []} for r in range(1, W)]
+        assert res[placement]["placed"] == want, placement
 
 
 @pytest.mark.timeout(120)

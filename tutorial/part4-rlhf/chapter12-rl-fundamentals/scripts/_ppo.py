@@ -180,7 +180,8 @@ def collect_rollout(envs, agent: ActorCritic, obs: np.ndarray, num_steps: int, g
 
 # --8<-- [start:update]
 def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, buf: dict, args: Settings) -> dict:
-    """--update-epochs passes of minibatch SGD on the PPO loss over one rollout; returns the last epoch's means."""
+    """--update-epochs passes of minibatch SGD on the PPO loss over one rollout; returns the last epoch's means,
+    and under "minibatch" what the loss saw in the last minibatch of the last epoch (for the lesson's picture)."""
     adv, ret = rl.compute_gae(buf["rewards"], buf["values"], buf["dones"], buf["last_value"],
                               args.gamma, args.gae_lambda)       # (T, N) each
     flat = {k: buf[k].flatten(0, 1) for k in ("obs", "actions", "logp", "values")}  # (T*N, ...)
@@ -204,7 +205,9 @@ def ppo_update(agent: ActorCritic, opt: torch.optim.Optimizer, buf: dict, args: 
             for k, v in {**stats, "pg_loss": pg_loss.item(), "v_loss": v_loss.item(), "entropy": entropy.item(),
                          "grad_norm": grad_norm.item()}.items():
                 log.setdefault(k, []).append(v)
-    return {k: float(np.mean(v)) for k, v in log.items()}
+            seen = {"logp_new": logp_new.detach(), "logp_old": flat["logp"][mb], "stats": stats,
+                    "advantages": rl.masked_whiten(adv[mb])}  # recorded only: the update is unchanged
+    return {**{k: float(np.mean(v)) for k, v in log.items()}, "minibatch": seen}
 # --8<-- [end:update]
 
 
@@ -241,7 +244,7 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
     num_updates = args.total_steps // batch
     episodes: list[float] = []
     running = np.zeros(args.num_envs)
-    curve, evals, updates = [], [], []
+    curve, evals, updates, minibatches = [], [], [], []
     start, cpu_start, solved_at = time.perf_counter(), time.process_time(), None
     bar = tqdm(range(1, num_updates + 1), desc=f"{name} seed {seed}", leave=False,
                disable=None if progress else True)  # None: shown only when stderr is a terminal
@@ -256,6 +259,7 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
         stats = update_fn(agent, opt, buf, args)
         steps = update * batch
         curve += [(steps, r) for r in episodes[n_before:]]
+        minibatches.append(stats.pop("minibatch", None))  # kept out of the per-update log (and the --json)
         updates.append({"steps": steps, **stats})
         bar.set_postfix(ret=f"{np.mean(episodes[-20:]) if episodes else 0:.0f}", kl=f"{stats['approx_kl']:.4f}",
                         clip=f"{stats['clip_frac']:.2f}")
@@ -273,4 +277,5 @@ def train(args: Settings, seed: int, progress: bool = True, update_fn=None, name
     bar.close()
     envs.close()
     return {"agent": agent, "seed": seed, "solved": solved_at is not None, "evals": evals, "updates": updates,
-            "curve": curve, **{k: evals[-1][k] for k in ("steps", "seconds", "eval_return")}}
+            "curve": curve, "minibatches": minibatches,
+            **{k: evals[-1][k] for k in ("steps", "seconds", "eval_return")}}

@@ -14,8 +14,8 @@ What it shows
        Small lambda: low variance, biased by the critic's errors; lambda = 1: unbiased, high variance. The
        estimates stop at --horizon without bootstrapping, as the ground truth does, so both target the same
        truncated return; at lambda = 1 the bias^2 left is sampling noise (variance / --rollouts + the truth's).
-    4. A visualizer: rewards, V, TD errors and advantages for lambda in {0, 0.95, 1} along one real rollout with
-       an episode end, where the estimates reset.
+    4. One real rollout, step by step: rewards, V, TD errors and advantages for lambda in {0, 0.95, 1}, with an
+       episode end where the estimates restart (gae_advantages.png, and the numbers around that end).
     All rollouts step gymnasium's own vectorized CartPole (CartPoleVectorEnv): thousands of copies in numpy.
 
 How to run
@@ -25,7 +25,8 @@ How to run
 What it prints
     The policy's return, then one row per lambda: bias^2, variance, MSE of the first-step advantage estimate, and
     the noise floor of the ground truth itself; the lambda with the lowest MSE; at lambda = 1, bias^2 beside what
-    noise alone would give. Figures: gae_bias_variance.png, gae_advantages.png.
+    noise alone would give. Then the steps around the first episode end of one real rollout: r_t, V(s_t), done,
+    delta_t and the advantage for each lambda. Figures: gae_bias_variance.png, gae_advantages.png.
 
 Runtime on 2 cores: about 10 s (training the policy, refitting the critic, 2 x 8,192 rollouts); --smoke 4 s.
 
@@ -212,20 +213,60 @@ def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     print(f"figure: {plot.save(fig, args, 'gae_bias_variance')}")
 
 
-def plot_advantages(buf: dict, agent: ppo.ActorCritic, gamma: float, args: Settings) -> None:
-    plt = plot.pyplot()
+# --8<-- [start:episode]
+def episode_picture(buf: dict, gamma: float, lambdas: tuple[float, ...] = (0.0, 0.95, 1.0)) -> dict:
+    """What the lesson draws of one real rollout (one env): per step the reward r_t, the critic's V(s_t), the done
+    flag, the TD error delta_t (compute_gae with lambda = 0 is exactly delta_t) and the advantage for each lambda.
+    Lists, for the figure and the --json."""
     r, v, d, lv = buf["rewards"], buf["values"], buf["dones"], buf["last_value"]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
-    ax1.plot(v[:, 0], label="V(s_t) (critic)")
-    ax1.plot(r[:, 0] + gamma * torch.cat([v[1:], lv[None]])[:, 0] * (1 - d[:, 0]) - v[:, 0], label="TD error delta_t")
-    for lam in (0.0, 0.95, 1.0):
-        ax2.plot(rl.compute_gae(r, v, d, lv, gamma, lam)[0][:, 0], label=f"advantage, lambda={lam:g}")
-    for ax in (ax1, ax2):
-        for t in torch.nonzero(d[:, 0]).flatten().tolist():
-            ax.axvline(t + 0.5, color="gray", ls="--", lw=1)
+    out = {"gamma": gamma, "rewards": r[:, 0].tolist(), "values": v[:, 0].tolist(), "dones": d[:, 0].tolist(),
+           "last_value": float(lv[0]), "td_errors": rl.compute_gae(r, v, d, lv, gamma, 0.0)[0][:, 0].tolist()}
+    out["advantages"] = {f"{lam:g}": rl.compute_gae(r, v, d, lv, gamma, lam)[0][:, 0].tolist() for lam in lambdas}
+    out["ends"] = [t for t, x in enumerate(out["dones"]) if x]  # episode ends after these steps
+    if out["ends"]:  # the step that ends the first episode, and the one before it, as the lesson reads them
+        out["at_end"], out["before_end"] = ({"t": t, "r": out["rewards"][t], "V": out["values"][t],
+                                             "delta": out["td_errors"][t],
+                                             "A": [a[t] for a in out["advantages"].values()]}  # in lambdas' order
+                                            for t in (out["ends"][0], out["ends"][0] - 1))
+    return out
+# --8<-- [end:episode]
+
+
+def print_episode(ep: dict, before: int = 6, after: int = 2) -> None:
+    """The steps around the rollout's first episode end, as numbers: what the figure draws there."""
+    ends = ep["ends"]
+    end = ends[0] if ends else len(ep["dones"]) - 1
+    rows = [{"t": t, "r_t": ep["rewards"][t], "V(s_t)": ep["values"][t], "done": int(ep["dones"][t]),
+             "delta_t": ep["td_errors"][t], **{f"A (lambda {k})": a[t] for k, a in ep["advantages"].items()}}
+            for t in range(max(0, end - before), min(len(ep["dones"]), end + after + 1))]
+    print(f"one real rollout of {len(ep['dones'])} steps (gae_advantages.png); episode ends after steps {ends}; "
+          f"the steps around the first end:")
+    print(report.table(rows, floatfmt=".3f"))
+
+
+def plot_episode(ep: dict, args: Settings) -> None:
+    plt = plot.pyplot()
+    t = range(len(ep["rewards"]))
+    fig, axes = plt.subplots(4, 1, figsize=(9, 7.5), sharex=True, height_ratios=(1, 1.3, 1.3, 2))
+    axes[0].step(t, ep["rewards"], where="mid", color="C2", label="reward r_t")
+    axes[0].set(ylabel="r_t", ylim=(0, 1.5 * max(1.0, max(ep["rewards"]))))
+    axes[0].text(0.01, 0.12, "CartPole pays 1 for every step the pole stays up", transform=axes[0].transAxes,
+                 fontsize=8)
+    axes[1].plot(t, ep["values"], color="C0", label="V(s_t): the critic's guess of the return to come")
+    axes[1].set(ylabel="V(s_t)")
+    axes[2].plot(t, ep["td_errors"], color="C1", label="TD error delta_t = r_t + gamma V(s_t+1) - V(s_t)")
+    axes[2].axhline(0, color="black", lw=0.6)
+    axes[2].set(ylabel="delta_t")
+    for i, (lam, adv) in enumerate(ep["advantages"].items()):
+        axes[3].plot(t, adv, color=("C3", "C9", "C4")[i % 3], label=f"advantage A_t, lambda = {lam}")
+    axes[3].axhline(0, color="black", lw=0.6)
+    axes[3].set(xlabel="step t", ylabel="A_t")
+    for ax in axes:
+        for end in (k for k, d in enumerate(ep["dones"]) if d):
+            ax.axvline(end + 0.5, color="gray", ls="--", lw=1)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside, not over
-    ax1.set(title="one real rollout (dashed: an episode ends)", ylabel="value / TD error")
-    ax2.set(xlabel="step t", ylabel="advantage")
+    axes[0].set_title(f"one real rollout of the policy under study, step by step (dashed: an episode ends; "
+                      f"gamma = {ep['gamma']:g})", fontsize=10)
     print(f"figure: {plot.save(fig, args, 'gae_advantages')}")
 
 
@@ -258,11 +299,14 @@ def main() -> int:
     gae_args = (buf["rewards"], buf["values"], buf["dones"], buf["last_value"], args.gamma, 0.95)
     report.expect_close("GAE vectorized vs loop on the plotted rollout", rl.compute_gae(*gae_args)[0],
                         rl.compute_gae_loop(*gae_args)[0], rtol=1e-4, atol=1e-4)
+    episode = episode_picture(buf, args.gamma)
+    print()
+    print_episode(episode)
     plot_bias_variance(rows, args)
-    plot_advantages(buf, agent, args.gamma, args)
+    plot_episode(episode, args)
     if args.json:
         report.write_json(args.json, {"policy_return": run["eval_return"], "rows": rows, "best_lambda": best["lambda"],
-                                      "lambda1_noise_only": noise_only}, args)
+                                      "lambda1_noise_only": noise_only, "episode": episode}, args)
     return 0
 
 

@@ -31,9 +31,11 @@ How to run
 What it prints
     The settings, the median and max approx-KL and clip fraction over the updates, the evaluations (env steps,
     seconds, mean return with sampled actions, mean greedy return), and the verdict: solved after how many env
-    steps and seconds, or "NOT SOLVED" and exit 1. Figures in --plot-dir: rollout_grid.png, learning_curve.png, and
-    clip_objective.png (one sample's clipped objective against the ratio for A = +1 and A = -1, from
-    mlsys.rl.ppo_policy_loss).
+    steps and seconds, or "NOT SOLVED" and exit 1. Before the verdict, one line on clipping in one real minibatch
+    (the last one of the run's middle update): how many ratios left [1 - eps, 1 + eps], and how many of those got
+    no gradient. Figures in --plot-dir: rollout_grid.png, learning_curve.png, clip_objective.png (one sample's
+    clipped objective against the ratio for A = +1 and A = -1, from mlsys.rl.ppo_policy_loss) and clip_batch.png
+    (that real minibatch, each sample at its ratio and advantage, marked by whether the loss gave it a gradient).
 
 Runtime on 2 cores: about 15 s of CPU to solve with the default seed (a tqdm bar on a terminal); --seeds 0 1 2
 about three times that; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
@@ -125,6 +127,68 @@ def clip_objective(ratios: np.ndarray, advantage: float, clip_eps: float) -> tup
 # --8<-- [end:clip_curve]
 
 
+# --8<-- [start:clip_batch]
+def clip_batch(run: dict, clip_eps: float) -> dict:
+    """One real minibatch as PPO's loss saw it: the last minibatch of the last epoch of the run's middle update.
+    Per sample: the ratio rho = exp(logp_new - logp_old), the whitened advantage, and whether the real loss
+    (mlsys.rl.ppo_policy_loss) gives it a gradient, read from one backward pass (the loss is a mean of per-sample
+    terms, so sample i's gradient is d loss / d logp_new[i] alone). Lists, for the figure and the --json."""
+    update = (len(run["minibatches"]) + 1) // 2          # 1-based: the middle update of the run
+    mb = run["minibatches"][update - 1]
+    logp_new = mb["logp_new"].double().requires_grad_(True)
+    loss, _ = rl.ppo_policy_loss(logp_new, mb["logp_old"].double(), mb["advantages"].double(), clip_eps)
+    loss.backward()
+    ratio, adv, grad = (logp_new.detach() - mb["logp_old"]).exp(), mb["advantages"], logp_new.grad != 0
+    out = (ratio - 1).abs() > clip_eps
+    counts = {"samples": len(ratio), "outside": int(out.sum()), "no_gradient": int((~grad).sum()),
+              "no_gradient_above": int((~grad & (adv > 0)).sum()), "no_gradient_below": int((~grad & (adv < 0)).sum()),
+              "outside_with_gradient": int((out & grad).sum())}
+    return {"update": update, "updates": len(run["minibatches"]), "clip_eps": clip_eps, **counts,
+            "logp_new": mb["logp_new"].tolist(), "logp_old": mb["logp_old"].tolist(),
+            "advantage": adv.tolist(), "ratio": ratio.tolist(),
+            "gradient": grad.tolist(),  # False: the clipped term won, this sample pushes nothing
+            "clip_frac": mb["stats"]["clip_frac"], "approx_kl": mb["stats"]["approx_kl"]}  # as training logged
+# --8<-- [end:clip_batch]
+
+
+def print_clip_batch(cb: dict) -> None:
+    rho = np.array(cb["ratio"])
+    print(f"clipping in one real minibatch (update {cb['update']} of {cb['updates']}, its last minibatch of the last "
+          f"epoch, {cb['samples']} samples, clip_batch.png): ratio from {rho.min():.3f} to {rho.max():.3f}; "
+          f"{cb['outside']} outside [1 - eps, 1 + eps] = [{1 - cb['clip_eps']:g}, {1 + cb['clip_eps']:g}] "
+          f"(clip fraction {cb['clip_frac']:.3f}); {cb['no_gradient']} of them get no gradient "
+          f"({cb['no_gradient_above']} with A > 0 above 1 + eps, {cb['no_gradient_below']} with A < 0 below 1 - eps), "
+          f"{cb['outside_with_gradient']} are outside on the side that still gets one")
+
+
+def plot_clip_batch(cb: dict, args: Settings) -> None:
+    """Each sample at (ratio, advantage): inside the band, outside with no gradient, outside with one."""
+    plt = plot.pyplot()
+    rho, adv, grad = (np.array(cb[k]) for k in ("ratio", "advantage", "gradient"))
+    eps = cb["clip_eps"]
+    out = np.abs(rho - 1) > eps
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    lo, hi = min(rho.min(), 1 - eps) - 0.03, max(rho.max(), 1 + eps) + 0.03
+    top = np.abs(adv).max() * 1.1
+    ax.fill_between([1 + eps, hi], 0, top, color="C3", alpha=0.1, lw=0)    # A > 0, rho > 1 + eps: flat
+    ax.fill_between([lo, 1 - eps], -top, 0, color="C3", alpha=0.1, lw=0)   # A < 0, rho < 1 - eps: flat
+    for sel, style, label in ((~out, dict(color="C0", marker="o", s=14), "inside [1 - eps, 1 + eps]: gradient"),
+                              (out & ~grad, dict(color="C3", marker="x", s=30), "clipped: no gradient"),
+                              (out & grad, dict(color="C4", marker="^", s=24),
+                               "outside, but on the side that makes things worse: gradient")):
+        ax.scatter(rho[sel], adv[sel], label=f"{label} ({int(sel.sum())})", **style)
+    for x in (1 - eps, 1 + eps):
+        ax.axvline(x, color="gray", ls=":", lw=1)
+    ax.axvline(1, color="black", lw=0.8)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set(xlim=(lo, hi), ylim=(-top, top), xlabel="probability ratio rho = pi_new / pi_old",
+           ylabel="advantage A (whitened)")
+    ax.set_title(f"One real minibatch: update {cb['update']} of {cb['updates']}, last epoch; shaded: where the "
+                 f"clipped term wins", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    print(f"figure: {plot.save(fig, args, 'clip_batch')}")
+
+
 def plot_clip_objective(args: Settings) -> None:
     """The clipped objective against the ratio for A = +1 and A = -1, beside the unclipped ratio * A."""
     plt = plot.pyplot()
@@ -186,19 +250,23 @@ def main() -> int:
               f"clip fraction median {np.median(clip):.2g} (max {max(clip):.2g})")
         print(report.table([{k: round(v, 1) if isinstance(v, float) else v for k, v in e.items()}
                             for e in runs[0]["evals"]]))
+        batch_picture = clip_batch(runs[0], args.clip_eps)
+        print_clip_batch(batch_picture)
         plot_run(runs[0], args)
         plot_clip_objective(args)
+        plot_clip_batch(batch_picture, args)
     rows = [{"seed": r["seed"], "solved": r["solved"], "env steps": r["steps"], "seconds": round(r["seconds"], 1),
              "eval return": r["eval_return"]} for r in runs]
     print("\n" + report.table(rows))
     if args.json:
-        runs_json = [{k: v for k, v in r.items() if k not in ("curve", "agent")} for r in runs]
+        runs_json = [{k: v for k, v in r.items() if k not in ("curve", "agent", "minibatches")} for r in runs]
         agent = runs[0]["agent"]  # the network as built: (in, out) of every linear layer
         layers = {name: [[m.in_features, m.out_features] for m in net if isinstance(m, torch.nn.Linear)]
                   for name, net in (("actor", agent.actor), ("critic", agent.critic))}
         report.write_json(args.json, {"env_id": args.env_id, "obs_dim": args.obs_dim, "num_actions": args.num_actions,
                                       "solve_return": args.solve_return, "layers": layers, "runs": runs_json,
-                                      "rollout_grid": grid}, args)
+                                      "rollout_grid": grid, "clip_batch": None if args.seeds else batch_picture},
+                          args)
     unsolved = [r["seed"] for r in runs if not r["solved"]]
     if args.smoke:
         print(f"\nsmoke run: {runs[0]['steps']} steps, no solve check")

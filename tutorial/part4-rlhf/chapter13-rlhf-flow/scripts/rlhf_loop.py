@@ -16,8 +16,10 @@ What it shows
        --eval-prompts fresh prompts with the same sampling seeds; per policy, the rule score, the share of
        well-formed records and the reward-model score, and for the trained policy how it breaks the schema and
        what the reward model pays for each kind (reward hacking, measured). Responses side by side.
+    4. The tensors of the last iteration, drawn as heatmaps in the order the phases make them, with their shapes.
     FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
-    response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages).
+    response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages),
+    iteration.png (every tensor of the last iteration: ids, log-probs, values, scores, k1, rewards, advantages).
     The reward model is mlsys.rlhf.load_reward_model() (trained by reward_model.py; trained here if missing).
 
 How to run
@@ -181,6 +183,53 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
     print(f"figure: {plot.save(fig, args, 'loop')}")
 
 
+# --8<-- [start:iteration_picture]
+def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Settings, row: int = 0) -> dict:
+    """The tensors of one PPO iteration as heatmaps, in the order they were made: generate -> score -> KL and
+    shaped rewards -> GAE -> the update. Every panel is the real tensor of `batch`, padding left blank, titled with
+    its real shape; `row` (the response of the token table and response.png) is outlined. Returns what it drew."""
+    import numpy as np
+
+    plt = plot.pyplot()
+    x, mask = batch.extra, batch.mask.bool()
+    grid = {"1. generate: engine log pi_old": batch.engine_logprobs, "2. score: actor log pi": x["logprobs"],
+            "2. score: reference log pi_ref": x["ref_logprobs"], "2. score: critic V": x["values"],
+            "3. KL: k1 = log pi - log pi_ref": x["kl"]["k1"], "3. shaped reward r_t": x["rewards"],
+            "4. GAE: advantage, whitened": x["advantages"], "4. GAE: return G_t": x["returns"]}  # (B, L) each
+    drawn = {k: torch.where(mask, v, torch.nan).tolist() for k, v in grid.items()}  # nan = padding
+    ids = torch.where(batch.ids == TOKENIZER.pad_id, torch.nan, batch.ids.float())
+    panels = [("1. generate: ids <bos> prompt response", ids), *list(grid.items())[:4],
+              ("2. score: reward model R", x["scores"]), *list(grid.items())[4:]]
+    fig, axes = plt.subplots(3, 4, figsize=(15, 9.5))
+    for ax, (title, t) in zip(axes.flat, panels):
+        signed = "k1" in title or "log pi" not in title and t is not ids
+        cmap = "RdBu_r" if signed else "viridis"  # red/blue: signed quantities, centred on 0
+        a = (t.float().masked_fill(~mask, torch.nan) if t.shape == mask.shape else t.reshape(len(t), -1)).numpy()
+        lim = np.nanpercentile(np.abs(a), 98) or 1.0 if cmap == "RdBu_r" else None  # a few outliers saturate
+        im = ax.imshow(a, aspect="auto", interpolation="nearest", cmap=cmap,
+                       **({"vmin": -lim, "vmax": lim} if lim else {}))
+        ax.add_patch(plt.Rectangle((-0.5, row - 0.5), a.shape[1], 1, fill=False, ec="black", lw=1.2))
+        ax.set_title(f"{title}\n{tuple(t.shape)}", fontsize=9)
+        ax.grid(False)
+        ax.set(xlabel="sequence position" if t is ids else "response token" if a.shape[1] > 1 else "",
+               ylabel="row (response)", **({} if a.shape[1] > 1 else {"xticks": []}))
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, extend="both" if lim else "neither")
+    axes.flat[-2].axis("off")
+    axes.flat[-1].axis("off")
+    axes.flat[-2].text(0, 0.5, f"5. update: {PPOConfig.ppo_epochs} epochs x {PPOConfig.num_minibatches} minibatches "
+                       f"of rows\n   clipped policy loss on the actor (ratio vs log pi_old),\n   value loss on the "
+                       f"critic (vs the return G_t)\n   clip fraction {stats['clip_frac']:.3f}\n\n6. sync: "
+                       f"Engine.load_weights(actor)", fontsize=9, va="center", family="monospace")
+    fig.suptitle(f"The tensors of iteration {iteration}, {tuple(batch.ids.shape)[0]} responses (outlined: row {row}, "
+                 f"the response of the token table); blank: padding; red/blue scales saturate at the 98th "
+                 f"percentile", fontsize=11)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'iteration')}")
+    return {"iteration": iteration, "row": row, "beta": stats["beta"], "ids": batch.ids.tolist(),
+            "shapes": {title: list(t.shape) for title, t in panels}, "scores": x["scores"].tolist(), **drawn}
+# --8<-- [end:iteration_picture]
+
+
 def plot_history(history: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
@@ -329,7 +378,7 @@ def main() -> int:
     # 3. what the "human" says: the SFT model and the trained policy on the same fresh prompts
     final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)
     hacking = print_hacking(sft_eval, final_eval, args)
-    checked, response = {}, {}
+    checked, response, tensors = {}, {}, {}
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
         checked = anatomy(batch, stats, history[-1]["beta"])
@@ -337,13 +386,23 @@ def main() -> int:
         print(f"   its values average {response['mean_value']:+.3f} against a score of {response['score']:+.3f}; "
               f"{response['raw_negative']} of its {response['num_tokens']} raw advantages are negative, "
               f"{response['whitened_negative']} after whitening")
+        lengths = batch.mask.sum(1).long()
+        B, L = batch.mask.shape
+        print(f"\n4. The tensors of iteration {len(history)} (iteration.png): ids {tuple(batch.ids.shape)} (B, T); "
+              f"per response token (B, L) = ({B}, {L}): engine and actor log-probs, reference log-probs, values, k1, "
+              f"rewards, advantages, returns; scores ({B},). Responses of {int(lengths.min())} to "
+              f"{int(lengths.max())} tokens, {int(lengths.sum())} real of the grid's {B * L} cells (the rest padding).")
+        drawn = draw_iteration(batch, history[-1], len(history), args)
+        tensors = {"iteration": len(history), "shapes": drawn["shapes"], "response_lengths": lengths.tolist(),
+                   "prompt_lengths": batch.prompt_lens.tolist(), "ids": str(tuple(batch.ids.shape)),
+                   "grid": str((B, L)), "scores": str(tuple(batch.extra["scores"].shape))}  # as the lesson quotes them
     if not args.smoke and args.iterations >= 10:  # a real run must learn: +0.3 reward-model std units
         report.expect_equal("mean reward rose by >= 0.3", final["reward"] - history[0]["reward"] >= 0.3, True)
     kl_above = sum(h["kl"] > args.kl_target for h in history[1:]) / max(1, len(history) - 1)
     if args.json:
         report.write_json(args.json, {"history": history, "final": final, "kl_above_target": kl_above,
                                       "hacking": hacking, "anatomy": checked,
-                                      "response": response}, args)
+                                      "response": response, "tensors": tensors}, args)
     return 0
 
 

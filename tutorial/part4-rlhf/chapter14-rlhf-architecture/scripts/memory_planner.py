@@ -16,7 +16,8 @@ What it shows
                     bf16 actor copy for the inference engine during generation (the "hybrid engine" of verl)
       disaggregated trainer GPUs hold actor, critic, reward and reference (ZeRO-3 over them); rollout GPUs hold
                     only the bf16 actor (tensor-parallel when it does not fit on one GPU) and the KV cache
-    and recommends the one that needs fewer GPUs. Figure: per-GPU memory over the phases (co-located).
+    and recommends the one that needs fewer GPUs. Figures: roles.png (each model's own memory, unsharded) and
+    memory_phases.png (per-GPU memory in each phase, co-located and disaggregated).
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py
@@ -243,6 +244,43 @@ def model_rows(args: Settings) -> list[dict]:
     return rows
 
 
+def role_bytes(args: Settings) -> dict[str, dict]:
+    """What roles.png draws: each model's own memory, unsharded, in bytes, with its parameter count and shape."""
+    seq = args.prompt_len + args.response_len
+    out = {}
+    for role, (shape, n) in models_of(args).items():
+        out[role] = {"shape": shape.name, "params": n, **state_bytes(n, TRAINED[role], 1),
+                     "activations": train_activation_bytes(shape, args.micro_batch, seq, args.recompute,
+                                                           role == "actor") if TRAINED[role] else 0.0}
+    return out
+
+
+def draw_roles(roles: dict[str, dict], args: Settings) -> None:
+    """One stacked bar per model: bf16 weights, bf16 gradients, fp32 master weights and Adam's two moments, and the
+    activations one training micro-batch keeps for backward, each with its total."""
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    names = [f"{r}\n{v['shape']}, {v['params'] / 1e9:.2f}B params" for r, v in roles.items()]
+    left = [0.0] * len(roles)
+    labels = {"weights": "weights (bf16, 2 B/param)", "grads": "gradients (bf16, 2 B/param)",
+              "optimizer": "fp32 master + Adam m, v (12 B/param)",
+              "activations": f"training activations (micro-batch {args.micro_batch}, recompute {args.recompute})"}
+    for i, (part, label) in enumerate(labels.items()):
+        vals = [v[part] / GIB for v in roles.values()]
+        ax.barh(names, vals, left=left, color=f"C{[0, 1, 2, 5][i]}", label=label)
+        left = [a + b for a, b in zip(left, vals)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.0f} GiB", va="center", fontsize=8)
+    usable = kvm.GPU_MEMORY_GIB[args.gpu] * (1 - args.reserve_fraction)
+    ax.axvline(usable, color="black", ls="--", lw=1, label=f"usable memory of one {args.gpu}")
+    ax.invert_yaxis()
+    ax.set(xlabel="GiB (one copy of the model, not sharded)", xlim=(0, max(*left, usable) * 1.15))
+    ax.set_title("What each of the four models costs: trained ones carry gradients and optimizer state",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    print(f"figure: {plot.save(fig, args, 'roles')}")
+
+
 PARTS = ["weights", "grads", "optimizer", "engine weights", "KV cache", "activations"]
 
 
@@ -287,6 +325,8 @@ def main() -> int:
           f"recompute {args.recompute}, {args.gpu}\n")
     print("Each model unsharded (GiB):")
     print(report.table(model_rows(args), floatfmt=".1f"))
+    roles = role_bytes(args)
+    draw_roles(roles, args)
     kv_total = kv_cache_bytes(actor, args.rollout_batch, seq)
     print(f"\nKV cache of the whole rollout batch: {kvm.shape_kv_bytes_per_token(actor) / 1024:.0f} KiB/token "
           f"({actor.num_kv_heads} KV heads of {actor.num_heads}) x {args.rollout_batch} x {seq} = "
@@ -310,7 +350,9 @@ def main() -> int:
     print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}.")
     draw(result, args)
     if args.json:
-        report.write_json(args.json, {**result, "models": model_rows(args), "kv_total_bytes": kv_total}, args)
+        report.write_json(args.json, {**result, "models": model_rows(args), "roles": roles, "kv_total_bytes": kv_total,
+                                      "budget_gib": result["budget_bytes"] / GIB},
+                          args)
     return 0
 
 

@@ -15,7 +15,8 @@ What it shows
     co-located and disaggregated (sync) compute the same numbers: the script checks that their per-iteration
     rewards and their final actor weights are bitwise equal. It measures time per phase and idle time per rank,
     rollouts per second, and for async the off-policy gap (how far the policy that sampled has drifted from the one
-    being trained). Figures: placement/timeline.png (who does what when), placement/learning.png.
+    being trained). Figures: placement/placement.png (which rank held which model and ran which shards, as the
+    ranks reported it), placement/timeline.png (who does what when), placement/learning.png.
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py                # 2 ranks
@@ -41,10 +42,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import _placement_figures as figures  # this script's three figures (_placement_figures.py)
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, plot, report, rlhf
+from mlsys import cli, report, rlhf
 from mlsys.launch import RankContext, launch
 from mlsys.weight_sync import broadcast_bucketed, named_meta, plan_buckets, unique_parameters
 
@@ -99,16 +101,14 @@ class Timeline:
 
 
 # ------------------------------------------------------------------------------------------- the shared work
-def held_parameters(*modules) -> int:
-    """Parameters this rank holds in memory: every distinct tensor of the given models counted once (a tied
-    embedding once, a model that shares another's tensors not at all)."""
+def holdings(**roles) -> dict:
+    """What this rank holds: the parameters of each role's model, and all of them together with every distinct
+    tensor counted once (a tied embedding once, a model that shares another's tensors not at all)."""
     seen = {}
-    for m in modules:
-        if m is None:
-            continue
-        for p in m.parameters():
-            seen[p.data_ptr()] = p.numel()
-    return sum(seen.values())
+    for m in roles.values():
+        seen.update({p.data_ptr(): p.numel() for p in m.parameters()})
+    per_role = {r: sum(p.numel() for p in m.parameters()) for r, m in roles.items()}
+    return {"params": sum(seen.values()), "roles": per_role}
 
 
 def setup(role: str, seed: int):
@@ -187,7 +187,8 @@ def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
     """Every rank: all four models + an engine. Phases take turns; training is replicated on every rank (so all
     ranks keep identical weights without a gradient all-reduce; a real system shards it, chapter 5)."""
     models, opts, kl_ctl, engine, cfg = setup("all", args.seed)
-    held = held_parameters(models.actor, models.critic, models.reward_model, models.reference, engine.model)
+    held = holdings(actor=models.actor, critic=models.critic, reward_model=models.reward_model,
+                    reference=models.reference, engine=engine.model)
     tl, stats = Timeline(), []
     mine = range(ctx.rank, args.shards, ctx.world_size)  # shards (and micro-batches) this rank owns
     for it in range(args.iterations):
@@ -205,6 +206,7 @@ def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
         with tl.span("train"):
             stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
             engine.load_weights(models.actor.state_dict())  # same process: a memory copy, no network
+    held.update(generated=[s for s, _ in shards], scored=[m for m, _ in scored])  # what this rank ran
     return tl, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}, held
 # --8<-- [end:colocated]
 
@@ -222,7 +224,8 @@ def send_weights(tl: Timeline, params: dict, plan: list) -> None:
 def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
     """Rank 0: receive batch k, score it, train, broadcast the new weights. The same code for sync and async."""
     models, opts, kl_ctl, _, cfg = setup("trainer", args.seed)
-    held = held_parameters(models.actor, models.critic, models.reward_model, models.reference)
+    held = holdings(actor=models.actor, critic=models.critic, reward_model=models.reward_model,
+                    reference=models.reference)
     params = unique_parameters(models.actor)
     plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
     tl, stats = Timeline(), []
@@ -237,6 +240,7 @@ def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
             stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
         if it < args.iterations - 1:
             send_weights(tl, params, plan)
+    held.update(generated=[], scored=list(range(args.shards)))  # no engine: it scores every micro-batch
     return tl, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}, held
 
 
@@ -245,7 +249,7 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
     step k before generating batch k. Asynchronous: generate batch k with the weights of step k-1 first, then
     receive step k's weights (so generation overlaps the trainer's step)."""
     _, _, _, engine, _ = setup("rollout", args.seed)
-    held = held_parameters(engine.model)
+    held = holdings(engine=engine.model)
     params = unique_parameters(engine.model)
     plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
     mine = range(ctx.rank - 1, args.shards, ctx.world_size - 1)
@@ -264,6 +268,7 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
             receive_weights()
         with tl.span("comm"):
             dist.all_gather_object([None] * ctx.world_size, shards)
+    held.update(generated=[s for s, _ in shards], scored=[])
     return tl, held
 # --8<-- [end:disaggregated]
 
@@ -280,7 +285,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         per_rank = [None] * ctx.world_size
         dist.all_gather_object(per_rank, (tl.events, tl.t0, held))
         timelines, t0s, helds = (list(x) for x in zip(*per_rank))
-        out[placement] = {"timelines": timelines, "t0": t0s, "params_held": helds, "stats": stats}
+        out[placement] = {"timelines": timelines, "t0": t0s, "params_held": [h["params"] for h in helds],
+                          "placed": helds, "stats": stats}
         if weights is not None:
             final[placement] = weights
     if ctx.rank == 0 and "colocated" in final and "disaggregated" in final:  # tensors stay in this process
@@ -304,40 +310,6 @@ def summarize(name: str, res: dict, args: Settings) -> tuple[list[dict], float]:
         row["idle %"] = 100 * row["idle"] / wall
         table.append(row)
     return table, wall
-
-
-def draw_timeline(results: dict, args: Settings) -> None:
-    plt = plot.pyplot()
-    names = list(results)
-    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
-                             sharex=True, squeeze=False)
-    colors = {"generate": "C0", "score": "C1", "train": "C2", "weight sync": "C3", "comm": "0.85"}
-    for ax, name in zip(axes[:, 0], names):
-        for rank, events in enumerate(results[name]["timelines"]):
-            for phase, s, e in events:
-                ax.barh(rank, e - s, left=s, color=colors[phase], edgecolor="none", height=0.7)
-        ax.set_yticks(range(args.world_size))
-        ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
-        ax.invert_yaxis()
-        ax.set_title(name, fontsize=10, loc="left")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, [("comm / wait" if k == "comm" else k) for k in colors], loc="lower center", ncol=5,
-               fontsize=8, bbox_to_anchor=(0.5, -0.04))
-    axes[-1, 0].set_xlabel("seconds since start")
-    fig.tight_layout()
-    print(f"figure: {plot.save(fig, args, 'timeline')}")
-
-
-def draw_learning(results: dict, args: Settings) -> None:
-    plt = plot.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for name, res in results.items():
-        its = range(1, len(res["stats"]) + 1)
-        ax1.plot(its, [s["reward"] for s in res["stats"]], "o-", label=name, alpha=0.8)
-        ax2.plot(its, [s["off_policy_gap"] for s in res["stats"]], "o-", label=name, alpha=0.8)
-    ax1.set_xlabel("iteration"), ax1.set_ylabel("mean reward-model score"), ax1.legend(fontsize=8)
-    ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
-    print(f"figure: {plot.save(fig, args, 'learning')}")
 
 
 def warm_cache() -> None:
@@ -367,6 +339,7 @@ def main() -> int:
                          "ranks": table, "timelines": res["timelines"], "t0": res["t0"],
                          "idle_pct": [row["idle %"] for row in table], "weight_sync_s": table[0]["weight sync"],
                          "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
+                         "placed": res["placed"],
                          "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations,
                          # iterations after the first whose gap (a sampled k1 estimate) came out above 0
                          "gap_positive_after_first": sum(x["off_policy_gap"] > 0 for x in res["stats"][1:]),
@@ -398,8 +371,9 @@ def main() -> int:
                                   for x in s["stats"]):
         raise cli.SelfCheckFailed(f"no well-formed response in any iteration: is --max-tokens {args.max_tokens} too "
                                   "short for a record? the placements would be compared on a broken task")
-    draw_timeline(placements, args)
-    draw_learning(placements, args)
+    figures.draw_placement(placements, args)
+    figures.draw_timeline(placements, args)
+    figures.draw_learning(placements, args)
     if args.json:
         report.write_json(args.json, summary, args)
     return 0

@@ -1,0 +1,75 @@
+"""The three figures of placement.py, drawn from what its ranks recorded: placement.png (which rank held which
+model and ran which shards), timeline.png (who did what when) and learning.png (reward and off-policy gap per
+iteration). A file starting with _ is a helper, not a script."""
+
+from __future__ import annotations
+
+from mlsys import plot
+
+# args: placement.py's Settings (world_size, plot_dir); results: its per-placement summaries
+
+ROLE_COLUMNS = ("actor", "critic", "reward_model", "reference", "engine")
+
+
+def draw_placement(results: dict, args) -> None:
+    """Which rank held which model and ran which shards, as each rank reported it: one grid per placement, a row
+    per rank, a column per model (the parameters it held) and two for the work it did."""
+    plt = plot.pyplot()
+    names = list(results)
+    cols = ["actor", "critic", "reward\nmodel", "reference", "engine\n(actor copy)", "generates\nshards",
+            "scores\nmicro-batches"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 0.5 + (0.55 * args.world_size + 0.6) * len(names)),
+                             squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        for rank, held in enumerate(results[name]["placed"]):
+            y = args.world_size - 1 - rank
+            cells = [f"{held['roles'][r]:,}" if r in held["roles"] else "" for r in ROLE_COLUMNS]
+            cells += [", ".join(map(str, held[k])) for k in ("generated", "scored")]
+            for c, text in enumerate(cells):
+                colour = ("C0" if c < 4 else "C1" if c == 4 else "C2") if text else "white"
+                ax.add_patch(plt.Rectangle((c, y), 1, 1, fc=colour, alpha=0.35 if text else 1, ec="gray"))
+                ax.text(c + 0.5, y + 0.5, text or "-", ha="center", va="center", fontsize=8)
+        ax.set(xlim=(0, len(cols)), ylim=(0, args.world_size))
+        ax.set_xticks([c + 0.5 for c in range(len(cols))], cols, fontsize=8)
+        ax.xaxis.tick_top()
+        ax.set_yticks([args.world_size - r - 0.5 for r in range(args.world_size)],
+                      [f"rank {r}" for r in range(args.world_size)])
+        ax.grid(False)
+        ax.set_title(f"{name}: parameters held per model, and the shards / micro-batches each rank ran",
+                     fontsize=9, loc="left", pad=24)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'placement')}")
+
+
+def draw_timeline(results: dict, args) -> None:
+    plt = plot.pyplot()
+    names = list(results)
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
+                             sharex=True, squeeze=False)
+    colors = {"generate": "C0", "score": "C1", "train": "C2", "weight sync": "C3", "comm": "0.85"}
+    for ax, name in zip(axes[:, 0], names):
+        for rank, events in enumerate(results[name]["timelines"]):
+            for phase, s, e in events:
+                ax.barh(rank, e - s, left=s, color=colors[phase], edgecolor="none", height=0.7)
+        ax.set_yticks(range(args.world_size))
+        ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=10, loc="left")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, [("comm / wait" if k == "comm" else k) for k in colors], loc="lower center", ncol=5,
+               fontsize=8, bbox_to_anchor=(0.5, -0.04))
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'timeline')}")
+
+
+def draw_learning(results: dict, args) -> None:
+    plt = plot.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for name, res in results.items():
+        its = range(1, len(res["stats"]) + 1)
+        ax1.plot(its, [s["reward"] for s in res["stats"]], "o-", label=name, alpha=0.8)
+        ax2.plot(its, [s["off_policy_gap"] for s in res["stats"]], "o-", label=name, alpha=0.8)
+    ax1.set_xlabel("iteration"), ax1.set_ylabel("mean reward-model score"), ax1.legend(fontsize=8)
+    ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
+    print(f"figure: {plot.save(fig, args, 'learning')}")
