@@ -7,7 +7,12 @@ The same script runs three ways and the worker cannot tell the difference:
     torchrun --nnodes 2 --node-rank R ...       # multi-node: same, the env:// variables say where rank 0 is
 
 Lifecycle of one rank (`_run_rank`): pick device and threads -> init_process_group(env://, timeout) -> worker(ctx, ...)
--> destroy_process_group, the last step in a `finally`, so it runs even when the worker raises.
+-> destroy_process_group, the last step in a `finally`, so it runs even when the worker raises. A spawned rank
+(`_child_main`) first moves into an operating-system process group of its own (setpgid: not torch's process
+group) and arms its lifeline (`_die_with_parent`), and only then unpickles the worker, which imports its module,
+and its arguments, whose unpickling can run anything (`_Deferred`); before it, multiprocessing has only re-imported
+the script itself, whose top level a script keeps to definitions (the `if __name__ == "__main__"` guard). A
+rank's last flush of stdout and stderr cannot fail it: a worker that closed them and returned has succeeded.
 
 Spawning (`_spawn`): the parent hosts the rendezvous store itself on port 0, so the operating system picks a free port
 and two jobs started at the same moment can never collide (this is what torchrun's agent does too: every rank then
@@ -28,12 +33,23 @@ by its pipe's EOF and its exit code. The job stops when:
 - a rank straggles: once any rank has returned from the worker, the others have --timeout seconds to do the same;
   a rank still running then ends the job with a one-line reason naming it.
 - a rank makes no collective progress: the process group's timeout is --timeout, so ranks waiting in a collective
-  for a rank that never joins it fail after --timeout ("Timed out waiting ..." on gloo). When every failure is such
-  a timeout, the ranks still running without a report are the ones the others waited for, and they are named.
+  for a rank that never joins it fail after --timeout ("Timed out waiting ..." on gloo), and ranks waiting in
+  init_process_group for a rank that never gets there fail after --timeout too ("wait timeout" from the store;
+  `TIMEOUT_TEXTS` lists what torch says). When every failure is such a timeout, the ranks still running without a
+  report are the ones the others waited for, and they are named.
 
 In every case the other ranks are terminated within a few seconds (they may be blocked inside a collective waiting
-for the dead rank) and the parent raises `JobFailed`, which `cli.run` turns into a non-zero exit. Children ask the
-kernel to kill them if the parent dies, so no rank outlives its job.
+for the dead rank) and the parent raises `JobFailed`, which `cli.run` turns into a non-zero exit.
+
+Nothing is left behind (`_terminate`): when the job ends, failed or not, the parent signals each rank's process
+group, so the processes a rank started (and did not move to a session of their own) end with it: SIGTERM, then
+SIGKILL for what is left after TERMINATE_GRACE_S. Being in groups of their own, the ranks no longer receive a
+terminal's Ctrl-C themselves; the parent, which does, passes the SIGINT on to each rank's group before it stops
+them. Ranks ask the kernel to kill them if their parent dies, and a lifeline thread kills the rank's group when
+the launcher's end of its pipe closes, so no rank outlives its launcher, even one SIGKILLed. (What a rank started
+goes with it then only if the thread gets there first: it does under the fork server, the default; with
+MLSYS_START_METHOD=spawn the launcher is the rank's parent and the kernel's signal, which kills the rank alone,
+usually wins.)
 """
 
 from __future__ import annotations
@@ -55,6 +71,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mlsys.cli import DistArgs, JobFailed, SelfCheckFailed, UsageError, resolve_backend, under_torchrun
@@ -178,12 +195,16 @@ def _run_rank(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOption
         dist.destroy_process_group()
 
 
-def _die_with_parent(conn: mp.connection.Connection) -> None:
-    """Make sure this rank cannot outlive the launcher that started it.
+def _die_with_parent(conn: mp.connection.Connection, direct_parent: int | None) -> None:
+    """Make sure this rank, and what it started, cannot outlive the launcher that started it.
 
-    The rank's pipe to the launcher is a socket pair: a daemon thread waits on it, and when the launcher dies the
-    read ends (EOF) and the rank kills itself. This works whatever forked us (with forkserver, our parent process is
-    the fork server, not the launcher). On Linux, PR_SET_PDEATHSIG covers the direct parent as well.
+    Called first thing in the rank, before anything of the job runs (see `_Deferred`). The rank's pipe to the
+    launcher is a socket pair: a daemon thread waits on it, and when the launcher dies the read ends (EOF) and the
+    rank kills its process group, itself included. This works whatever forked us (with forkserver, our parent
+    process is the fork server, not the launcher). On Linux, PR_SET_PDEATHSIG covers the direct parent as well (it
+    kills the rank alone: its children are left to the thread, whichever comes first). A parent that died before
+    prctl never sends the signal, so once armed we check that it is still there (`direct_parent`, when we know its
+    pid) and that the launcher has not closed its end of the pipe already.
     """
     if sys.platform.startswith("linux"):
         try:
@@ -191,36 +212,86 @@ def _die_with_parent(conn: mp.connection.Connection) -> None:
         except OSError:
             pass
 
+    def die() -> None:
+        if os.getpgrp() == os.getpid():  # our own group (`_child_main`): take our children with us
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if direct_parent is not None and os.getppid() != direct_parent:
+        die()  # reparented: the parent died before prctl
+    try:
+        if conn.poll(0):  # the launcher never writes to us: readable means EOF, it is gone
+            die()
+    except OSError:
+        die()
+
     def watch() -> None:
         try:
             while conn.poll(None):  # the launcher never writes to us, so poll only returns at EOF
                 conn.recv()
         except (EOFError, OSError):
             pass
-        os.kill(os.getpid(), signal.SIGKILL)
+        die()
 
     threading.Thread(target=watch, name="launcher-lifeline", daemon=True).start()
 
 
-def _report(rank: int, err: BaseException) -> tuple[str, str, float]:
-    """(kind, text, when) for the parent; `when` lets it tell the rank that failed first from its victims."""
+# What a timeout says in torch 2.x: gloo's collectives "Timed out waiting ...", the rendezvous store's client "wait
+# timeout after N ms, keys: ..." (TCPStore; FileStore and HashStore: "Timeout waiting for key", "Wait timeout"),
+# its socket "Socket Timeout", "Read timeout", "Connect timeout", "... timed out after ...", the store barrier
+# "barrier timeout after N ms" and init's "Timed out initializing process group in store based barrier".
+TIMEOUT_TEXTS = ("timed out", "wait timeout", "timeout waiting for key", "socket timeout", "read timeout",
+                 "write timeout", "connect timeout", "barrier timeout")
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, TimeoutError) or any(t in text for t in TIMEOUT_TEXTS)
+
+
+def _report(rank: int, err: BaseException, joined: bool = True) -> tuple[str, str, float]:
+    """(kind, text, when) for the parent; `when` lets it tell the rank that failed first from its victims. A
+    timeout is "timeout", or "join-timeout" when the rank had not joined the process group yet (`joined`)."""
     if isinstance(err, SelfCheckFailed):
         return "selfcheck", f"self-check failed on rank {rank}: {err}", time.time()
     if isinstance(err, UsageError):
         return "usage", f"rank {rank}: error: {err}", time.time()
-    kind = "timeout" if "Timed out" in str(err) or "timed out" in str(err) else "error"  # gloo's and the store's
+    kind = ("timeout" if joined else "join-timeout") if _is_timeout(err) else "error"
     return kind, f"rank {rank} failed:\n{traceback.format_exc()}", time.time()
 
 
-def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
-                env: dict[str, str], conn: mp.connection.Connection) -> None:
-    _die_with_parent(conn)
+class _Deferred:
+    """An object that travels with a rank's Process as pickled bytes and is unpickled only when the rank calls
+    `load()`. multiprocessing unpickles a Process's arguments before its target runs, and unpickling the worker
+    imports its module and unpickling its arguments can run any code (a `__reduce__`, a `__setstate__`): the rank
+    must have made its process group and armed its lifeline before that. The bytes are made while the Process is
+    pickled, so what needs the start method's help (a tensor's shared memory, a file descriptor) gets it."""
+
+    def __init__(self, obj: Any = None, data: bytes | None = None) -> None:
+        self.obj, self.data = obj, data
+
+    def __reduce__(self) -> tuple:
+        return _Deferred, (None, bytes(ForkingPickler.dumps(self.obj)))
+
+    def load(self) -> Any:
+        return self.obj if self.data is None else ForkingPickler.loads(self.data)
+
+
+def _child_main(rank: int, job: _Deferred, opts: LaunchOptions, env: dict[str, str],
+                conn: mp.connection.Connection, direct_parent: int | None) -> None:
+    # first, before anything of the job is unpickled: a process group of our own, so that the launcher can stop us
+    # and all we start with one signal (os.killpg); and the lifeline. A terminal's Ctrl-C no longer reaches us
+    # directly (we are not in its foreground group): the launcher passes it on (`_spawn`).
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _die_with_parent(conn, direct_parent)
     faulthandler.enable(all_threads=False)  # a segfault prints where this rank was, then kills it
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    sent = False
+    sent = joined = False
 
     def reporting_worker(ctx: RankContext, *args: Any) -> Any:
-        nonlocal sent
+        nonlocal sent, joined
+        joined = True
         try:
             return worker(ctx, *args)
         except BaseException as err:  # report before teardown, while the peers are still connected
@@ -230,17 +301,28 @@ def _child_main(rank: int, worker: Callable[..., Any], worker_args: tuple, opts:
 
     code = 0
     try:
+        worker, worker_args = job.load()
         result = _run_rank(reporting_worker, worker_args, opts)
         conn.send(("ok", result if rank == 0 else None, time.time()))
     except BaseException as err:
         if not sent:
-            conn.send(_report(rank, err))
+            conn.send(_report(rank, err, joined))
         code = 2 if isinstance(err, UsageError) else 1
     finally:
         conn.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):  # the worker may have closed them: not a failure of the rank
+            with contextlib.suppress(Exception):
+                stream.flush()
     os._exit(code)  # skip interpreter teardown: a rank whose peer died must not linger in atexit hooks
+
+
+def _rank_process(context: Any, rank: int, worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions,
+                  env: dict[str, str], conn: mp.connection.Connection, **kwargs: Any) -> Any:
+    """The Process for one rank, running `_child_main`. Its direct parent is this process, except under the fork
+    server (the default): that parent's pid is not known here, and the rank watches the launcher through `conn`."""
+    direct_parent = None if context.get_start_method() == "forkserver" else os.getpid()
+    return context.Process(target=_child_main, name=f"rank{rank}",
+                           args=(rank, _Deferred((worker, worker_args)), opts, env, conn, direct_parent), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- the parent
@@ -335,14 +417,16 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
     try:
         for rank in range(opts.world_size):
             ours, theirs = context.Pipe(duplex=True)  # results come back on it; its EOF tells a rank we died
-            proc = context.Process(target=_child_main, name=f"rank{rank}",
-                                   args=(rank, worker, worker_args, opts, env, theirs))
+            proc = _rank_process(context, rank, worker, worker_args, opts, env, theirs)
             procs.append(proc)  # before start: a Ctrl-C inside start() must still find it in the finally
             conns.append(ours)
             with _interrupt_after():  # so that a started rank always has its pid, for _terminate to stop it
                 proc.start()
             theirs.close()
         ranks, stragglers = _watch(procs, conns, opts.timeout)
+    except KeyboardInterrupt:  # the ranks sit in process groups of their own, out of the terminal's reach
+        _signal_ranks(procs, signal.SIGINT)  # so they, and what they started, get the Ctrl-C as from it
+        raise
     finally:
         _terminate(procs)
         for conn in conns:
@@ -367,7 +451,8 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
 class WorkerGroup:
     """Ranks 1..N-1 started by `start_workers`, with this process as rank 0. The ranks run the launcher's own
     `_child_main` (same rank set-up, same lifeline: a worker kills itself if this process dies), so no worker can
-    outlive the driver."""
+    outlive the driver. Each is in a process group of its own: a terminal's Ctrl-C reaches the driver alone, which
+    decides what happens to the workers (serve.py drains, then closes), and `close` stops what they started too."""
 
     def __init__(self, procs: list, conns: list, store: Any) -> None:
         self.procs, self.conns, self._store = procs, conns, store
@@ -422,8 +507,7 @@ def start_workers(worker: Callable[..., Any], world_size: int, *worker_args: Any
     try:
         for rank in range(1, world_size):
             ours, theirs = context.Pipe(duplex=True)
-            proc = context.Process(target=_child_main, name=f"rank{rank}",
-                                   args=(rank, worker, worker_args, opts, env, theirs), daemon=True)
+            proc = _rank_process(context, rank, worker, worker_args, opts, env, theirs, daemon=True)
             procs.append(proc)
             conns.append(ours)
             with _interrupt_after():
@@ -551,11 +635,13 @@ def _blame(seen: list[_Seen]) -> int | None:
 
 
 def _stuck(seen: list[_Seen]) -> list[int]:
-    """Ranks that made no collective progress: every failure is a collective timing out, and these ranks, with no
-    report, were still running when the parent stopped listening. They never joined the collective the others
-    waited in (a loop, a deadlock, a slow rank), so they, not the ranks that timed out, are to blame."""
+    """Ranks that made no collective progress: every failure is a timeout, in a collective or in init_process_group
+    (the store's "wait timeout"), and these ranks, with no report, were still running when the parent stopped
+    listening. They never joined the collective, or the process group, the others waited in (a loop, a deadlock, a
+    slow rank, a rank stuck in its set-up), so they, not the ranks that timed out, are to blame."""
     failed = [s for s in seen if s.reported_error or s.died_silently]
-    if not failed or any(s.died_silently or s.message[0] != "timeout" for s in failed):  # type: ignore[index]
+    if not failed or any(s.died_silently or s.message[0] not in ("timeout", "join-timeout")  # type: ignore[index]
+                         for s in failed):
         return []
     return [r for r, s in enumerate(seen) if s.message is None and s.gone is None]
 
@@ -563,6 +649,10 @@ def _stuck(seen: list[_Seen]) -> list[int]:
 def _stuck_failure(stuck: list[int], seen: list[_Seen], timeout: float) -> JobFailed:
     waited = ", ".join(str(r) for r, s in enumerate(seen) if s.reported_error)
     ranks = ", ".join(map(str, stuck))
+    if all(s.message[0] == "join-timeout" for s in seen if s.reported_error):  # type: ignore[index]
+        return JobFailed(stuck[0], f"job stopped: rank(s) {ranks} never joined the process group: rank(s) {waited} "
+                         f"timed out after {timeout:g} s (--timeout) waiting for them in init_process_group; they "
+                         f"were terminated", 1)
     return JobFailed(stuck[0], f"job stopped: rank(s) {ranks} made no collective progress: rank(s) {waited} timed "
                      f"out after {timeout:g} s (--timeout) in a collective that rank(s) {ranks} never joined; "
                      f"they were terminated", 1)
@@ -600,15 +690,50 @@ def _straggler_failure(stragglers: list[int], seen: list[_Seen], timeout: float)
                      f"returned from the worker (--timeout {timeout:g}); they were terminated", 1)
 
 
-def _terminate(procs: list) -> None:
-    """SIGTERM every live rank, then SIGKILL whatever is still there after a short grace period."""
-    procs = [proc for proc in procs if proc.pid is not None]  # an interrupted start() may leave one unstarted
+def _signal_ranks(procs: list, signum: int) -> None:
+    """Send `signum` to each started rank's process group (the rank and everything it started), and to the rank
+    itself while it runs (in case it has not made its group yet)."""
     for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
+        if proc.pid is None:  # an interrupted start() may leave one unstarted
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signum)  # the group outlives its leader while any member is left
+        if proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signum)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while process group `pgid` has a member that has not exited (a zombie waiting for its reaper has)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(group) == pgid and state != "Z":
+                return True
+    return False
+
+
+def _terminate(procs: list) -> None:
+    """SIGTERM every rank's process group (each rank and whatever it started, exited rank or not), then SIGKILL
+    whatever is still there after a short grace period."""
+    procs = [proc for proc in procs if proc.pid is not None]  # an interrupted start() may leave one unstarted
+    _signal_ranks(procs, signal.SIGTERM)
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    while time.monotonic() < deadline and any(_group_alive(proc.pid) for proc in procs):
+        time.sleep(0.05)
+    left = [proc for proc in procs if proc.exitcode is None or _group_alive(proc.pid)]
+    _signal_ranks(left, signal.SIGKILL)
+    for proc in left:
+        proc.join()

@@ -1,4 +1,5 @@
-"""The shared launcher: free ports under concurrency, failing ranks, timeouts, torchrun, no orphans."""
+"""The shared launcher: free ports under concurrency, failing ranks, timeouts, torchrun, no orphans (not even the
+ranks' own children)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ def wait_dead(pid_list: list[int], within: float = 10.0) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pid_list):
         time.sleep(0.1)
     return [p for p in pid_list if alive(p)]
+
+
+def wait_files(pid_dir: Path, pattern: str, count: int, within: float = 60.0) -> list[Path]:
+    """The files matching `pattern` once there are `count` of them (a guard deadline only: [] if they never come)."""
+    deadline = time.monotonic() + within
+    while len(list(pid_dir.glob(pattern))) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = sorted(pid_dir.glob(pattern))
+    return found if len(found) >= count else []
+
+
+def kill_leftovers(pid_list: list[int]) -> None:
+    """After a failed assertion: do not leave the processes the test was about running."""
+    for pid in pid_list:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
@@ -183,6 +200,88 @@ def test_killed_parent_leaves_no_orphans(tmp_path) -> None:
     assert wait_dead(pids(tmp_path)) == []
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "code"), [("ok", 0), ("raise", 1)])
+def test_a_ranks_child_process_ends_with_the_job(mode: str, code: int, tmp_path) -> None:
+    """Rank 1 starts a child (a 100 s sleep that holds the rank's stdout and stderr) and then returns, or raises,
+    without waiting for it. The launcher stops each rank's own process group when the job ends: the child is gone
+    and the run returns (an orphan holding the output pipes kept `run`, which reads them to EOF, waiting)."""
+    try:
+        proc = run([JOB, "-w", "2", "--mode", mode, "--child", "--pid-dir", tmp_path, "--timeout", "300"],
+                   timeout=60)
+    except subprocess.TimeoutExpired:
+        proc = None
+    child = [int(f.read_text()) for f in tmp_path.glob("child1.pid")]
+    try:
+        assert proc is not None, "the run did not return: a process left behind still holds its output"
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert len(child) == 1 and wait_dead(child) == []
+    finally:
+        kill_leftovers(child)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_rank_that_closes_its_stdout_still_succeeds(stream: str, tmp_path) -> None:
+    """Every rank closes sys.stdout (sys.stderr) and returns normally: the job succeeds. (The rank's last flush,
+    before it exits, raised on the closed stream: exit 1, "died without a Python exception".)"""
+    out = tmp_path / "r.json"
+    proc = run([JOB, "-w", "2", "--mode", f"close-{stream}", "--json", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["results"]["sum"] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_the_process_group_is_named(tmp_path) -> None:
+    """Rank 1 is stuck before init_process_group; ranks 0 and 2 wait for it there and time out ("wait timeout"
+    from the rendezvous store, not gloo's "Timed out"). Rank 1 is named, not rank 0."""
+    proc = run([JOB, "-w", "3", "--mode", "join-late", "--timeout", "3"], timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("job stopped: rank(s) 1 never joined the process group: rank(s) 0, 2 timed out after 3 s (--timeout) "
+            "waiting for them in init_process_group; they were terminated") in proc.stderr.splitlines(), \
+        proc.stderr[-3000:]
+    assert "rank 0 failed" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_killed_parent_leaves_no_rank_that_hangs_before_its_code_runs(tmp_path) -> None:
+    """Each rank hangs while unpickling its arguments (user code: an argument's __reduce__ can run anything, and
+    unpickling the worker imports its module). SIGKILL the launcher then: the ranks must die too, so they arm
+    their lifeline before they unpickle anything."""
+    parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "hang-unpickling", "--pid-dir",
+                               str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    found = wait_files(tmp_path, "unpickling-*.pid", 2)
+    hung = [int(f.read_text()) for f in found]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    try:
+        assert len(hung) == 2, "the ranks never started unpickling"
+        assert wait_dead(hung) == []
+    finally:
+        kill_leftovers(hung)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "code"), [("parent gone", -signal.SIGKILL), ("launcher gone", -signal.SIGKILL),
+                                            ("both there", 0)])
+def test_a_rank_whose_parent_died_before_it_armed_kills_itself(case: str, code: int) -> None:
+    """PR_SET_PDEATHSIG only fires for a parent that dies after it is armed. So once armed, the rank checks: its
+    direct parent is still the one it had (else it was reparented: the parent already died), and the launcher's end
+    of the pipe is still open. Either gone: the rank kills itself at once, before running anything."""
+    program = f"""
+import multiprocessing as mp, os
+from mlsys.launch import _die_with_parent
+ours, theirs = mp.Pipe(duplex=True)
+if {case!r} == "launcher gone":
+    ours.close()
+_die_with_parent(theirs, 1 if {case!r} == "parent gone" else os.getppid())  # pid 1 is never our parent here
+print("still running")
+"""
+    proc = run([sys.executable, "-c", program], timeout=50)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert ("still running" in proc.stdout) == (code == 0)
+
+
 def as_from_a_terminal() -> None:
     """Ctrl-C as a shell leaves it to a program it starts: SIGINT at its default and not blocked. A test worker may
     carry a different state (an ignored disposition and a blocked mask are inherited through exec)."""
@@ -216,6 +315,31 @@ def test_interrupted_parent_stops_its_ranks(tmp_path) -> None:
         pytest.fail(f"the launcher was still running 30 s after SIGINT ({state}); its stderr:\n{err[-3000:]}")
     assert parent.returncode != 0, err
     assert wait_dead(pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_terminal_reaches_the_ranks_children(tmp_path) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the foreground process group, which no longer holds the ranks (each
+    has its own group): the launcher passes it on to each rank's group, so rank 1's child gets SIGINT as it would
+    from the terminal, then the job stops and nothing is left."""
+    parent = subprocess.Popen([sys.executable, str(JOB), "-w", "2", "--mode", "block", "--child", "--pid-dir",
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, preexec_fn=as_from_a_terminal)  # its own group, as a job
+    found = wait_files(tmp_path, "child1.ready", 1) and wait_files(tmp_path, "rank*.pid", 2)
+    everyone = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    os.killpg(parent.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+    try:
+        _, err = parent.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(parent.pid, signal.SIGKILL)
+        _, err = parent.communicate()
+    try:
+        assert found, "the ranks or the child never started"
+        assert parent.returncode == 130 and "interrupted" in err, err[-3000:]
+        assert (tmp_path / "child1.signal").read_text() == "SIGINT"
+        assert wait_dead(everyone) == []
+    finally:
+        kill_leftovers(everyone)
 
 
 @pytest.mark.timeout(120)
