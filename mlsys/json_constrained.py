@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import threading
 from collections import deque
 
@@ -369,6 +371,7 @@ class SchemaFSM:
 
     def __init__(self, schema: dict, tokenizer: Tokenizer | None = None):
         self.schema, self.tok = schema, tokenizer or Tokenizer()
+        self.compiled_in = os.getpid()  # the process that built it (a server compiles in worker processes)
         check_schema(schema)
         if estimated_size(schema) > MAX_NFA_SIZE:
             raise SchemaError(f"the schema is too large for this decoder (its automaton would need about "
@@ -508,9 +511,10 @@ class SchemaCache:
     `get` returns the automaton or raises SchemaError (or SchemaBusy). Thread-safe."""
 
     def __init__(self, tokenizer: Tokenizer | None = None, max_bytes: int = 256 << 20,
-                 max_refusals: int = 1024, max_compiling: int = 2) -> None:
+                 max_refusals: int = 1024, max_compiling: int = 2, in_processes: bool = False) -> None:
         self.tok, self.max_bytes, self.max_refusals = tokenizer, max_bytes, max_refusals
-        self.max_compiling = max_compiling
+        self.max_compiling, self.in_processes = max_compiling, in_processes
+        self._pool = None  # with in_processes: max_compiling worker processes, started on the first compile
         self._fsms: dict[str, tuple[SchemaFSM, int]] = {}  # key -> (automaton, bytes); most recent last
         self._refused: dict[str, str] = {}  # key -> the SchemaError's message; most recent last
         self._building: dict[str, threading.Event] = {}
@@ -538,7 +542,7 @@ class SchemaCache:
                     break
             building.wait()  # another thread compiles this schema: take its result (or refusal) when it is done
         try:
-            fsm = SchemaFSM(schema, self.tok)
+            fsm = self._compile(schema)
         except (SchemaError, RecursionError) as err:
             message = str(err) if isinstance(err, SchemaError) else "the schema is nested too deeply"
             with self._lock:
@@ -557,6 +561,48 @@ class SchemaCache:
                 _, old = self._fsms.pop(next(iter(self._fsms)))
                 self.nbytes -= old
         return fsm
+
+    def _compile(self, schema: dict) -> SchemaFSM:
+        """In this thread, or with in_processes in a worker process: compiling is pure Python, and a thread of
+        the server's own process would hold the GIL against the engine thread, whose every torch call must win it
+        back (a compile of a few tenths of a second slowed a 4-token request 70-fold). The automaton comes back
+        pickled; a worker process that died is replaced, and the request told to retry."""
+        if not self.in_processes or estimated_size(schema) > MAX_NFA_SIZE:  # a refusal from keywords: here, at once
+            return SchemaFSM(schema, self.tok)
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
+
+        with self._lock:
+            if self._pool is None:
+                import multiprocessing as mp
+
+                self._pool = ProcessPoolExecutor(self.max_compiling, mp_context=mp.get_context("forkserver"))
+            pool = self._pool
+        try:
+            future = pool.submit(_compile_in_worker, schema, self.tok)
+        except (RuntimeError, OSError) as err:  # no process can start here: compile in this thread instead
+            print(f"[mlsys] schema worker processes unavailable ({err}); compiling in threads", file=sys.stderr)
+            self.in_processes = False
+            return SchemaFSM(schema, self.tok)
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise SchemaBusy("the schema compiler restarted; retry") from None
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (a server's shutdown)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _compile_in_worker(schema: dict, tok: Tokenizer | None) -> SchemaFSM:
+    return SchemaFSM(schema, tok)
 
 
 # --8<-- [start:decode]

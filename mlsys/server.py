@@ -56,6 +56,7 @@ from mlsys.chat import NoChatTemplate, chat_body, chat_chunk
 from mlsys.data import Tokenizer
 from mlsys.engine import Engine, RequestOutput, SamplingParams
 from mlsys.engine.engine import FatalEngineError
+from mlsys.json_constrained import SchemaCache
 from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
     CompletionRequest,
     RequestError,
@@ -277,16 +278,21 @@ class _MarkAnswered:
 
 def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None,
                body_timeout: float = BODY_TIMEOUT_S, chat_template: str | NoChatTemplate | None = None,
-               health_stall_s: float = HEALTH_STALL_S, sampling_defaults: dict | None = None) -> FastAPI:
+               health_stall_s: float = HEALTH_STALL_S, sampling_defaults: dict | None = None,
+               schema_processes: bool = False) -> FastAPI:
     """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health over one AsyncEngine
     (app.state.async_engine). Chat prompts use `chat_template` (a checkpoint's Jinja template; a NoChatTemplate
     refuses chat with its reason, for a folder that ships none) or, with None,
     the book's template (mlsys/chat.py).
 
     With `api_key`, every /v1 route wants the header OpenAI clients send, `Authorization: Bearer <key>` (401
-    otherwise); /health stays open for load balancers. A body that stalls for `body_timeout` s gets a 408."""
+    otherwise); /health stays open for load balancers. A body that stalls for `body_timeout` s gets a 408.
+    `schema_processes`: compile response_format schemas in two worker processes (mlsys/json_constrained.SchemaCache;
+    serve.py does; the calling script needs the `if __name__ == "__main__":` guard that any multiprocessing needs)."""
     front = AsyncEngine(engine)
     parsing = _BoundedPool(PARSE_WORKERS, PARSE_QUEUE)
+    if schema_processes and engine.schemas is None and isinstance(engine.tokenizer, Tokenizer):
+        engine.schemas = SchemaCache(engine.tokenizer, in_processes=True)  # compiling cannot take the GIL from steps
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -302,6 +308,8 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, api_key: st
         yield
         parsing.shutdown()
         await front.stop()
+        if engine.schemas is not None:
+            await asyncio.to_thread(engine.schemas.close)
 
     # with a key, the interactive docs and the OpenAPI document are switched off: every route but /health
     # answers only a client that holds the key, and those three routes cannot check one

@@ -294,3 +294,26 @@ def test_past_the_connection_limit_the_oldest_idle_connection_makes_room(engine)
         s.close()
     assert first.status_code == last.status_code == 200
     assert all(evicted) and readable == []
+
+
+@pytest.mark.timeout(180)
+def test_served_schemas_compile_in_worker_processes_that_end_with_the_server(tiny_model):
+    """serve.py's setting: the automaton is built in another process (so it cannot hold this one's GIL against
+    the engine thread), the answer is still valid, and shutdown leaves no worker process behind."""
+    import os
+
+    engine = Engine(tiny_model, config=EngineConfig(max_model_len=48, max_num_seqs=8))
+    server = ServerThread(create_app(engine, schema_processes=True), port=0).start()
+    schema = {"type": "integer", "minimum": 3, "maximum": 400}
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "{"}], "max_completion_tokens": 6,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+        workers = list(engine.schemas._pool._processes)
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    assert 3 <= json.loads(r.json()["choices"][0]["message"]["content"]) <= 400
+    fsm = engine.compile_schema(schema)  # from the cache: the automaton the request was decoded with
+    assert fsm.compiled_in in workers and fsm.compiled_in != os.getpid()
+    assert engine.schemas._pool is None and not any(os.path.exists(f"/proc/{pid}") for pid in workers)

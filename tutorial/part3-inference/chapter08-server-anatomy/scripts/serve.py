@@ -216,7 +216,8 @@ def main() -> int:
     expected = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=args.max_tokens))[0].text
     template = chat_template_for(args.model)   # a folder's own, a refusal if it has none, or the book's
     app = create_app(engine, name, api_key=args.api_key or None, chat_template=template,
-                     sampling_defaults=generation_defaults(args.model))   # a folder's generation_config.json
+                     sampling_defaults=generation_defaults(args.model),   # a folder's generation_config.json
+                     schema_processes=True)   # clients' JSON schemas compile in worker processes
     server = ServerThread(app, host=args.host, port=args.port, grace_seconds=args.grace_seconds).start()
     signals = StopSignals()
     signals.server = server
