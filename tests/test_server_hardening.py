@@ -290,10 +290,8 @@ def test_a_half_sent_body_gets_a_408_and_cannot_hold_shutdown(tiny_model):
         sock.close()
     server = ServerThread(create_app(Engine(tiny_model)), port=0, grace_seconds=0.5).start()  # 30 s body timeout
     sock = stalled_body(server.url)
-    t0 = time.monotonic()
     while not server.server.server_state.tasks:  # the server has the request and waits for its body
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.01)  # waiting for the server thread to accept, not standing in for work
+        time.sleep(0.01)  # waiting for the server thread to accept (a hang: pytest-timeout ends the test)
     drain = server.stop()
     assert drain == {"in_flight": 1, "drained": 0, "cut": 1}
     sock.close()
@@ -352,13 +350,13 @@ def test_a_second_sigint_cuts_at_once():
         line = proc.stdout.readline()
         assert line, "serve.py exited after one SIGINT although a request was in flight"
         seen += line
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    out, waited = seen + out, time.monotonic() - t0
+    out = seen + out
     sock.close()
     assert proc.returncode == 130, err[-2000:]
-    assert waited < 20, f"the second SIGINT took {waited:.1f} s to stop the server: {out[-1500:]}"
+    # "at once", told without a clock: had the server waited, the body's 30 s timeout would have answered it
+    # (a 408, counted as drained); cut 1 says the second signal ended it first
     assert "Traceback" not in err and "Traceback" not in out, err[-2000:]
     assert "SIGINT again: cutting" in out
     assert "drained 0 of 1 request(s) in flight, cut 1" in out and "0 KV blocks in use" in out
