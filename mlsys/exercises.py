@@ -9,16 +9,27 @@ Layout of a chapter's exercises/ folder:
     ex<K>_<name>.py             the stub you edit: real signatures, bodies that raise NotImplementedError("TODO ...")
     solutions/ex<K>_<name>.py   the reference solution
     check_ex<K>.py              the checker: functions decorated with @task, run in the order they are defined;
-                                each gets the loaded attempt module and raises AssertionError to fail.
+                                each gets `ex`, a handle on the attempt's module (which runs in its own process),
+                                and raises AssertionError to fail.
 
 Distributed tasks run the attempt on real ranks with `run_ranks`; tasks marked `@task(..., gpu=True)` report
 "needs a GPU" on machines without CUDA instead of failing.
 
 The attempt runs in a child process, never in the checker's: an attempt that loops forever is stopped after
 `--time-limit` seconds per task (its ranks with it), one that calls sys.exit or os._exit, kills itself, floods
-the output or does not import is a FAIL with one line, and the next task still runs. The only way to PASS is to
-pass the checks (the child binds the task runner before it imports the attempt). This guards against mistakes,
-not against a determined adversary: the attempt is ordinary Python running with your permissions.
+the output or does not import is a FAIL with one line, and the next task still runs.
+
+The verdict is computed where the attempt cannot reach it. The checker's tasks run in this process, which never
+imports the attempt: `ex` in a task is a handle on the attempt's module in the child (mlsys.attempt), and
+`ex.f(x)` sends x to the child, which calls the attempt's f and sends back what it returned as plain data
+(numbers, strings, lists, dicts, tensors and arrays as dtype, shape and bytes; an exception as its type and
+text). The reference answers, the comparisons and PASS/FAIL are all computed here, so an attempt that rewrites the
+checker's functions, patches torch.allclose, returns an object that equals everything or writes forged messages
+into the connection cannot pass; it only changes what the child reports it observed. What a checker must know:
+arguments are copies (only a torch.Generator's state comes back, so a shared generator advances as it would in
+one process); loss.backward() on a returned tensor asks the child for the gradient; `source_of(ex.f)` replaces
+inspect.getsource (the source as it was read before the attempt ran); a call costs a round trip between processes,
+so a check that calls a function thousands of times batches them with `call_many(ex.f, [args, ...])`.
 """
 
 from __future__ import annotations
@@ -120,26 +131,93 @@ def check(exercise: Exercise, solution: bool = False, target: Path | None = None
           memory_limit: int = MEMORY_LIMIT) -> list[Outcome]:
     """Run every task of the exercise's checker against the attempt, the reference solution, or `target`.
 
-    The attempt never runs in this process: a child process (forked from a server that has torch imported, so it
-    starts in milliseconds) loads it and runs the tasks in order, reporting each outcome through a pipe. Whatever
+    The tasks run here; the attempt runs in a child process (forked from a server that has torch imported, so it
+    starts in milliseconds) that answers the tasks' requests with what the attempt's functions returned. Whatever
     the attempt does, the task it was in is a FAIL with one line: it hangs past `time_limit` seconds (the child's
     whole process group, distributed ranks included, is killed), it ends the interpreter (sys.exit, os._exit, a
-    signal), it cannot be imported (a syntax error, an exception at import), or it prints more than
-    OUTPUT_LIMIT bytes. After a child dies, a fresh one goes on with the next task. With `stop_at_fail`, the tasks
-    after the first FAIL are not run (status "SKIPPED"): enough to know that an attempt fails.
+    signal), it cannot be imported (a syntax error, an exception at import), it prints more than OUTPUT_LIMIT
+    bytes, or its process sends what the protocol does not allow. After a child dies, a fresh one serves the next
+    task. With `stop_at_fail`, the tasks after the first FAIL are not run (status "SKIPPED"): enough to know that
+    an attempt fails.
     """
+    from mlsys.attempt.link import Link
+
     target = (target or (exercise.solution if solution else exercise.attempt)).resolve()
     titles, gpu = _task_titles(exercise.checker)
+    checker = load_module(exercise.checker)
+    tasks = [fn for fn in vars(checker).values() if callable(fn) and hasattr(fn, "__task__")]
+    assert [fn.__task__["title"] for fn in tasks] == titles, f"{exercise.checker}: tasks defined out of order"
+    try:  # read before the attempt runs: source_of() shows this text, whatever the attempt does to its file
+        source = target.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        source = ""
     outcomes: list[Outcome] = []
-    while len(outcomes) < len(titles):
-        if stop_at_fail and any(o.status == "FAIL" for o in outcomes):
-            outcomes += [Outcome(title, "SKIPPED", "not run: an earlier task failed") for title in
-                         titles[len(outcomes):]]
-            break
-        outcomes += _run_child(exercise.checker, target, len(outcomes), titles, time_limit, stop_at_fail,
-                               memory_limit)
-    return [Outcome(o.task, "NEEDS GPU", "this task runs on CUDA; no GPU here") if g and o.status == "GPU" else o
-            for o, g in zip(outcomes, gpu)]
+    link = None
+    try:
+        for fn, title, needs_gpu in zip(tasks, titles, gpu):
+            if stop_at_fail and any(o.status == "FAIL" for o in outcomes):
+                outcomes += [Outcome(t, "SKIPPED", "not run: an earlier task failed") for t in titles[len(outcomes):]]
+                break
+            if needs_gpu and not _has_cuda():
+                outcomes.append(Outcome(title, "NEEDS GPU", "this task runs on CUDA; no GPU here"))
+                continue
+            if link is None or link.lost is not None:
+                if link is not None:
+                    link.close()
+                link = Link(target, source, time_limit, memory_limit, OUTPUT_LIMIT)
+            outcomes.append(_run_linked(link, fn, title, target))
+    finally:
+        if link is not None:
+            link.close()
+    return outcomes
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_linked(link: Any, fn: Callable, title: str, target: Path) -> Outcome:
+    """One task, its `ex` the child's attempt; a child that cannot answer any more FAILs the task."""
+    from mlsys.attempt.link import Lost
+
+    try:
+        link.start_task()
+    except Lost as lost:
+        return Outcome(title, "FAIL", lost.detail)
+    if link.load_error:
+        return Outcome(title, "FAIL", "cannot import the attempt: " + link.load_error)
+    outcome = _run_task(fn, title, link.module, target)
+    try:
+        link.end_task()
+    except Lost:
+        pass  # the task's outcome stands; the next task starts a fresh child
+    return outcome
+
+
+def call_many(fn: Callable, calls: list[tuple]) -> list:
+    """[fn(*args) for args in calls]: for a check that calls the attempt's function thousands of times, one request
+    to the attempt's process instead of one per call. A generator passed in several calls is one generator there,
+    advancing through them in order as in one process (and this process's advances to where it stopped); the
+    results come back as plain data, without autograd graphs."""
+    from mlsys.attempt.link import RemoteRef
+
+    if isinstance(fn, RemoteRef):
+        return fn._link.map(fn, calls)
+    return [fn(*args) for args in calls]
+
+
+def source_of(obj: Any) -> str:
+    """inspect.getsource for a checker: the attempt's module (`ex`) or one of its functions or classes (`ex.f`),
+    read from the file as it was before the attempt ran; an object of this process (a reference), by inspect."""
+    import inspect
+
+    from mlsys.attempt.link import RemoteRef
+
+    if isinstance(obj, RemoteRef):
+        return obj._link.source(obj)
+    return inspect.getsource(obj)
 
 
 def task_functions(checker: Path) -> list[list[str]]:
@@ -177,149 +255,10 @@ def _task_titles(checker: Path) -> tuple[list[str], list[bool]]:
     return titles, gpu
 
 
-_CONTEXT: Any = None
-
-
-def _context() -> Any:
-    global _CONTEXT
-    if _CONTEXT is None:
-        import multiprocessing as mp
-
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
-    return _CONTEXT
-
-
-def _run_child(checker: Path, target: Path, first: int, titles: list[str], time_limit: float,
-               stop_at_fail: bool = False, memory_limit: int = MEMORY_LIMIT) -> list[Outcome]:
-    """Run tasks first.. in one child; stop at the first task the child does not survive (or overruns), or with
-    `stop_at_fail` at the first FAIL."""
-    import tempfile
-    import time
-
-    ctx = _context()
-    ours, theirs = ctx.Pipe(duplex=False)
-    with tempfile.NamedTemporaryFile(prefix="mlsys-attempt-", suffix=".log") as output:
-        child = ctx.Process(target=_child_main, args=(str(checker), str(target), first, theirs, output.name,
-                                                       memory_limit))
-        child.start()
-        theirs.close()
-        outcomes: list[Outcome] = []
-        deadline = time.monotonic() + time_limit
-        current = first
-        try:
-            while current < len(titles):
-                if ours.poll(max(0.0, min(0.2, deadline - time.monotonic()))):
-                    try:
-                        kind, *rest = ours.recv()
-                    except (EOFError, OSError):
-                        kind, rest = "died", []
-                    if kind == "start":
-                        current, deadline = rest[0], time.monotonic() + time_limit
-                        continue
-                    if kind == "outcome":
-                        outcomes.append(Outcome(*rest))
-                        current += 1
-                        if stop_at_fail and outcomes[-1].status == "FAIL":
-                            break  # the finally below stops the child
-                        continue
-                if not child.is_alive() or time.monotonic() > deadline:
-                    timed_out = child.is_alive()
-                    _kill_group(child)
-                    tail = _tail(output)
-                    why = (f"no result after {time_limit:g} s (an endless loop, or ranks waiting for each other?); "
-                           "the attempt's processes were stopped" if timed_out else _how_it_died(child.exitcode))
-                    outcomes.append(Outcome(titles[current], "FAIL", why + (f"; it printed: {tail}" if tail else "")))
-                    break
-        finally:
-            if child.is_alive():
-                _kill_group(child)
-            child.join(5)
-            ours.close()
-    return outcomes
-
-
-def _kill_group(child: Any) -> None:
-    """SIGKILL the child's whole process group: the child and anything it started (ranks, a fork server)."""
-    import os
-    import signal
-
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # killed before it made its group: kill the process itself
-        child.kill()
-    child.join(5)
-
-
-def _how_it_died(exitcode: int | None) -> str:
-    import signal
-
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"the attempt killed the checker's process ({name})"
-    return f"the attempt ended the checker's process (exit code {exitcode}, e.g. sys.exit or os._exit)"
-
-
-def _tail(output: Any, limit: int = 300) -> str:
-    """The last line the attempt printed, shortened: enough to recognise, never a flood."""
-    import os
-
-    try:
-        size = os.fstat(output.fileno()).st_size
-        output.seek(max(0, size - 4096))
-        lines = output.read().decode("utf-8", "replace").strip().splitlines()
-    except OSError:
-        return ""
-    return (lines[-1][:limit] + ("..." if len(lines[-1]) > limit else "")) if lines else ""
-
-
-def _child_main(checker: str, target: str, first: int, conn: Any, output_path: str,
-                memory_limit: int = MEMORY_LIMIT) -> None:
-    """In the child: own process group, capped output, load checker and attempt, run tasks first.., report each."""
-    import os
-    import resource
-    import signal
-
-    os.setsid()  # a group of our own: the parent can kill us and everything we start in one call
-    output_fd = os.open(output_path, os.O_WRONLY | os.O_APPEND)
-    for fd in (1, 2):
-        os.dup2(output_fd, fd)  # the attempt's prints go to a file the parent reads the end of
-    os.close(output_fd)
-    run_task, send = _run_task, conn.send  # bound before the attempt is imported: it cannot swap them
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the cap a write fails with EFBIG instead of killing us
-    resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT, OUTPUT_LIMIT))
-    # memory: an attempt that grows without end gets MemoryError (its task FAILs) long before the machine's RAM
-    # runs out; the cap is on data added beyond what this process (torch imported) already holds
-    held = next((int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData")), 0)
-    resource.setrlimit(resource.RLIMIT_DATA, (held + memory_limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
-    import torch
-
-    titles, gpu = _task_titles(Path(checker))
-    try:
-        checker_module = load_module(Path(checker))
-        tasks = [fn for fn in vars(checker_module).values() if callable(fn) and hasattr(fn, "__task__")]
-        attempt = load_module(Path(target))
-        load_error = None
-    except BaseException as err:  # a syntax error, an exception or sys.exit at import: every task fails with it
-        load_error, tasks = err, []
-    for i in range(first, len(titles)):
-        send(("start", i))
-        if load_error is not None:
-            send(("outcome", titles[i], "FAIL", "cannot import the attempt: " + _one_line(load_error, target)))
-            continue
-        if gpu[i] and not torch.cuda.is_available():
-            send(("outcome", titles[i], "GPU", ""))
-            continue
-        outcome = run_task(tasks[i], titles[i], attempt, Path(target))
-        send(("outcome", outcome.task, outcome.status, outcome.detail))
-    sys.stdout.flush()
-    conn.close()
-
-
 def _one_line(err: BaseException, target: str) -> str:
+    info = getattr(err, "attempt_info", None)  # raised by the attempt in its process: its type, text and line
+    if info is not None:
+        return f"{info['type']}: {info['message']}".splitlines()[0][:300] + info["where"]
     if isinstance(err, SyntaxError):
         return f"SyntaxError: {err.msg} (line {err.lineno} of {Path(target).name})"
     frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == target]
@@ -327,15 +266,21 @@ def _one_line(err: BaseException, target: str) -> str:
     return f"{type(err).__name__}: {err}{where}".splitlines()[0][:300]
 
 
-def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Outcome:
+def _run_task(fn: Callable, title: str, attempt: Any, target: Path) -> Outcome:
+    """Run one task of the checker (here, in the checker's process) and turn how it ended into an Outcome."""
+    from mlsys.attempt.link import Lost
+    from mlsys.attempt.wire import AttemptExit
+
     try:
         fn(attempt)
+    except Lost as lost:  # the attempt's process hung, died or broke the protocol
+        return Outcome(title, "FAIL", lost.detail)
+    except AttemptExit as err:  # sys.exit, KeyboardInterrupt... raised by the attempt
+        return Outcome(title, "FAIL", str(err))
     except NotImplementedError as err:
         return Outcome(title, "TODO", str(err) or "not implemented yet")
     except AssertionError as err:
         return Outcome(title, "FAIL", (str(err) or "assertion failed")[:500])
-    except SystemExit as err:
-        return Outcome(title, "FAIL", f"the attempt called sys.exit({err.code!r}); a check cannot pass that way")
     except MemoryError:
         return Outcome(title, "FAIL", "the attempt ran out of the memory a task may use (an endless append or a "
                                       "tensor far larger than the task needs?)")
@@ -345,8 +290,6 @@ def _run_task(fn: Callable, title: str, attempt: ModuleType, target: Path) -> Ou
         if isinstance(err, OSError) and err.errno == 27:  # EFBIG: the output cap
             return Outcome(title, "FAIL", f"the attempt printed more than {OUTPUT_LIMIT} bytes")
         return Outcome(title, "FAIL", _one_line(err, str(target)))
-    except BaseException as err:  # KeyboardInterrupt raised by the attempt, GeneratorExit...
-        return Outcome(title, "FAIL", f"{type(err).__name__} raised by the attempt")
     return Outcome(title, "PASS")
 
 
@@ -368,8 +311,11 @@ def run_ranks(module: ModuleType, fn_name: str, per_rank_args: list[tuple], back
 
     Raises the failing rank's report (as RuntimeError) if the attempt crashes or hangs past `timeout`.
     """
+    from mlsys.attempt.link import RemoteRef
     from mlsys.launch import JobFailed, launch
 
+    if isinstance(module, RemoteRef):  # a checker's task: the ranks start in the attempt's process, results come back
+        return module._link.ranks(fn_name, per_rank_args, backend, timeout)
     try:
         return launch(_call_on_rank, module.__file__, fn_name, per_rank_args, world_size=len(per_rank_args),
                       backend=backend, timeout=timeout)
@@ -425,6 +371,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mlsys import exercises  # the module by its real name, so the checker's child can find _child_main
+    from mlsys import exercises  # the module by its real name (the attempt's process imports it by that name)
 
     sys.exit(exercises.main())

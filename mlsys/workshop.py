@@ -54,7 +54,8 @@ def summary(outcomes: list[exercises.Outcome]) -> str:
 
 def digest(exercise: exercises.Exercise, target: Path) -> str:
     h = hashlib.sha256()
-    for path in (target, exercise.checker, Path(exercises.__file__)):
+    mechanism = [Path(exercises.__file__), *sorted((Path(exercises.__file__).parent / "attempt").glob("*.py"))]
+    for path in (target, exercise.checker, *mechanism):
         h.update(path.read_bytes() if path.is_file() else b"(missing)")
     return h.hexdigest()
 

@@ -76,6 +76,17 @@ def test_a_crashing_distributed_attempt_fails_instead_of_hanging(tmp_path) -> No
 
 # ----------------------------------------------------------------------------------------------- hostile attempts
 GOOD_SECOND = "def node_and_local_rank(rank, nproc):\n    return divmod(rank, nproc)\n"
+FORGE = (  # write bytes into every connection object of the attempt's process (found the way an attacker would)
+    "import gc, json, os, pickle, socket, struct\n"
+    "import multiprocessing.connection as mpc\n"
+    "TITLE = 'shard_bounds gives every rank the same slice as numpy.array_split'\n"
+    "def forge(data):\n"
+    "    for o in gc.get_objects():\n"
+    "        if isinstance(o, (mpc.Connection, socket.socket)):\n"
+    "            try:\n"
+    "                os.write(o.fileno(), data)\n"
+    "            except (OSError, ValueError):\n"
+    "                pass\n")
 HOSTILE = {  # first function of ch01.1 misbehaving -> (status of each task, words in the first task's detail)
     "hangs": ("def shard_bounds(n, r, w):\n    while True:\n        pass\n" + GOOD_SECOND,
               ["FAIL", "PASS"], "no result after"),
@@ -98,6 +109,37 @@ HOSTILE = {  # first function of ch01.1 misbehaving -> (status of each task, wor
     "fakes a pass": ("import mlsys.exercises as e\n"
                      "e._run_task = lambda fn, title, *a: e.Outcome(title, 'PASS')\n"
                      "def shard_bounds(n, r, w):\n    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "expected"),
+    # the verdict is computed in the checker's process, which never imports the attempt: nothing below reaches it
+    "rewrites the checker's code": (
+        "import mlsys.exercises as e\n"
+        "def passed(*args, **kwargs):\n"
+        "    return Outcome(args[1], 'PASS')  # run with the globals of mlsys.exercises, where Outcome is defined\n"
+        "for name in ('_run_task', '_run_linked', 'check', '_one_line'):\n"
+        "    if hasattr(e, name):\n"
+        "        getattr(e, name).__code__ = passed.__code__  # the function objects already bound see it too\n"
+        "e._run_task = e.check = lambda *a, **k: e.Outcome(a[1], 'PASS')\n"
+        "def shard_bounds(n, r, w):\n    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "expected"),
+    "forges the old PASS record": (  # multiprocessing's framing and pickle, what the checker's pipe carried
+        FORGE + "def shard_bounds(n, r, w):\n"
+        "    record = pickle.dumps(('outcome', TITLE, 'PASS', ''))\n"
+        "    forge(struct.pack('!i', len(record)) + record)\n"
+        "    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "protocol"),
+    "forges a PASS message": (  # the link's own framing, well formed, not asked for
+        FORGE + "def shard_bounds(n, r, w):\n"
+        "    message = json.dumps({'op': 'outcome', 'task': TITLE, 'status': 'PASS'}).encode()\n"
+        "    forge(struct.pack('>Q', len(message)) + message)\n"
+        "    return 0, 0\n" + GOOD_SECOND, ["FAIL", "PASS"], "protocol"),
+    "returns what equals everything": (
+        "class Anything:\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    def __ne__(self, other):\n        return False\n"
+        "    __hash__ = object.__hash__\n"
+        "    def __iter__(self):\n        return iter((self, self))\n"
+        "class Zero(int):\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "    __hash__ = int.__hash__\n"
+        "def shard_bounds(n, r, w):\n    return Anything()\n"
+        "def node_and_local_rank(rank, nproc):\n    return Zero(0), Zero(0)\n", ["FAIL", "FAIL"], "not plain data"),
 }
 
 
@@ -105,7 +147,8 @@ HOSTILE = {  # first function of ch01.1 misbehaving -> (status of each task, wor
 @pytest.mark.parametrize("name", HOSTILE)
 def test_the_checker_survives_a_hostile_attempt(name, tmp_path) -> None:
     """Whatever the attempt does, the task it was in FAILs with one line, the next task still runs, and the
-    command line exits 1: hangs (killed at the time limit), interpreter exits, signals, import errors, floods."""
+    command line exits 1: hangs (killed at the time limit), interpreter exits, signals, import errors, floods; and
+    no PASS from cheating: rewriting the checker's code, forging messages, returning what equals everything."""
     source, statuses, words = HOSTILE[name]
     attempt = tmp_path / "ex1_rank_arithmetic.py"
     attempt.write_text(source)
@@ -113,6 +156,40 @@ def test_the_checker_survives_a_hostile_attempt(name, tmp_path) -> None:
     outcomes = exercises.check(exercises.find("ch01.1"), target=attempt, time_limit=3, memory_limit=512 << 20)
     assert [o.status for o in outcomes] == statuses, outcomes
     assert words in outcomes[0].detail and "\n" not in outcomes[0].detail, outcomes[0].detail
+
+
+@pytest.mark.timeout(120)
+def test_patching_torch_comparisons_does_not_pass(tmp_path) -> None:
+    """An attempt that makes torch.allclose, torch.equal, numpy.allclose and math.isclose answer True (and returns
+    zeros) FAILs: the comparisons run in the checker's process, which never ran the attempt's import."""
+    attempt = tmp_path / "ex1_acceptance_rule.py"
+    attempt.write_text(
+        "import math, numpy, torch\n"
+        "torch.allclose = torch.equal = numpy.allclose = math.isclose = lambda *a, **k: True\n"
+        "torch.Tensor.__eq__ = lambda self, other: True\n"
+        "def residual(p, q):\n    return torch.zeros_like(p)\n"
+        "def verify_sampled(p, q, drafts, generator):\n    return 0, 0\n")
+    outcomes = exercises.check(exercises.find("ch11.1"), target=attempt, stop_at_fail=True)
+    assert [o.status for o in outcomes] == ["FAIL", "SKIPPED", "SKIPPED"], outcomes
+    assert "want [0.6" in outcomes[0].detail, outcomes[0].detail
+
+
+@pytest.mark.timeout(120)
+def test_a_returned_loss_cut_from_its_inputs_fails_the_gradient_task(tmp_path) -> None:
+    """loss.backward() in a task reaches the attempt's autograd graph in its process: the right value with no graph
+    behind it passes the value tasks and FAILs the gradient task (the reference solution passes all of them)."""
+    attempt = tmp_path / "ex2_clipped_loss.py"
+    attempt.write_text(
+        "import torch\n"
+        "def clipped_loss(logp_new, logp_old, adv, eps):\n"
+        "    ratio = (logp_new - logp_old).exp()\n"
+        "    loss = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv).mean()\n"
+        "    return torch.tensor(loss.item())  # the value alone\n"
+        "def clip_fraction(logp_new, logp_old, eps):\n    raise NotImplementedError('TODO')\n"
+        "def approx_kl(logp_new, logp_old):\n    raise NotImplementedError('TODO')\n")
+    outcomes = exercises.check(exercises.find("ch12.2"), target=attempt)
+    assert [o.status for o in outcomes] == ["PASS", "FAIL", "PASS", "TODO", "TODO"], outcomes
+    assert "does not require grad" in outcomes[1].detail, outcomes[1].detail  # as in one process
 
 
 @pytest.mark.timeout(120)

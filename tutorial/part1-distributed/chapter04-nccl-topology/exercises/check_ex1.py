@@ -3,12 +3,11 @@ broadcast on 1 to 5 real ranks against rank 0's data."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 
-from mlsys.exercises import run_ranks, task
+from mlsys.exercises import run_ranks, source_of, task
 
 
 @task("busbw: matches hand-computed values for every collective")
@@ -55,7 +54,7 @@ def check_tree_children(ex) -> None:
 def check_tree_broadcast(ex) -> None:
     # tree_broadcast walks the tree your tree_parent / tree_children describe (the ranks load this same file), so
     # a wrong tree is reported here as "fix ... first" rather than as a hang
-    if "NotImplementedError" in inspect.getsource(ex.tree_broadcast):
+    if "NotImplementedError" in source_of(ex.tree_broadcast):
         raise NotImplementedError("TODO: write tree_broadcast")
     for world_size in (1, 2, 5):  # a wrong tree could hang the job: check it on paper first
         for r in range(world_size):

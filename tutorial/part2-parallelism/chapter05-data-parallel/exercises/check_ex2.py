@@ -3,13 +3,12 @@ numpy mean of every rank's gradient, padded and sliced."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
 import torch
 
-from mlsys.exercises import run_ranks, task
+from mlsys.exercises import run_ranks, source_of, task
 
 
 @task("shard_bounds: padded is the smallest multiple of W >= numel, and the ranks tile [0, padded) in order")
@@ -42,7 +41,7 @@ def check_reduce_scatter_grad(ex) -> None:
 
 @task("reduce_scatter_grad uses a reduce-scatter, not an all-reduce")
 def check_uses_reduce_scatter(ex) -> None:
-    source = inspect.getsource(ex.reduce_scatter_grad)
+    source = source_of(ex.reduce_scatter_grad)
     if "NotImplementedError" in source:
         raise NotImplementedError("TODO: write reduce_scatter_grad first")
     assert "all_reduce" not in source, "reduce_scatter_grad calls all_reduce: every rank would get everything"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mlsys.exercises import task
+from mlsys.exercises import call_many, task
 from mlsys.speculative import chi_square
 
 P = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]])  # target, k+1 = 3
@@ -34,10 +34,11 @@ def check_edges(ex) -> None:
 def check_distribution(ex) -> None:
     g = torch.Generator().manual_seed(1)
     first, second, bonus = torch.zeros(4), torch.zeros(4), torch.zeros(4)
-    for _ in range(8000):
-        drafts = torch.stack([torch.multinomial(Q[i], 1, generator=g)[0] for i in range(2)])
-        j, nxt = ex.verify_sampled(P, Q, drafts, g)
-        emitted = [*drafts[:j].tolist(), nxt]
+    drafts = [torch.stack([torch.multinomial(Q[i], 1, generator=g)[0] for i in range(2)]) for _ in range(8000)]
+    # the 8000 calls as one request to the attempt's process; its draws from g follow the drafts' draws
+    results = call_many(ex.verify_sampled, [(P, Q, d, g) for d in drafts])
+    for d, (j, nxt) in zip(drafts, results):
+        emitted = [*d[:j].tolist(), nxt]
         first[emitted[0]] += 1
         if j >= 1:
             second[emitted[1]] += 1
