@@ -28,12 +28,13 @@ def busbw_factor(collective: str, world_size: int) -> float:
     """nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md in NVIDIA/nccl-tests).
 
     It turns "bytes of the buffer per second" into "bytes each link carried per second", so that every collective
-    can be compared with the hardware's link bandwidth: an all_reduce must move 2(n-1)/n of the buffer through each
-    rank's link (reduce-scatter then all-gather), an all_gather or reduce_scatter (n-1)/n, a broadcast the whole.
+    can be compared with the hardware's link bandwidth: on p ranks an all_reduce must move 2(p-1)/p of the buffer
+    through each rank's link (reduce-scatter then all-gather), an all_gather or reduce_scatter (p-1)/p, a broadcast
+    the whole. At p = 2 the all_reduce factor is exactly 1: busbw equals algbw.
     """
-    n = world_size
-    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-               "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
+    p = world_size  # the ranks; the chapter calls the buffer's bytes n
+    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+               "all_to_all": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0}
     return factors[collective]
 
 
@@ -70,17 +71,32 @@ def time_collective(call: typing.Callable[[], None], warmup: int, iters: int, de
 @contextlib.contextmanager
 def steady_timing() -> typing.Iterator[None]:
     """Time with the garbage collector out of the way: collect once, freeze what survives (so no generation-2 pass
-    lands inside a timed region, as vLLM does before serving), and turn automatic collection off until the end."""
+    lands inside a timed region, as vLLM does before serving), and turn automatic collection off until the end.
+    Nested inside another steady_timing it does nothing: the outer one has already collected (a full collection
+    of a process holding torch costs a tenth of a second, too much to pay before every timed loop of a sweep)."""
+    global _steady_depth
+    if _steady_depth:
+        _steady_depth += 1
+        try:
+            yield
+        finally:
+            _steady_depth -= 1
+        return
     gc.collect()
     gc.freeze()
     was_enabled = gc.isenabled()
     gc.disable()
+    _steady_depth = 1
     try:
         yield
     finally:
+        _steady_depth = 0
         if was_enabled:
             gc.enable()
         gc.unfreeze()
+
+
+_steady_depth = 0  # how many steady_timing blocks are open in this process (threads share it)
 
 
 def best_of(fn: typing.Callable[[], float], repeats: int, warmup: int = 1) -> dict[str, float]:

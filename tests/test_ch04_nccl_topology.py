@@ -267,6 +267,10 @@ def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
     for row in doc["rows"]:
         assert row["busbw (GB/s)"] == pytest.approx(row["size (B)"] / (row["time (us)"] * 1e-6) / 1e9 * 4 / 3)
     assert doc["memcpy_GBps"] > 0 and doc["loopback_tcp_GBps"] > 0
+    largest = max(r["size (B)"] for r in doc["rows"])  # the direction words follow the raw times at that size
+    t = {r["algorithm"]: r["time (us)"] for r in doc["rows"] if r["size (B)"] == largest}
+    assert doc["ring_vs_gloo_text"].startswith("above 1: our Python ring finished faster") == (
+        t["ring"] < t["gloo all_reduce"])
     for name in ("ring_vs_tree", "alpha_beta", "ceiling", "steps"):
         assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])

@@ -219,6 +219,13 @@ def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
             else:  # launched first (submit returns at once), then step n+1 is prepared
                 launch = row["start"] + row["stages"]["launch"] * 1e3
                 assert int(p.label) == int(f.label) + 1 and p.start == pytest.approx(launch)
+    # the hand-back in line 3: how far each drawn grey wait outlasts the forward box beside it (the main thread
+    # cannot have the result before the worker's forward returned)
+    waits = [s for s in spans if s.lane == "overlap: main thread" and s.kind == "waiting for the forward"]
+    fwd = [s for s in spans if s.lane == "overlap: forward"]
+    late = sorted(w.end - f.end for w, f in zip(waits, fwd))
+    assert len(waits) == 3 and late[0] >= -1e-3
+    assert mod.timeline_summary(tl)["overlap_handback_ms"] == pytest.approx(late[1])
 
 
 # ------------------------------------------------------------------------------------------ chunked prefill

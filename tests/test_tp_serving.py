@@ -198,6 +198,49 @@ def test_tp_step_picture_shows_two_all_reduces_per_layer(tp_serving_smoke, small
     assert (plots / "tp_step.png").exists()
 
 
+def union_us(intervals):
+    """Total length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def test_tp_step_sublayer_compute_from_the_raw_trace(tp_serving_smoke):
+    """The line's "median compute per sublayer", recomputed from the trace file's own events, not from the drawn
+    boxes: for each sublayer, the time on rank 0's thread from the start of its first labelled region ("layer i
+    attention", "layer i MLP") to the end of its last, less the time inside a ReduceFromTP (the all-reduce,
+    an interval union); then the median over the
+    2 * layers sublayers. A median over the pieces the all-reduce cuts a sublayer into would land on the short
+    tails after each all-reduce."""
+    import json
+    import statistics
+
+    r, plots = tp_serving_smoke
+    pic = r["traced_step"]
+    events = [e for e in json.loads((plots / "tp_step.trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    step = min((e for e in events if e.get("name") == "decode step"), key=lambda e: e["dur"])
+    inside = [e for e in events if e["tid"] == step["tid"] and step["ts"] <= e["ts"]
+              and e["ts"] + e["dur"] <= step["ts"] + step["dur"]]
+    reduces = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e["name"] == "ReduceFromTP"]
+    want = {}
+    for name in sorted({e["name"] for e in inside if e["name"].startswith("layer ")}):
+        regions = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e["name"] == name]
+        a, b = min(r[0] for r in regions), max(r[1] for r in regions)  # first to last region: the glue between
+        cut = [(max(a, c), min(b, d)) for c, d in reduces if max(a, c) < min(b, d)]  # its ops counts as its own
+        i, part = name.split()[1:]
+        want[f"L{i} {'attn' if part == 'attention' else part}"] = (b - a - union_us(cut)) / 1000
+    assert len(want) == 2 * 4  # the small GPT's 4 layers
+    got = pic["sublayer_compute_ms"]
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k] == pytest.approx(want[k], abs=2e-3), k
+    assert pic["median_sublayer_compute_ms"] == pytest.approx(statistics.median(want.values()), abs=2e-3)
+    assert pic["collective_ms"] == pytest.approx(pic["all_reduce_ms"] + pic["broadcast_ms"])
+
+
 def test_tp_on_cuda_needs_one_gpu_per_rank(small_model):
     """The NCCL path's settings are checked before any rank starts: rank r runs on cuda:r."""
     with pytest.raises(ValueError, match="one GPU per rank"):

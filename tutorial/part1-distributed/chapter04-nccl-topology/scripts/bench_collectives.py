@@ -16,7 +16,7 @@ What it shows
     boundary at size = alpha * B, shaded on the figure. Each size is checked once against a closed-form answer
     before it is timed. Over gloo on CPU here; with one GPU per rank, --backend auto picks NCCL and CUDA tensors.
 
-How to run (any world size >= 1; the busbw factors are defined for every n)
+How to run (any world size >= 1; the busbw factors are defined for every number of ranks p)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py -w 4 --collective all_gather
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py

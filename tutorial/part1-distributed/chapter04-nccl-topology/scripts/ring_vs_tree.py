@@ -33,7 +33,7 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
-Runtime on 2 cores: about 50-120 s, depending on the load (4 ranks, 256 B .. 8 MiB); --smoke about 10 s.
+Runtime on 2 cores: about 20 s at load 6 (4 ranks, 256 B .. 8 MiB), longer under heavier load; --smoke about 10 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
-from mlsys.bench import busbw, load_average, loopback_tcp_bandwidth, memcpy_bandwidth, time_collective
+from mlsys.bench import busbw, load_average, loopback_tcp_bandwidth, memcpy_bandwidth, steady_timing, time_collective
 from mlsys.collectives import (
     halving_doubling_all_reduce,
     halving_doubling_plan,
@@ -193,7 +193,7 @@ def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
         axes[row, 0].text(0, -0.02, "bytes sent, per rank: " + ", ".join(
             f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent)), transform=axes[row, 0].transAxes,
             fontsize=7, ha="left", va="top", clip_on=False)
-    fig.suptitle(f"all-reduce on {p} ranks, step by step\nred: the receiver adds it, green: the receiver copies it; "
+    fig.suptitle(f"all-reduce on {p} ranks, step by step\norange: the receiver adds it, green: the receiver copies it; "
                  "n = the buffer's size", fontsize=9)
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'steps')}")
@@ -315,18 +315,20 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     algos = algorithms(ctx.world_size)
     errors = check_against_gloo(ctx, args)
     rows = []
-    for size in sweep_sizes(args):
-        count = size // ELEMENT_BYTES
-        buf = torch.zeros(count)  # zeros: repeated in-place sums stay finite
-        iters = max(2, min(args.max_iters, (16 * 2**20) // size))
-        rounds = {name: [] for name in algos}
-        for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
-            for name, fn in algos.items():
-                rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters, device=ctx.device))  # noqa: B023
-        for name, times in rounds.items():
-            seconds = float(np.median(times))
-            rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
-                         "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size)})
+    with steady_timing():  # one garbage collection for the whole sweep, not one per timed loop (each rank's costs
+        for size in sweep_sizes(args):  # a tenth of a second, and the barrier waits for the slowest rank's)
+            count = size // ELEMENT_BYTES
+            buf = torch.zeros(count)  # zeros: repeated in-place sums stay finite
+            iters = max(2, min(args.max_iters, (16 * 2**20) // size))
+            rounds = {name: [] for name in algos}
+            for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
+                for name, fn in algos.items():
+                    rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters,  # noqa: B023
+                                                        device=ctx.device))
+            for name, times in rounds.items():
+                seconds = float(np.median(times))
+                rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
+                             "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size)})
     return {"rows": rows, "max_abs_error": errors}
 
 
@@ -512,8 +514,13 @@ def main() -> int:
                         for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     summary = summarise(rows, w)
     print(f"measured: {summary['measured_text']}")
-    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: "
-          f"{summary['ring_over_gloo_busbw']:.2f}")
+    ratio = summary["ring_over_gloo_busbw"]
+    summary["ring_vs_gloo_text"] = (
+        f"above 1: our Python ring finished faster than gloo's own all-reduce at {size_text(summary['largest_size'])}"
+        if ratio > 1 else f"below 1: gloo's own all-reduce finished faster than our Python ring at "
+        f"{size_text(summary['largest_size'])}" if ratio < 1 else "exactly 1: the two took the same time")
+    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: {ratio:.2f} "
+          f"({summary['ring_vs_gloo_text']})")
     print_model(summary, w)
     ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}
     best = max((r for r in rows if r["size (B)"] == summary["largest_size"]), key=lambda r: r["busbw (GB/s)"])

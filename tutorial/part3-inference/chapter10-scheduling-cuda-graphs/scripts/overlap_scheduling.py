@@ -225,12 +225,18 @@ def timeline_spans(tl: dict[str, list[dict]]) -> list[plot.Span]:
 
 
 def timeline_summary(tl: dict[str, list[dict]]) -> dict:
-    """Per engine, over the drawn steps: the median ms per step and the median ms its forward really took."""
+    """Per engine, over the drawn steps: the median ms per step and the median ms its forward really took; for the
+    overlapped engine, the median ms its main thread went on waiting after the forward had returned (the hand-back:
+    the worker thread passing the result, the main thread waking up and getting the GIL and a core)."""
     out = {}
     for name, rows in tl.items():
         out[f"{name}_step_ms"] = statistics.median(r["stages"]["total"] * 1e3 for r in rows)
         out[f"{name}_forward_ms"] = statistics.median(r["forward"][1] - r["forward"][0] for r in rows)
     out["forward_slowdown"] = out["overlap_forward_ms"] / out["plain_forward_ms"]
+    # the overlapped main thread's wait ends when it has the forward's result: how long after the forward returned
+    late = [r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"] + r["stages"]["forward"])
+            - r["forward"][1] for r in tl["overlap"]]
+    out["overlap_handback_ms"] = statistics.median(late)
     return out
 
 
@@ -265,7 +271,8 @@ def main() -> int:
           f"{same['num_reprepared']} of {same['num_steps']} overlapped steps were re-prepared after a stop.\n")
     rows = [compare(model, B, args, device) for B in args.batch_sizes]
     where = "forward in a worker thread, GIL released inside kernels" if device == "cpu" else "asynchronous launch"
-    print(f"2. Decode steps on {device} ({where}); median of {args.rounds} alternating rounds of {args.steps} steps")
+    print(f"2. Decode steps on {device} ({where}; torch threads: {torch.get_num_threads()}); median of "
+          f"{args.rounds} alternating rounds of {args.steps} steps")
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
     print("   saved: plain - overlap per step. Only the plain engine's sched+prep is CPU work that can hide behind the"
@@ -277,7 +284,8 @@ def main() -> int:
           f"consecutive of {3 * len(tl['plain'])} recorded; medians): plain step "
           f"{summ['plain_step_ms']:.2f} ms, its forward {summ['plain_forward_ms']:.2f} ms; overlapped step "
           f"{summ['overlap_step_ms']:.2f} ms, its forward {summ['overlap_forward_ms']:.2f} ms while the main thread "
-          f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward). "
+          f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward); after the "
+          f"forward returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
           f"{bench.load_average()}")
     if args.json:
         report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,

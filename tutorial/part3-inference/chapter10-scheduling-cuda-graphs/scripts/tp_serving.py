@@ -15,7 +15,7 @@ What it shows
        layer; gloo's threads carrying the collectives out), and the trace itself beside it (tp_step.trace.json,
        for ui.perfetto.dev). The line above the figure's path gives that step's time, its all-reduce time and
        share, the time spent sending the batch, and the median all-reduce against the median compute of one
-       sublayer. The JSON keeps the drawn boxes ("traced_step").
+       sublayer (its pieces on either side of its all-reduce added). The JSON keeps the drawn boxes ("traced_step").
     On this machine the ranks are processes on 2 CPU cores talking through gloo over loopback TCP: every
     all-reduce is a few system calls and copies, and N ranks share 2 cores. There is nothing to gain here, and
     the table and the picture show what it costs. With GPUs joined by NVLink the same all-reduce of a few hundred
@@ -208,13 +208,19 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
              for s in [*parts, *compute, *waits, *gloo]]
     reduce_ms = sum(w.end - w.start for w in waits if w.kind == "all-reduce")
     step_ms = step.end - step.start
+    per_sublayer: dict[str, float] = {}  # a sublayer's compute is cut in pieces by its all-reduce: sum them
+    for c in compute:
+        if c.kind in ("attention", "MLP"):
+            per_sublayer[c.label] = per_sublayer.get(c.label, 0.0) + c.end - c.start
+    collective_ms = sum(w.end - w.start for w in waits)
     summary = {"step_ms": step_ms, "all_reduces": sum(w.kind == "all-reduce" for w in waits),
                "all_reduce_ms": reduce_ms, "broadcast_ms": waits[0].end - waits[0].start,
                "compute_ms": sum(c.end - c.start for c in compute), "all_reduce_share": reduce_ms / step_ms,
-               "collective_share": sum(w.end - w.start for w in waits) / step_ms,
+               "broadcast_share": (waits[0].end - waits[0].start) / step_ms,
+               "collective_ms": collective_ms, "collective_share": collective_ms / step_ms,
                "median_all_reduce_ms": statistics.median(w.end - w.start for w in waits if w.kind == "all-reduce"),
-               "median_sublayer_compute_ms": statistics.median(c.end - c.start for c in compute
-                                                               if c.kind in ("attention", "MLP"))}
+               "sublayer_compute_ms": per_sublayer,
+               "median_sublayer_compute_ms": statistics.median(per_sublayer.values())}
     return spans, summary
 # --8<-- [end:spans]
 
@@ -285,11 +291,13 @@ def main() -> int:
         trace_path = plot.figure_dir(args) / "tp_step.trace.json"
         trace_decode_step(model, prompts, args, traced, trace_path)
         spans, picture = step_spans(trace_path)
-        print(f"\none decode step at TP={traced} under the profiler (rank 0): {picture['step_ms']:.2f} ms, "
-              f"{picture['all_reduces']} all-reduces taking {picture['all_reduce_ms']:.2f} ms "
-              f"({picture['all_reduce_share']:.0%}), sending the batch {picture['broadcast_ms']:.2f} ms; "
-              f"median all-reduce {picture['median_all_reduce_ms']:.3f} ms against a median "
-              f"{picture['median_sublayer_compute_ms']:.3f} ms of compute per sublayer")
+        print(f"\none decode step at TP={traced} under the profiler (rank 0): {picture['step_ms']:.2f} ms; inside "
+              f"a collective: {picture['all_reduces']} all-reduces {picture['all_reduce_ms']:.2f} ms "
+              f"({picture['all_reduce_share']:.0%}) + sending the batch {picture['broadcast_ms']:.2f} ms "
+              f"({picture['broadcast_share']:.0%}) = {picture['collective_ms']:.2f} ms "
+              f"({picture['collective_share']:.0%}); median all-reduce {picture['median_all_reduce_ms']:.3f} ms "
+              f"against a median {picture['median_sublayer_compute_ms']:.3f} ms of compute per sublayer "
+              f"(its pieces before and after its all-reduce added)")
         picture |= {"tp": traced, "spans": [vars(s) for s in spans]}
         print(f"figure: {draw_step(spans, picture, traced, args)}")
         print(f"trace: {trace_path}")
