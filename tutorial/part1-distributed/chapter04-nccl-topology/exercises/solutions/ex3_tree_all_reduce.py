@@ -45,9 +45,8 @@ def run_and_count(tensor: torch.Tensor) -> dict:
         return real_isend(t, *args, **kwargs)
 
     dist.send, dist.isend = send, isend
-    original = tensor.clone()
     try:
         out = tree_all_reduce(tensor)
     finally:
         dist.send, dist.isend = real_send, real_isend
-    return {"result": out.tolist(), "input_unchanged": bool(torch.equal(tensor, original)), **sent}
+    return {"result": out.tolist(), "input_after": tensor.tolist(), **sent}  # the checker compares it with its copy

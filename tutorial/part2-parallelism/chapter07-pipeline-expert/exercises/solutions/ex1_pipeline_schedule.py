@@ -41,10 +41,12 @@ def bubble_from_timeline(events: list[list[dict]]) -> list[float]:
 
 
 def pipelined_gradients(seed: int, num_micro: int) -> dict:
-    """(Given.) One pipelined step of a 3-block tiny GPT with your 1F1B order; runs on every rank of a real job.
+    """(Given, do not edit.) One pipelined step of a 3-block tiny GPT with your 1F1B order; runs on every rank of a
+    real job.
 
-    Returns this stage's largest |gradient difference| from the whole model in one process, and the most
-    micro-batches it held between forward and backward.
+    Returns this stage's gradients, keyed by the whole model's parameter names (the checker compares them with the
+    whole model run in one process, in its own process), and the most micro-batches it held between forward and
+    backward.
     """
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", n_layer=3))
@@ -54,10 +56,6 @@ def pipelined_gradients(seed: int, num_micro: int) -> dict:
     stage = split_gpt(model, p)[rank]
     out = run_pipeline_step(stage, list(range(p)), list(x.chunk(num_micro)), list(y.chunk(num_micro)),
                             schedule=one_f_one_b_order)
-    model(x, y)[1].backward()  # the oracle: the whole model, the whole batch, one process
-    diff = 0.0
-    for name, param in stage.named_parameters():
-        full = stage.global_name(name)
-        want = model.wte.weight.grad if full == "lm_head.weight" else model.get_parameter(full).grad
-        diff = max(diff, float((param.grad - want).abs().max()))
-    return {"max_grad_diff": diff, "peak_in_flight": out["peak_in_flight"]}
+    grads = {stage.global_name(name): None if param.grad is None else param.grad.tolist()  # nested lists of floats
+             for name, param in stage.named_parameters()}
+    return {"grads": grads, "peak_in_flight": out["peak_in_flight"]}
