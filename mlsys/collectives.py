@@ -24,6 +24,7 @@ def _peer(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+# --8<-- [start:exchange]
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group) -> None:
     """Send `send` to the right neighbour and receive `recv` from the left one, at the same time.
 
@@ -38,6 +39,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+# --8<-- [end:exchange]
 
 
 # --8<-- [start:ring]
@@ -213,7 +215,8 @@ def comm_volume(collective: str, num_bytes: int, world_size: int) -> dict:
         "scatter": ("direct from root", others, piece if w > 1 else 0.0),
         "gather": ("direct to root", piece if w > 1 else 0.0, others),
         "all_gather": ("ring", others, others),
-        "reduce": ("pipelined chain", n if w > 1 else 0.0, n if w > 1 else 0.0),  # what busbw's factor 1 assumes
+        # N in, N out: chapter 4's bus bandwidth (busbw) uses this factor of 1 for reduce
+        "reduce": ("pipelined chain", n if w > 1 else 0.0, n if w > 1 else 0.0),
         "all_reduce": ("ring", 2 * others, 2 * others),
         "reduce_scatter": ("ring", others, others),
         "all_to_all": ("direct pairwise", others, others),

@@ -169,6 +169,25 @@ def test_composed_ops_equal_numpy(tmp_path) -> None:
     assert res["rows_per_rank"] == [5, 8, 11]
     assert res["argmax_index"] == res["numpy_argmax"] and res["softmax_ok"]
     assert res["sums_max_abs_err_var"] < 1e-9 and res["chan_max_abs_err_var"] < 1e-9
+    # the shifted line: Chan within float64 rounding of numpy, the sums formula visibly off
+    assert res["shifted_chan_max_abs_err_var"] < 1e-6 and res["shifted_sums_max_abs_err_var"] > 0.1
+
+
+def test_a_large_shift_breaks_the_sums_formula_but_not_chan() -> None:
+    """The lesson's claim, checked on numpy data alone: at a mean of 1e8, E[x^2] - E[x]^2 in float64 is off by
+    more than 0.1 on a variance near 4, while Chan's merge of two halves matches numpy's two-pass variance."""
+    ops = load_script(CH03 / "composed_ops.py")
+    rng = np.random.default_rng(1)
+    a, b = 1e8 + rng.normal(0, 2, (9, 3)), 1e8 + rng.normal(0, 2, (14, 3))
+    both = np.concatenate([a, b])
+    textbook = (both * both).mean(0) - both.mean(0) ** 2
+    assert np.abs(textbook - both.var(0)).max() > 0.1
+
+    def stats(x):
+        return len(x), torch.tensor(x.mean(0)), torch.tensor(((x - x.mean(0)) ** 2).sum(0))
+
+    n, _, m2 = ops.chan_merge(stats(a), stats(b))
+    np.testing.assert_allclose((m2 / n).numpy(), both.var(0), rtol=1e-6)
 
 
 def test_chan_merge_equals_numpy_on_the_union() -> None:
@@ -421,3 +440,24 @@ def test_row_and_column_groups_against_numpy(R: int, C: int) -> None:
 def test_subgroups_refuses_a_grid_that_does_not_fit() -> None:
     proc = run([CH03 / "subgroups.py", "-w", 6, "--rows", 4])
     assert proc.returncode == 2 and "--rows must divide the world size 6" in proc.stderr
+
+
+def test_async_summary_rounds_as_printed_and_names_the_impossible_cases() -> None:
+    mod = load_script(CH03 / "async_ops.py")
+    # worked by hand: (24.5 + 10.0 - 20.1) / 10.0 = 1.44; overlapped 20.1 < compute 24.5, which only noise explains
+    shown, hidden, verdict = mod.summarize({"compute": 24.54, "communication": 10.04, "sequential": 44.62,
+                                            "overlapped": 20.14})
+    assert shown == {"compute": 24.5, "communication": 10.0, "sequential": 44.6, "overlapped": 20.1}
+    assert hidden == 1.44 and "below its longer part alone" in verdict
+    # hidden must follow from the printed values: (25.0 + 4.3 - 26.3) / 4.3 = 0.6977 (the raw values: 0.682)
+    _, hidden, verdict = mod.summarize({"compute": 24.96, "communication": 4.34, "sequential": 30.04,
+                                        "overlapped": 26.34})
+    assert hidden == 0.70 and "between" in verdict
+    # (30 + 20 - 52) / 20 = -0.1: slower than the two parts one after the other
+    _, hidden, verdict = mod.summarize({"compute": 30.0, "communication": 20.0, "sequential": 50.0,
+                                        "overlapped": 52.0})
+    assert hidden == -0.1 and "nothing was hidden" in verdict
+    # (20.5 + 13.9 - 29.9) / 13.9 = 0.3237, but overlapped 29.9 >= sequential 29.8: no clear gain
+    _, hidden, verdict = mod.summarize({"compute": 20.5, "communication": 13.9, "sequential": 29.8,
+                                        "overlapped": 29.9})
+    assert hidden == 0.32 and "no clear gain" in verdict

@@ -203,34 +203,40 @@ def draw(drawn: dict[str, list[dict]], world_size: int, numel: int, args: Settin
     c10 = list(plot.colours(map(str, range(10))).values())  # the book's colour-blind palette, by index
     palette = dict(zip(dict.fromkeys(kind.values()), (c10[7], c10[1], c10[2], c10[9], c10[4])))  # as in ring_lanes
     names = [f"rank {r}" for r in range(world_size)]
-    fig, axes = plt.subplots(len(drawn), 1, figsize=(11, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(13, 0.9 + len(drawn) * (0.75 + 0.45 * world_size)))
+    from matplotlib.transforms import blended_transform_factory
+
     for ax, (variant, calls) in zip(axes, drawn.items()):
-        spans = [plot.Span(f"rank {c['rank']}", c["start_ms"], c["end_ms"],
-                           c["call"] + ("" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} "
-                                        f"{c['peer']}"), kind[c["call"]]) for c in calls]
+        def label(c: dict) -> str:
+            name = c["call"] + ("" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} {c['peer']}")
+            return name + (" (gave up at the timeout; never reached its recv)" if c["outcome"] == "raised" else "")
+
+        spans = [plot.Span(f"rank {c['rank']}", c["start_ms"], c["end_ms"], label(c), kind[c["call"]])
+                 for c in calls]
         plot.timeline(ax, spans, names, unit="ms", palette=palette, legend=False, fontsize=7)
-        width = max(c["end_ms"] for c in calls)
-        top = min(c["rank"] for c in calls)
-        for c in calls:
-            y = world_size - 1 - c["rank"]
-            if c["call"] in ("isend", "irecv"):  # posting takes microseconds: a tick instead of a box
-                ax.plot([c["start_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
-                if c["rank"] == top:  # named once, above the top lane, so the names cannot cover another lane
-                    ax.annotate(c["call"], (c["start_ms"], y + 0.4), xytext=(-16 if c["call"] == "isend" else 16, 7),
-                                textcoords="offset points", ha="center", fontsize=7,
-                                arrowprops={"arrowstyle": "-", "lw": 0.8})
-            if c["outcome"] == "raised":
-                ax.text(c["end_ms"] + 0.005 * width, y, "gave up at the timeout; never reached its recv", va="center",
-                        fontsize=8, color="C3", ha="left")
-        ax.set_xlim(0, width * (1.45 if any(c["outcome"] == "raised" for c in calls) else 1.02))
-        ax.set_title(variant, fontsize=9, loc="left", pad=12)
+        width = max(c["end_ms"] for c in calls) - min(c["start_ms"] for c in calls)
+        beside = blended_transform_factory(ax.transAxes, ax.transData)  # x in axes fractions, y in lanes
+        for r in range(world_size):
+            y = world_size - 1 - r
+            # the calls too short for their name to fit in their box (plot.timeline's rule), in the order made
+            small = [c for c in calls if c["rank"] == r
+                     and (c["end_ms"] - c["start_ms"]) / width * 60 < len(label(c)) * 7 / 8]
+            for c in small:
+                if (c["end_ms"] - c["start_ms"]) < 0.004 * width:  # a call of microseconds: a tick, not a box
+                    ax.plot([c["start_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
+            if small:
+                listed = ", ".join(f"{label(c)}: {c['end_ms'] - c['start_ms']:.2f}" for c in small)
+                ax.text(1.01, y, "too short to label in its box, in ms:\n" + listed, transform=beside, va="center",
+                        ha="left", fontsize=6.5, wrap=False)
+        ax.set_xlim(0, max(c["end_ms"] for c in calls) * 1.02)
+        ax.set_title(variant, fontsize=9, loc="left", pad=6)
     from matplotlib.patches import Patch
 
     fig.legend(handles=[Patch(facecolor=c, edgecolor="black", label=k) for k, c in palette.items()],
-               loc="lower center", ncol=len(palette), fontsize=8, frameon=False)
+               loc="lower center", bbox_to_anchor=(0.37, 0), ncol=len(palette), fontsize=8, frameon=False)
     fig.suptitle(f"Swapping {numel:,} float32 elements, every call each rank made. Each panel has its own time "
-                 "scale:\n0 ms is the moment the first rank entered that version's first call", fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+                 "scale:\n0 ms is the moment the first rank entered that version's first call", fontsize=10, x=0.37)
+    fig.tight_layout(rect=(0, 0.05, 0.74, 1))
     return str(plot.save(fig, args, "lanes"))
 
 

@@ -76,10 +76,15 @@ def short_group(seconds: float, detail: bool = False) -> dist.ProcessGroup:
         dist.set_debug_level(before)
 
 
+def clip(text: str, limit: int) -> str:
+    """At most `limit` characters, cut between two words and marked with " ..." when cut."""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def first_line(err: BaseException, limit: int = 500) -> str:
     text = " ".join(str(err).split())
     text = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?memory_format=\([^)]*\)\)", "", text)  # long, all alike
-    return text if len(text) <= limit else text[:limit] + " ..."
+    return clip(text, limit)
 
 
 # --8<-- [start:mismatch]
@@ -148,7 +153,7 @@ def unchecked(ctx: RankContext, args: Settings) -> None:
     dist.all_gather_object(everyone, seen)
     for q, p in enumerate(everyone):
         ctx.print(f"rank {q}: " + (f"returned {p['values']} with no error" if p["outcome"] == "returned"
-                                   else f"raised: {p['error'][:150]}"))
+                                   else f"raised: {clip(p['error'], 150)}"))
     if ctx.rank == 0:  # one rank judges what all of them saw, so the job fails once, for the mismatch itself
         report.expect_equal("every rank holds the sum of the ones", all(
             p["outcome"] == "returned" and set(p["values"]) == {float(ctx.world_size)} for p in everyone), True)
@@ -183,12 +188,12 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
     ctx.print(f"   rank 0 raised: {everyone[0]['checked']['error']}")
     ctx.print(f"\n2. monitored_barrier while rank {W - 1} is stuck elsewhere")
     for q, seen in enumerate(everyone):
-        ctx.print(f"   rank {q}: {seen['barrier']['error'] or 'passed'}"[:230])
+        ctx.print(clip(f"   rank {q}: {seen['barrier']['error'] or 'passed'}", 230))
     ctx.print("\n3. ranks 0 and 1 both recv first; faulthandler's dump while they wait (innermost frame first):")
     for q in (0, 1):
         ctx.print(f"   rank {q}: " + " <- ".join(short_path(f) for f in everyone[q]["hang"]["stack"][:4]))
     ctx.print(f"   then the wait ended (the group's timeout, or the peer closing the connection when its own "
-              f"timer fired first): {everyone[0]['hang']['error'][:120]}")
+              f"timer fired first): {clip(everyone[0]['hang']['error'], 120)}")
     return {"checked_all_raised": True,
             "barrier_error_rank0": everyone[0]["barrier"]["error"], "stack_rank0": everyone[0]["hang"]["stack"]}
 

@@ -112,7 +112,7 @@ def chain_nonblocking(ctx: RankContext, numel: int) -> torch.Tensor:
 # --8<-- [end:chain]
 
 
-# --8<-- [start:ring]
+# --8<-- [start:ring_ordered]
 def ring_even_odd(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     """Blocking calls. If every rank sent first, every send would wait for a recv that never comes.
 
@@ -128,8 +128,10 @@ def ring_even_odd(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
         dist.recv(got, src=left)
         dist.send(own, dst=right)
     return got
+# --8<-- [end:ring_ordered]
 
 
+# --8<-- [start:ring_nonblocking]
 def ring_isend_irecv(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     """Post both operations first, then wait: no rank blocks before its recv is posted, so no order is needed."""
     right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
@@ -138,8 +140,10 @@ def ring_isend_irecv(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     for request in requests:
         request.wait()
     return got
+# --8<-- [end:ring_nonblocking]
 
 
+# --8<-- [start:ring_batched]
 def ring_batched(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     """The same with one call: batch_isend_irecv posts a list of P2POps (with NCCL, as one fused group)."""
     right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
@@ -148,7 +152,7 @@ def ring_batched(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     return got
-# --8<-- [end:ring]
+# --8<-- [end:ring_batched]
 
 
 def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:

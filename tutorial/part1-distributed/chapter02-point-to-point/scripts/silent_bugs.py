@@ -22,7 +22,9 @@ Runtime on 2 cores: about 4 s (mostly starting the ranks and drawing), 4 s with 
 
 Try next
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/silent_bugs.py --verbose
-        -> every isend, recv and barrier of both ranks on stderr, a line when it starts and one when it returns
+        -> every isend, recv and barrier of both ranks on stderr as it happens, then, per panel of the figure, the
+           same story in text: every call's start and return (waits included), and each write or read of a buffer
+           with its value, all ranks merged in the order they happened
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/silent_bugs.py -w 3
         -> a third rank joins the barriers only; the values are the same
 """
@@ -136,6 +138,23 @@ def lanes_in_ms(per_rank: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def events_text(lanes: dict[str, list[dict]]) -> list[str]:
+    """The figure in text: per panel, every call's start and return and every note, all ranks in time order."""
+    lines = []
+    for panel, calls in lanes.items():
+        lines.append(f"{panel}:")
+        events = []
+        for c in calls:
+            name = c["call"] + ("" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} {c['peer']}")
+            if c["outcome"] == "note":
+                events.append((c["start_ms"], c["rank"], f"* {c['call']}: {c['value']}"))
+            else:
+                events.append((c["start_ms"], c["rank"], f"-> {name}"))
+                events.append((c["end_ms"], c["rank"], f"<- {name} {c['outcome']}"))
+        lines += [f"  {t:9.3f} ms  rank {r}  {text}" for t, r, text in sorted(events, key=lambda e: e[0])]
+    return lines
+
+
 def draw(lanes: dict[str, list[dict]], world_size: int, args: Settings) -> str:
     """A panel per (bug, version): one lane per rank, a box per call, a marker per note with its value. The x axis
     is the order in which things happened (milliseconds in the JSON): with ranks sharing cores, the spacing in
@@ -197,6 +216,8 @@ def main() -> int:
         print(f"{name:<13} sent {seen['sent']}  buggy version got {seen['buggy_received']}  "
               f"fixed version got {seen['fixed_received']}")
     lanes = lanes_in_ms(result["per_rank"])
+    if args.verbose:  # the picture in text: the waits and the buffer writes and reads that the live trace omits
+        print("\n".join(events_text(lanes)))
     print(f"figure: {draw(lanes, result['world_size'], args)}")
     print("OK: both bugs gave a wrong value without any error, and both fixes the value that was sent")
     if args.json:

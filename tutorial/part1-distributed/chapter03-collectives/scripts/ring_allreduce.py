@@ -22,7 +22,8 @@ Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
         -> a 3-rank trace: 2 reduce-scatter steps, then 2 all-gather steps, every chunk ending at 111
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 8 --mib 1
-        -> 8 ranks: the trace grows to 14 steps; each rank sends 2(8-1)/8 = 1.75 N bytes
+        -> 8 ranks: the trace grows to 14 steps, one line per rank and step (112 lines); each rank sends
+           2(8-1)/8 = 1.75 N bytes. About 45 s on 2 cores: eight processes start and share them
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py --mib 16 --repeats 10
         -> a bigger tensor and more timing runs for the comparison with dist.all_reduce
 """
