@@ -192,8 +192,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     report.expect_equal(f"argmax value on rank {r}", value, vec[expected].item())
     ctx.print(f"argmax: value {value:g} at global index {index} (numpy.argmax: {expected}); "
               f"the max occurs {int((vec == value).sum())} time(s)")
-    results.update(softmax_ok=True, argmax_index=index, argmax_value=value, numpy_argmax=expected,
-                   max_ties=int((vec == value).sum()))
+    # observations, for a test to check against its own numpy: the input, this rank's slice of the softmax, argmax
+    results.update(vector=vec.tolist(), slice=[start, stop], softmax_slice=probs.tolist(), argmax_index=index,
+                   argmax_value=value, max_ties=int((vec == value).sum()))
     return results
 
 
