@@ -128,7 +128,9 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
                 "--iters", "1", "--json", out, "--plot-dir", tmp_path], timeout=140)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"]
-    assert res["engine_ok"] is True
+    served = res["served"]  # the engine's greedy tokens on the last rank vs the trainer's generate() on rank 0
+    assert served["engine_tokens"] == served["trainer_tokens"]
+    assert [len(t) for t in served["engine_tokens"]] == [12, 12]  # two prompts, 12 tokens each
     script = {r["model"]: r for r in res["rows"]}
     for name in ("tiny", "small"):
         params = unique_parameters(GPT(GPTConfig.preset(name)))
@@ -194,7 +196,8 @@ def test_script_over_nccl(tmp_path) -> None:
     proc = run([CH14 / "weight_sync.py", "--smoke", "--backend", "nccl", "--json", out, "--plot-dir", tmp_path],
                timeout=140)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(out.read_text())["results"]["engine_ok"] is True
+    served = json.loads(out.read_text())["results"]["served"]
+    assert served["engine_tokens"] == served["trainer_tokens"]
 
 
 
