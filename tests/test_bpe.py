@@ -155,7 +155,8 @@ def test_detokenize_demo_line_counts_bytes(files) -> None:
     assert row["multi_char_tokens"] >= 1 and row["partial_tokens"] >= 1
     assert row["partial_tokens"] == sum(len(c.encode()) for c in foreign)
     assert row["held_back_steps"] == sum(len(c.encode()) - 1 for c in foreign)
-    assert not row["naive_ok"] and "\ufffd" in script.naive(tok, result["ids"])
+    one_by_one = "".join(tok.decode([i]) for i in result["ids"])  # each token decoded alone, here, not the script's
+    assert one_by_one != text and "\ufffd" in one_by_one
     assert "".join(result["pieces"]) == text
     # the bytes column: GPT-2's symbol map is the library's byte alphabet, and the bytes add up to the text
     from tokenizers import pre_tokenizers
