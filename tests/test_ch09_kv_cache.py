@@ -9,6 +9,7 @@ import json
 from collections import deque
 
 import pytest
+import torch
 
 from conftest import load_script, run_json, scripts_dir
 from mlsys import kv_memory as kvm
@@ -194,9 +195,11 @@ def test_recompute_vs_swap_formulas() -> None:
 
 def test_measured_swap_restores_the_cache(tiny_model) -> None:
     mod = load_script(CH09 / "preemption.py")
-    out = mod.measure_recompute_vs_swap(tiny_model, 20, 8, "cpu", repeats=1)
+    out = mod.measure_recompute_vs_swap(tiny_model, 20, 8, "cpu", repeats=1, keep=True)
     # 3 blocks of 8 x 2 layers x 2 heads x 16 dims x 4 B, for K and V
     assert out["kv_bytes"] == 2 * 2 * 3 * 8 * 2 * 16 * 4 and out["recompute_s"] > 0 and out["swap_s"] > 0
+    for written, restored in zip(out["blocks_written"], out["blocks_restored"]):  # K, then V
+        assert written.abs().sum() > 0 and torch.equal(restored, written)  # the swap brought back what was there
 
 
 # ------------------------------------------------------------------------------------------ prefix caching

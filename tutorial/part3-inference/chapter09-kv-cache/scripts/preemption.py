@@ -138,8 +138,10 @@ def _sync(device: torch.device) -> None:
 
 
 # --8<-- [start:cost]
-def measure_recompute_vs_swap(model, n: int, block_size: int, device: str, repeats: int = 5) -> dict:
-    """Seconds to re-prefill n tokens vs to copy their K/V blocks to host memory and back (best of `repeats`)."""
+def measure_recompute_vs_swap(model, n: int, block_size: int, device: str, repeats: int = 5,
+                              keep: bool = False) -> dict:
+    """Seconds to re-prefill n tokens vs to copy their K/V blocks to host memory and back (best of `repeats`).
+    keep: also return the blocks as the prefill wrote them and as they came back from the swap (for a test)."""
     dev = torch.device(device)
     nb = -(-n // block_size)
     runner = ModelRunner(model, num_blocks=nb, block_size=block_size, device=dev)
@@ -156,6 +158,7 @@ def measure_recompute_vs_swap(model, n: int, block_size: int, device: str, repea
         runner.execute(batch)  # the whole prefill again: what recompute pays
         _sync(dev)
         t1 = time.perf_counter()
+        written = (runner.k_cache[:, table].cpu().clone(), runner.v_cache[:, table].cpu().clone()) if keep else None
         host_k.copy_(runner.k_cache[:, table], non_blocking=pin)  # swap out: every layer's blocks
         host_v.copy_(runner.v_cache[:, table], non_blocking=pin)
         runner.k_cache[:, table] = host_k.to(dev, non_blocking=pin)  # swap back in
@@ -163,8 +166,12 @@ def measure_recompute_vs_swap(model, n: int, block_size: int, device: str, repea
         _sync(dev)
         t2 = time.perf_counter()
         best_recompute, best_swap = min(best_recompute, t1 - t0), min(best_swap, t2 - t1)
-    return {"tokens": n, "recompute_s": best_recompute, "swap_s": best_swap,
-            "kv_bytes": 2 * host_k.numel() * host_k.element_size()}
+    out = {"tokens": n, "recompute_s": best_recompute, "swap_s": best_swap,
+           "kv_bytes": 2 * host_k.numel() * host_k.element_size()}
+    if keep:
+        out["blocks_written"] = written
+        out["blocks_restored"] = (runner.k_cache[:, table].cpu().clone(), runner.v_cache[:, table].cpu().clone())
+    return out
 
 
 def computed_recompute_vs_swap(shape: kvm.ModelShape, n: int, args: Settings) -> dict:
