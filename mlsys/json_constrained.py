@@ -117,9 +117,10 @@ def estimated_size(schema, depth: int = ANY_DEPTH) -> int:
             return _ANY_SIZE[min(max(depth, 0), ANY_DEPTH)]
         return sum(2 * len(str(k)) + 8 + estimated_size(sub, depth - 1) for k, sub in props.items()) + 8
     if kind == "array":
-        return size("maxItems", 1) * (estimated_size(schema.get("items", {}), depth - 1) + 12) + 12
+        copies = max(size("maxItems", 1), size("minItems", 1))
+        return copies * (estimated_size(schema.get("items", {}), depth - 1) + 12) + 12
     if kind == "string":
-        return size("maxLength", 1) * (len(STRING_CHARS) + 8) + 12
+        return max(size("maxLength", 1), size("minLength", 1)) * (len(STRING_CHARS) + 8) + 12
     if kind in ("integer", "number"):
         lo, hi = schema.get("minimum", 0), schema.get("maximum")
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and math.isfinite(hi - lo) and hi >= lo:
