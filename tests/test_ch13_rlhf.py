@@ -518,3 +518,23 @@ def test_drawn_iteration_shapes_and_grids_against_counts_from_the_texts(tmp_path
     assert drawn["beta"] == pytest.approx(beta)
     adv = grids["4. GAE: advantage, whitened"][~np.isnan(grids["4. GAE: advantage, whitened"])]
     assert abs(adv.mean()) < 1e-5 and adv.std() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_grpo_vs_ppo_beta_paths_and_extremes_against_numpy_on_the_history(smoke_cache) -> None:
+    """grpo_vs_ppo.py --smoke: the printed beta paths (in how many iterations PPO's and GRPO's beta differed, and
+    each one's steps up and down) and the lowest share of well-formed records, recounted with numpy from the
+    per-iteration histories; and the lesson's reason why two different paths can end at the same beta: the final
+    beta is the start times the product of the steps, in any order."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "grpo_vs_ppo.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    res = proc["json"]["results"]
+    betas = {a: np.array([h["beta"] for h in res[a]["history"]]) for a in ("ppo", "grpo")}
+    differ = np.flatnonzero(~np.isclose(betas["ppo"], betas["grpo"], rtol=0, atol=1e-9))
+    assert res["beta_differ_iterations"] == len(differ)
+    assert res["beta_first_differ"] == (int(differ[0]) + 1 if len(differ) else None)
+    assert res["beta_paths"] == ("different" if len(differ) else "identical")
+    for algo, b in betas.items():
+        e, ratio = res[algo]["extremes"], b[1:] / b[:-1]
+        assert (e["beta_up"], e["beta_down"]) == (int((ratio > 1 + 1e-9).sum()), int((ratio < 1 - 1e-9).sum()))
+        assert e["valid_min"] == min(h["valid"] for h in res[algo]["history"])
+        assert b[-1] == pytest.approx(b[0] * np.prod(np.sort(ratio)))  # the order of the steps does not matter

@@ -88,10 +88,15 @@ def test_recommendation_is_the_smallest_fit(planner) -> None:
     args = settings(planner)
     result = planner.plan(args)
     budget = 80 * GIB * 0.9
-    # brute force over every GPU count, independently of the planner's search (one grid for both placements)
-    n = next(k for k in range(1, 4097) if planner.colocated_peak(args, k, budget)[0] <= budget)
+    # brute force over every GPU count, independently of the planner's search (one grid for both placements).
+    # Co-located: every (n, tp) pair whose tp divides n (n / tp whole engines), each phase summed here
+    def fits(k: int) -> bool:
+        return any(max(sum(v.values()) for v in planner.colocated_phases(args, k, tp).values()) <= budget
+                   for tp in (1, 2, 4, 8) if k % tp == 0)
+    n = next(k for k in range(1, 4097) if fits(k))
     t = next(k for k in range(1, 4097) if planner.trainer_peak(args, k) <= budget)
     assert (result["colocated_gpus"], result["trainer_gpus"]) == (n, t)
+    assert result["colocated_gpus"] % result["colocated_engine_tp"] == 0  # whole engines only
     pool = result["rollout"]
     assert pool["weights"] + pool["KV cache"] <= budget
     assert result["disaggregated_gpus"] == t + pool["gpus"]
@@ -106,6 +111,7 @@ def test_planner_script_runs_and_writes_json(tmp_path_factory) -> None:
     assert res["kv_total_bytes"] == 327680 * 256 * 2048  # Llama-3-70B: 2 x 80 x 8 x 128 x 2 B per token
     assert (plots / "memory_phases.png").exists() and (plots / "roles.png").exists()
     _check_roles(res["roles"], "llama-3-70b", "llama-3-8b")  # the critic and reward model stay 8B
+    assert res["colocated_gpus"] % res["colocated_engine_tp"] == 0  # the engine's TP divides the GPU count
 
 
 def test_fp32_logits_against_checkpointed_layer_inputs_8b_and_70b(planner) -> None:

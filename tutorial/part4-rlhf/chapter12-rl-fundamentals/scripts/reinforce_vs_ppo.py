@@ -72,19 +72,21 @@ class Settings(cli.Args, cli.PlotArgs):
 # --8<-- [start:reinforce]
 def reinforce_update(agent: ppo.ActorCritic, opt: torch.optim.Optimizer, buf: dict, args: ppo.Settings) -> dict:
     """One gradient step on the whole batch: policy gradient with baseline, plus the baseline's own regression."""
+    # GAE with lambda = 1 is the plain Monte-Carlo return G_t (next section); we only keep the returns
     _, returns = rl.compute_gae(buf["rewards"], buf["values"], buf["dones"], buf["last_value"], args.gamma, 1.0)
     obs, actions, logp_old = buf["obs"].flatten(0, 1), buf["actions"].flatten(), buf["logp"].flatten()
     returns = returns.flatten()                                   # (T*N,) G_t
     dist = agent.dist(obs)
     logp = dist.log_prob(actions)
-    adv = rl.masked_whiten(returns - buf["values"].flatten())     # G_t - V(s_t), normalized as in PPO
-    pg_loss = -(logp * adv).mean()
-    v_loss = rl.ppo_value_loss(agent.value(obs), None, returns)
+    # whiten = shift to mean 0, scale to std 1 (PPO section); it only rescales the step
+    adv = rl.masked_whiten(returns - buf["values"].flatten())     # G_t - V(s_t), the baseline subtracted
+    pg_loss = -(logp * adv).mean()                                # the one-line loss
+    v_loss = rl.ppo_value_loss(agent.value(obs), None, returns)   # the critic: 0.5 * (V(s) - G_t)^2, no clipping
     opt.zero_grad()
     (pg_loss + args.vf_coef * v_loss).backward()
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     opt.step()
-    with torch.no_grad():  # how far did this one step move the policy? (same k3 estimator as PPO)
+    with torch.no_grad():  # diagnostics only: how far did this step move the policy? (PPO's loss reports approx-KL)
         _, stats = rl.ppo_policy_loss(agent.dist(obs).log_prob(actions), logp_old, adv, args.clip_eps)
     return {**stats, "pg_loss": pg_loss.item(), "v_loss": v_loss.item()}
 # --8<-- [end:reinforce]

@@ -17,7 +17,8 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40 --group-size 8
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --beta 0.04 --kl-target 0   # fixed beta
 
-Runtime on 2 cores: about 14 s on a busy machine (a tqdm bar on a terminal), 15 s with --smoke. Times on a
+Runtime on 2 cores: about 15-30 s, the upper end at a load average of 5 (a tqdm bar on a terminal; other jobs on
+the cores multiply it), about 7 s with --smoke. Times on a
 shared machine are noisy; the interleaving keeps the comparison fair, not the absolute numbers.
 
 Try next
@@ -127,6 +128,9 @@ def main() -> int:
         extremes = {"rule_start": rule[0], "rule_min": min(rule), "rule_min_iteration": rule.index(min(rule)) + 1,
                     "valid_min": min(h["valid"] for h in history), "kl_max": max(kl),
                     "kl_max_iteration": kl.index(max(kl)) + 1, "beta_final": history[-1]["beta"],
+                    # how often beta went up and down between iterations (the controller's steps)
+                    "beta_up": sum(b["beta"] > a["beta"] * (1 + 1e-9) for a, b in zip(history, history[1:])),
+                    "beta_down": sum(b["beta"] < a["beta"] * (1 - 1e-9) for a, b in zip(history, history[1:])),
                     # iterations whose KL was 20% or more from the target: the controller's error sat at its clip
                     "at_clip": sum(abs(k / args.kl_target - 1) >= 0.2 for k in kl) if args.kl_target else 0}
         results[algo] = {"summary": row, "extremes": extremes, "history": history, "models_held": held}
@@ -139,14 +143,19 @@ def main() -> int:
     for algo in histories:
         e = results[algo]["extremes"]
         print(f"{algo}: lowest rule score {e['rule_min']:.2f} (iteration {e['rule_min_iteration']}), largest KL "
-              f"{e['kl_max']:.2f} nats (iteration {e['kl_max_iteration']}), "
-              f"beta {args.beta:g} -> {e['beta_final']:.3f}")
-    same = all(abs(a["beta"] - b["beta"]) < 1e-9 for a, b in zip(histories["ppo"], histories["grpo"]))
-    results["beta_paths"] = "identical" if same else "different"
+              f"{e['kl_max']:.2f} nats (iteration {e['kl_max_iteration']}), lowest share of well-formed records "
+              f"{e['valid_min']:.0%}, beta {args.beta:g} -> {e['beta_final']:.3f} ({e['beta_up']} steps up, "
+              f"{e['beta_down']} down)")
+    differ = [i + 1 for i, (a, b) in enumerate(zip(histories["ppo"], histories["grpo"]))
+              if abs(a["beta"] - b["beta"]) >= 1e-9]
+    results["beta_paths"] = "different" if differ else "identical"
+    results["beta_differ_iterations"] = len(differ)
+    results["beta_first_differ"] = differ[0] if differ else None
     clip = (f"; the KL was 20% or more from the target (the controller's step at its clip) in "
             f"{results['ppo']['extremes']['at_clip']} of PPO's and {results['grpo']['extremes']['at_clip']} of GRPO's "
             f"{args.iterations} iterations") if args.kl_target else " (--kl-target 0: no controller, beta stays fixed)"
-    print(f"beta per iteration: {results['beta_paths']} for the two{clip}")
+    where = f" in {len(differ)} of {args.iterations} iterations (first: iteration {differ[0]})" if differ else ""
+    print(f"beta per iteration: {results['beta_paths']} for the two{where}{clip}")
     results["cheaper"] = min(rows, key=lambda r: r["s/iter"])["algo"]  # noise decides it on a shared machine
     results["higher_reward"] = max(rows, key=lambda r: r["reward"])["algo"]
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],

@@ -130,13 +130,14 @@ def print_phases(batch: RolloutBatch, stats: dict, args: Settings) -> None:
     print(f"1. One iteration, phase by phase ({args.algo}, {B} rollouts):")
     print(f"   generate  engine, temperature 1: ids {tuple(batch.ids.shape)}, responses (B, L) = ({B}, {L}), "
           f"mean length {stats['response_len']:.1f} tokens, {stats['generate_s']:.2f} s")
-    print(f"   score     actor + reference log-probs (B, L), critic values (B, L), reward model (B,): "
+    critic = "critic values (B, L), " if args.algo == "ppo" else ""  # GRPO has no critic
+    print(f"   score     actor + reference log-probs (B, L), {critic}reward model (B,): "
           f"mean score {stats['reward']:+.3f}, {stats['score_s']:.2f} s")
     print(f"   KL        per token k1 = log pi - log pi_ref; mean KL per response {stats['kl']:.3f} "
           f"(k3: {stats['kl_k3']:.3f}); beta {stats['beta']:.3f}")
+    value = f"value loss {stats['value_loss']:.4f}, " if "value_loss" in stats else ""  # none without a critic
     print(f"   update    {PPOConfig.ppo_epochs} epochs x {PPOConfig.num_minibatches} minibatches: policy loss "
-          f"{stats['policy_loss']:+.4f}, value loss {stats.get('value_loss', float('nan')):.4f}, clip fraction "
-          f"{stats['clip_frac']:.3f}, {stats['train_s']:.2f} s")
+          f"{stats['policy_loss']:+.4f}, {value}clip fraction {stats['clip_frac']:.3f}, {stats['train_s']:.2f} s")
     print(f"   sync      Engine.load_weights(actor.state_dict()): {1e3 * stats['sync_s']:.1f} ms\n")
 
 
@@ -205,7 +206,10 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
         signed = "k1" in title or "log pi" not in title and t is not ids
         cmap = "RdBu_r" if signed else "viridis"  # red/blue: signed quantities, centred on 0
         a = (t.float().masked_fill(~mask, torch.nan) if t.shape == mask.shape else t.reshape(len(t), -1)).numpy()
-        lim = np.nanpercentile(np.abs(a), 98) or 1.0 if cmap == "RdBu_r" else None  # a few outliers saturate
+        # a few outliers saturate; the shaped rewards use their largest value, so the score on the last token
+        # stands out against the small per-token KL penalties
+        pct = 100 if title.startswith("3. shaped reward") else 98
+        lim = np.nanpercentile(np.abs(a), pct) or 1.0 if cmap == "RdBu_r" else None
         im = ax.imshow(a, aspect="auto", interpolation="nearest", cmap=cmap,
                        **({"vmin": -lim, "vmax": lim} if lim else {}))
         ax.add_patch(plt.Rectangle((-0.5, row - 0.5), a.shape[1], 1, fill=False, ec="black", lw=1.2))
@@ -222,7 +226,7 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
                        f"Engine.load_weights(actor)", fontsize=9, va="center", family="monospace")
     fig.suptitle(f"The tensors of iteration {iteration}, {tuple(batch.ids.shape)[0]} responses (outlined: row {row}, "
                  f"the response of the token table); blank: padding; red/blue scales saturate at the 98th "
-                 f"percentile", fontsize=11)
+                 f"percentile (shaped reward: at its largest |value|)", fontsize=11)
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'iteration')}")
     return {"iteration": iteration, "row": row, "beta": stats["beta"], "ids": batch.ids.tolist(),
@@ -373,7 +377,8 @@ def main() -> int:
     final = {k: sum(h[k] for h in tail) / len(tail) for k in keys}
     print(f"   mean over the last {len(tail)} iterations: reward {history[0]['reward']:+.3f} -> "
           f"{final['reward']:+.3f}, "
-          f"rule score {history[0]['rule_score']:.2f} -> {final['rule_score']:.2f}, KL {final['kl']:.2f} nats")
+          f"rule score {history[0]['rule_score']:.2f} -> {final['rule_score']:.2f}, response length "
+          f"{history[0]['response_len']:.1f} -> {final['response_len']:.1f} tokens, KL {final['kl']:.2f} nats")
 
     # 3. what the "human" says: the SFT model and the trained policy on the same fresh prompts
     final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)

@@ -72,4 +72,5 @@ def draw_learning(results: dict, args) -> None:
         ax2.plot(its, [s["off_policy_gap"] for s in res["stats"]], "o-", label=name, alpha=0.8)
     ax1.set_xlabel("iteration"), ax1.set_ylabel("mean reward-model score"), ax1.legend(fontsize=8)
     ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
+    fig.tight_layout()  # room for the right panel's y label between the two panels
     print(f"figure: {plot.save(fig, args, 'learning')}")

@@ -142,8 +142,9 @@ def models_of(args: Settings) -> dict[str, tuple[kvm.ModelShape, int]]:
 def colocated_phases(args: Settings, num_gpus: int, engine_tp: int = 1) -> dict[str, dict[str, float]]:
     """Per-GPU bytes by component in each phase when all four models share `num_gpus` GPUs (ZeRO-3 each).
 
-    generation: every state stays resident (no offload) + the engine's bf16 actor, split over engine_tp GPUs,
-                + the KV cache of this GPU's share of the batch (batch / num_gpus sequences at full length)
+    generation: every state stays resident (no offload) + the engine's bf16 actor, split over engine_tp GPUs
+                (num_gpus / engine_tp engines, so engine_tp must divide num_gpus), + the KV cache of this GPU's
+                share: each engine runs batch * engine_tp / num_gpus sequences at full length, its KV split over tp
     scoring:    resident + the largest no-grad forward (actor/reference logits dominate)
     training:   resident + the actor's or the critic's backward activations, whichever is larger
     """
@@ -154,7 +155,7 @@ def colocated_phases(args: Settings, num_gpus: int, engine_tp: int = 1) -> dict[
             resident[part] = resident.get(part, 0.0) + b
     actor = models["actor"][0]
     gen = {**resident, "engine weights": kvm.weight_bytes(models["actor"][1], "bf16") / engine_tp,
-           "KV cache": kv_cache_bytes(actor, args.rollout_batch / num_gpus, seq)}
+           "KV cache": kv_cache_bytes(actor, args.rollout_batch * engine_tp / num_gpus, seq, engine_tp)}
     score = {**resident, "activations": max(forward_bytes(s, args.micro_batch, seq, role in ("actor", "reference"))
                                             for role, (s, _) in models.items())}
     train = {**resident, "activations": max(train_activation_bytes(s, args.micro_batch, seq, args.recompute,
@@ -164,10 +165,11 @@ def colocated_phases(args: Settings, num_gpus: int, engine_tp: int = 1) -> dict[
 
 
 def colocated_peak(args: Settings, num_gpus: int, budget: float) -> tuple[float, int]:
-    """(per-GPU peak over the phases, engine tp): the smallest tp in 1, 2, 4, 8 (<= num_gpus) that fits the budget
-    (less tensor parallelism means less communication per generated token), else the lowest peak."""
+    """(per-GPU peak over the phases, engine tp): the smallest tp in 1, 2, 4, 8 that divides num_gpus (the GPUs form
+    num_gpus / tp whole engines) and fits the budget (less tensor parallelism means less communication per
+    generated token), else the lowest peak."""
     options = [(max(sum(v.values()) for v in colocated_phases(args, num_gpus, tp).values()), tp)
-               for tp in (1, 2, 4, 8) if tp <= num_gpus]
+               for tp in (1, 2, 4, 8) if num_gpus % tp == 0]
     fitting = [(peak, tp) for peak, tp in options if peak <= budget]
     return fitting[0] if fitting else min(options)
 
@@ -216,7 +218,10 @@ def smallest_gpus(peak_of, budget: float, limit: int = 4096) -> int | None:
 
 def plan(args: Settings) -> dict:
     budget = kvm.GPU_MEMORY_GIB[args.gpu] * GIB * (1 - args.reserve_fraction)
-    n_co = smallest_gpus(lambda n: colocated_peak(args, n, budget)[0], budget)
+    # co-located: not a bisection, since the peak is not monotone in n (the engine's tp must divide n: 5 GPUs allow
+    # only tp 1, 8 allow 1, 2, 4, 8); every count in turn, up to the same limit
+    co_peak = lambda n: colocated_peak(args, n, budget)[0]
+    n_co = None if co_peak(4096) > budget else next(n for n in range(1, 4097) if co_peak(n) <= budget)
     n_tr = smallest_gpus(lambda n: trainer_peak(args, n), budget)
     pool = rollout_pool(args, budget)
     n_dis = None if n_tr is None or pool is None else n_tr + pool["gpus"]

@@ -9,8 +9,10 @@ What it shows
       disaggregated  rank 0 trains (actor, critic, reward, reference); ranks 1.. hold only an engine; each
                      iteration the rollout ranks generate, send the batch, wait; the trainer scores and trains
                      and broadcasts the new weights (mlsys.weight_sync, bucketed) to the rollout ranks
-      async          the same two roles, but the rollout ranks generate batch k+1 with the weights of step k-1
-                     while the trainer trains on batch k (one step off-policy), overlapping the two phases
+      async          the same two roles, but the rollout ranks generate batch k with the weights they already
+                     have (from step k-1) before receiving step k's, while the trainer trains on batch k-1: the
+                     trainer learns from a batch sampled by a policy one update older (one step off-policy), and
+                     generation overlaps training
     Every placement generates the batch in the same seeded shards and scores it in the same micro-batches, so
     co-located and disaggregated (sync) compute the same numbers: the script checks that their per-iteration
     rewards and their final actor weights are bitwise equal. It measures time per phase and idle time per rank,
@@ -25,7 +27,8 @@ How to run
 
 The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/rlhf.py).
 Prints one table per placement (seconds per phase and idle per rank), the equality check and the async effect.
-Runtime on 2 cores: about 7 s; --smoke about 10 s.
+Runtime on 2 cores: about 10-15 s at a load average of 5 (other jobs on the cores multiply it: about 40 s at 10);
+--smoke almost as long (13 s at load 5), since starting the processes and loading the models take most of it.
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
