@@ -118,13 +118,17 @@ def max_in_flight(actions: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
-def simulate(schedule: Any, num_stages: int, num_micro: int, t_fwd: float = 1.0,
-             t_bwd: float = 2.0) -> list[list[dict]]:
+def simulate(schedule: Any, num_stages: int, num_micro: int, t_fwd: float | Sequence[float] = 1.0,
+             t_bwd: float | Sequence[float] = 2.0) -> list[list[dict]]:
     """The ideal timeline: every forward takes t_fwd, every backward t_bwd, messages arrive instantly.
+
+    t_fwd and t_bwd are one number for every stage, or one number per stage (t_fwd[s]: a forward on stage s).
 
     F(i) on stage s waits for F(i) on s-1; B(i) waits for B(i) on s+1 (the last stage: for its own F(i)).
     Returns events[s] = [{kind, mb, start, end}], the same shape as the measured ones. Raises on a deadlock.
     """
+    tf = list(t_fwd) if isinstance(t_fwd, Sequence) else [t_fwd] * num_stages
+    tb = list(t_bwd) if isinstance(t_bwd, Sequence) else [t_bwd] * num_stages
     orders = [schedule(s, num_stages, num_micro) if callable(schedule) else
               schedule_actions(schedule, s, num_stages, num_micro) for s in range(num_stages)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end time
@@ -145,7 +149,7 @@ def simulate(schedule: Any, num_stages: int, num_micro: int, t_fwd: float = 1.0,
             else:
                 continue
             start = max(free[s], ready)
-            free[s] = done[(kind, i, s)] = start + (t_fwd if kind == "F" else t_bwd)
+            free[s] = done[(kind, i, s)] = start + (tf[s] if kind == "F" else tb[s])
             events[s].append({"kind": kind, "mb": i, "start": start, "end": free[s]})
             nxt[s] += 1
             progressed = True

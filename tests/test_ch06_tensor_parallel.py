@@ -204,7 +204,8 @@ def test_block_picture_is_the_order_the_collectives_ran(seqpar: dict) -> None:
     layer. Read left to right, the drawn forward collectives must be those a separate real forward of the same
     block logged, in that order (res["counted"], recorded by block_memory, not by the drawing code); read right to
     left, the backward ones. The regions' shapes are the paper's: (B, T, C) or (B, T/t, C) outside the linear
-    pairs, the whole sequence with 3C/t or 4C/t features inside."""
+    pairs, the whole sequence inside: attention's output C/t (this rank's heads, what the row layer reads), GELU's
+    4C/t."""
     b, s, h = 2, 32, 64
     for t in (2, 4):
         res = seqpar["tp"][str(t)]
@@ -218,7 +219,7 @@ def test_block_picture_is_the_order_the_collectives_ran(seqpar: dict) -> None:
             assert [op for c in reversed(comms) for op in c["backward"]] == [op for op, _ in counted["backward"]]
             regions = [i["shape"] for i in drawn if i["type"] == "region"]
             outside = [b, s // t if sp else s, h]
-            assert regions == [outside, [b, s, 3 * h // t], outside, [b, s, 4 * h // t], outside]
+            assert regions == [outside, [b, s, h // t], outside, [b, s, 4 * h // t], outside]  # attention: its heads
         # Megatron's f and g: identity/all-reduce at each column layer's input, all-reduce/identity after each row
         tp = [(c["forward"], c["backward"]) for c in res["drawn"]["TP"] if c["type"] == "comm"]
         assert tp == [([], ["all_reduce"]), (["all_reduce"], [])] * 2

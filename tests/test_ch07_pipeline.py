@@ -68,6 +68,15 @@ def test_bad_orders_are_rejected() -> None:
                  [("F", 0), ("F", 1), ("B", 0), ("B", 1)], 2, 2)
 
 
+def test_simulate_per_stage_times_by_hand() -> None:
+    """bubble.py's replay: per-stage op times. p=2, m=1; stage 0 F=1 B=3, stage 1 F=2 B=1, worked by hand:
+    s0 F [0,1], s1 F [1,3], s1 B [3,4], s0 B [4,7]; span 7, s0 busy 4, s1 busy 3."""
+    events = simulate("1f1b", 2, 1, t_fwd=[1.0, 2.0], t_bwd=[3.0, 1.0])
+    assert [(e["kind"], e["start"], e["end"]) for e in events[0]] == [("F", 0.0, 1.0), ("B", 4.0, 7.0)]
+    assert [(e["kind"], e["start"], e["end"]) for e in events[1]] == [("F", 1.0, 3.0), ("B", 3.0, 4.0)]
+    assert measured_bubble(events)["per_stage"] == pytest.approx([3 / 7, 4 / 7])
+
+
 def test_measured_bubble_by_hand() -> None:
     events = [[{"start": 0.0, "end": 1.0}, {"start": 3.0, "end": 4.0}], [{"start": 1.0, "end": 3.0}]]
     out = measured_bubble(events)
@@ -255,6 +264,10 @@ def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
         assert 0.0 < r["measured"] < 1.0 and len(r["per_stage"]) == 2
         want = [r["m"]] * 2 if r["schedule"] == "gpipe" else [min(2 - s, r["m"]) for s in range(2)]
         assert [n for n, _ in r["memory"]] == want
+        if r["m"] == 1:  # the replay at m = 1, by hand: span = F0 + F1 + B1 + B0, busy F_s + B_s, so the mean idle
+            assert r["replayed"] == pytest.approx(0.5)  # share is 1 - 1/p whatever the measured times are
+        ms = r["median_ms"]
+        assert 0.0 < r["replayed"] < 1.0 and all(len(ms[k]) == 2 and min(ms[k]) > 0 for k in "FB")
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()
 
 

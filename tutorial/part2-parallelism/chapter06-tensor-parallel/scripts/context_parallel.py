@@ -24,16 +24,16 @@ How to run
 
 Prints the equality table, the bytes table, the work per rank and the memory-vs-length table; draws
 .cache/figures/context_parallel/memory.png, balance.png, ring.gif, ring_strip.png and ulysses.png.
-Runtime on 2 cores: about 30 s; --smoke about 3 s.
+Runtime on 2 cores: about 30 s idle, nearly 2 minutes under load (the memory measurement); --smoke about 3 s.
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
-        -> at W = 2 ring attention's forward sends exactly what Ulysses' does (two shards per rank), its backward
+        (about as long as the default run) -> at W = 2 ring attention's forward sends exactly what Ulysses' does (two shards per rank), its backward
            three times as much
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 3
         -> 3 does not divide 8 heads: ring attention runs, Ulysses is skipped and the script says why
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py --lengths 8192 16384
-        -> 16k tokens: the one-process peak doubles again, and each rank's stays the same fraction of it
+        (slower than the default run: the 16k measurement is its longest) -> 16k tokens: the one-process peak doubles again, and each rank's stays the same fraction of it
 """
 
 from __future__ import annotations
@@ -366,7 +366,8 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     for i, layout in enumerate(("contiguous", "zigzag")):
         ax.bar([r + (i - 0.5) * width for r in range(world)], work[layout], width, label=layout)
     ax.set(xlabel="rank", ylabel="query-key pairs scored",
-           title=f"causal work per rank, {cp.padded_length(args.seq, world)} tokens")
+           title=f"causal work per rank, {args.seq} tokens (padded to {-(-args.seq // world) * world} contiguous, "
+                 f"{cp.padded_length(args.seq, world)} zigzag)")
     ax.set_xticks(range(world))
     ax.legend()
     print(f"figure: {plot.save(fig, args, 'balance')}")

@@ -140,7 +140,9 @@ def walk_block(dense_block, group, x: torch.Tensor, t: int, sequence_parallel: b
         for name, kind in LINEARS:
             rec = layers[name] = {"name": name, "kind": kind,  # out features: this rank's and the dense layer's
                                   "features": [block.get_submodule(name).weight.shape[0],
-                                               dense_block.get_submodule(name).weight.shape[0]]}
+                                               dense_block.get_submodule(name).weight.shape[0]],
+                                  "in_features": [block.get_submodule(name).weight.shape[1],
+                                                  dense_block.get_submodule(name).weight.shape[1]]}
             mod = block.get_submodule(name)
             handles += [
                 mod.register_forward_pre_hook(lambda m, a, rec=rec: rec.update(fwd_start=len(log))),
@@ -161,11 +163,13 @@ def block_sequence(walk: dict) -> list[dict]:
     """The walk as the picture's left-to-right sequence: regions (what runs, on which shape) and the collective
     boundaries at the input of each column layer and the output of each row layer."""
     seq, linears = [], walk["linears"]
-    # the tensor each region works on: the block's input, then each linear layer's output; `split` says whether
-    # its last dim is a slice of the dense layer's features (local out < dense out)
+    # the tensor each region produces: in front of a column layer, the previous layer's output (the block's input
+    # first), which under SP is still a sequence shard (the all-gather comes after it); in front of a row layer, that
+    # layer's input (attention's output: this rank's heads side by side, C/t features). `features` says whether the
+    # last dim is a slice of the dense layer's features (local < dense)
     shapes = [(walk["input"], None)] + [(lin["output"], lin["features"]) for lin in linears]
     for i, lin in enumerate(linears):
-        shape, feats = shapes[i]
+        shape, feats = shapes[i] if lin["kind"] == "column" else (lin["input"], lin["in_features"])
         seq.append({"type": "region", "label": BETWEEN[i], "shape": shape, "features": feats})
         comm = {"type": "comm", "at": lin["name"], "forward": lin["forward"], "backward": lin["backward"]}
         layer = {"type": "layer", "label": f"{lin['name']}\n({lin['kind']})", "shape": lin["output"],
@@ -176,12 +180,12 @@ def block_sequence(walk: dict) -> list[dict]:
 
 
 def _symbol(item: dict, b: int, s: int, h: int) -> str:
-    """A real shape written against (B, T, C): (2, 8, 64) with T = 32 -> (B, T/4, C); a slice of a dense layer's
-    3C output features over 4 ranks -> 3C/4."""
+    """A real shape written against (B, T, C) and the TP size t: (2, 8, 64) with T = 32, t = 4 -> (B, T/t, C); a
+    slice of a dense layer's 3C output features over the t ranks -> 3C/t (the real shape is printed above it)."""
     shape, feats = item["shape"], item["features"]
-    tokens = "T" if shape[1] == s else f"T/{s // shape[1]}"
-    if feats and feats[0] < feats[1]:  # this rank's slice of the dense layer's output features
-        width = f"{feats[1] // h}C/{feats[1] // feats[0]}".replace("1C/", "C/")
+    tokens = "T" if shape[1] == s else "T/t"
+    if feats and feats[0] < feats[1]:  # this rank's slice of the dense layer's features
+        width = f"{feats[1] // h}C/t".replace("1C/", "C/")
     else:
         width = "C" if shape[2] == h else str(shape[2])
     return f"({'B' if shape[0] == b else shape[0]}, {tokens}, {width})"
@@ -203,7 +207,7 @@ def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool)
     b, s, h = args.batch, args.seq, args.n_embd
     fig, ax = plt.subplots(figsize=(15, 3))
     colour = {"full": "#cccccc", "seq": "#8fb8de", "feat": "#f2b880"}
-    x = 0.0
+    x, kinds = 0.0, set()
     for item in seq:
         if item["type"] == "comm":
             name, text = _comm_label(item)
@@ -216,6 +220,7 @@ def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool)
         shape = item["shape"]
         split = item["features"] and item["features"][0] < item["features"][1]
         kind = "feat" if split else ("seq" if shape[1] != s else "full")
+        kinds.add(kind)
         width = 1.75
         ax.add_patch(FancyBboxPatch((x, 0.55), width, 0.9, boxstyle="round,pad=0.02", fc=colour[kind], ec="black",
                                     lw=1.5 if item["type"] == "layer" else 0.8))
@@ -223,9 +228,9 @@ def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool)
         ax.text(x + width / 2, 0.72, _symbol(item, b, s, h), ha="center", va="center", fontsize=8, family="monospace")
         ax.text(x + width / 2, 1.55, str(tuple(shape)), ha="center", va="bottom", fontsize=7, color="#555555")
         x += width + 0.2
-    used = ("full", "seq", "feat") if sequence_parallel else ("full", "feat")  # no sequence shards under plain TP
-    names = {"full": "(B, T, C): full size (same on every rank, but a partial sum before g/RS)",
-             "seq": f"(B, T/{t}, C): this rank's tokens", "feat": "whole sequence, this rank's features"}
+    used = [k for k in ("full", "seq", "feat") if k in kinds]  # only the colours the picture uses
+    names = {"full": "(B, T, C): full size (the same on every rank, but a partial sum between a row layer and g)",
+             "seq": f"(B, T/t, C): this rank's tokens, t={t}", "feat": f"whole sequence, this rank's features, t={t}"}
     handles = [plt.Rectangle((0, 0), 1, 1, fc=colour[k], ec="black") for k in used]
     ax.legend(handles, [names[k] for k in used], loc="upper center", ncol=3, fontsize=8,
               bbox_to_anchor=(0.5, 0.0), frameon=False)

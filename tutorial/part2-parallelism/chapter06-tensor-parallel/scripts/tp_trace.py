@@ -19,7 +19,8 @@ the trace and the figure were written. Runtime on 2 cores: about 8 s; --smoke ab
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py --seq 128 --batch 8
-        -> sixteen times the tokens: every matrix multiply and every all-reduce grows, and so does the waiting
+        -> sixteen times the tokens: the matrix multiplies grow with them; the all-reduces carry sixteen times
+           the bytes but, at these sizes on one machine, their time is mostly fixed cost and may barely grow
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 4
         -> four ranks on two cores: the collectives wait longer for the slowest rank
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 1

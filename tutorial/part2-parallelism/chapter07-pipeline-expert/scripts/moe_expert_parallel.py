@@ -462,17 +462,18 @@ def main() -> int:
     c, E, k = result["check"], args.num_experts, args.top_k
     cap = expert_capacity(args.tokens, E, k, args.capacity_factor)
     print(f"MoE: E={E} experts on W={args.world_size} ranks ({E // args.world_size} each), top-{k}, "
-          f"renormalize={args.renormalize}, N={args.tokens} tokens per rank, C={args.hidden}")
+          f"renormalize={args.renormalize}, N={args.tokens} tokens per rank, model width {args.hidden}")
     print(f"capacity factor {args.capacity_factor}: {cap} slots per expert per rank (= ceil({args.capacity_factor} "
           f"* {args.tokens} * {k} / {E}))")
     print(f"tokens per expert (router's choice, all ranks): {c['tokens_per_expert']}")
     print(f"kept per expert:                                {c['kept_per_expert']}")
     print(f"dropped {c['dropped']} of {c['assignments']} assignments ({c['dropped'] / c['assignments']:.1%}); "
-          f"{c['fully_dropped_tokens']} tokens lost all {k} experts")
+          f"{c['fully_dropped_tokens']} tokens lost " + ("their expert" if k == 1 else f"all {k} of their experts"))
     print(f"rank 0 sent {c['sent_rows']} rows to ranks 0..{args.world_size - 1} and received {c['received_rows']}")
     d = result["dispatch"]
     print(f"the small routing drawn in dispatch.png: the first {d['tokens_per_rank']} tokens of each rank, "
-          f"capacity {d['capacity']} per expert (tN->a,b: token N chose experts a and b; x = dropped)")
+          f"capacity {d['capacity']} per expert ("
+          + ("tN->a: token N chose expert a" if k == 1 else "tN->a,b: token N chose experts a and b") + "; x = dropped)")
     for r, (choices, keeps) in enumerate(zip(d["experts"], d["keep"])):
         print(f"  rank {r}: " + "  ".join(f"t{t}->" + ",".join(f"{e}" + ("" if k else "x") for e, k in zip(es, ks))
                                            for t, (es, ks) in enumerate(zip(choices, keeps))))

@@ -313,13 +313,14 @@ def main() -> int:
           f"({model.active_params / 1e9:.2f} B active per token); source: {s.source}")
     floor = mem.zero_bytes_per_rank(model.dense_params + model.expert_params, 1, 0)["total"] / GIB
     print(f"cluster: {args.gpus} GPUs, {args.gpus_per_node} per node, {args.gpu_mem_gib:g} GiB each "
-          f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, micro-batch {args.micro_batch}, "
+          f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, micro-batch size {args.micro_batch}, "
           f"ZeRO-{args.zero_stage}, recompute {args.recompute}")
     print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth\n")
 
     shown = ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent", "pp_GB_sent",
              "ep_GB_sent", "t_bubble", "t_total")
-    table = [{k: r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"} for r in rows[:args.top]]
+    table = [{("micro-batches" if k == "micro" else k): r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"}
+             for r in rows[:args.top]]
     broken, too_big = rejected.get("breaks a divisibility rule", 0), rejected.get("does not fit in memory", 0)
     print((f"{len(rows) + broken} layouts tried, {broken} break a divisibility rule; " if broken else "")
           + f"{len(rows)} costed, {len(rows) - too_big} fit in memory"

@@ -185,6 +185,12 @@ def draw(args: Settings, spans: list[plot.Span], p: int, summary: dict) -> Path:
     boxes = [sp if sp.kind != "send posted" else plot.Span(sp.lane, sp.start, sp.end, "", sp.kind) for sp in spans]
     plot.timeline(ax, boxes, lanes, palette=palette, fontsize=7,
                   unit="ms since the first forward started (all stages on one clock)")
+    span_x = max(sp.end for sp in boxes) - min(sp.start for sp in boxes) or 1.0
+    for sp in boxes:  # compute boxes too thin for their label (plot.timeline's rule): label them just above
+        if sp.kind in ("forward", "backward") and (sp.end - sp.start) / span_x * 60 < len(sp.label) * 7 / 8:
+            y = len(lanes) - 1 - lanes.index(sp.lane)
+            ax.annotate(sp.label, ((sp.start + sp.end) / 2, y + 0.4), xytext=(0, 1), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=6)
     for sp in spans:
         if sp.kind == "send posted":
             y = len(lanes) - 1 - lanes.index(sp.lane)

@@ -165,8 +165,9 @@ def print_report(args: Settings, results: dict) -> None:
     print(report.table(rows))
     for name, why in results["problems"].items():
         print(f"\n{name} did not run here: {why}")
-    if not results["problems"]:
-        print("\nPyTorch's GPipe and 1F1B give the same loss and gradients as ours and as one process: OK")
+    skipped = ", ".join(results["problems"]) or "none"
+    print(f"\n{', '.join(results['losses'])}: the same loss and gradients as one process: OK "
+          f"(did not run: {skipped})")
 
 
 def main() -> int:
