@@ -197,6 +197,39 @@ def test_overlap_forward_runs_while_next_step_is_prepared(tiny: GPT) -> None:
     engine.close()
 
 
+def test_step_n_plus_1_is_prepared_while_step_n_computes(tiny: GPT) -> None:
+    """Happens-before, without a clock: step N's forward is held inside the runner until the main thread has
+    prepared another batch (step N+1's). An engine that waited for the forward before preparing would never
+    release it (the guard timeout records the failure); the plain engine, which prepares and then computes, is
+    the contrast."""
+    import threading
+
+    results = {}
+    for cls, guard in ((OverlapEngine, 60.0), (Engine, 1.0)):  # the plain engine can never be released: 1 s
+        engine = decode_engine(tiny, 4, prompt_len=10, max_tokens=10, engine_cls=cls)  # prefilled
+        made, cond, released = [], threading.Condition(), []
+        execute, prepare = engine.runner.execute, engine.runner.prepare
+
+        def noting_prepare(*a, prepare=prepare, made=made, cond=cond, **k):
+            batch = prepare(*a, **k)
+            with cond:
+                made.append(batch)
+                cond.notify_all()
+            return batch
+
+        def held_execute(batch, execute=execute, made=made, cond=cond, released=released, guard=guard):
+            with cond:  # wait until, during this step, a batch other than the one computing has been prepared
+                released.append(cond.wait_for(lambda: any(b is not batch for b in made), timeout=guard))
+            return execute(batch)
+
+        engine.runner.prepare, engine.runner.execute = noting_prepare, held_execute
+        engine.step()
+        results[cls.__name__] = released[0]
+        if hasattr(engine, "close"):
+            engine.close()
+    assert results == {"OverlapEngine": True, "Engine": False}
+
+
 def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
     """overlap_scheduling.py's timeline: each engine's forward boxes are its runner's real calls, one per step;
     the plain engine prepares step n before n's forward starts, the overlapped one prepares step n+1 after n's
