@@ -26,12 +26,14 @@ Runtime on 2 cores: about 10 s with -w 2 on an idle machine (90 s at load 17), 3
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --micro-batches 1 2 4 8 16
-        (about twice the default run) -> more micro-batches: the formula's bubble (p-1)/(m+p-1) falls toward 0; compare the measured points
+        (about twice the default run) -> more micro-batches: the formula's bubble (p-1)/(m+p-1) falls toward 0;
+           compare the measured points
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 4
-        (about three times the default run) -> four stages on two cores: ranks wait for a core, not only for each other, so expect the measured bubble
-           to sit above the formula
+        (about three times the default run) -> four stages on two cores: ranks wait for a core, not only for each
+           other, so expect the measured bubble to sit above the formula
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --timeline-m 8
-        (as long as the default run) -> the timeline figure drawn at m = 8: GPipe's long run of forwards, 1F1B's alternation, the same gaps
+        (as long as the default run) -> the timeline figure drawn at m = 8: GPipe's long run of forwards, 1F1B's
+           alternation, the same gaps
 """
 
 from __future__ import annotations
@@ -118,8 +120,9 @@ def measure(args: Settings, schedule: str, m: int) -> dict:
                   for s in ranks] for k in "FB"}
     orders = [[(e["kind"], e["mb"]) for e in stage] for stage in best["timeline"]]
     replayed = measured_bubble(simulate(lambda s, p_, m_: orders[s], len(ranks), m, median["F"], median["B"]))
-    return {"measured": best["mean"], "replayed": replayed["mean"], "median_ms": {k: [1000 * t for t in v]
-                                                                                   for k, v in median.items()}, "forward_ms": 1000 * statistics.mean(ops["F"]),
+    return {"measured": best["mean"], "replayed": replayed["mean"],
+            "median_ms": {k: [1000 * t for t in v] for k, v in median.items()},
+            "forward_ms": 1000 * statistics.mean(ops["F"]),
             "backward_ms": 1000 * statistics.mean(ops["B"]), "per_stage": best["per_stage"], "span_s": best["span"],
             "all_steps": [s["mean"] for s in steps], "timeline": best["timeline"], "memory": memory}
 
@@ -137,7 +140,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             rows.append({"schedule": schedule, "m": m, "predicted": round(predicted, 3),
                          "replayed": round(res["replayed"], 3), "rel. error": f"{100 * rel:+.1f}%",
                          "wall clock": round(res["measured"], 3),
-                         "per stage": " ".join(f"{b:.3f}" for b in res["per_stage"]), "goal (15%)": "met" if abs(rel) <= GOAL else "not met",
+                         "per stage": " ".join(f"{b:.3f}" for b in res["per_stage"]),
+                         "goal (15%)": "met" if abs(rel) <= GOAL else "not met",
                          "step ms": round(1000 * res["span_s"], 1), "F ms": round(res["forward_ms"], 1),
                          "B ms": round(res["backward_ms"], 1)})
     if ctx.is_main:

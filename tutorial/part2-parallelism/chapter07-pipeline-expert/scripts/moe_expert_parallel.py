@@ -473,7 +473,8 @@ def main() -> int:
     d = result["dispatch"]
     print(f"the small routing drawn in dispatch.png: the first {d['tokens_per_rank']} tokens of each rank, "
           f"capacity {d['capacity']} per expert ("
-          + ("tN->a: token N chose expert a" if k == 1 else "tN->a,b: token N chose experts a and b") + "; x = dropped)")
+          + ("tN->a: token N chose expert a" if k == 1 else "tN->a,b: token N chose experts a and b")
+          + "; x = dropped)")
     for r, (choices, keeps) in enumerate(zip(d["experts"], d["keep"])):
         print(f"  rank {r}: " + "  ".join(f"t{t}->" + ",".join(f"{e}" + ("" if k else "x") for e, k in zip(es, ks))
                                            for t, (es, ks) in enumerate(zip(choices, keeps))))

@@ -313,7 +313,8 @@ def main() -> int:
           f"({model.active_params / 1e9:.2f} B active per token); source: {s.source}")
     floor = mem.zero_bytes_per_rank(model.dense_params + model.expert_params, 1, 0)["total"] / GIB
     print(f"cluster: {args.gpus} GPUs, {args.gpus_per_node} per node, {args.gpu_mem_gib:g} GiB each "
-          f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, micro-batch size {args.micro_batch}, "
+          f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, "
+          f"micro-batch size {args.micro_batch}, "
           f"ZeRO-{args.zero_stage}, recompute {args.recompute}")
     print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth\n")
 
