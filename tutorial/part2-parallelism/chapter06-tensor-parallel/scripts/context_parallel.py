@@ -29,8 +29,7 @@ Runtime on 2 cores: about 30 s idle, nearly 2 minutes under load (the memory mea
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
         (about as long as the default run) -> at W = 2 ring attention's forward sends exactly what Ulysses' does
-           (two shards per rank), its backward
-           three times as much
+           (two shards per rank), its backward three times as much
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 3
         -> 3 does not divide 8 heads: ring attention runs, Ulysses is skipped and the script says why
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py --lengths 8192 16384
