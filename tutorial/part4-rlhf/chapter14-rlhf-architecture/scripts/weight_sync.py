@@ -21,8 +21,8 @@ How to run
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
 Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each) and the checks.
-Runtime on 2 cores: about 20-27 s at a load average of 5 (gloo over loopback; other jobs on the cores multiply it:
-about 75 s at 10); --smoke about 11 s at load 5.
+Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
+loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 11 s at load 5.
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
