@@ -10,8 +10,10 @@ object (a schedule a script ran, a block table the engine built, a trace the pro
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -142,6 +144,21 @@ def animate(fig: Any, draw: Callable[[int], None], frames: int, args: Any, name:
 
 
 # ---- profiler traces ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def quiet_stderr():
+    """torch's profiler backend writes 'USDT: profiler_start/stop' lines to the C stderr; keep them off the page
+    (the scripts that write a Chrome trace profile inside this)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def trace_spans(path: str | Path, *, lane_of: Callable[[dict], str | None] | None = None,
                 kind_of: Callable[[dict], str] | None = None) -> list[Span]:
     """Complete events ("ph": "X") of a Chrome trace written by `torch.profiler` (`export_chrome_trace`),

@@ -35,8 +35,6 @@ Try next
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -158,20 +156,6 @@ def labelled_block_backward(model: GPT):
             h.remove()
 
 
-@contextlib.contextmanager
-def quiet_stderr():
-    """torch's profiler backend writes a 'USDT: profiler_start/stop' line to the C stderr; keep them off the page."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trace_path) -> list[list[str]]:
     """One OverlappedDDP step under torch.profiler (after one unprofiled warm-up step), on every rank; rank 0
     writes the Chrome trace. Returns the parameter names of each bucket, in launch order."""
@@ -181,7 +165,7 @@ def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trac
     ddp(x, y)[1].backward()  # warm-up: the first backward allocates what later ones reuse
     ddp.finish_gradient_synchronization()
     model.zero_grad(set_to_none=True)
-    with labelled_block_backward(model), quiet_stderr(), torch.profiler.profile(
+    with labelled_block_backward(model), plot.quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with torch.profiler.record_function("forward"):
             _, loss = ddp(x, y)

@@ -30,8 +30,6 @@ Try next
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import typing
 from dataclasses import dataclass
 
@@ -114,7 +112,7 @@ def profile_step(tp_model, idx: torch.Tensor, targets: torch.Tensor, trace_path)
     """One warm-up step, then one profiled forward and backward; `trace_path` (rank 0 only) gets the trace."""
     tp_model(idx, targets)[1].backward()  # warm-up: first calls allocate and set up what later ones reuse
     tp_model.zero_grad(set_to_none=True)
-    with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with plot.quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dist.barrier()  # the ranks start the profiler at different moments: start the step together
         with named_layers(tp_model) as finish:
             with torch.profiler.record_function("forward"):
@@ -126,20 +124,6 @@ def profile_step(tp_model, idx: torch.Tensor, targets: torch.Tensor, trace_path)
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
 # --8<-- [end:profile]
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """torch's profiler backend writes a 'USDT: profiler_start/stop' line to the C stderr; keep them off the page."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def trace_picture(trace_path) -> list[plot.Span]:

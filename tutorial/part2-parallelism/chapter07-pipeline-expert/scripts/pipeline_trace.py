@@ -36,11 +36,9 @@ Try next
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,20 +80,6 @@ class Settings(cli.DistArgs, cli.PlotArgs):
             raise cli.UsageError("--seq-len must be 1..256 and --width a positive multiple of 4")
 
 
-@contextlib.contextmanager
-def quiet_stderr():
-    """torch's profiler backend writes 'USDT: profiler_start/stop' lines to the C stderr; keep them off the page."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def build(args: Settings, p: int, rank: int) -> tuple[torch.nn.Module, list, list]:
     """This rank's stage and the m micro-batches of real tokens (the same on every rank)."""
     torch.manual_seed(args.seed)
@@ -116,7 +100,7 @@ def profiled_step(ctx: RankContext, args: Settings) -> tuple[dict, list[tuple[st
     ranks = list(range(ctx.world_size))  # stage s on rank s
     run_pipeline_step(stage, ranks, xs, ys, "1f1b")  # warm-up: allocators, connections
     stage.zero_grad(set_to_none=True)
-    with quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with plot.quiet_stderr(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dist.barrier()  # inside: starting the profiler takes a while, so the stages start the step together
         out = run_pipeline_step(stage, ranks, xs, ys, "1f1b")
     with tempfile.TemporaryDirectory() as tmp:
