@@ -204,7 +204,7 @@ def test_a_full_parse_queue_answers_429_and_the_admitted_requests_finish(engine,
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "server_busy"
     assert [a.status_code for a in answers] == [200, 200]
-    assert app.state.parsing.pending == 0
+    assert app.state.parsing.pending == 0 and app.state.parsing.refused == 1
 
 
 LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[-1].content }}"
