@@ -5,6 +5,7 @@
 #   make test     the test suite (about 8 minutes of pytest on 2 cores)
 #   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
 #                 the long learning and timing checks (about 30 minutes; CI runs it after make test)
+#   make mutate   mutation testing of the mechanism modules: kill rate per module (scripts/mutate.py)
 #   make check EX=ch01.1   check your attempt at an exercise (add SOLUTION=1 to check the reference solution)
 #   make weights  train the tiny GPT checkpoints into .cache/weights/ and evaluate them (test and book build
 #                 what is missing first: 3 to 5 min on 2 cores, once)
@@ -21,7 +22,7 @@ PYTEST_ARGS ?=
 # cores busy. PYTEST_WORKERS=0 runs in one process (pytest's -n 0).
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup book serve test sweep check progress hint weights browser clean
+.PHONY: setup book serve test sweep mutate check progress hint weights browser clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -48,6 +49,12 @@ test: $(STAMP)
 
 sweep: $(STAMP)
 	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "sweep or long" $(PYTEST_ARGS)
+
+# Mutation testing of the mechanism modules (scripts/mutate.py; not part of CI): kill rate per module, goal 90%.
+mutate: $(STAMP)
+	$(PYTHON) -m pip install --quiet -c $(CONSTRAINTS) -e ".[mutate]"
+	$(PYTHON) scripts/train_weights.py --if-missing
+	$(PYTHON) scripts/mutate.py
 
 check: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make check EX=ch01.1 [SOLUTION=1]" >&2; exit 2; }

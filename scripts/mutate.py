@@ -1,0 +1,111 @@
+"""Mutation testing of the mechanism modules (`make mutate`): run mutmut, then report the kill rate per module.
+
+mutmut (configured in pyproject.toml, [tool.mutmut]) copies mlsys/ into mutants/, makes small changes to the listed
+modules one at a time (a `+` turned into `-`, a constant changed, an argument dropped) and runs the tests that reach
+the changed function. A mutant the tests do not notice ("survived") is either a missing test or a change that does
+not alter behaviour ("equivalent"); the equivalent ones are listed, each with its reason, in
+tests/mutation_equivalents.toml and left out of the rate. The goal (issue 29): at least 90% of the non-equivalent
+mutants killed in every module.
+
+    python scripts/mutate.py              # run mutmut (resumes where it stopped), then print the table
+    python scripts/mutate.py --report     # only print the table from the last run
+    python scripts/mutate.py --module mlsys/rl.py --survivors   # list one module's surviving mutants
+
+Exit status: 0 if every module meets the goal, 1 if one does not, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 0.90
+KILLED = {1, 3, 36, 24, -24, 152, 255, 37, -11, -9}  # mutmut's killed, timeout, type-check and crash codes
+SURVIVED = {0}
+NO_TESTS = {5, 33}
+
+
+def modules() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    return list(config["only_mutate"])
+
+
+def equivalents() -> dict[str, str]:
+    path = ROOT / "tests" / "mutation_equivalents.toml"
+    return tomllib.loads(path.read_text()).get("equivalent", {}) if path.exists() else {}
+
+
+def statuses(module: str) -> dict[str, int | None]:
+    meta = ROOT / "mutants" / (module + ".meta")
+    if not meta.exists():
+        return {}
+    return json.loads(meta.read_text())["exit_code_by_key"]
+
+
+def report(show_survivors: str | None) -> int:
+    known = equivalents()
+    seen_keys: set[str] = set()
+    worst = 1.0
+    print(f"{'module':34} {'mutants':>7} {'killed':>6} {'survived':>8} {'no test':>7} {'equiv':>5} {'kill rate':>9}")
+    for module in modules():
+        codes = statuses(module)
+        seen_keys |= set(codes)
+        count = Counter()
+        for key, code in codes.items():
+            if key in known:
+                count["equivalent"] += 1
+            elif code in KILLED:
+                count["killed"] += 1
+            elif code in SURVIVED:
+                count["survived"] += 1
+            elif code in NO_TESTS:
+                count["no tests"] += 1
+            else:
+                count["not run"] += 1
+        judged = count["killed"] + count["survived"] + count["no tests"]
+        rate = count["killed"] / judged if judged else float("nan")
+        worst = min(worst, rate) if judged else 0.0
+        note = "" if codes else "  (not run)"
+        if count["not run"]:
+            note += f"  ({count['not run']} not run)"
+        print(f"{module:34} {len(codes):7d} {count['killed']:6d} {count['survived']:8d} {count['no tests']:7d} "
+              f"{count['equivalent']:5d} {rate:9.1%}{note}")
+        if show_survivors in (module, "all"):
+            for key, code in sorted(codes.items()):
+                if key not in known and (code in SURVIVED or code in NO_TESTS):
+                    print(f"    {key}  ({'survived' if code in SURVIVED else 'no tests'})")
+    stale = sorted(set(known) - seen_keys)
+    if stale and seen_keys:
+        print(f"note: {len(stale)} listed equivalent mutants no longer exist (the code moved): {', '.join(stale[:5])}")
+    print(f"goal: at least {GOAL:.0%} of the non-equivalent mutants killed in each module; worst module {worst:.1%}")
+    return 0 if worst >= GOAL else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report", action="store_true", help="only print the table from the last run")
+    parser.add_argument("--survivors", nargs="?", const="all", default=None, metavar="MODULE",
+                        help="list the surviving mutants (of MODULE, e.g. mlsys/rl.py, or of all modules)")
+    parser.add_argument("--max-children", type=int, default=None, help="mutmut's parallel workers (default: CPUs)")
+    args = parser.parse_args()
+    if args.survivors not in (None, "all") and args.survivors not in modules():
+        parser.error(f"--survivors takes one of {modules()} or nothing")
+    if not args.report:
+        env = dict(os.environ, MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
+        cmd = [sys.executable, "-m", "mutmut", "run"]
+        if args.max_children:
+            cmd += ["--max-children", str(args.max_children)]
+        subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+    return report(args.survivors)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
