@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import re
 import sys
 import traceback
@@ -45,6 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from mlsys import loader
+from mlsys.loader import load_module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = REPO_ROOT / "tutorial"
@@ -90,19 +92,6 @@ def reference_helpers(attempt: ModuleType, **helpers: Callable):
     finally:
         for name, fn in saved.items():
             setattr(attempt, name, fn)
-
-
-def load_module(path: Path, name: str | None = None) -> ModuleType:
-    """Import a file by path (chapter folders are not packages); registered in sys.modules under a unique name."""
-    path = path.resolve()
-    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    name = name or "_ex_" + re.sub(r"\W", "_", str(shown).removesuffix(".py"))
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def all_exercises() -> list[Exercise]:
@@ -294,17 +283,6 @@ def _run_task(fn: Callable, title: str, attempt: Any, target: Path) -> Outcome:
 
 
 # ----------------------------------------------------------------------------------------------- distributed tasks
-def _call_on_rank(ctx: Any, path: str, fn_name: str, per_rank_args: list[tuple]) -> list[Any]:
-    """Worker: load the attempt in this rank, call fn(*args for this rank), gather every rank's result."""
-    import torch.distributed as dist
-
-    fn = getattr(load_module(Path(path)), fn_name)
-    result = fn(*per_rank_args[ctx.rank])
-    results: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(results, result.tolist() if hasattr(result, "tolist") else result)
-    return results
-
-
 def run_ranks(module: ModuleType, fn_name: str, per_rank_args: list[tuple], backend: str = "gloo",
               timeout: float = 60.0) -> list[Any]:
     """Call `module.fn_name(*per_rank_args[r])` on rank r of a real job; return every rank's result, in rank order.
@@ -312,26 +290,35 @@ def run_ranks(module: ModuleType, fn_name: str, per_rank_args: list[tuple], back
     Raises the failing rank's report (as RuntimeError) if the attempt crashes or hangs past `timeout`.
     """
     from mlsys.attempt.link import RemoteRef
-    from mlsys.launch import JobFailed, launch
 
     if isinstance(module, RemoteRef):  # a checker's task: the ranks start in the attempt's process, results come back
         return module._link.ranks(fn_name, per_rank_args, backend, timeout)
-    try:
-        return launch(_call_on_rank, module.__file__, fn_name, per_rank_args, world_size=len(per_rank_args),
-                      backend=backend, timeout=timeout)
-    except JobFailed as err:
-        last = str(err).strip().splitlines()
-        raise RuntimeError(last[-2] if len(last) > 1 else last[0]) from None
+    return loader.run_ranks_here(module, fn_name, per_rank_args, backend, timeout)
+
+
+def tagged_hints(exercise: Exercise) -> list[tuple[set[str], str]]:
+    """(functions, text) of every hint, in order. A hint whose first line is `for: name[, name]` is about those
+    functions of the attempt (the checker points a FAIL of a task checking `name` at them); an untagged hint
+    is about the whole exercise."""
+    file = exercise.checker.parent / "hints" / f"ex{exercise.exercise_id.split('.')[1]}.md"
+    if not file.is_file():
+        return []
+    found = []
+    for h in file.read_text(encoding="utf-8").split("\n---\n"):
+        first, _, rest = h.strip().partition("\n")
+        if first.startswith("for:"):
+            found.append(({n.strip() for n in first[4:].split(",") if n.strip()}, rest.strip()))
+        elif h.strip():
+            found.append((set(), h.strip()))
+    return [(tags, text) for tags, text in found if text]
 
 
 def _hint_pointer(exercise: Exercise, functions: list[str]) -> str:
     """The line under a FAIL naming the hint to read: the hints written for the function this task checks."""
-    from mlsys import workshop
-
     for name in functions:
-        if any(name in tags for tags, _ in workshop.tagged_hints(exercise)):
+        if any(name in tags for tags, _ in tagged_hints(exercise)):
             return f"            hint: make hint EX={exercise.exercise_id} FOR={name}"
-    if workshop.tagged_hints(exercise):
+    if tagged_hints(exercise):
         return f"            hint: make hint EX={exercise.exercise_id}"
     return "            (no hints for this exercise: its stub's docstring names the lesson section to reread)"
 

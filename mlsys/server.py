@@ -55,7 +55,7 @@ from mlsys import openai_protocol as api
 from mlsys.chat import NoChatTemplate, chat_body, chat_chunk
 from mlsys.data import Tokenizer
 from mlsys.engine import Engine, RequestOutput, SamplingParams
-from mlsys.engine.engine import FatalEngineError
+from mlsys.engine.request import FatalEngineError
 from mlsys.json_constrained import SchemaCache
 from mlsys.protocol import (  # noqa: F401  (parse_completion_request and RequestError are this module's API too)
     CompletionRequest,

@@ -53,10 +53,13 @@ def summary(outcomes: list[exercises.Outcome]) -> str:
 
 
 def digest(exercise: exercises.Exercise, target: Path) -> str:
+    """The cache key of one exercise's verdict: the attempt, its checker and every file of the mlsys package (the
+    checking machinery and the library the checkers compare against, such as mlsys.rl's references), so that a
+    changed reference never leaves a stale PASS behind."""
     h = hashlib.sha256()
-    mechanism = [Path(exercises.__file__), *sorted((Path(exercises.__file__).parent / "attempt").glob("*.py"))]
-    for path in (target, exercise.checker, *mechanism):
-        h.update(path.read_bytes() if path.is_file() else b"(missing)")
+    library = sorted(Path(exercises.__file__).parent.rglob("*.py"))
+    for path in (target, exercise.checker, *library):
+        h.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(missing)"))
     return h.hexdigest()
 
 
@@ -74,27 +77,10 @@ def progress(solution: bool = False, time_limit: float = exercises.DEFAULT_TIME_
     return rows
 
 
-def tagged_hints(exercise: exercises.Exercise) -> list[tuple[set[str], str]]:
-    """(functions, text) of every hint, in order. A hint whose first line is `for: name[, name]` is about those
-    functions of the attempt (the checker points a FAIL of a task checking `name` at them); an untagged hint
-    is about the whole exercise."""
-    file = exercise.checker.parent / "hints" / f"ex{exercise.exercise_id.split('.')[1]}.md"
-    if not file.is_file():
-        return []
-    found = []
-    for h in file.read_text(encoding="utf-8").split("\n---\n"):
-        first, _, rest = h.strip().partition("\n")
-        if first.startswith("for:"):
-            found.append(({n.strip() for n in first[4:].split(",") if n.strip()}, rest.strip()))
-        elif h.strip():
-            found.append((set(), h.strip()))
-    return [(tags, text) for tags, text in found if text]
-
-
 def hints_of(exercise: exercises.Exercise, about: str | None = None) -> list[str]:
     """The hints to show, graded from a nudge to nearly the answer: all of them, or with `about` the ones for
     that function plus the untagged ones."""
-    return [text for tags, text in tagged_hints(exercise) if about is None or not tags or about in tags]
+    return [text for tags, text in exercises.tagged_hints(exercise) if about is None or not tags or about in tags]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ex.exercise_id}: hints reset")
         return 0
     hints = hints_of(ex, args.about)
-    if args.about and not any(args.about in tags for tags, _ in tagged_hints(ex)):
-        names = sorted({n for tags, _ in tagged_hints(ex) for n in tags})
+    if args.about and not any(args.about in tags for tags, _ in exercises.tagged_hints(ex)):
+        names = sorted({n for tags, _ in exercises.tagged_hints(ex) for n in tags})
         print(f"error: no hint of {ex.exercise_id} is about {args.about!r}"
               + (f"; hints are about: {', '.join(names)}" if names else "; its hints are not tagged"),
               file=sys.stderr)

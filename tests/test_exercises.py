@@ -289,6 +289,23 @@ def test_progress_and_hints(tmp_path, monkeypatch, capsys) -> None:
     assert workshop.main(["hint", "ch99.9"]) == 2
 
 
+def test_progress_cache_key_covers_the_library_the_checkers_use(tmp_path, monkeypatch) -> None:
+    """A checker compares against mlsys (ch12.1 against mlsys.rl's GAE): changing a library file must change the
+    cached verdict's key, or a stale PASS survives the change. The package is a copy in tmp_path, one file edited."""
+    from mlsys import workshop
+
+    pkg = tmp_path / "mlsys"
+    (pkg / "attempt").mkdir(parents=True)
+    for name in ("exercises.py", "rl.py", "attempt/link.py"):
+        (pkg / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(exercises, "__file__", str(pkg / "exercises.py"))
+    ex = exercises.find("ch12.1")
+    before = workshop.digest(ex, ex.solution)
+    assert workshop.digest(ex, ex.solution) == before  # nothing changed: the same key
+    (pkg / "rl.py").write_text("# rl.py, a changed reference\n")
+    assert workshop.digest(ex, ex.solution) != before
+
+
 def test_a_fail_names_the_hint_about_the_function_it_checked(tmp_path, monkeypatch, capsys) -> None:
     """ch13.1's wrong k3 (sign flipped) fails only the k3 task, beside a correct k1 and shaping, and the line
     under the FAIL points at the hints about kl_k3; those hints say nothing about shape_rewards."""
@@ -356,7 +373,6 @@ def test_every_task_checks_one_function() -> None:
 def test_a_wrong_attempt_is_pointed_at_hints_about_its_bug(wrong) -> None:
     """The first FAIL of a stored wrong attempt names FOR=<a function that task checks>, and tagged hints about that
     function exist: the learner is sent to the hints about the function that failed, not to the whole list."""
-    from mlsys import workshop
 
     exercise = _exercise_of(wrong)
     outcomes = exercises.check(exercise, target=wrong, time_limit=60, stop_at_fail=True)
@@ -366,4 +382,4 @@ def test_a_wrong_attempt_is_pointed_at_hints_about_its_bug(wrong) -> None:
     assert "FOR=" in pointer, pointer
     name = pointer.split("FOR=")[1]
     assert name in functions, (name, functions)
-    assert any(name in tags for tags, _ in workshop.tagged_hints(exercise)), f"no hint is tagged 'for: {name}'"
+    assert any(name in tags for tags, _ in exercises.tagged_hints(exercise)), f"no hint is tagged 'for: {name}'"

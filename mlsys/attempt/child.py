@@ -43,7 +43,7 @@ def child_main(target: str, sock: socket.socket, output_path: str, memory_limit:
     resource.setrlimit(resource.RLIMIT_DATA, (held + memory_limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     import torch  # noqa: F401
 
-    from mlsys.exercises import load_module
+    from mlsys.loader import load_module
 
     wire = Wire(sock)
     try:
@@ -157,10 +157,10 @@ class _Server:
             states = {str(k): Encoder()(g)["generator"]["state"] for k, g in dec.generators.items()}
             return {"value": value, "generators": states}
         if op == "ranks":
-            from mlsys.exercises import run_ranks
+            from mlsys.loader import run_ranks_here
 
             per_rank = self.decoder()(msg["args"])
-            result = run_ranks(self.attempt, msg["name"], per_rank, backend=msg["backend"], timeout=msg["timeout"])
+            result = run_ranks_here(self.attempt, msg["name"], per_rank, backend=msg["backend"], timeout=msg["timeout"])
             return {"value": Encoder(exhaust=True)(result)}
         if op == "grad":
             import torch

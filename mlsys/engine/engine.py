@@ -33,16 +33,11 @@ import torch
 from mlsys.data import Tokenizer
 from mlsys.engine.block_manager import BlockManager
 from mlsys.engine.model_runner import ModelRunner
-from mlsys.engine.request import RequestOutput, SamplingParams, Sequence, SequenceStatus
+from mlsys.engine.request import FatalEngineError, RequestOutput, SamplingParams, Sequence, SequenceStatus
 from mlsys.engine.sampler import apply_structured_masks, sample, sampled_logprobs
 from mlsys.engine.scheduler import Scheduler
 from mlsys.engine.tokenizer import IncrementalDetokenizer, StopStrings, encode_prompt
 from mlsys.model import GPT
-
-
-class FatalEngineError(RuntimeError):
-    """The engine cannot compute any step (not one request's fault): step() raises it instead of isolating."""
-
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # the KV pool's default budget: 4 GiB (kv_cache_memory_bytes overrides it)
 

@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+class FatalEngineError(RuntimeError):
+    """The engine cannot compute any step (not one request's fault): step() raises it instead of isolating. It lives
+    here, beside the request types, so that engine.py and the tensor-parallel runner (tp.py) both import it from a
+    module that imports neither of them."""
+
+
 # --8<-- [start:sampling_params]
 @dataclass
 class SamplingParams:

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mlsys.engine.engine import FatalEngineError
 from mlsys.engine.model_runner import ModelInput, ModelRunner
+from mlsys.engine.request import FatalEngineError
 from mlsys.tp_comm import COMM  # noqa: F401  (this process's all-reduce totals, read by ch10's tp_serving.py)
 from mlsys.tp_layers import ColumnParallelLinear, RowParallelLinear
 
