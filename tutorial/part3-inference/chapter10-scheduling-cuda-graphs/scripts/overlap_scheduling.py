@@ -16,11 +16,13 @@ What it shows
        execution, if there is any left once the launches are done: the GPU rows add the same pair of
        engines with CUDA graphs (EngineConfig.cuda_graph_sizes), where the launch is one replay.
     3. FIGURE timeline.png (into --plot-dir): 4 consecutive real decode steps of each engine at --timeline-batch
-       sequences (of 12 recorded, the 4 consecutive steps with the shortest total, so that one interrupted step
-       does not fill the picture) on two lanes, the main thread (from the engines' own stage timings) and the
+       sequences (of 24 recorded, the 4 consecutive steps whose slowest step is the fastest, so that an
+       interrupted step stays out of the picture whenever the run has 4 uninterrupted steps in a row) on two
+       lanes, the main thread (from the engines' own stage timings) and the
        forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
-       median step and forward. When the overlapped forward is slower than the plain one, the two threads were
-       competing for the GIL and the cores.
+       median step and forward, and in how many drawn steps forward n started only after step n+1's schedule +
+       prepare had ended (the two did not overlap at all). When the overlapped forward is slower than the plain
+       one, the two threads were competing for the GIL and the cores.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -158,11 +160,15 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
 # --8<-- [end:timing]
 
 
-def record_timeline(model, args: Settings, device: str, steps: int = 4, tries: int = 3) -> dict[str, list[dict]]:
+TIMELINE_TRIES = 6  # windows of recorded steps per drawn window: 4 drawn steps of 24 recorded
+
+
+def record_timeline(model, args: Settings, device: str, steps: int = 4,
+                    tries: int = TIMELINE_TRIES) -> dict[str, list[dict]]:
     """`steps` consecutive decode steps of each engine, in ms from the first drawn step's start: when each step
     started, its stage timings, and when its forward really ran (the runner's execute, timed in whichever thread
-    called it). Of `steps * tries` recorded steps it keeps the `steps` consecutive ones with the shortest total
-    (on a busy machine the others are the ones the OS interrupted)."""
+    called it). Of `steps * tries` recorded steps it keeps the `steps` consecutive ones whose slowest step is the
+    fastest, ties broken by their total (on a busy machine the slow steps are the ones the OS interrupted)."""
     out = {}
     for name, cls in (("plain", Engine), ("overlap", OverlapEngine)):
         recorded = steps * tries
@@ -189,9 +195,11 @@ def record_timeline(model, args: Settings, device: str, steps: int = 4, tries: i
             row["forward"] = [(a - t_first) * 1e3, (b - t_first) * 1e3]
         if isinstance(engine, OverlapEngine):
             engine.close()
-        # the window of `steps` consecutive steps that took the least time, times rebased to its first step
+        # the window of `steps` consecutive steps with the fastest slowest step (an interrupted step is the slowest
+        # of its window, so this keeps it out when any window can), then the least total; rebased to its first step
+        totals = [r["stages"]["total"] for r in rows]
         k = min(range(recorded - steps + 1),
-                key=lambda i: sum(r["stages"]["total"] for r in rows[i : i + steps]))
+                key=lambda i: (max(totals[i : i + steps]), sum(totals[i : i + steps])))
         t0 = rows[k]["start"]
         out[name] = [{"start": r["start"] - t0, "stages": r["stages"], "forward": [r["forward"][0] - t0,
                                                                                    r["forward"][1] - t0]}
@@ -237,6 +245,10 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
     late = [r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"] + r["stages"]["forward"])
             - r["forward"][1] for r in tl["overlap"]]
     out["overlap_handback_ms"] = statistics.median(late)
+    # forward n started only once the main thread had finished scheduling and preparing step n+1: no overlap at all
+    out["serial_steps"] = sum(r["forward"][0] >= r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"])
+                              for r in tl["overlap"])
+    out["drawn_steps"] = len(tl["overlap"])
     return out
 
 
@@ -280,13 +292,14 @@ def main() -> int:
           " it (note: noise) measured the machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
-    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} (the fastest {len(tl['plain'])} "
-          f"consecutive of {3 * len(tl['plain'])} recorded; medians): plain step "
+    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} ({len(tl['plain'])} consecutive "
+          f"of {TIMELINE_TRIES * len(tl['plain'])} recorded, those with the fastest slowest step; medians): plain step "
           f"{summ['plain_step_ms']:.2f} ms, its forward {summ['plain_forward_ms']:.2f} ms; overlapped step "
           f"{summ['overlap_step_ms']:.2f} ms, its forward {summ['overlap_forward_ms']:.2f} ms while the main thread "
           f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward); after the "
           f"forward returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
-          f"{bench.load_average()}")
+          f"In {summ['serial_steps']} of {summ['drawn_steps']} overlapped steps forward n started only after step "
+          f"n+1's schedule + prepare had ended. {bench.load_average()}")
     if args.json:
         report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},

@@ -102,6 +102,28 @@ def forward_ops(model, batch_size: int, args: Settings, device: str) -> dict:
 # --8<-- [end:profile]
 
 
+def top_growth(rows: list[dict]) -> dict:
+    """How the forward grew between the two largest batch sizes, and where a token was cheapest, in words
+    derived from this run (the direction at large B changes from run to run)."""
+    a, b = rows[-2] if len(rows) > 1 else rows[-1], rows[-1]
+    batch_ratio, forward_ratio = b["batch_size"] / a["batch_size"], b["forward"] / a["forward"]
+    if forward_ratio > 1.1 * batch_ratio:
+        text = "faster than the batch"
+    elif forward_ratio >= 0.9 * batch_ratio:
+        text = "about in proportion to the batch"
+    else:
+        text = "more slowly than the batch"
+    per_token = [r["total"] / r["batch_size"] for r in rows]
+    best = min(range(len(rows)), key=per_token.__getitem__)
+    if best == len(rows) - 1:
+        token_cost_text = f"fell all the way to B = {b['batch_size']}"
+    else:
+        token_cost_text = (f"was lowest at B = {rows[best]['batch_size']}, and every larger batch paid more per "
+                           "token than that")
+    return {"from": a["batch_size"], "to": b["batch_size"], "batch_ratio": batch_ratio,
+            "forward_ratio": forward_ratio, "text": text, "token_cost_text": token_cost_text}
+
+
 def draw(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -146,6 +168,9 @@ def main() -> int:
     token_cost_ratio = step_growth / (b1 / b0)  # ms per token at the largest B over ms per token at the smallest
     print(f"   B {b0} -> {b1}: {b1 / b0:g}x the tokens, {step_growth:.2f}x the step time, so a token costs "
           f"{token_cost_ratio:.2f}x as much; {bench.load_average()}")
+    top = top_growth(rows)
+    print(f"   B {top['from']} -> {top['to']}: {top['batch_ratio']:g}x the batch, {top['forward_ratio']:.2f}x the "
+          f"forward ({top['text']}); ms/token {top['token_cost_text']}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)
@@ -161,6 +186,7 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
                                       "step_growth": step_growth, "token_cost_ratio": token_cost_ratio,
+                                      "top_growth": top,
                                       "load_average": bench.load_average()}, args)
     return 0
 

@@ -219,6 +219,7 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
                "broadcast_share": (waits[0].end - waits[0].start) / step_ms,
                "collective_ms": collective_ms, "collective_share": collective_ms / step_ms,
                "median_all_reduce_ms": statistics.median(w.end - w.start for w in waits if w.kind == "all-reduce"),
+               "longest_all_reduce_ms": max(w.end - w.start for w in waits if w.kind == "all-reduce"),
                "sublayer_compute_ms": per_sublayer,
                "median_sublayer_compute_ms": statistics.median(per_sublayer.values())}
     return spans, summary
@@ -297,7 +298,13 @@ def main() -> int:
               f"({picture['broadcast_share']:.0%}) = {picture['collective_ms']:.2f} ms "
               f"({picture['collective_share']:.0%}); median all-reduce {picture['median_all_reduce_ms']:.3f} ms "
               f"against a median {picture['median_sublayer_compute_ms']:.3f} ms of compute per sublayer "
-              f"(its pieces before and after its all-reduce added)")
+              f"(its pieces before and after its all-reduce added); the longest all-reduce "
+              f"{picture['longest_all_reduce_ms']:.3f} ms")
+        table_ms = next((r["step_ms"] for r in runs if r["tp"] == traced), None)
+        if table_ms:
+            print(f"   the drawn step is {picture['step_ms'] / table_ms:.2f}x the table's median step at TP={traced} "
+                  f"({table_ms:.3g} ms): one traced step, under the profiler, against the median of many")
+            picture |= {"table_step_ms": table_ms, "vs_table": picture["step_ms"] / table_ms}
         picture |= {"tp": traced, "spans": [vars(s) for s in spans]}
         print(f"figure: {draw_step(spans, picture, traced, args)}")
         print(f"trace: {trace_path}")
