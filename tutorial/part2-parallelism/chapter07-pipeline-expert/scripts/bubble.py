@@ -177,7 +177,7 @@ def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
           "they grow with m, stages that compute at the same time are slowing each other down (shared cores).")
     results.update(load_avg=os.getloadavg()[0], cores=cores)
     print(f"\nload average during the run: {os.getloadavg()[0]:.1f} on {cores} cores (other programs running "
-          "at the same time stretch some operations and not others, which shows up as extra bubble)")
+          "at the same time stretch some operations and not others, which moves the measured bubble off the formula)")
     if p > cores:
         print(f"\nnote: {p} ranks share {cores} cores, so stages that run at the same time slow each other "
               "down; expect the measured bubble to differ from the formula.")

@@ -327,6 +327,9 @@ def drop_table(ctx: RankContext, args: Settings) -> list[dict]:
             s = balance_stats(experts, keep, args.num_experts)
             rows.append({"capacity_factor": factor,
                          "capacity": expert_capacity(args.tokens, args.num_experts, args.top_k, factor),
+                         # per expert, summed over the ranks' slots: the bound on each kept_per_expert number
+                         "capacity_all_ranks": ctx.world_size * expert_capacity(args.tokens, args.num_experts,
+                                                                                args.top_k, factor),
                          "dropped_assignments": s["dropped"], "drop_rate": s["dropped"] / s["assignments"],
                          "fully_dropped_tokens": s["fully_dropped_tokens"],
                          "kept_per_expert": " ".join(map(str, s["kept_per_expert"]))})
@@ -466,7 +469,8 @@ def main() -> int:
     print(f"capacity factor {args.capacity_factor}: {cap} slots per expert per rank (= ceil({args.capacity_factor} "
           f"* {args.tokens} * {k} / {E}))")
     print(f"tokens per expert (router's choice, all ranks): {c['tokens_per_expert']}")
-    print(f"kept per expert:                                {c['kept_per_expert']}")
+    kept_label = f"kept per expert (all ranks, at most W * {cap}):"
+    print(f"{kept_label:47s} {c['kept_per_expert']}")
     print(f"dropped {c['dropped']} of {c['assignments']} assignments ({c['dropped'] / c['assignments']:.1%}); "
           f"{c['fully_dropped_tokens']} tokens lost " + ("their expert" if k == 1 else f"all {k} of their experts"))
     print(f"rank 0 sent {c['sent_rows']} rows to ranks 0..{args.world_size - 1} and received {c['received_rows']}")
@@ -481,7 +485,8 @@ def main() -> int:
     print(f"  rows sent [from rank][to rank]: {d['sent_rows']}")
     print(f"OK: expert-parallel output, drops, loss ({c['loss']:.6f} vs dense {c['loss_dense']:.6f}) and the "
           "gradients of router and experts equal the dense MoE in one process\n")
-    print("dropped assignments per capacity factor (expert-parallel run, equal to the dense count):")
+    print("dropped assignments per capacity factor (expert-parallel run, equal to the dense count; capacity is per\n"
+          "expert and rank, capacity_all_ranks and kept_per_expert are summed over the W ranks):")
     print(report.table(result["drop_table"], floatfmt=".3f"))
     if "training" in result:
         print(f"\n{args.train_steps} Adam steps, capacity factor {args.capacity_factor}: without and with the "
