@@ -36,13 +36,11 @@ across ranks, which Megatron avoids with a separate random state per rank for th
 
 The code is in three files, communication kept apart from computation: mlsys/tp_comm.py (f, g, the sequence-parallel
 pair, comm_log), mlsys/tp_layers.py (the parallel layers and the sharded GPT) and mlsys/tp_formulas.py (communication
-and memory formulas). This module gathers their names, so `from mlsys.tensor_parallel import ...` reaches them all.
+and memory formulas). This module gathers their public names: `from mlsys.tensor_parallel import ...` reaches them all.
 Reference: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism",
 https://arxiv.org/abs/1909.08053 (section 3).
 """
 
 from mlsys.tp_comm import *  # noqa: F403
-from mlsys.tp_comm import _all_gather, _all_reduce, _rank, _record, _reduce_scatter, _size, _split  # noqa: F401
 from mlsys.tp_formulas import *  # noqa: F403
 from mlsys.tp_layers import *  # noqa: F403
-from mlsys.tp_layers import _copy_layer_norm, _layer_norm  # noqa: F401
