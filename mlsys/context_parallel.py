@@ -22,13 +22,15 @@ counted in `comm_log`), then the autograd functions that join them, then the for
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from mlsys.comm_log import comm_log  # noqa: F401  (cp.comm_log: the book's one log of transfers)
+from mlsys.comm_log import record as _record
 
 LAYOUTS = ("zigzag", "contiguous")
 Chunk = tuple[int, int]  # [start, end) positions of one contiguous run of tokens
@@ -147,25 +149,6 @@ def block_attention_backward(q, k, v, dout, lse, delta, q_chunks, k_chunks, dq, 
 
 
 # ----------------------------------------------------------------------------------------------- the communication
-_LOG: list[tuple[str, str, int]] | None = None
-
-
-@contextlib.contextmanager
-def comm_log() -> Iterator[list[tuple[str, str, int]]]:
-    """Record (op, phase, bytes this rank sends) for every transfer made here while the block is active."""
-    global _LOG
-    previous, _LOG = _LOG, []
-    try:
-        yield _LOG
-    finally:
-        _LOG = previous
-
-
-def _record(op: str, phase: str, nbytes: int) -> None:
-    if _LOG is not None:
-        _LOG.append((op, phase, int(nbytes)))
-
-
 def start_ring_shift(tensors: list[torch.Tensor], group, phase: str, tag: int = 0) -> tuple[list, list[torch.Tensor]]:
     """Send `tensors` to the next rank and receive the previous rank's, without waiting: (requests, buffers).
 

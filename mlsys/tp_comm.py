@@ -1,45 +1,17 @@
 """Tensor parallelism, the communication: Megatron's f and g and the sequence-parallel pair as autograd functions,
-and a log of every collective they run. The layers that use them: mlsys/tp_layers.py; the overview:
+recording every collective they run in mlsys/comm_log.py. The layers that use them: mlsys/tp_layers.py; the overview:
 mlsys/tensor_parallel.py."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
-# ----------------------------------------------------------------------------------------------- recording collectives
-@dataclass(frozen=True)
-class CommEvent:
-    op: str  # "all_reduce", "all_gather" or "reduce_scatter"
-    phase: str  # "forward" or "backward"
-    nbytes: int  # size of the FULL buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input
-    tag: str = "activation"  # "activation", or "param_grad" for the small gradient all-reduces of replicated params
-
-
-_LOG: list[CommEvent] | None = None
-
-
-@contextlib.contextmanager
-def comm_log() -> Iterator[list[CommEvent]]:
-    """Record every collective run by this module (in this process) while the block is active."""
-    global _LOG
-    previous, _LOG = _LOG, []
-    try:
-        yield _LOG
-    finally:
-        _LOG = previous
-
-
-def _record(op: str, phase: str, nbytes: int, tag: str = "activation") -> None:
-    if _LOG is not None:
-        _LOG.append(CommEvent(op, phase, int(nbytes), tag))
+from mlsys.comm_log import CommEvent, comm_log  # noqa: F401  (re-exported: from mlsys.tensor_parallel import comm_log)
+from mlsys.comm_log import record as _record
 
 
 def _size(group) -> int:

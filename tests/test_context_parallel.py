@@ -90,14 +90,34 @@ def test_ring_at_one_rank_is_blockwise_attention_equal_to_sdpa() -> None:
             torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10, msg=f"{layout} {name}")
 
 
-@pytest.mark.parametrize("method,seq,world", [("ring", 6, 2), ("ring", 8, 4), ("ulysses", 4, 2)])
-def test_comm_bytes_formula_small_cases_by_hand(method: str, seq: int, world: int) -> None:
-    got = cp.comm_bytes(method, seq, world, heads=4, head_dim=2)
-    shard = 4 * (seq // world) * 2 * 4  # one (1, 4, S/W, 2) float32 tensor
-    if method == "ring":  # K and V, W-1 hops forward; K, V and dK, dV backward (dK, dV once more)
-        assert got == {"forward": (world - 1) * 2 * shard, "backward": ((world - 1) * 2 + world * 2) * shard}
-    else:
-        assert got == {"forward": 4 * shard * (world - 1) // world, "backward": 4 * shard * (world - 1) // world}
+def messages_one_rank_sends(method: str, seq: int, world: int, heads: int, head_dim: int, batch: int,
+                            dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+    """Every tensor one rank puts on the wire for one attention layer, built as a real tensor and listed message
+    by message from the algorithm's steps, not from a byte formula.
+
+    ring: forward, at each of the W-1 steps the K and V block it holds goes to the next rank; backward, K and V
+    travel the same W-1 hops again, and the dK, dV accumulators travel W hops (all the way round, home).
+    ulysses: each of q, k, v and the output (forward), and of their gradients (backward), is one all-to-all of the
+    rank's (B, H, S/W, D) shard split into W head groups; the group for the rank itself stays home."""
+    shard = torch.empty(batch, heads, seq // world, head_dim, dtype=dtype)
+    if method == "ring":
+        k, v = shard.clone(), shard.clone()
+        return {"forward": [k, v] * (world - 1), "backward": [k, v] * (world - 1) + [k.clone(), v.clone()] * world
+                if world > 1 else []}
+    groups = shard.tensor_split(world, dim=1)  # heads split over the ranks
+    away = [g for r, g in enumerate(groups) if r != 0]  # seen from rank 0; every rank sends the same sizes
+    return {"forward": away * 4, "backward": away * 4}
+
+
+@pytest.mark.parametrize("method,seq,world,batch,dtype", [
+    ("ring", 6, 2, 1, torch.float32), ("ring", 8, 4, 2, torch.float64), ("ring", 4, 1, 1, torch.float32),
+    ("ulysses", 4, 2, 1, torch.float32), ("ulysses", 12, 4, 3, torch.float64), ("ulysses", 3, 1, 1, torch.float32)])
+def test_comm_bytes_formula_against_the_messages_counted_one_by_one(method, seq, world, batch, dtype) -> None:
+    """The closed form against a brute-force count: the bytes of every message, summed (numel x element size)."""
+    counted = {phase: sum(t.numel() * t.element_size() for t in messages)
+               for phase, messages in messages_one_rank_sends(method, seq, world, 4, 2, batch, dtype).items()}
+    size = torch.empty(0, dtype=dtype).element_size()
+    assert cp.comm_bytes(method, seq, world, heads=4, head_dim=2, batch=batch, dtype_bytes=size) == counted
 
 
 # ----------------------------------------------------------------------------------------------- on real ranks
@@ -131,7 +151,7 @@ def cp_worker(ctx, seq: int, heads: int) -> dict:
             parts = [torch.empty_like(t) for _ in range(world)]
             dist.all_gather(parts, t)
             gathered.append(cp.unshard(parts, layout)[..., :seq, :].numpy())  # numpy: tensors do not cross the pipe
-        sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
+        sent = {phase: sum(e.nbytes for e in log if e.phase == phase) for phase in ("forward", "backward")}
         every = [None] * world
         dist.all_gather_object(every, steps if method == "ring" else [])
         results[f"{method}-{layout}"] = {"tensors": gathered, "sent": sent, "padded": padded, "ring_steps": every}

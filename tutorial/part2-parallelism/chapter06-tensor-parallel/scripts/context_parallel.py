@@ -140,7 +140,7 @@ def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *(t.grad for t in full)), strict=True):
         report.expect_close(f"{method} ({layout}) {name} vs one process", a, b, rtol=1e-9, atol=1e-9)
         errs[name] = float((a - b).abs().max())
-    sent = {phase: sum(n for _, p, n in log if p == phase) for phase in ("forward", "backward")}
+    sent = {phase: sum(e.nbytes for e in log if e.phase == phase) for phase in ("forward", "backward")}
     formula = cp.comm_bytes(method, padded, world, args.heads, args.head_dim, dtype_bytes=8)
     report.expect_equal(f"{method} ({layout}) bytes sent vs formula", sent, formula)
     every = [None] * world
