@@ -84,7 +84,7 @@ def transformer_params(num_layers: int, hidden: int, num_heads: int, num_kv_head
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, num_heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none", dtype_bytes: float = 2,
-                               dropout: bool = True) -> float:
+                               dropout: bool = True, mlp_copies: float = 1.0) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch.
 
     From "Reducing Activation Recomputation in Large Transformer Models" (Korthikanti et al.,
@@ -100,16 +100,20 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, num_head
     hidden before and after GELU (12 sbh values); per head, the (s x s) softmax output (a s^2 b values), plus its
     dropout mask and dropped-out copy. The paper derives it for a GPT-3-shaped layer (MLP 4h, multi-head
     attention); for other shapes it is an estimate. chapter 5's recompute.py measures it on the book's GPT.
+    Under sequence parallelism the kept layer input of full recomputation is sequence-sharded too: 2*s*b*h/t.
+    `mlp_copies` scales the MLP's input and hidden activations (1 + 8 of the sbh values): an MoE layer with top-k
+    routing and capacity factor c keeps k*c copies of each token there (the copies padded up to capacity).
     """
     s, b, h, a, t = (_pos_int(n, v) for n, v in (("seq", seq), ("micro_batch", micro_batch), ("hidden", hidden),
                                                   ("num_heads", num_heads), ("tp", tp)))
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    d, mask = _pos("dtype_bytes", dtype_bytes), (1.0 if dropout else 0.0)
+    d, mask, copies = _pos("dtype_bytes", dtype_bytes), (1.0 if dropout else 0.0), _pos("mlp_copies", mlp_copies)
     sbh = s * b * h
     if recompute == "full":
-        return d * sbh
-    whole, split = 4 * d + 2 * mask, 12 * d  # per s*b*h: 10 and 24 at the paper's d = 2 with dropout
+        return d * sbh / (t if sequence_parallel else 1)
+    # per s*b*h: 10 and 24 at the paper's d = 2 with dropout; the MLP's input (d, whole) and hidden (8d, split)
+    whole, split = 3 * d + 2 * mask + d * copies, 4 * d + 8 * d * copies
     scores = (d + (mask + d) * dropout) * a * s / h if recompute == "none" else 0.0  # 5as/h at the paper's
     if sequence_parallel:
         return sbh / t * (whole + split + scores)
@@ -260,10 +264,14 @@ def tp_comm_bytes(micro_batch: int, seq: int, hidden: int, tp: int, layers_per_s
             * _pos_int("layers_per_stage", layers_per_stage) * _pos_int("num_micro", num_micro))
 
 
-def pp_comm_bytes(micro_batch: int, seq: int, hidden: int, pp: int, num_micro: int, dtype_bytes: float = 2) -> float:
+def pp_comm_bytes(micro_batch: int, seq: int, hidden: int, pp: int, num_micro: int, dtype_bytes: float = 2,
+                  tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes an interior pipeline stage sends per step: one activation forward and one gradient backward per
-    micro-batch, b*s*h*bytes each (0 without pipelining). Every tensor-parallel rank sends its full copy."""
-    return 0.0 if _pos_int("pp", pp) == 1 else 2.0 * micro_batch * seq * hidden * dtype_bytes * num_micro
+    micro-batch, b*s*h*bytes each (0 without pipelining). Without sequence parallelism every tensor-parallel rank
+    holds and sends the full copy; with it each holds a 1/t slice of the sequence and sends only that (Megatron's
+    scatter-gather: the receiving stage all-gathers over its fast TP links when it needs the whole)."""
+    share = _pos_int("tp", tp) if sequence_parallel else 1
+    return 0.0 if _pos_int("pp", pp) == 1 else 2.0 * micro_batch * seq * hidden * dtype_bytes * num_micro / share
 
 
 def ep_comm_bytes(micro_batch: int, seq: int, hidden: int, top_k: int, ep: int, moe_layers_per_stage: int,
@@ -286,20 +294,48 @@ def train_flops(active_params: float, tokens: float, recompute: str = "none") ->
     return (8.0 if recompute == "full" else 6.0) * _pos("active_params", active_params) * _pos("tokens", tokens)
 
 
-def step_time_estimate(flops: float, num_gpus: int, peak_flops: float, mfu: float, pp: int, num_micro: int,
-                       comm: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """A rough step time: compute at `mfu` of peak, stretched by the pipeline bubble, plus communication.
+def stage_flops(layer_flops: float, num_layers: int, pp: int, head_flops: float = 0.0,
+                embed_flops: float = 0.0) -> list[float]:
+    """Flops of each pipeline stage: layers spread as evenly as possible (the first L % p stages take one more, as
+    mlsys.pipeline.split_gpt and worst_stage_dense_params split them), the embedding's on the first stage, the
+    output head's (and final norm's) on the last. With p = 1 the one stage does everything."""
+    layers, p = _pos_int("num_layers", num_layers), _pos_int("pp", pp)
+    if p > layers:
+        raise ValueError(f"pp={p} stages need at least as many layers, got {layers}")
+    out = [layer_flops * (layers // p + (i < layers % p)) for i in range(p)]
+    out[0] += embed_flops
+    out[-1] += head_flops
+    return out
 
-    compute = flops / (num_gpus * peak_flops * mfu) * (m + p - 1) / m    (1F1B or GPipe: p - 1 extra slots)
-    comm    = sum of bytes / bandwidth over the parallel dimensions, with no overlap (a pessimistic bound)
-    `comm` maps a dimension name to (bytes sent per GPU, bytes per second of the link it uses).
+
+def step_time_estimate(flops: float, num_gpus: int, peak_flops: float, mfu: float, pp: int, num_micro: int,
+                       comm: dict[str, tuple[float, float]],
+                       stage_shares: list[float] | None = None) -> dict[str, float]:
+    """A rough step time: compute at `mfu` of peak, paced by the pipeline's slowest stage, plus communication.
+
+    `stage_shares` are the stages' shares of the flops (default: equal). With m micro-batches, a stage that does
+    the share f_i takes t_i = compute * p * f_i / m per micro-batch, and 1F1B with its slowest stage last (or every
+    stage equal) ends after
+        sum_i t_i + (m - 1) * max_i t_i
+    (the first micro-batch crosses every stage, the other m - 1 follow one slowest-stage time apart; with equal
+    stages this is (m + p - 1) t). Written as three terms:
+        compute   = flops / (num_gpus * peak_flops * mfu)          m * mean t: all stages busy, none waiting
+        bubble    = (p - 1) * mean t                               fill and drain
+        imbalance = (m - 1) * (max t - mean t)                     the other stages wait for the slowest
+    For other stage orders the sum is an upper bound. comm = sum of bytes / bandwidth over the parallel dimensions,
+    with no overlap (a pessimistic bound); `comm` maps a dimension name to (bytes sent per GPU, bytes per second of
+    the link it uses).
     """
     _pos_int("num_gpus", num_gpus)
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    p, m = _pos_int("pp", pp), _pos_int("num_micro", num_micro)
+    shares = [1.0 / p] * p if stage_shares is None else [_pos("stage share", f) for f in stage_shares]
+    if len(shares) != p or abs(sum(shares) - 1) > 1e-9:
+        raise ValueError(f"stage_shares must be {p} positive numbers adding up to 1, got {stage_shares!r}")
     compute = flops / (num_gpus * _pos("peak_flops", peak_flops) * mfu)
-    stretched = compute * (num_micro + _pos_int("pp", pp) - 1) / _pos_int("num_micro", num_micro)
-    out = {"compute": compute, "bubble": stretched - compute}
+    mean, slowest = compute / m, compute * p * max(shares) / m  # per micro-batch
+    out = {"compute": compute, "bubble": (p - 1) * mean, "imbalance": (m - 1) * max(0.0, slowest - mean)}
     for name, (nbytes, bandwidth) in comm.items():
         out[name] = 0.0 if nbytes == 0 else nbytes / _pos(f"{name} bandwidth", bandwidth)
     out["total"] = sum(out.values())

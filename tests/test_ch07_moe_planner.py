@@ -1,6 +1,7 @@
 """Chapter 7, expert parallelism and the planner: routing, capacity and the aux loss on hand cases; the dense MoE
 against a plain per-token loop; the expert-parallel run against the dense MoE (its own self-checks, plus the drop
-counts recomputed here); and the parallel-strategy calculator against mlsys.memory by hand."""
+counts recomputed here); and the parallel-strategy calculator: its bytes by hand, its step time against a 1F1B
+simulation of flops counted on a transformers model of the same shape."""
 
 from __future__ import annotations
 
@@ -152,6 +153,44 @@ def test_dispatch_picture_send_counts_are_a_bincount_of_the_routing(ep_run):
 
 
 # ----------------------------------------------------------------------------------------------- the planner
+def hf_matmul_weights(model) -> tuple[float, float]:
+    """(weights one token multiplies in one decoder layer, in the output head), counted on a transformers model of
+    the same shape built on the meta device with one layer: every 2-D weight but the embedding (a lookup), and of
+    each fused (E, out, in) expert tensor the k matrices a token is routed to. Norms are 1-D: not matmuls."""
+    transformers = pytest.importorskip("transformers")
+    s = model.shape
+    common = dict(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                  num_hidden_layers=1, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+                  head_dim=s.head_dim, tie_word_embeddings=False)
+    with torch.device("meta"):
+        if model.experts > 1:
+            hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                **common, num_local_experts=model.experts, num_experts_per_tok=model.top_k))
+        else:
+            hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    layer = 0.0
+    for w in hf.model.layers[0].parameters():
+        if w.dim() == 2:
+            layer += w.numel()
+        elif w.dim() == 3:  # (experts, out, in): a token goes through top_k of them
+            layer += w[0].numel() * model.top_k
+    return layer, float(hf.lm_head.weight.numel())
+
+
+def oracle_pipeline_seconds(model, args, row: dict) -> tuple[float, int]:
+    """The pipeline's time for one step, stage by stage: each stage's layers (split ceil/floor from the first
+    stage), the head on the last, 2 flops per weight and token forward and 4 backward per matmul, on tp GPUs at
+    mfu of peak; walked through the 1F1B schedule on an event clock. Returns (seconds, slowest stage)."""
+    from test_memory import simulate_1f1b
+
+    layer_w, head_w = hf_matmul_weights(model)
+    tokens, rate = args.micro_batch * args.seq, row["tp"] * args.peak_tflops * 1e12 * args.mfu
+    L, p = model.shape.num_layers, row["pp"]
+    n = [L // p + (i < L % p) for i in range(p)]
+    fwd = [(2 * tokens * layer_w * n[i] + (2 * tokens * head_w if i == p - 1 else 0)) / rate for i in range(p)]
+    return simulate_1f1b(fwd, [2 * f for f in fwd], row["micro"]), max(range(p), key=lambda i: fwd[i])
+
+
 def test_planner_cost_by_hand():
     args = planner.Settings(model="llama-3-70b", gpus=64, global_batch=512, seq=4096, zero_stage=1)
     model = planner.load_model(args)
@@ -170,10 +209,15 @@ def test_planner_cost_by_hand():
     assert row["pp_GB_sent"] == 0 and row["ep_GB_sent"] == 0
     assert row["total_GiB"] == pytest.approx(row["params_GiB"] + row["grads_GiB"] + row["optimizer_GiB"]
                                              + row["act_GiB"])
-    assert row["t_compute"] == pytest.approx(6 * 70_553_706_496 * 512 * 4096 / (64 * 989e12 * 0.4))
+    # compute: the weights a token multiplies, counted on a transformers model of the same shape, 6 flops each
+    layer_w, head_w = hf_matmul_weights(model)
+    assert row["t_compute"] == pytest.approx(6 * (80 * layer_w + head_w) * 512 * 4096 / (64 * 989e12 * 0.4))
     # tp = 8 stays in a node (NVLink); dp spans 64 ranks -> network
     assert row["t_tp"] == pytest.approx(row["tp_GB_sent"] / 450)
     assert row["t_dp"] == pytest.approx(row["dp_GB_sent"] / 50)
+    # pipelined, sequence-parallel: each of the 2 TP ranks sends its half of every activation and gradient
+    piped = planner.cost(model, args, dp=2, tp=2, pp=16, ep=1)
+    assert piped["pp_GB_sent"] * 1e9 == pytest.approx(2 * 4096 * 8192 * 2 * 256 / 2)
     with pytest.raises(ValueError):
         planner.cost(model, args, dp=4, tp=16, pp=1, ep=1)  # tp beyond a node
 
@@ -195,36 +239,50 @@ def test_planner_expert_gradients_reduce_over_their_replicas_only():
             assert with_experts - without == pytest.approx(2 * 0.5 * expert_grad / 1e9)
 
 
-@pytest.fixture
-def planner_run(tmp_path, monkeypatch, capsys) -> dict:
-    out = tmp_path / "plan.json"
-    monkeypatch.setattr("sys.argv", ["parallel_planner.py", "--model", "mixtral-8x7b", "--json", str(out)])
-    assert planner.main() == 0
-    assert "recommended:" in capsys.readouterr().out
-    return json.loads(out.read_text())["results"]
-
-
-def test_planner_recommendation_is_the_fastest_fitting_layout(planner_run):
-    best, rows = planner_run["recommended"], planner_run["candidates"]
-    assert best is not None and best["fits"] and best["total_GiB"] <= 80 * 0.9
-    assert best["dp"] * best["tp"] * best["pp"] == 64
-    # brute force, independent of the planner's search: every (dp, tp, pp, ep) whose product uses the 64 GPUs,
-    # costed one by one; the fastest that fits must be the recommendation
-    args = planner.Settings(model="mixtral-8x7b")
+@pytest.mark.parametrize("model_name, gpus, batch", [("llama-3-70b", 64, 512), ("mixtral-8x7b", 64, 512),
+                                                     ("llama-3-8b", 8, 64)])
+def test_planner_pipeline_time_is_the_simulated_1f1b_schedule(model_name, gpus, batch):
+    """Every layout's compute + bubble + imbalance against the oracle: flops per stage from a transformers model's
+    weights, walked through 1F1B on an event clock; and the stage the planner names as the slowest."""
+    args = planner.Settings(model=model_name, gpus=gpus, global_batch=batch)
     model = planner.load_model(args)
-    costed = []
+    rows, _ = planner.candidates(model, args)
+    assert any(r["pp"] > 1 for r in rows)
+    for row in rows:
+        seconds, slowest = oracle_pipeline_seconds(model, args, row)
+        assert row["t_compute"] + row["t_bubble"] + row["t_imbalance"] == pytest.approx(seconds, rel=1e-9), row
+        assert row["slowest_stage"] == slowest
+
+
+@pytest.mark.parametrize("model_name", ["llama-3-70b", "mixtral-8x7b"])
+def test_planner_recommendation_is_the_fastest_fitting_layout(model_name, tmp_path, monkeypatch, capsys):
+    """Brute force: every (dp, tp, pp, ep) whose product is the 64 GPUs, each costed; its step time re-added from
+    the simulated pipeline and the communication seconds; the fastest that fits must be the recommendation."""
+    out = tmp_path / "plan.json"
+    monkeypatch.setattr("sys.argv", ["parallel_planner.py", "--model", model_name, "--json", str(out)])
+    assert planner.main() == 0
+    printed = capsys.readouterr().out
+    assert "recommended:" in printed and "step-time assumptions: 989 TFLOP/s" in printed
+    results = json.loads(out.read_text())["results"]
+    best = results["recommended"]
+    assert best is not None and best["fits"] and best["total_GiB"] <= 80 * 0.9
+    args = planner.Settings(model=model_name)
+    model = planner.load_model(args)
+    timed = []
     for tp, pp, ep in itertools.product(range(1, 65), repeat=3):
         if 64 % (tp * pp) or (64 // (tp * pp)) % ep:
             continue
         try:
-            costed.append(planner.cost(model, args, 64 // (tp * pp), tp, pp, ep))
+            row = planner.cost(model, args, 64 // (tp * pp), tp, pp, ep)
         except ValueError:  # a divisibility rule (layers, experts, batch) or tp beyond a node
             continue
-    fastest = min((r for r in costed if r["fits"]), key=lambda r: r["t_total"])
-    assert (fastest["dp"], fastest["tp"], fastest["pp"], fastest["ep"]) == \
-        (best["dp"], best["tp"], best["pp"], best["ep"])
-    assert planner_run["params"] == 46_702_792_704
-    assert any(r["ep"] > 1 and r["ep_GB_sent"] > 0 for r in rows)  # expert parallelism was considered and costed
+        if row["fits"]:
+            comm = sum(row[f"t_{k}"] for k in ("dp", "tp", "pp", "ep"))
+            timed.append((oracle_pipeline_seconds(model, args, row)[0] + comm, (row["dp"], tp, pp, ep)))
+    assert min(timed)[1] == (best["dp"], best["tp"], best["pp"], best["ep"])
+    if model_name == "mixtral-8x7b":
+        assert results["params"] == 46_702_792_704
+        assert any(r["ep"] > 1 and r["ep_GB_sent"] > 0 for r in results["candidates"])  # EP considered, costed
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,7 +1,11 @@
-"""mlsys.memory: every formula against a hand-computed case."""
+"""mlsys.memory: every formula against a hand-computed case, and the ones a table could re-encode (ZeRO's traffic,
+the pipeline's step time) against a simulation of what the ranks do."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from mlsys import memory
@@ -61,6 +65,11 @@ def test_activation_bytes_per_layer_korthikanti_table2():
     assert memory.activation_bytes_per_layer(**kw, tp=2, recompute="selective") == 8 * 22  # 176
     assert memory.activation_bytes_per_layer(**kw, tp=2, sequence_parallel=True, recompute="selective") == 4 * 34
     assert memory.activation_bytes_per_layer(**kw, tp=2, recompute="full") == 16
+    # with SP the kept layer input is the sequence-sharded one: 2sbh / t
+    assert memory.activation_bytes_per_layer(**kw, tp=2, sequence_parallel=True, recompute="full") == 8
+    # MoE, k * c = 2.5 copies of the MLP's input (2 sbh) and hidden (16 sbh / t) at t = 2, selective:
+    # 10 + 24/2 + (2 + 8) * 1.5 extra = 37 per sbh
+    assert memory.activation_bytes_per_layer(**kw, tp=2, recompute="selective", mlp_copies=2.5) == 8 * 37
     # t = 1: with and without sequence parallelism agree
     assert memory.activation_bytes_per_layer(**kw, sequence_parallel=True) == memory.activation_bytes_per_layer(**kw)
 
@@ -84,23 +93,160 @@ def test_model_state_bytes_per_gpu():
 
 
 def test_comm_bytes_hand_cases():
-    assert memory.dp_comm_bytes(1000, 4, 1) == 1500  # 2 * 3/4 * 1000
-    assert memory.dp_comm_bytes(1000, 4, 3) == 2250  # 3 * 3/4 * 1000
     assert memory.dp_comm_bytes(1000, 1, 0) == 0
     # b=1 s=2 h=4 bf16 -> 16 B per activation; 4 all-reduces * 2 * 1/2 = 4 per layer and micro-batch; 3 layers, m=2
     assert memory.tp_comm_bytes(1, 2, 4, 2, 3, 2) == 4 * 16 * 3 * 2
     assert memory.tp_comm_bytes(1, 2, 4, 1, 3, 2) == 0
     assert memory.pp_comm_bytes(1, 2, 4, 2, 3) == 2 * 16 * 3  # one activation + one gradient per micro-batch
     assert memory.pp_comm_bytes(1, 2, 4, 1, 3) == 0
+    # sequence parallelism: each of the t = 2 TP ranks sends its half of the sequence
+    assert memory.pp_comm_bytes(1, 2, 4, 2, 3, tp=2, sequence_parallel=True) == 16 * 3
+    assert memory.pp_comm_bytes(1, 2, 4, 2, 3, tp=2) == 2 * 16 * 3
     # 4 all-to-alls * 3/4 leaves * (1*2 tokens * k=2 * cf 1.5 * h 4 * 2 B = 48 B) * 3 layers * 2 micro-batches
     assert memory.ep_comm_bytes(1, 2, 4, 2, 4, 3, 2, 1.5) == pytest.approx(4 * 0.75 * 48 * 3 * 2)  # 864
 
 
-def test_flops_and_step_time():
+def test_flops_and_stage_flops():
     assert memory.train_flops(10, 100) == 6000
-    t = memory.step_time_estimate(1000, 2, 100, 0.5, pp=2, num_micro=4, comm={"tp": (100, 50), "dp": (0, 1)})
-    # compute 1000 / (2 * 100 * 0.5) = 10, bubble 10 * (4 + 1)/4 - 10 = 2.5, tp 100/50 = 2
-    assert t == pytest.approx({"compute": 10, "bubble": 2.5, "tp": 2, "dp": 0, "total": 14.5})
+    # 10 layers over 4 stages: 3, 3, 2, 2 (the first L % p take one more); embedding first, head last
+    assert memory.stage_flops(1.0, 10, 4, head_flops=0.5, embed_flops=0.25) == [3.25, 3, 2, 2.5]
+    assert memory.stage_flops(1.0, 10, 1, head_flops=0.5, embed_flops=0.25) == [10.75]
+    with pytest.raises(ValueError):
+        memory.stage_flops(1.0, 3, 4)
+
+
+# ----------------------------------------------------------------------------------------------- the 1F1B oracle
+def one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s program: p - stage - 1 warm-up forwards, then one forward one backward, then the rest."""
+    warm = min(p - stage - 1, m)
+    ops, f = [("F", i) for i in range(warm)], warm
+    for b in range(m):
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+    return ops
+
+
+def simulate_1f1b(t_fwd: list[float], t_bwd: list[float], m: int) -> float:
+    """Walk the 1F1B programs of p stages on an event clock: an op starts when its stage is free and its input is
+    there (a forward needs the previous stage's forward of that micro-batch, a backward the next stage's backward,
+    or the stage's own forward on the last stage). Returns when the last op ends."""
+    p = len(t_fwd)
+    programs, pos, free, end = [one_f_one_b(s, p, m) for s in range(p)], [0] * p, [0.0] * p, {}
+    while any(pos[s] < len(programs[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(programs[s]):
+                kind, i = programs[s][pos[s]]
+                need = ((kind, s - 1, i) if kind == "F" and s > 0 else (kind, s + 1, i) if kind == "B" and s < p - 1
+                        else ("F", s, i) if kind == "B" else None)
+                if need is not None and need not in end:
+                    break
+                free[s] = max(free[s], end[need] if need else 0.0) + (t_fwd[s] if kind == "F" else t_bwd[s])
+                end[(kind, s, i)], pos[s], moved = free[s], pos[s] + 1, True
+        assert moved, "deadlock: the programs wait on each other"
+    return max(free)
+
+
+def test_simulator_on_equal_stages_is_the_textbook_bubble():
+    for p, m in ((1, 1), (4, 8), (3, 2), (8, 3)):
+        assert simulate_1f1b([1.0] * p, [2.0] * p, m) == pytest.approx(3.0 * (m + p - 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_time_is_the_simulated_1f1b_paced_by_the_slowest_stage(seed):
+    """step_time_estimate's compute + bubble + imbalance against the event clock, for random stage costs: exact when
+    the heaviest stage is the last (the planner's case: the output head) or all are equal, an upper bound otherwise."""
+    rng = random.Random(seed)
+    p, m = rng.randint(1, 6), rng.randint(1, 12)
+    for heavy_last in (True, False):
+        work = [rng.choice([1.0, 1.0, 1.3, 0.7, 2.0]) for _ in range(p)]
+        if heavy_last:
+            work = [1.0] * (p - 1) + [rng.uniform(1.0, 2.5)]
+        flops, gpus, peak, mfu = 1e15 * sum(work), 4 * p, 1e12, 0.5
+        t = memory.step_time_estimate(flops, gpus, peak, mfu, p, m, {}, [w / sum(work) for w in work])
+        # stage s's share of the flops, spread over its gpus / p GPUs and m micro-batches, split 1:2 between the
+        # forward and the backward
+        per_micro = [flops * w / sum(work) / m / (gpus / p * peak * mfu) for w in work]
+        sim = simulate_1f1b([x / 3 for x in per_micro], [2 * x / 3 for x in per_micro], m)
+        pipeline = t["compute"] + t["bubble"] + t["imbalance"]
+        assert t["total"] == pytest.approx(pipeline)
+        if heavy_last:
+            assert pipeline == pytest.approx(sim, rel=1e-12)
+        else:
+            assert pipeline >= sim * (1 - 1e-12)
+        assert t["compute"] == pytest.approx(flops / (gpus * peak * mfu))
+
+
+# ----------------------------------------------------------------------------------------------- the ZeRO oracle
+def ring(bufs: list[np.ndarray], gather: bool) -> tuple[list[np.ndarray], float]:
+    """A ring reduce-scatter (or all-gather) over d ranks, chunk by chunk: d - 1 steps, each rank passes one chunk to
+    the next. bufs are full-size (reduce-scatter) or each rank's shard (all-gather). Returns the result per rank
+    (its reduced shard, or the full gathered buffer) and the bytes rank 0 sent."""
+    d = len(bufs)
+    if gather:
+        chunks = [[bufs[r] if c == r else None for c in range(d)] for r in range(d)]
+    else:
+        chunks = [list(np.split(b.copy(), d)) for b in bufs]
+    sent = 0.0
+    for step in range(d - 1):
+        # rank r sends chunk (r - step) (gather) or (r - step - 1) (reduce) to rank r + 1
+        moves = [(r, (r - step - (0 if gather else 1)) % d) for r in range(d)]
+        payload = [chunks[r][c].copy() for r, c in moves]
+        for (r, c), data in zip(moves, payload):
+            dst = (r + 1) % d
+            chunks[dst][c] = data if gather else chunks[dst][c] + data
+        sent += payload[0].nbytes
+    if gather:
+        return [np.concatenate(ch) for ch in chunks], sent
+    return [chunks[r][r] for r in range(d)], sent
+
+
+def zero_step_bytes(stage: int, d: int, m: int, n: int, rng: np.random.Generator) -> float:
+    """One training step of m micro-batches on d data-parallel ranks, driven by what each rank may hold: weights
+    whole only if stage < 3 (else gathered for every forward and again for every backward, then dropped), a whole
+    gradient only if stage < 2 (else reduce-scattered as soon as a micro-batch's backward produces it), and the
+    optimizer state for its 1/d shard only if stage >= 1 (that shard's updated weights must then reach everyone).
+    The collectives follow from those rules, run as rings on numpy arrays; returns the bytes rank 0 sent, after
+    checking every rank's reduced gradient is the sum of all micro-batch gradients."""
+    sent, grads = 0.0, []
+    acc: list[np.ndarray] = [np.zeros(n if stage < 2 else n // d, np.float16) for _ in range(d)]
+    for _ in range(m):
+        for _pass in ("forward", "backward"):
+            if stage == 3:  # the weights are sharded: gather them for this pass (the shards are the same each time)
+                _, b = ring([np.ones(n // d, np.float16)] * d, gather=True)
+                sent += b
+        g = [rng.integers(-3, 4, n).astype(np.float16) for _ in range(d)]
+        grads.append(g)
+        if stage >= 2:  # no room for a whole gradient: reduce it to the owner now
+            shards, b = ring(g, gather=False)
+            acc, sent = [a + s for a, s in zip(acc, shards)], sent + b
+        else:
+            acc = [a + x for a, x in zip(acc, g)]
+    total = sum(sum(g) for g in grads)
+    if stage == 0:  # everyone updates everything: the whole reduced gradient everywhere (an all-reduce)
+        shards, b1 = ring(acc, gather=False)
+        acc, b2 = ring(shards, gather=True)
+        sent += b1 + b2
+        assert all(np.array_equal(a, total) for a in acc)
+        return sent
+    if stage == 1:  # the optimizer owns a shard: reduce the gradient to it
+        acc, b = ring(acc, gather=False)
+        sent += b
+    assert all(np.array_equal(a, np.split(total, d)[r]) for r, a in enumerate(acc))
+    if stage in (1, 2):  # updated shards must reach every rank's whole weights before the next forward
+        _, b = ring([np.ones(n // d, np.float16)] * d, gather=True)
+        sent += b
+    return sent
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_traffic_matches_a_simulated_step(stage):
+    rng = np.random.default_rng(stage)
+    for d, m in ((4, 1), (4, 3), (2, 5), (8, 2)):
+        n = 8 * d
+        assert memory.dp_comm_bytes(2.0 * n, d, stage, m) == pytest.approx(zero_step_bytes(stage, d, m, n, rng))
 
 
 @pytest.mark.parametrize("call", [
@@ -112,6 +258,8 @@ def test_flops_and_step_time():
     lambda: memory.step_time_estimate(1, 1, 0, 0.5, 1, 1, {}),
     lambda: memory.step_time_estimate(1, 1, 1, 0.0, 1, 1, {}),
     lambda: memory.step_time_estimate(1, 1, 1, 0.5, 1, 1, {"dp": (10, 0)}),
+    lambda: memory.step_time_estimate(1, 2, 1, 0.5, 2, 1, {}, [0.5, 0.6]),
+    lambda: memory.step_time_estimate(1, 2, 1, 0.5, 2, 1, {}, [1.0]),
     lambda: memory.transformer_params(0, 4, 2, 1, 2, 8, 10),
 ])
 def test_formulas_reject_bad_inputs(call):
@@ -134,18 +282,6 @@ def test_tp_traffic_with_sequence_parallelism_matches_the_bytes_chapter6_measure
     # full recomputation replays the forward's two all-reduces inside the backward
     assert memory.tp_comm_bytes(1, 8, 16, 2, 1, 1, recompute="full") / without == pytest.approx(6 / 4)
     assert memory.train_flops(10, 100, recompute="full") / memory.train_flops(10, 100) == pytest.approx(8 / 6)
-
-
-def test_zero_traffic_repeats_per_micro_batch_where_the_state_is_sharded() -> None:
-    """Count the collectives one step runs, micro-batch by micro-batch, and compare with dp_comm_bytes."""
-    G, d, r = 1000.0, 4, 3 / 4
-    for m in (1, 4, 64):
-        steps = {0: ["all-reduce"], 1: ["reduce-scatter", "all-gather"],
-                 2: ["reduce-scatter"] * m + ["all-gather"],
-                 3: ["all-gather", "all-gather", "reduce-scatter"] * m}  # per micro-batch: fwd, bwd gathers + RS
-        cost = {"all-reduce": 2 * r * G, "reduce-scatter": r * G, "all-gather": r * G}
-        for stage, calls in steps.items():
-            assert memory.dp_comm_bytes(G, d, stage, m) == pytest.approx(sum(cost[c] for c in calls))
 
 
 # ----------------------------------------------------------------------------------------------- independent references

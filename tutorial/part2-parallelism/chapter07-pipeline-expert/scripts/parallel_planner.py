@@ -7,13 +7,17 @@ What it shows
     mlsys.memory:
       memory per GPU  weights, gradients, optimizer state (ZeRO stage) on the heaviest pipeline
                       stage (its layers plus the embedding or the head), activations (Korthikanti et al., with the
-                      1F1B in-flight count, plus the fp32 logits the cross-entropy keeps on the last stage), and
-                      the KV cache the same layout would need to serve batch x seq;
+                      1F1B in-flight count, plus the fp32 logits the cross-entropy keeps on the last stage; an
+                      MoE layer's MLP part scaled by top-k x capacity factor, the token copies its experts keep);
       bytes per step  sent by one GPU for DP (gradient all-reduce; an expert's gradient only over the dp / ep
                       replicas of that expert), TP (4 all-reduces per layer and micro-batch),
                       PP (activations and gradients between stages) and EP (4 all-to-alls per MoE layer);
-      step time       a rough model: 6*N*D flops at --mfu of peak, stretched by the pipeline bubble, plus each
-                      dimension's bytes over NVLink (group inside one node) or the network (group spans nodes).
+      step time       a rough model: 6 flops per weight and token (8 in recomputed layers), counted stage by stage
+                      (the embedding is a lookup: no flops; the output head's V*h matmul on the last stage), at
+                      --mfu of --peak-tflops; the pipeline is paced by its slowest stage (fill and drain, then one
+                      slowest-stage time per micro-batch); plus each dimension's bytes over NVLink (group inside
+                      one node) or the network (group spans nodes), with no overlap. The run prints these
+                      assumptions.
     Layouts that do not fit in memory, or break a divisibility rule, are dropped with their reason counted. The
     recommendation is the fastest layout that fits, followed by why it beats the best layout that differs from
     it in each dimension. Everything is arithmetic: no GPU is needed, and none is used.
@@ -25,12 +29,14 @@ How to run
     ... --model custom --layers 48 --hidden 6144 --heads 48 --kv-heads 8 --ffn 16384 --vocab 50000
     ... --layout 8 8 1 1                                     # cost one layout (dp tp pp ep) and explain it
 
-Runtime: well under a second (the suite runs the same with --smoke).
+Runtime on 2 cores: about 2-3 s, the same with --smoke: nearly all of it is Python importing torch (mlsys.kv_memory,
+where the model shapes live, imports the book's GPT config); the arithmetic itself takes under 0.1 s.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
         --model mistral-7b --gpus 8 --global-batch 64 --layout 8 1 1 1 --zero-stage 0
-        -> plain data parallelism for a 7B model does not fit in 80 GiB; --zero-stage 3 makes it fit
+        -> --layout takes dp tp pp ep: plain data parallelism over 8 GPUs. With --zero-stage 0 every GPU holds all
+           16 B/param of a 7B model and it does not fit in 80 GiB; the default ZeRO-1 (or 3) makes it fit
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
         --model llama-3-8b --gpus 8 --global-batch 64
         -> one node: the ranking of every layout of 8 GPUs for an 8B model, and the pick
@@ -45,7 +51,7 @@ from dataclasses import dataclass, field
 
 from mlsys import cli, report
 from mlsys import memory as mem
-from mlsys.kv_memory import MODEL_SHAPES, ModelShape, kv_bytes_per_token
+from mlsys.kv_memory import MODEL_SHAPES, ModelShape
 
 GIB = 1024**3
 MOE_SHAPES: dict[str, tuple[ModelShape, int, int]] = {  # name -> (shape, experts, experts per token)
@@ -156,6 +162,14 @@ class Model:
         """Parameters one token goes through: the dense part and k of the E experts."""
         return self.dense_params + self.expert_params * self.top_k / self.experts
 
+    @property
+    def layer_matmul_params(self) -> float:
+        """Weights one token multiplies in one layer: attention, router and k of the E expert MLPs (no norms)."""
+        s = self.shape
+        outside = s.vocab_size * s.hidden_size * (1 if self.tied else 2) + s.hidden_size  # embedding, head, norm
+        dense_layer = (self.dense_params - outside) / s.num_layers - 2 * s.hidden_size  # minus the two norms
+        return dense_layer + self.expert_params / s.num_layers * self.top_k / self.experts
+
 
 def load_model(args: Settings) -> Model:
     if args.model == "custom":
@@ -197,34 +211,41 @@ def cost(model: Model, args: Settings, dp: int, tp: int, pp: int, ep: int) -> di
     m = args.global_batch // (dp * args.micro_batch)  # micro-batches per pipeline per step
     b, L = args.micro_batch, s.num_layers
 
+    # flops per micro-batch of each stage: 2 per weight and token forward, 4 backward (+2 when full recompute
+    # re-runs a layer's forward); the embedding is a lookup (0 flops), the head a V x h matmul on the last stage
+    tokens, per_weight = b * args.seq, 8.0 if args.recompute == "full" else 6.0
+    stages = mem.stage_flops(per_weight * tokens * model.layer_matmul_params, L, pp,
+                             head_flops=6.0 * tokens * s.vocab_size * s.hidden_size)
+    shares = [f / sum(stages) for f in stages]
+    slowest = max(range(pp), key=lambda i: (stages[i], i))
     on_stage = mem.worst_stage_dense_params(model.dense_params, L, pp, s.vocab_size, s.hidden_size, model.tied)
     state = mem.model_state_bytes_per_gpu(model.dense_params, model.expert_params, dp, tp, pp, ep, args.zero_stage,
                                           dense_on_stage=on_stage)
     per_layer = mem.activation_bytes_per_layer(args.seq, b, s.hidden_size, s.num_heads, tp, args.sequence_parallel,
-                                               args.recompute)
+                                               args.recompute,
+                                               mlp_copies=model.top_k * args.capacity_factor if model.experts > 1
+                                               else 1.0)
     logits = mem.logits_bytes(b, args.seq, s.vocab_size, tp)  # fp32 log-probabilities for the cross-entropy
     act = mem.pipeline_activation_peak(per_layer, L, pp, m, logits, "1f1b")
-    kv = mem.kv_cache_bytes_per_gpu(kv_bytes_per_token(L, s.num_kv_heads, s.head_dim, 2), args.global_batch,
-                                    args.seq, tp, pp, s.num_kv_heads)
     dense_here, expert_here = on_stage / tp, model.expert_params / (tp * pp * ep)
     # dense gradients are reduced over all dp replicas, an expert's over the dp / ep ranks that hold that expert
     sent = {"dp": mem.dp_comm_bytes(2 * dense_here, dp, args.zero_stage, m)
             + mem.dp_comm_bytes(2 * expert_here, dp // ep, args.zero_stage, m),
             "tp": mem.tp_comm_bytes(b, args.seq, s.hidden_size, tp, L // pp, m, 2, args.sequence_parallel,
                                     args.recompute),
-            "pp": mem.pp_comm_bytes(b, args.seq, s.hidden_size, pp, m),
+            "pp": mem.pp_comm_bytes(b, args.seq, s.hidden_size, pp, m, 2, tp, args.sequence_parallel),
             "ep": 0.0 if model.experts == 1 else mem.ep_comm_bytes(b, args.seq, s.hidden_size, model.top_k, ep,
                                                                     L // pp, m, args.capacity_factor)}
     # ranks are laid out pp-major, tp fastest: a group spans (its stride * its size) consecutive ranks
     span = {"tp": tp, "dp": tp * dp, "ep": tp * ep, "pp": tp * dp * pp}
     links = {k: (sent[k], 1e9 * (args.intra_gbps if inside_node(span[k], args) else args.inter_gbps))
              for k in sent}
-    flops = mem.train_flops(model.active_params, args.global_batch * args.seq, args.recompute)
-    time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links)
+    flops = sum(stages) * m * dp  # one step: m micro-batches on each of the dp pipelines
+    time = mem.step_time_estimate(flops, args.gpus, args.peak_tflops * 1e12, args.mfu, pp, m, links, shares)
     total = state["total"] + act
     return {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "micro": m, **{f"{k}_GiB": v / GIB for k, v in state.items()
             if k != "total"}, "act_GiB": act / GIB, "logits_GiB": logits / GIB, "total_GiB": total / GIB,
-            "kv_serve_GiB": kv / GIB,
+            "stage_flops": stages, "slowest_stage": slowest, "slowest_share": shares[slowest],
             **{f"{k}_GB_sent": v / 1e9 for k, v in sent.items()}, **{f"t_{k}": v for k, v in time.items()},
             "fits": total <= args.gpu_mem_gib * GIB * (1 - args.reserve),
             "inside_node": [k for k in ("tp", "dp", "pp", "ep") if inside_node(span[k], args)]}
@@ -267,7 +288,7 @@ def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
             lines.append(f"{mine}: every layout with another {dim} needs more memory; the closest, {name}, "
                          f"needs {alt['total_GiB']:.1f} GiB > {usable:.1f} GiB usable")
             continue
-        diff = {k: alt[f"t_{k}"] - best[f"t_{k}"] for k in ("compute", "bubble", "tp", "dp", "pp", "ep")}
+        diff = {k: alt[f"t_{k}"] - best[f"t_{k}"] for k in ("compute", "bubble", "imbalance", "tp", "dp", "pp", "ep")}
         worst = max(diff, key=diff.get)
         lines.append(f"{mine}: the best layout with another {dim}, {name}, takes {alt['t_total']:.2f} s "
                      f"vs {best['t_total']:.2f} s per step, mostly from {worst} time (+{diff[worst]:.2f} s)"
@@ -276,16 +297,29 @@ def reasons(best: dict, rows: list[dict], args: Settings) -> list[str]:
     return lines
 
 
-def describe(row: dict) -> str:
+def slowest_stage(row: dict, layers: int) -> str:
+    """Which stage paces the pipeline, what it holds and its share of the flops against an even split."""
+    p, i = row["pp"], row["slowest_stage"]
+    if p == 1:
+        return "one stage: no pipeline to pace"
+    n = layers // p + (i < layers % p)
+    held = f"{n} layers" + (" + the output head" if i == p - 1 else "") + (" + the embedding" if i == 0 else "")
+    return (f"stage {i} of 0..{p - 1} ({held}) does {100 * row['slowest_share']:.2f} % of the flops vs "
+            f"{100 / p:.2f} % if even; every stage waits for it, so each micro-batch takes "
+            f"{row['slowest_share'] * p:.3f}x the even time")
+
+
+def describe(row: dict, layers: int) -> str:
     return (f"dp={row['dp']} tp={row['tp']} pp={row['pp']} ep={row['ep']} ({row['micro']} micro-batches per step)\n"
             f"  memory per GPU: weights {row['params_GiB']:.2f} + grads {row['grads_GiB']:.2f} + optimizer "
             f"{row['optimizer_GiB']:.2f} + activations {row['act_GiB']:.2f} (logits {row['logits_GiB']:.2f} of it) "
-            f"= {row['total_GiB']:.2f} GiB (serving batch x seq would need {row['kv_serve_GiB']:.2f} GiB of KV "
-            "cache per GPU)\n"
+            f"= {row['total_GiB']:.2f} GiB\n"
             f"  sent per GPU per step: DP {row['dp_GB_sent']:.2f} GB, TP {row['tp_GB_sent']:.2f} GB, "
             f"PP {row['pp_GB_sent']:.2f} GB, EP {row['ep_GB_sent']:.2f} GB "
             f"(inside a node: {', '.join(row['inside_node'])})\n"
-            f"  step estimate: compute {row['t_compute']:.2f} s + bubble {row['t_bubble']:.2f} s + comm TP "
+            f"  slowest stage: {slowest_stage(row, layers)}\n"
+            f"  step estimate: compute {row['t_compute']:.2f} s + bubble {row['t_bubble']:.2f} s + imbalance "
+            f"{row['t_imbalance']:.2f} s + comm TP "
             f"{row['t_tp']:.2f} / DP {row['t_dp']:.2f} / PP {row['t_pp']:.2f} / EP {row['t_ep']:.2f} s = "
             f"{row['t_total']:.2f} s")
 
@@ -316,10 +350,18 @@ def main() -> int:
           f"({usable:.1f} GiB usable); batch {args.global_batch} x {args.seq} tokens, "
           f"micro-batch size {args.micro_batch}, "
           f"ZeRO-{args.zero_stage}, recompute {args.recompute}")
-    print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth\n")
+    print(f"  weights + grads + Adam state at 16 B/param: {floor:.1f} GiB = {floor / usable:.1f} GPUs' worth")
+    print(f"step-time assumptions: {args.peak_tflops:g} TFLOP/s dense bf16 peak per GPU (989: H100 SXM) at "
+          f"{args.mfu:g} of it (MFU); {args.intra_gbps:g} GB/s per GPU inside a node (450: NVLink 4), "
+          f"{args.inter_gbps:g} GB/s across nodes (50: one 400 Gb/s NIC per GPU); no overlap of communication "
+          "with compute")
+    if model.experts > 1:
+        print(f"  MoE activations: the MLP part counted {model.top_k} x {args.capacity_factor:g} times (top-k x "
+              "capacity factor token copies in the experts)")
+    print()
 
     shown = ("dp", "tp", "pp", "ep", "micro", "total_GiB", "act_GiB", "dp_GB_sent", "tp_GB_sent", "pp_GB_sent",
-             "ep_GB_sent", "t_bubble", "t_total")
+             "ep_GB_sent", "t_bubble", "t_imbalance", "t_total")
     table = [{("micro-batches" if k == "micro" else k): r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"}
              for r in rows[:args.top]]
     broken, too_big = rejected.get("breaks a divisibility rule", 0), rejected.get("does not fit in memory", 0)
@@ -330,7 +372,7 @@ def main() -> int:
     best = rows[0]
     print()
     if best["fits"]:
-        print("recommended: " + describe(best))
+        print("recommended: " + describe(best, s.num_layers))
         spare = usable - best["total_GiB"]
         print(f"  headroom: {spare:.2f} GiB of the {usable:.1f} GiB usable"
               + (" -- tight: a real run adds temporary buffers (all-gather staging, fragmentation) that the "
@@ -340,12 +382,12 @@ def main() -> int:
     else:
         print(f"no layout fits in {usable:.1f} GiB per GPU; the smallest need is shown first. Try a higher "
               "--zero-stage, --recompute full, a smaller --micro-batch, or more GPUs.\nclosest: " +
-              describe(min(rows, key=lambda r: r["total_GiB"])))
+              describe(min(rows, key=lambda r: r["total_GiB"]), s.num_layers))
     if args.json:
         report.write_json(args.json, {"model": s.name, "params": model.dense_params + model.expert_params,
                                       "active_params": model.active_params,
                                       "recommended": best if best["fits"] else None,
-                                      "candidates": rows[:args.top], "rejected": rejected}, args)
+                                      "candidates": rows, "rejected": rejected}, args)  # all, best first
     return 0
 
 
