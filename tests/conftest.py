@@ -245,3 +245,37 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ----------------------------------------------------------------------- a 1F1B pipeline on an event clock (oracle)
+def one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s program: p - stage - 1 warm-up forwards, then one forward one backward, then the rest."""
+    warm = min(p - stage - 1, m)
+    ops, f = [("F", i) for i in range(warm)], warm
+    for b in range(m):
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+    return ops
+
+
+def simulate_1f1b(t_fwd: list[float], t_bwd: list[float], m: int) -> float:
+    """Walk the 1F1B programs of p stages on an event clock: an op starts when its stage is free and its input is
+    there (a forward needs the previous stage's forward of that micro-batch, a backward the next stage's backward,
+    or the stage's own forward on the last stage). Returns when the last op ends."""
+    p = len(t_fwd)
+    programs, pos, free, end = [one_f_one_b(s, p, m) for s in range(p)], [0] * p, [0.0] * p, {}
+    while any(pos[s] < len(programs[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(programs[s]):
+                kind, i = programs[s][pos[s]]
+                need = ((kind, s - 1, i) if kind == "F" and s > 0 else (kind, s + 1, i) if kind == "B" and s < p - 1
+                        else ("F", s, i) if kind == "B" else None)
+                if need is not None and need not in end:
+                    break
+                free[s] = max(free[s], end[need] if need else 0.0) + (t_fwd[s] if kind == "F" else t_bwd[s])
+                end[(kind, s, i)], pos[s], moved = free[s], pos[s] + 1, True
+        assert moved, "deadlock: the programs wait on each other"
+    return max(free)

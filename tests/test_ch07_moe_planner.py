@@ -181,7 +181,7 @@ def oracle_pipeline_seconds(model, args, row: dict) -> tuple[float, int]:
     """The pipeline's time for one step, stage by stage: each stage's layers (split ceil/floor from the first
     stage), the head on the last, 2 flops per weight and token forward and 4 backward per matmul, on tp GPUs at
     mfu of peak; walked through the 1F1B schedule on an event clock. Returns (seconds, slowest stage)."""
-    from test_memory import simulate_1f1b
+    from conftest import simulate_1f1b
 
     layer_w, head_w = hf_matmul_weights(model)
     tokens, rate = args.micro_batch * args.seq, row["tp"] * args.peak_tflops * 1e12 * args.mfu

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from conftest import simulate_1f1b
 from mlsys import memory
 
 
@@ -116,39 +117,6 @@ def test_flops_and_stage_flops():
 
 
 # ----------------------------------------------------------------------------------------------- the 1F1B oracle
-def one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int]]:
-    """Stage `stage`'s program: p - stage - 1 warm-up forwards, then one forward one backward, then the rest."""
-    warm = min(p - stage - 1, m)
-    ops, f = [("F", i) for i in range(warm)], warm
-    for b in range(m):
-        if f < m:
-            ops.append(("F", f))
-            f += 1
-        ops.append(("B", b))
-    return ops
-
-
-def simulate_1f1b(t_fwd: list[float], t_bwd: list[float], m: int) -> float:
-    """Walk the 1F1B programs of p stages on an event clock: an op starts when its stage is free and its input is
-    there (a forward needs the previous stage's forward of that micro-batch, a backward the next stage's backward,
-    or the stage's own forward on the last stage). Returns when the last op ends."""
-    p = len(t_fwd)
-    programs, pos, free, end = [one_f_one_b(s, p, m) for s in range(p)], [0] * p, [0.0] * p, {}
-    while any(pos[s] < len(programs[s]) for s in range(p)):
-        moved = False
-        for s in range(p):
-            while pos[s] < len(programs[s]):
-                kind, i = programs[s][pos[s]]
-                need = ((kind, s - 1, i) if kind == "F" and s > 0 else (kind, s + 1, i) if kind == "B" and s < p - 1
-                        else ("F", s, i) if kind == "B" else None)
-                if need is not None and need not in end:
-                    break
-                free[s] = max(free[s], end[need] if need else 0.0) + (t_fwd[s] if kind == "F" else t_bwd[s])
-                end[(kind, s, i)], pos[s], moved = free[s], pos[s] + 1, True
-        assert moved, "deadlock: the programs wait on each other"
-    return max(free)
-
-
 def test_simulator_on_equal_stages_is_the_textbook_bubble():
     for p, m in ((1, 1), (4, 8), (3, 2), (8, 3)):
         assert simulate_1f1b([1.0] * p, [2.0] * p, m) == pytest.approx(3.0 * (m + p - 1))
