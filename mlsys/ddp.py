@@ -52,6 +52,22 @@ def rank_batches(tokens: torch.Tensor, rank: int, world_size: int, batch_size: i
     return [get_batch(part, batch_size, block_size, gen) for _ in range(count)]
 
 
+# --8<-- [start:token_loss]
+def global_token_mean(loss_sum: torch.Tensor, num_tokens: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The loss a rank backpropagates through a DDP wrapper when ranks hold different numbers of tokens.
+
+    `loss_sum` is this rank's SUM of per-token losses over its `num_tokens` tokens. The global-batch loss is
+    (1/N) sum_i l_i with N = sum_r n_r, but every DDP wrapper (torch's and the ones below) divides the summed
+    gradient by W. So a rank divides its sum by N/W, not by N: after DDP's 1/W the gradient is
+    (1/N) sum_r grad(loss_sum_r), the global-batch gradient. Dividing by N alone would leave it W times too small.
+    Costs one extra all-reduce of a scalar (N).
+    """
+    total = torch.tensor([float(num_tokens)], device=loss_sum.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)  # N, the same on every rank
+    return loss_sum / (total[0] / dist.get_world_size(group))
+# --8<-- [end:token_loss]
+
+
 def broadcast_parameters(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Make every rank start from the group's first rank's parameters and buffers (what torch's DDP does)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import load_script, run, scripts_dir
-from mlsys.collectives import comm_volume
+from mlsys.collectives import comm_volume, ring_all_reduce
 from mlsys.data import load_splits
 from mlsys.ddp import BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
 from mlsys.model import GPT, GPTConfig, num_params
@@ -185,6 +185,11 @@ def ddp_worker(ctx, bucket_mb: float) -> dict:
             "calls": getattr(ddp, "allreduce_calls", None), "bytes": getattr(ddp, "allreduce_bytes", None),
             "buckets": len(getattr(ddp, "buckets", [])),
         }
+        if kind == "bucketed" and accum == 1:  # the bytes a ring all-reduce of these buckets puts on the link,
+            sent = [0]                          # counted message by message (mlsys.collectives.ring_all_reduce)
+            for buf in ddp.buffers:
+                ring_all_reduce(buf.clone(), on_step=lambda *a, sent=sent: sent.__setitem__(0, sent[0] + a[4]))
+            out[f"{kind}/{accum}"]["ring_sent_per_step"] = sent[0]
     return out
 
 
@@ -225,9 +230,57 @@ def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -
         assert results[key]["calls"] == STEPS * results[key]["buckets"] and results[key]["buckets"] >= 3
     for key in ("naive/1", "bucketed/1", "overlapped/1", "overlapped/2", "bucketed/2"):
         assert results[key]["bytes"] == STEPS * 4 * n
-    # and what the ring all-reduce then puts on each rank's link: 2(W-1)/W of those bytes
-    assert comm_volume("all_reduce", 4 * n, world_size)["sent"] == pytest.approx(2 * (world_size - 1) / world_size
-                                                                                  * 4 * n)
+    # and what a ring all-reduce of those buckets puts on rank 0's link, counted from its messages: comm_volume's
+    # 2(W-1)/W of the bytes, up to the uneven chunks (W does not always divide a bucket: one element per message)
+    ring = results["bucketed/1"]["ring_sent_per_step"]
+    messages = 2 * (world_size - 1) * results["bucketed/1"]["buckets"]
+    assert abs(ring - comm_volume("all_reduce", 4 * n, world_size)["sent"]) <= 4 * messages
+    assert abs(ring - 2 * (world_size - 1) / world_size * 4 * n) <= 4 * messages
+
+
+# ----------------------------------------------------------------------------------------------- unequal token counts
+gs = load_script(CH05 / "grad_sync.py")
+UNEQUAL = [2, 3, 5]  # sequences per rank
+
+
+def _divide_by_global_count(loss_sum: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The planted bug: divide by the global token count N while DDP still divides by W (gradient W times small)."""
+    import torch.distributed as dist
+
+    total = torch.tensor([float(num_tokens)])
+    dist.all_reduce(total)
+    return loss_sum / total[0]
+
+
+def per_token_worker(ctx) -> dict:
+    from mlsys.ddp import global_token_mean
+
+    tokens, _ = load_splits(200, 0)
+    args = gs.Settings(seed=0)
+    return {name: {k: g.numpy() for k, g in gs.per_token_recipe(args, tokens, ctx.world_size, UNEQUAL, ctx.rank,
+                                                                   divide).items()}
+            for name, divide in (("recipe", global_token_mean), ("planted", _divide_by_global_count))}
+
+
+@pytest.mark.timeout(120)
+def test_per_token_loss_through_ddp_is_the_single_process_gradient_and_the_planted_bug_is_not() -> None:
+    """Ranks with 2, 3, 5 sequences: sum the per-token losses, divide by N/W, BucketedDDP (which divides by W) --
+    every rank's gradient equals one process's gradient of the mean loss over all 10 sequences. Dividing by N
+    instead (the planted bug) gives that gradient over W on every tensor."""
+    from mlsys.launch import launch
+
+    result = launch(per_token_worker, world_size=3, backend="gloo", timeout=60)  # rank 0's (all ranks agree)
+    tokens, _ = load_splits(200, 0)
+    args = gs.Settings(seed=0)
+    model, batches = gs.model_and_batches(args, tokens, 3, UNEQUAL)
+    oracle = gs.full_batch_gradient(model, batches)  # one process, no communication
+    for name, want in oracle.items():
+        torch.testing.assert_close(torch.from_numpy(result["recipe"][name]), want, rtol=1e-4, atol=1e-6)
+        planted = torch.from_numpy(result["planted"][name])
+        torch.testing.assert_close(planted * 3, want, rtol=1e-4, atol=1e-6)  # exactly W times too small
+        if want.abs().max() > 1e-6:
+            with pytest.raises(AssertionError):
+                torch.testing.assert_close(planted, want, rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- the scripts
@@ -243,7 +296,7 @@ def grad_sync_json(tmp_path_factory) -> dict:
 def test_grad_sync_average_equals_full_batch(grad_sync_json: dict) -> None:
     r = grad_sync_json
     assert r["world_size"] == 3 and r["unequal_sizes"] == [4, 5, 6]
-    assert r["max_err_equal"] < 1e-6 and r["max_err_weighted_unequal"] < 1e-6
+    assert r["max_err_equal"] < 1e-6 and r["max_err_weighted_unequal"] < 1e-6 and r["max_err_per_token_unequal"] < 1e-6
     assert r["max_err_plain_unequal"] > 100 * r["max_err_weighted_unequal"]
     before, after, full = np.array(r["before"]), np.array(r["after"]), np.array(r["full_batch"])
     np.testing.assert_allclose(before.mean(0), after, rtol=1e-4, atol=1e-7)  # the figure's data: mean of ranks

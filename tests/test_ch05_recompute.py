@@ -106,3 +106,78 @@ def test_local_sgd_and_diloco_send_one_model_per_round(world_size: int, tmp_path
         assert rows[run_name]["MiB all-reduced per rank"] * 2**20 == pytest.approx(3 * model_bytes)
     assert result["identity_gap"] < 1e-5
     assert (tmp_path / "loss_vs_bytes.png").exists()
+
+
+def _one_rank_local_sgd(steps: int = 12, sync_every: int = 4):
+    from types import SimpleNamespace
+
+    from mlsys.data import load_splits, shard
+
+    ls = load_script(scripts_dir(5) / "local_sgd.py")
+    args = ls.Settings(steps=steps, sync_every=sync_every, batch_size=2, seq_len=16)
+    train_tokens, val = load_splits(400)
+    return ls, args, shard(train_tokens, 0, 1), val, SimpleNamespace(rank=0, world_size=1)
+
+
+@pytest.mark.timeout(60)
+def test_local_sgd_bytes_counted_at_the_collective(monkeypatch) -> None:
+    """Count the bytes another way than the script's own counter: every tensor handed to
+    torch.distributed.all_reduce, recorded by a wrapper around it. sync sends one model per step, local and diloco
+    one model per round of H steps, and the script's counter agrees."""
+    import torch.distributed as dist
+
+    from mlsys.model import num_params
+
+    ls, args, tokens, val, ctx = _one_rank_local_sgd()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        handed: list[int] = []
+        real = dist.all_reduce
+
+        def counting(tensor, *a, **k):
+            handed.append(tensor.numel() * tensor.element_size())
+            return real(tensor, *a, **k)
+
+        monkeypatch.setattr(dist, "all_reduce", counting)
+        model_bytes = 4 * num_params(GPT(GPTConfig.preset("tiny", n_layer=2)))
+        for run_name, messages in (("sync", 12), ("local", 3), ("diloco", 3)):
+            handed.clear()
+            r = ls.train(ctx, args, tokens, val, run_name)
+            assert handed == [model_bytes] * messages, run_name
+            assert r["bytes"] == sum(handed)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_diloco_outer_step_is_torch_nesterov_sgd_and_the_planted_bug_is_not(monkeypatch) -> None:
+    """outer_step against torch.optim.SGD(nesterov=True) over several rounds of random outer gradients; the planted
+    bug (plain momentum: drop the Nesterov term) fails both here and in the script's own per-round check."""
+    import torch.distributed as dist
+
+    from mlsys.cli import SelfCheckFailed
+
+    ls, args, tokens, val, ctx = _one_rank_local_sgd(steps=8, sync_every=4)
+
+    def planted(global_params, buffer, delta):
+        buffer.mul_(ls.OUTER_MOMENTUM).add_(delta)
+        global_params -= ls.OUTER_LR * buffer  # heavy-ball momentum: the Nesterov look-ahead is gone
+
+    gen = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(1000, generator=gen) * 1e-2 for _ in range(4)]
+    for step_fn, should_match in ((ls.outer_step, True), (planted, False)):
+        params, buffer = torch.randn(1000, generator=gen), torch.zeros(1000)
+        copy, opt = ls.torch_outer_optimizer(params)
+        gap = 0.0
+        for delta in deltas:
+            step_fn(params, buffer, delta)
+            copy.grad = delta.clone()
+            opt.step()
+            gap = max(gap, (params - copy.detach()).abs().max().item())
+        assert (gap < 1e-6) == should_match, (step_fn, gap)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(ls, "outer_step", planted)
+        with pytest.raises(SelfCheckFailed, match="outer step"):
+            ls.train(ctx, args, tokens, val, "diloco")
+    finally:
+        dist.destroy_process_group()

@@ -20,6 +20,7 @@ ORACLE_STEP_FRACTION = 0.01  # fp32 vs AdamW: within 1% of one step (lr); sums i
 # taken in another order can turn it into a step of up to lr in either direction. Those weights are few; a ZeRO bug
 # (a wrong slice, a missing reduction) moves a whole shard, far more than this share.
 MAX_ROUNDING_SHARE = 1e-3
+MIXED_ROUNDING_SHARE = 1e-2  # the same for bf16 against its one-process oracle (see mixed_step_fraction)
 
 
 class RunSettings(typing.Protocol):
@@ -61,6 +62,60 @@ def reference_adamw(tokens: torch.Tensor, world_size: int, args: RunSettings) ->
         opt.step()
         losses.append(loss.item())
     return torch.cat([p.detach().flatten() for p in model.parameters()]), losses
+
+
+def reference_mixed(tokens: torch.Tensor, world_size: int, args: RunSettings,
+                    ranks: list[int] | None = None) -> torch.Tensor:
+    """The mixed-precision oracle: the same bf16 recipe in ONE process. A bf16 model computes each rank's bf16
+    gradient on that rank's batch; their fp32 sum / W is the gradient of an fp32 master copy that AdamW updates, and
+    the master is rounded to bf16 for the next forward. Returns the fp32 master weights. `ranks` (default: all)
+    picks whose gradients enter the sum: [0] is what a ZeRO with no gradient reduction computes on rank 0."""
+    model = build_model(args).to(torch.bfloat16)
+    params = list(model.parameters())
+    master = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = make_optimizer(master, args)
+    for step in range(args.steps):
+        total = [torch.zeros_like(m) for m in master]
+        for r in range(world_size) if ranks is None else ranks:
+            model.zero_grad(set_to_none=True)
+            model(*rank_batch(tokens, r, world_size, step, args))[1].backward()
+            for t, p in zip(total, params):
+                t += p.grad.float()
+        for m, t in zip(master, total):
+            m.grad = t / world_size
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)  # fp32 master -> bf16 weights
+    return torch.cat([m.detach().flatten() for m in master])
+
+
+def mixed_step_fraction(world_size: int, steps: int) -> float:
+    """How far (in units of lr) bf16 ZeRO may drift from the one-process bf16 oracle, for most weights.
+
+    The two differ only in how the W bf16 gradients are summed: the collective adds them in bf16, rounding each
+    partial sum (unit roundoff u = 2^-8), the oracle in fp32. That perturbs a gradient by a relative (W - 1) u at
+    most. Adam's step m / sqrt(v) is scale-free, so a relative error e in the gradients moves a step by about e lr;
+    over `steps` steps the errors add up. The exceptions are weights where a rounding decides more than that: a
+    gradient whose rank terms cancel (the sum's relative error is then far above (W-1) u, and Adam turns it into a
+    step of its own), or a master weight that rounds to the other neighbouring bf16 value and changes the next
+    forward. They are at most MIXED_ROUNDING_SHARE of the weights (about 0.5% in the 4-rank run); a missing or wrong
+    reduction moves most of them (a ZeRO without its gradient reduction: about 90% beyond this bound)."""
+    unit_roundoff = torch.finfo(torch.bfloat16).eps / 2  # 2^-8
+    return max(world_size - 1, 1) * unit_roundoff * steps
+
+
+def expect_mixed_equal(name: str, got: torch.Tensor, want: torch.Tensor, world_size: int,
+                       args: RunSettings) -> float:
+    """bf16 ZeRO vs the one-process bf16 oracle (reference_mixed); returns the share of weights outside the bound."""
+    fraction = mixed_step_fraction(world_size, args.steps)
+    diff = (got - want).abs()
+    share = (diff > fraction * args.lr).double().mean().item()
+    if share > MIXED_ROUNDING_SHARE or diff.max().item() > 2 * args.steps * args.lr:
+        raise cli.SelfCheckFailed(f"{name}: {share:.2%} of weights differ from the one-process bf16 oracle by more "
+                                  f"than {fraction:.3g} lr (allowed {MIXED_ROUNDING_SHARE:.0%}), max abs error "
+                                  f"{diff.max().item():.3g}")
+    return share
 
 
 def expect_adamw_equal(name: str, got: torch.Tensor, want: torch.Tensor, args: RunSettings) -> None:

@@ -11,7 +11,10 @@ What it shows
     4. When the overlapped version launched each bucket's all-reduce, as a fraction of the backward pass.
        Then one more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
        (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
-       of each block on one row, each bucket's all-reduce on the rows of gloo's worker threads.
+       of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
+       is blocked, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows of
+       gloo's worker threads. The overlap share counts only all-reduce time during which the training thread was
+       computing the backward (its segments minus the launch calls).
     5. The all-reduce volume of one step from mlsys.collectives.comm_volume: 2(W-1)/W x gradient bytes per rank.
 
 How to run (any world size from 1 to 8)
@@ -27,7 +30,8 @@ Try next
         -> with three ranks the summation order matters: "vs torch DDP" becomes rounding (about 1e-7), not 0
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py --bucket-mb 1
         -> one bucket holds everything: one all-reduce per step, launched only when the last gradient is ready,
-           at the very end of the backward (the profiled line's share counts the time before the launch too)
+           at the very end of the backward: the profiled line's share of all-reduce time that ran while the
+           backward computed counts only the little work autograd still did after that launch
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3 --atol 1e-9
         -> demand near bit equality at three ranks: the self-check fails (exit 1); that is why it has a tolerance
 """
@@ -217,36 +221,67 @@ def overlap_spans(trace_path) -> list[plot.Span]:
     return spans
 
 
+LAUNCH = "launch call (training thread blocked)"
+
+
+def minus(intervals: list[tuple[float, float]], cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of `intervals` outside every interval of `cuts` (all half-open (start, end) pairs)."""
+    out = list(intervals)
+    for c0, c1 in cuts:
+        out = [piece for a, b in out for piece in ((a, min(b, c0)), (max(a, c1), b)) if piece[1] > piece[0]]
+    return out
+
+
+def backward_compute(spans: list[plot.Span]) -> list[tuple[float, float]]:
+    """When the training thread really computed the backward: its segments minus the hooks' launch calls
+    (c10d::allreduce_, during which the thread waits inside the collective's launch instead of computing)."""
+    launches = [(s.start, s.end) for s in spans if s.lane == "launch"]
+    return minus([(s.start, s.end) for s in spans if s.kind == "backward"], launches)
+
+
 def overlap_summary(spans: list[plot.Span]) -> dict:
     """What the lesson reads off the trace: how long the backward and the final wait took, how much of the
-    all-reduce time ran while the backward was still computing, and how late gloo started a launched bucket."""
+    all-reduce time ran while the training thread was computing the backward (launch calls excluded), how long
+    the launch calls blocked it, and how late gloo started a launched bucket."""
     backward = [s for s in spans if s.kind == "backward"]
     start, end = min(s.start for s in backward), max(s.end for s in backward)
     comm = [s for s in spans if s.kind == ALL_REDUCE]
     launches = [s for s in spans if s.lane == "launch"]
     busy = sum(s.end - s.start for s in comm)
-    hidden = sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in comm)
+    computing = backward_compute(spans)
+    hidden = sum(max(0.0, min(s.end, b) - max(s.start, a)) for s in comm for a, b in computing)
     wait = next((s.end - s.start for s in spans if s.label == "wait for all-reduces"), 0.0)
     return {"buckets": len(comm), "backward_ms": end - start, "allreduce_ms": busy, "wait_ms": wait,
-            "hidden_share": hidden / busy if busy else 0.0,
+            "hidden_share": hidden / busy if busy else 0.0, "launch_ms": sum(s.end - s.start for s in launches),
+            "longest_launch_ms": max((s.end - s.start for s in launches), default=0.0),
             "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
 
 
 def draw_overlap(args: Settings, spans: list[plot.Span]):
     plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(10, 2.6))
+    fig, ax = plt.subplots(figsize=(11, 3.0))
     short = {"forward": "forward", "wait for all-reduces": "wait"}  # labels that fit in narrow boxes
-    boxes = [plot.Span(s.lane, s.start, s.end, short.get(s.label, s.label.replace("block ", "blk ")), s.kind)
-             for s in spans if s.lane != "launch"]
+    launches = [s for s in spans if s.lane == "launch"]
+    cuts = [(s.start, s.end) for s in launches]
+    boxes = []
+    for s in spans:
+        if s.lane == "launch":  # the hook's launch call, on the training thread: drawn on the compute row
+            boxes.append(plot.Span("compute", s.start, s.end, f"L{s.label.split()[-1]}", LAUNCH))
+        elif s.kind == "backward":  # a backward segment minus the launch calls inside it; the widest piece
+            pieces = minus([(s.start, s.end)], cuts)  # carries its label
+            widest = max(pieces, key=lambda p: p[1] - p[0], default=None)
+            boxes += [plot.Span("compute", a, b, s.label.replace("block ", "blk ") if (a, b) == widest else "",
+                                s.kind) for a, b in pieces]
+        else:
+            boxes.append(plot.Span(s.lane, s.start, s.end, short.get(s.label, s.label), s.kind))
     lanes = ["compute"] + sorted({s.lane for s in boxes} - {"compute"})
-    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces"])
+    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces", LAUNCH])
     plot.timeline(ax, boxes, lanes, unit="ms since the profiled step's forward started (rank 0)", palette=palette,
                   fontsize=7)
-    for s in spans:  # where the gradient hook launched each bucket: a dotted line down from the compute row
-        if s.lane == "launch":
-            ax.plot([s.start, s.start], [len(lanes) - 1.4, -0.4], color="black", linestyle=":", linewidth=1)
-            ax.annotate(f"launch {s.label.split()[-1]}", (s.start, len(lanes) - 1.45), xytext=(2, 0),
-                        textcoords="offset points", fontsize=6, ha="left", va="top")
+    for k, s in enumerate(launches):  # where the gradient hook launched each bucket: a dotted line down
+        ax.plot([s.start, s.start], [len(lanes) - 1.4, -0.4], color="black", linestyle=":", linewidth=1)
+        ax.annotate(f"launch {s.label.split()[-1]}", (s.start, len(lanes) - 1.45 - 0.25 * (k % 3)), xytext=(2, 0),
+                    textcoords="offset points", fontsize=6, ha="left", va="top")  # staggered: close launches
     ax.set_xlim(0, None)
     ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace")
     fig.tight_layout()
@@ -318,8 +353,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         o = overlap_summary(spans)
         ctx.print(f"\nprofiled one more overlapped step on rank 0: trace {trace_path}")
         ctx.print(f"backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy {o['allreduce_ms']:.1f} ms "
-                  f"in all, {o['hidden_share']:.0%} of it during the backward; final wait {o['wait_ms']:.1f} ms; "
-                  f"gloo started a launched bucket up to {o['max_start_delay_ms']:.2f} ms late")
+                  f"in all, {o['hidden_share']:.0%} of it while the training thread computed the backward; the "
+                  f"hooks' launch calls blocked it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
+                  f"final wait {o['wait_ms']:.1f} ms; gloo started a launched bucket up to "
+                  f"{o['max_start_delay_ms']:.2f} ms late")
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)

@@ -8,7 +8,9 @@ What it shows
            grad (1/N) sum_i l_i  =  (1/W) sum_r grad (1/n) sum_{i in rank r} l_i      when N = W n
     3. The caveat: with UNEQUAL per-rank batches (rank r holds --batch-size + r sequences), the plain average is
        no longer the global-batch gradient; weighting rank r by n_r / N is (self-check), the plain average is not
-       (its error is printed).
+       (its error is printed). The fix that works with an unmodified DDP wrapper (which always divides by W):
+       each rank sums its per-token losses and divides by N/W (mlsys.ddp.global_token_mean), then BucketedDDP
+       averages as usual; the result is the global-batch gradient again (self-check).
     Figure grad_sync.png: some gradient entries per rank before and after the sync, and per parameter tensor
     the largest distance of the synchronised gradient from the single-process one (equal, then unequal batches).
 
@@ -23,7 +25,8 @@ Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py -w 4 --param wte.weight
         -> the tied embedding/head: four ranks' gradients collapse to one average, equal to the one-process gradient
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py -w 3 --batch-size 1
-        -> unequal batches of 1, 2 and 3 sequences: the plain average is off by ~1e-2, the weighted one by rounding
+        -> unequal batches of 1, 2 and 3 sequences: the plain average is off by ~1e-2, the weighted one and the
+           per-token loss divided by N/W only by rounding
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py
         -> the same checks under torchrun
 """
@@ -37,7 +40,7 @@ import torch.distributed as dist
 
 from mlsys import cli, plot, report
 from mlsys.data import load_splits
-from mlsys.ddp import BucketedDDP, rank_batches
+from mlsys.ddp import BucketedDDP, global_token_mean, rank_batches
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
 
@@ -91,6 +94,20 @@ def weighted_average(local: dict[str, torch.Tensor], n_local: int) -> dict[str, 
     return {name: piece.view_as(g) for (name, g), piece in zip(local.items(), pieces)}
 
 
+def per_token_recipe(args: Settings, tokens: torch.Tensor, world_size: int, sizes: list[int], rank: int,
+                     divide=global_token_mean) -> dict[str, torch.Tensor]:
+    """Unequal batches through an unmodified DDP wrapper: backpropagate the sum of this rank's per-token losses
+    divided by N/W (`divide`), let BucketedDDP average (it divides by W), return the synchronised gradient."""
+    model, batches = model_and_batches(args, tokens, world_size, sizes)
+    ddp = BucketedDDP(model, bucket_mb=1.0)
+    x, y = batches[rank]
+    n_tokens = y.numel()  # no padding here: every target is a real token
+    loss_sum = ddp(x, y)[1] * n_tokens  # the model returns the mean over its tokens
+    divide(loss_sum, n_tokens).backward()
+    ddp.finish_gradient_synchronization()
+    return grads(model)
+
+
 def gather_rows(t: torch.Tensor, world_size: int) -> torch.Tensor:
     out = [torch.empty_like(t) for _ in range(world_size)]
     dist.all_gather(out, t)
@@ -118,7 +135,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                "|average|": after[name].norm().item(), "|full batch|": reference[name].norm().item(),
                "max |avg - full|": (after[name] - reference[name]).abs().max().item()}
         rows.append(row)
-    ctx.print(f"equal batches, {args.batch_size} sequences per rank, W={W}: gradient norms before the sync, "
+    seqs = "sequence" if args.batch_size == 1 else "sequences"
+    ctx.print(f"equal batches, {args.batch_size} {seqs} per rank, W={W}: gradient norms before the sync, "
               "after it, and from one process on the global batch")
     ctx.print(report.table(rows, ".3g"))
     worst_equal = max((after[n] - reference[n]).abs().max().item() for n in reference)
@@ -141,24 +159,30 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         dist.all_reduce(g)  # what DDP does: (1/W) sum_r g_r, whatever n_r is
     weighted = weighted_average(local_u, sizes[ctx.rank])
     ref_u = full_batch_gradient(model_and_batches(args, tokens, W, sizes)[0], batches_u)
+    per_token = per_token_recipe(args, tokens, W, sizes, ctx.rank)
     err_plain = max((plain[n] - ref_u[n]).abs().max().item() for n in ref_u)
     err_weighted = max((weighted[n] - ref_u[n]).abs().max().item() for n in ref_u)
+    err_token = max((per_token[n] - ref_u[n]).abs().max().item() for n in ref_u)
     for n in ref_u:
         report.expect_close(f"weighted average == full-batch gradient ({n})", weighted[n], ref_u[n],
                             rtol=1e-4, atol=1e-6)
+        report.expect_close(f"per-token loss / (N/W) through DDP == full-batch gradient ({n})", per_token[n],
+                            ref_u[n], rtol=1e-4, atol=1e-6)
     ctx.print(f"\nunequal batches {sizes}: max |plain average - full batch| = {err_plain:.2e}, "
-              f"max |weighted by n_r/N - full batch| = {err_weighted:.2e}")
+              f"max |weighted by n_r/N - full batch| = {err_weighted:.2e}, "
+              f"max |per-token loss sum / (N/W), then DDP - full batch| = {err_token:.2e}")
 
     per_rank = gather_rows(before[args.param].flatten()[:k], W)  # (W, k)
     if ctx.is_main:
-        draw(args, per_rank, after[args.param].flatten()[:k], reference, after, plain, weighted, ref_u)
+        draw(args, per_rank, after[args.param].flatten()[:k], reference, after, plain, weighted, per_token, ref_u)
     return {"world_size": W, "rows": rows, "max_err_equal": worst_equal, "unequal_sizes": sizes,
             "max_err_plain_unequal": err_plain, "max_err_weighted_unequal": err_weighted,
+            "max_err_per_token_unequal": err_token,
             "param": args.param, "before": per_rank.tolist(), "after": after[args.param].flatten()[:k].tolist(),
             "full_batch": reference[args.param].flatten()[:k].tolist()}
 
 
-def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_u, ref_u) -> None:
+def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_u, per_token_u, ref_u) -> None:
     plt = plot.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     idx = range(per_rank.shape[1])
@@ -171,7 +195,8 @@ def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_
     names = list(reference)
     for label, got, want, marker in (("equal batches: average", avg_all, reference, "o"),
                                      ("unequal: plain average", plain_u, ref_u, "x"),
-                                     ("unequal: weighted by n_r/N", weighted_u, ref_u, "+")):
+                                     ("unequal: weighted by n_r/N", weighted_u, ref_u, "+"),
+                                     ("unequal: per-token loss / (N/W), DDP", per_token_u, ref_u, "d")):
         errs = [max((got[n] - want[n]).abs().max().item(), 1e-12) for n in names]  # floor: log axis
         right.plot(range(len(names)), errs, marker, label=label)
     right.set(yscale="log", xlabel="parameter tensor (model order)", ylabel="max |synced - full batch|",

@@ -10,7 +10,9 @@ What it shows
                (lr 0.7, momentum 0.9, as in Douillard et al., https://arxiv.org/abs/2311.08105)
     It counts the bytes each run all-reduces, evaluates the averaged model on held-out data after every round of
     H steps, and draws the validation loss against the bytes. Checked first: with plain SGD and H = 1, averaging
-    the parameters after every step gives the same weights as averaging the gradients (to rounding).
+    the parameters after every step gives the same weights as averaging the gradients (to rounding). Checked in
+    every DiLoCo round: the hand-written outer step gives the same weights as torch.optim.SGD(lr=0.7, momentum=0.9,
+    nesterov=True) stepping a copy of the outer weights with the same outer gradient (to rounding).
 
 How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/local_sgd.py
@@ -74,6 +76,23 @@ def load_flat(model: torch.nn.Module, vector: torch.Tensor) -> None:
         start += p.numel()
 
 
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+# --8<-- [start:outer]
+def outer_step(global_params: torch.Tensor, buffer: torch.Tensor, delta: torch.Tensor) -> None:
+    """DiLoCo's outer step, in place: SGD with Nesterov momentum on the outer gradient `delta`."""
+    buffer.mul_(OUTER_MOMENTUM).add_(delta)  # momentum; torch starts it at the first gradient, as this does from 0
+    global_params -= OUTER_LR * (delta + OUTER_MOMENTUM * buffer)  # Nesterov: step along g + mu * buffer
+# --8<-- [end:outer]
+
+
+def torch_outer_optimizer(global_params: torch.Tensor) -> tuple[torch.Tensor, torch.optim.SGD]:
+    """The oracle for outer_step: a copy of the outer weights and torch's own Nesterov SGD over it."""
+    copy = torch.nn.Parameter(global_params.clone())
+    return copy, torch.optim.SGD([copy], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
 def mean_all_reduce(t: torch.Tensor, sent: list[int]) -> torch.Tensor:
     """All-reduce and divide by W; adds the buffer's bytes to sent[0]."""
     dist.all_reduce(t)
@@ -88,6 +107,7 @@ def train(ctx: RankContext, args: Settings, tokens, val, run: str) -> dict:
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     global_params = flat(model)  # diloco's outer weights, and what every rank starts a round from
     outer_buffer = torch.zeros_like(global_params)  # Nesterov momentum of the outer step
+    oracle, oracle_opt = torch_outer_optimizer(global_params)  # checks every outer step
     sent, curve = [0], []
     gen = torch.Generator().manual_seed(args.seed * 7 + ctx.rank)
     for step in range(1, args.steps + 1):
@@ -105,8 +125,11 @@ def train(ctx: RankContext, args: Settings, tokens, val, run: str) -> dict:
             load_flat(model, mean_all_reduce(flat(model), sent))
         elif run == "diloco":  # the averaged change is the outer gradient
             delta = global_params - mean_all_reduce(flat(model), sent)
-            outer_buffer.mul_(0.9).add_(delta)
-            global_params -= 0.7 * (delta + 0.9 * outer_buffer)  # SGD, Nesterov momentum 0.9, lr 0.7
+            outer_step(global_params, outer_buffer, delta)  # SGD, Nesterov momentum 0.9, lr 0.7
+            oracle.grad = delta.clone()
+            oracle_opt.step()
+            report.expect_close(f"diloco outer step {step // args.sync_every} == torch SGD(nesterov=True)",
+                                global_params, oracle.detach(), rtol=1e-6, atol=1e-7)
             load_flat(model, global_params)
         curve.append({"step": step, "bytes": sent[0], "val_loss": evaluate(model, val, args)})
     return {"curve": curve, "bytes": sent[0], "params": flat(model)}
@@ -189,7 +212,8 @@ def main() -> int:
     result = launch(worker, args)
     if result is None:
         return 0
-    print("OK: parameter averaging matched gradient averaging (SGD, H=1); replicas agree after every run")
+    print("OK: parameter averaging matched gradient averaging (SGD, H=1); DiLoCo's outer steps matched torch's "
+          "Nesterov SGD; replicas agree after every run")
     if args.json:
         report.write_json(args.json, result, args)
     return 0

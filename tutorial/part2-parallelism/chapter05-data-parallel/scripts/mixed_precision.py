@@ -198,10 +198,11 @@ def draw(args: Settings, runs: dict) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     base = runs["fp32"]["losses"]
-    for run, r in runs.items():
-        if run != "fp32":
-            ax.plot(range(1, len(base) + 1), [a - b for a, b in zip(r["losses"], base, strict=True)], marker=".",
-                    label=run)
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("x", "-."), ("d", "-")]  # runs that coincide stay visible
+    for k, (run, r) in enumerate((run, r) for run, r in runs.items() if run != "fp32"):
+        marker, line = styles[k % len(styles)]
+        ax.plot(range(1, len(base) + 1), [a - b for a, b in zip(r["losses"], base, strict=True)], marker=marker,
+                linestyle=line, markersize=9 - 2 * k, linewidth=2.4 - 0.5 * k, fillstyle="none", label=run)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set(xlabel="step", ylabel="loss - fp32 loss", title="16-bit runs against fp32, same batches")
     ax.legend(fontsize=8)
