@@ -18,8 +18,8 @@ models were never trained on conversations, so their documented template is the 
     prompt verbatim and refuses a character outside the alphabet: there the caller controls the exact text.)
 
 Answers: a `chat.completion` with `choices[0].message = {"role": "assistant", "content": text}`; streamed, a
-`chat.completion.chunk` whose first delta is the role, then one delta of content per step, then an empty delta
-with the finish_reason.
+`chat.completion.chunk` whose first delta is the role, then one delta of content per step; the last step's delta
+carries the finish_reason (an empty delta only when that step added no text, as when it sampled the eos token).
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ Two ways to send, both exact (the receivers end up bit-for-bit equal to the send
   with hundreds of small tensors (norms, biases) is latency-bound.
 - bucketed: tensors of one dtype are packed in order into flat buffers of at most `bucket_bytes` (a tensor larger
   than the bucket gets a bucket of its own) and each buffer is broadcast once. Fewer, larger messages, at the cost
-  of one copy in and one copy out. This is the same trade DDP makes with its gradient buckets (chapter 5), and what
-  RLHF frameworks do when they push weights into vLLM/SGLang (e.g. OpenRLHF's and verl's weight-update paths).
+  of one copy in and one copy out. This is the same trade DDP makes with its gradient buckets (chapter 5). RLHF
+  frameworks push weights into vLLM/SGLang both ways: verl packs buckets of at most
+  `update_weights_bucket_megabytes`; OpenRLHF's `broadcast_to_vllm` loops over the named parameters and
+  broadcasts one tensor per call (vLLM's worker receives it in `update_weight(name, dtype, shape)`).
 
     plan = plan_buckets(named_meta(params), bucket_bytes=4 << 20)      # same plan on every rank
     broadcast_bucketed(params, plan, src=0, group=sync_group)          # params: {name: tensor}, updated in place

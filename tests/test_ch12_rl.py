@@ -362,18 +362,21 @@ def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
 
 @pytest.mark.timeout(120)
 def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path_factory) -> None:
-    """--env-id (cleanrl's flag): the network as built has gymnasium's own sizes, the threshold is from its spec."""
+    """--env-id (cleanrl's flag): the network as built (the script records each Linear layer of the agent it
+    trained) has the sizes of gymnasium's own spaces for the env, and the solve threshold is the env's spec. The
+    oracle is gymnasium, asked here: a script that kept CartPole's sizes (4 observations, 2 actions) or its 475
+    fails, as does one that read the sizes from a different env."""
     import gymnasium as gym
 
     doc = run_json(tmp_path_factory, CH12 / "ppo_cartpole.py", "--smoke", "--env-id", "Acrobot-v1", timeout=110)
     env = gym.make("Acrobot-v1")
     n_obs, n_act = env.observation_space.shape[0], int(env.action_space.n)
-    assert (n_obs, n_act) == (6, 3)
     hidden = 64  # the --hidden default
     assert doc["layers"]["actor"] == [[n_obs, hidden], [hidden, hidden], [hidden, n_act]]
     assert doc["layers"]["critic"] == [[n_obs, hidden], [hidden, hidden], [hidden, 1]]
-    assert doc["solve_return"] == gym.spec("Acrobot-v1").reward_threshold == -100
-    assert doc["runs"][0]["eval_return"] <= 0  # Acrobot pays -1 per step: a return is never positive
+    assert doc["solve_return"] == gym.spec("Acrobot-v1").reward_threshold
+    for e in doc["runs"][0]["evals"]:  # the run was judged against that threshold, on its own evaluations
+        assert (e["eval_return"] >= doc["solve_return"]) <= doc["runs"][0]["solved"]
     for bad in ("Pendulum-v1", "NoSuchEnv-v0"):  # continuous actions; unknown id
         proc = run([CH12 / "ppo_cartpole.py", "--smoke", "--env-id", bad], timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_json, scripts_dir, smoke_run
+from conftest import load_script, run_json, scripts_dir, smoke_run
 from mlsys import rlhf
 from mlsys.engine import Engine, EngineConfig
 from mlsys.model import GPT, GPTConfig
@@ -184,14 +184,34 @@ def test_k3_is_nonnegative_per_sample_and_k1_is_not() -> None:
 
 @pytest.mark.timeout(300)
 def test_kl_calculator_script_matches_exact_values(tmp_path_factory) -> None:
+    """Section 1 against torch.distributions and the estimators' definitions, summed over the five outcomes in
+    numpy; the sampled columns against the binomial and central-limit spread of --smoke's 2000 draws. Section 3
+    against log pi(y) and log pi_ref(y) of the recorded response, from one forward of each model here."""
+    from torch.distributions import Categorical, kl_divergence
+
+    mod = load_script(scripts_dir(13) / "kl_calculator.py")
+    settings, draws = mod.Settings(), 2000  # the --smoke draws
     res = run_json(tmp_path_factory, scripts_dir(13) / "kl_calculator.py", "--smoke", timeout=290)
-    for rows in res["categorical"].values():
-        exact = {r["estimator"]: r["E_p[k] exact"] for r in rows}
-        assert exact["k1"] == pytest.approx(rows[0]["exact KL"], rel=1e-9)
-        assert exact["k3"] == pytest.approx(rows[0]["exact KL"], rel=1e-9)
-        k = {r["estimator"]: r for r in rows}
-        assert k["k3"]["negative %"] == 0 and k["k2"]["negative %"] == 0
-    assert res["shaping"]["sum_rewards"] == pytest.approx(1.0 - 0.05 * res["shaping"]["sequence_log_ratio"], rel=1e-9)
+    for name, rows in res["categorical"].items():
+        p, q = (np.array(res["distributions"][name][x]) for x in ("p", "q"))
+        kl = kl_divergence(Categorical(probs=torch.tensor(p)), Categorical(probs=torch.tensor(q))).item()
+        r = q / p  # each outcome's ratio pi_ref / pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r
+        values = {"k1": -np.log(r), "k2": np.log(r) ** 2 / 2, "k3": r - 1 - np.log(r)}
+        for row in rows:
+            v = values[row["estimator"]]
+            mean, sd = float(p @ v), float(np.sqrt(p @ (v - p @ v) ** 2))
+            assert row["exact KL"] == pytest.approx(kl, rel=1e-9)
+            assert row["E_p[k] exact"] == pytest.approx(mean, rel=1e-9), (name, row["estimator"])
+            assert abs(row["sample mean"] - mean) < 5 * sd / np.sqrt(draws) + 1e-12, (name, row["estimator"])
+            neg = float(p[v < 0].sum())  # the chance that one draw is negative
+            assert abs(row["negative %"] / 100 - neg) < 5 * np.sqrt(neg * (1 - neg) / draws) + 1e-12
+    shaping = res["shaping"]
+    ids, start = torch.tensor([shaping["ids"]]), shaping["prompt_len"]
+    with torch.no_grad():
+        logp = [Categorical(logits=model(ids)[0][0, start - 1 : -1].double()).log_prob(ids[0, start:]).sum().item()
+                for model in (load_pretrained("small"), load_pretrained("draft"))]
+    assert shaping["num_tokens"] == len(shaping["ids"]) - start
+    assert shaping["sum_rewards"] == pytest.approx(settings.score - settings.beta * (logp[0] - logp[1]), abs=1e-5)
 
 
 # -------------------------------------------------------------------------------------- reward shaping
@@ -337,7 +357,11 @@ def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model
     cfg = rlhf.PPOConfig()
     sft_engine = Engine(load_pretrained("draft"), config=EngineConfig(max_num_seqs=64))
     sft = rlhf.evaluate_policy(sft_engine, rlhf.load_reward_model("draft"), num_prompts=256)
-    assert sum(sft["kinds"].values()) == 256 and sft["kinds"]["well_formed"] == round(256 * sft["valid"])
+    # well-formed by the schema written in this file (_rule_by_hand), not by the rule_score that `valid` and
+    # `kinds` both come from
+    by_hand = sum(_rule_by_hand(t) > 0 for t in sft["texts"])
+    assert sum(sft["kinds"].values()) == 256 and sft["kinds"]["well_formed"] == by_hand
+    assert sft["valid"] == pytest.approx(by_hand / 256)
     gains, valid = [], []
     for seed in range(3):
         torch.manual_seed(seed)
@@ -346,9 +370,9 @@ def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model
                    for i in range(12)]
         _check_run(history, cfg, models, engine)
         trained = rlhf.evaluate_policy(engine, models.reward_model, num_prompts=256)
-        rule = [float(rlhf.rule_score(t)) for t in trained["texts"]]  # the rule applied here, not the summary
-        gains.append(sum(rule) / len(rule) - sft["rule_score"])
-        valid.append(trained["valid"])
+        rule = [float(_rule_by_hand(t)) for t in trained["texts"]]  # the rule applied here, not the summary
+        gains.append(sum(rule) / len(rule) - sum(map(_rule_by_hand, sft["texts"])) / 256)
+        valid.append(sum(r > 0 for r in rule) / len(rule))
         assert trained["reward"] > sft["reward"] + 0.3  # the reward model's view: a large gain
     assert min(gains) > 0.1 and sum(gains) / 3 >= 0.25, gains
     assert sum(valid) / 3 < sft["valid"], (valid, sft["valid"])

@@ -142,15 +142,19 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
 
 # ------------------------------------------------------------------------------------------------ GPU only
 def _ipc_child(handles, reference: bytes, conn) -> None:
-    """Open the trainer's CUDA memory through the handles and compare it with a reference sent as plain bytes."""
+    """Open the trainer's CUDA memory through the handles, compare it with a reference sent as plain bytes, then
+    write a marker through each handle (tensor i filled with i + 7) for the trainer to find in its own memory."""
     import io
 
     from mlsys.weight_sync import open_cuda_ipc_handles
 
     opened = open_cuda_ipc_handles(handles)
     expected = torch.load(io.BytesIO(reference), weights_only=True)
-    same_memory = all(opened[n].is_cuda for n in opened)
-    conn.send((tensors_equal({n: t.cpu() for n, t in opened.items()}, expected), same_memory))  # plain Python
+    bad = tensors_equal({n: t.cpu() for n, t in opened.items()}, expected)
+    for i, name in enumerate(sorted(opened)):
+        opened[name].fill_(i + 7)
+    torch.cuda.synchronize()
+    conn.send(bad)  # plain Python
     conn.close()
 
 
@@ -170,10 +174,14 @@ def test_cuda_ipc_handles_show_the_trainers_memory_in_another_process() -> None:
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=_ipc_child, args=(cuda_ipc_handles(tensors), buf.getvalue(), theirs))
     child.start()
-    bad, on_gpu = ours.recv()
+    bad = ours.recv()
     child.join(60)
     assert child.exitcode == 0
-    assert bad == [] and on_gpu
+    assert bad == []
+    # the oracle is the trainer's own memory: a receiver that got a copy (even on the GPU) leaves it untouched
+    torch.cuda.synchronize()
+    for i, name in enumerate(sorted(tensors)):
+        assert torch.equal(tensors[name].cpu(), torch.full_like(tensors[name].cpu(), i + 7)), name
 
 
 @pytest.mark.gpu

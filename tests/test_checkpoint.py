@@ -552,6 +552,23 @@ def test_a_completions_prompt_gets_bos_only_when_the_tokenizer_adds_it(tmp_path,
 
 
 @pytest.mark.timeout(120)
+def test_structured_output_is_refused_for_a_folder_with_a_bpe_tokenizer_or_none(tmp_path) -> None:
+    """Chapter 11's automaton steps over the book's one-character tokens: a checkpoint folder, with a BPE
+    tokenizer.json or with none, cannot compile a schema (the server answers that ValueError with a 400), as
+    chapters 8 and 11 say; the book's own model can."""
+    from mlsys.engine import LLM
+
+    build_with("llama-gqa", tmp_path / "bpe", vocab_size=300, bos_token_id=0, eos_token_id=1)
+    byte_level_bpe(tmp_path / "bpe", 300)
+    build("llama-gqa", tmp_path / "ids")
+    for folder in ("bpe", "ids"):
+        llm = LLM(model=str(tmp_path / folder), block_size=4)
+        with pytest.raises(ValueError, match="needs the book's character tokenizer"):
+            llm.engine.compile_schema({"type": "object"})
+    assert LLM(model="draft").engine.compile_schema({"type": "object"}).min_length > 0
+
+
+@pytest.mark.timeout(120)
 def test_generation_config_sets_the_sampling_defaults_of_requests_that_leave_them_out(tmp_path) -> None:
     """vLLM reads a folder's generation_config.json for the sampling defaults of a request that names none: here
     temperature 0.7 and top_k 5. Oracle: the engine sampling with exactly those values and the request's seed; a

@@ -7,7 +7,9 @@
         print(out.prompt, out.outputs[0].text, out.outputs[0].token_ids)
 
 The names are vLLM's (`LLM`, `RequestOutput.outputs[0]`, `CompletionOutput.text/token_ids/finish_reason`) so that
-code written against this book reads like code written against vLLM. `Engine` stays the layer below: `llm.engine`.
+code written against this book reads like code written against vLLM. Three defaults differ from vLLM's
+SamplingParams: temperature 0 (greedy; vLLM 1.0), max_tokens 32 (vLLM 16), and logprobs a flag with top_logprobs
+the count (vLLM's logprobs is the count). `Engine` stays the layer below: `llm.engine`.
 """
 
 from __future__ import annotations

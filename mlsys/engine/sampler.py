@@ -10,7 +10,9 @@ them); each row runs exactly `mlsys.model.sample_next`, the function
 
 A request with `SamplingParams(logprobs=True)` also gets the log-probability
 of each token it sampled, under the distribution it was drawn from
-(`sampled_logprobs`), as vLLM returns them: RLHF needs log pi_old(token) of
+(`sampled_logprobs`): after temperature and top-k/top-p, what vLLM returns in
+its `logprobs_mode="processed_logprobs"` (its default, "raw_logprobs", is the
+log-softmax of the logits before any of them). RLHF needs log pi_old(token) of
 every rollout token, and computing it here, from the very logits the token was
 drawn from, costs one log_softmax per row instead of another forward pass.
 """

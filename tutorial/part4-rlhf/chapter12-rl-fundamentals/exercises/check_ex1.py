@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import ast
+
 import torch
 
 from mlsys import rl
-from mlsys.exercises import task
+from mlsys.exercises import source_of, task
 
 
 def rollout(T: int, N: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -43,9 +45,32 @@ def check_random(ex) -> None:
         assert torch.allclose(ret, want_ret, atol=1e-4), "returns must be advantages + values"
 
 
-@task("compute_gae handles N = 4096 environments in one pass (shapes (T, N) in, (T, N) out)")
+def loops_behind(tree: ast.Module, name: str) -> tuple[int, list[str]]:
+    """(loops, imports): the Python loops (for, while, comprehensions) in function `name` of the attempt's module and
+    in every module function it calls, directly or not, and the modules the attempt imports from mlsys."""
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    seen, todo = set(), [name]
+    while todo:
+        fn = todo.pop()
+        if fn in seen or fn not in defs:
+            continue
+        seen.add(fn)
+        todo += [c.func.id for c in ast.walk(defs[fn]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+    loops = sum(isinstance(n, (ast.For, ast.AsyncFor, ast.While, ast.comprehension))
+                for fn in seen for n in ast.walk(defs[fn]))
+    imports = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+              [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    return loops, [m for m in imports if m.split(".")[0] == "mlsys"]
+
+
+@task("compute_gae handles N = 4096 environments in one pass (one loop, over time; shapes (T, N) in and out)")
 def check_wide(ex) -> None:
     args = rollout(8, 4096, 7)
     adv, _ = ex.compute_gae(*args, 0.99, 0.95)
     assert adv.shape == (8, 4096), f"shape {tuple(adv.shape)}, want (8, 4096)"
     assert torch.allclose(adv, rl.compute_gae(*args, 0.99, 0.95)[0], atol=1e-4)
+    # the values cannot tell a loop over the environments from tensor operations: the source can
+    loops, book = loops_behind(ast.parse(source_of(ex)), "compute_gae")
+    assert not book, f"compute_gae must be your own: the attempt imports {book[0]} (the book's GAE)"
+    assert loops <= 1, (f"{loops} Python loops run behind compute_gae; want one, the backward loop over time, with "
+                        "all N environments handled at once by tensor operations")

@@ -118,7 +118,7 @@ def main() -> int:
     # 1. a small categorical, close and far
     cases = {"close": ([2.0, 1.0, 0.5, 0.0, -1.0], [1.8, 1.1, 0.6, 0.1, -0.9]),
              "far": ([3.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.5, 1.0, 1.5, 2.0])}  # logits of p and q
-    results: dict = {"categorical": {}}
+    results: dict = {"categorical": {}, "distributions": {}}
     for name, (lp, lq) in cases.items():
         p, q = (torch.tensor(v, dtype=torch.float64).softmax(0) for v in (lp, lq))
         rows = categorical_case(p, q, args.num_samples, gen)
@@ -129,6 +129,7 @@ def main() -> int:
             if r["estimator"] in ("k1", "k3"):  # unbiased: the exact expectation IS the KL
                 report.expect_close(f"{name}: E_p[{r['estimator']}] vs KL", r["E_p[k] exact"], r["exact KL"], 1e-9)
         results["categorical"][name] = rows
+        results["distributions"][name] = {"p": p.tolist(), "q": q.tolist()}
 
     # 2. on a language model's tokens
     policy, reference = load_pretrained("small"), load_pretrained("draft")
@@ -161,7 +162,8 @@ def main() -> int:
     report.expect_close("sum_t r_t vs score - beta * log(pi(y)/pi_ref(y))", total, args.score - args.beta * seq_kl,
                         rtol=1e-9, atol=1e-9)
     print(f"   sum_t r_t = {total:.4f} = score {args.score} - beta {args.beta} x log pi(y)/pi_ref(y) {seq_kl:.4f}")
-    results["shaping"] = {"sum_rewards": total, "sequence_log_ratio": seq_kl, "num_tokens": n}
+    results["shaping"] = {"sum_rewards": total, "sequence_log_ratio": seq_kl, "num_tokens": n,
+                          "prompt_len": prompt_len, "ids": ids[0, : prompt_len + n].tolist()}
     if args.json:
         report.write_json(args.json, results, args)
     return 0

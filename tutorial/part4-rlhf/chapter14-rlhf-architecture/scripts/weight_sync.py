@@ -110,7 +110,7 @@ def stale_policy(size: str, seed: int, device: torch.device) -> GPT:
 def check_sync(ctx: RankContext, params: dict[str, torch.Tensor], how: str) -> None:
     """Every receiving rank compares every tensor bitwise with the trainer's, sent a second way (pickled)."""
     ref = [{n: t.detach().cpu() for n, t in params.items()} if ctx.rank == 0 else None]
-    dist.broadcast_object_list(ref, src=0)  # pickle over the store-backed object path: independent of ours
+    dist.broadcast_object_list(ref, src=0)  # pickled, on the same group: independent of pack/unpack, not of gloo
     bad = tensors_equal(params, ref[0])
     flags = [None] * ctx.world_size
     dist.all_gather_object(flags, bad)
