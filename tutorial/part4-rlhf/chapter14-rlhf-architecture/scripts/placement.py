@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from mlsys import cli, report, rlhf
 from mlsys.launch import RankContext, launch
+from mlsys.rlhf_shards import generate_shard, holdings, merge, score_micro_batch, setup, train_on
 from mlsys.weight_sync import broadcast_bucketed, named_meta, plan_buckets, unique_parameters
 
 PLACEMENTS = ("colocated", "disaggregated", "async")
@@ -72,6 +73,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     something; at 32 every response would be cut short and malformed."""
     bucket_mb: float = 1.0
     """Bucket size for the trainer -> rollout weight broadcast."""
+    save_weights: str = ""
+    """Save each placement's final actor weights as DIR/<placement>.pt (ray_placement.py's test compares them)."""
 
     def validate(self) -> None:
         if not self.placements or any(p not in PLACEMENTS for p in self.placements):
@@ -101,87 +104,6 @@ class Timeline:
                 timeline.events.append((phase, self.start, time.perf_counter() - timeline.t0))
 
         return _Span()
-
-
-# ------------------------------------------------------------------------------------------- the shared work
-def holdings(**roles) -> dict:
-    """What this rank holds: the parameters of each role's model, and all of them together with every distinct
-    tensor counted once (a tied embedding once, a model that shares another's tensors not at all)."""
-    seen = {}
-    for m in roles.values():
-        seen.update({p.data_ptr(): p.numel() for p in m.parameters()})
-    per_role = {r: sum(p.numel() for p in m.parameters()) for r, m in roles.items()}
-    return {"params": sum(seen.values()), "roles": per_role}
-
-
-def setup(role: str, seed: int):
-    """Models for a rank: 'all' (co-located), 'trainer' (four models, no engine) or 'rollout' (an engine only)."""
-    from mlsys.engine import Engine, EngineConfig
-    from mlsys.weights import load_pretrained
-
-    torch.manual_seed(seed)
-    sft = load_pretrained("draft")
-    models = opts = kl_ctl = engine = None
-    cfg = rlhf.PPOConfig()
-    if role in ("all", "trainer"):
-        models = rlhf.build_models(sft, rlhf.load_reward_model("draft"))
-        opts = rlhf.make_optimizers(models, cfg)
-        kl_ctl = rlhf.AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.k_beta)
-    if role in ("all", "rollout"):
-        engine = Engine(models.actor if models else sft, config=EngineConfig(max_num_seqs=64))
-    return models, opts, kl_ctl, engine, cfg
-
-
-# --8<-- [start:shards]
-def shard_prompts(args: Settings, it: int) -> list[list[str]]:
-    """Iteration it's prompts, cut into args.shards contiguous shards."""
-    prompts = rlhf.grouped_prompts(args.num_rollouts, 4, seed=args.seed * 1000 + it)
-    n = len(prompts) // args.shards
-    return [prompts[i * n:(i + 1) * n] for i in range(args.shards)]
-
-
-def generate_shard(engine, args: Settings, it: int, s: int) -> rlhf.RolloutBatch:
-    """Shard s of iteration it, with a seed of its own: the same tokens on whichever rank generates it."""
-    return rlhf.generate_rollouts(engine, shard_prompts(args, it)[s], args.max_tokens, temperature=1.0,
-                                  seed=(args.seed * 1000 + it) * 64 + s)
-
-
-def merge(batches: list[rlhf.RolloutBatch]) -> rlhf.RolloutBatch:
-    """Shards -> one right-padded batch (token lists re-packed with rlhf.make_batch)."""
-    prompts, responses, logps = [], [], []
-    for b in batches:
-        for i in range(b.ids.size(0)):
-            p, n = int(b.prompt_lens[i]), int(b.mask[i].sum())
-            prompts.append(b.ids[i, :p].tolist())
-            responses.append(b.ids[i, p:p + n].tolist())
-            logps.append(b.engine_logprobs[i, :n].tolist())
-    return rlhf.make_batch(prompts, responses, logps, sum(b.generate_seconds for b in batches))
-
-
-def rows(batch: rlhf.RolloutBatch, idx: list[int]) -> rlhf.RolloutBatch:
-    return rlhf.RolloutBatch(batch.ids[idx], batch.prompt_lens[idx], batch.mask[idx],
-                             [batch.texts[i] for i in idx], batch.engine_logprobs[idx])
-
-
-def score_micro_batch(models, batch: rlhf.RolloutBatch, args: Settings, m: int) -> dict:
-    """The three scoring forwards on micro-batch m (rows m*B/shards ...): the same shapes on every placement."""
-    n = batch.ids.size(0) // args.shards
-    return rlhf.score_rollouts(models, rows(batch, list(range(m * n, (m + 1) * n)))).extra
-
-
-def train_on(models, opts, kl_ctl, cfg, batch: rlhf.RolloutBatch, extras: list[dict]) -> dict:
-    """Concatenate the micro-batches' scores, then advantages and PPO on the whole batch (chapter 13's code)."""
-    batch.extra = {k: torch.cat([e[k] for e in extras]) for k in extras[0]}
-    rlhf.compute_advantages(batch, kl_ctl.beta, cfg)
-    losses = rlhf.ppo_update(models, opts, batch, cfg, kl_ctl.beta)
-    x = batch.extra
-    kl = x["kl"]["k1"].sum(1).mean().item()
-    gap = ((batch.engine_logprobs - x["logprobs"]) * batch.mask).sum() / batch.mask.sum()  # behaviour vs current
-    kl_ctl.update(kl)
-    return {"reward": x["scores"].mean().item(), "rule_score": x["rule_scores"].mean().item(), "kl": kl,
-            "valid": (x["rule_scores"] > 0).float().mean().item(),  # share of well-formed records
-            "off_policy_gap": gap.item(), "clip_frac": losses.get("clip_frac", 0.0)}
-# --8<-- [end:shards]
 
 
 # ------------------------------------------------------------------------------------------- co-located
@@ -292,6 +214,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                           "placed": helds, "stats": stats}
         if weights is not None:
             final[placement] = weights
+            if args.save_weights and ctx.rank == 0:
+                os.makedirs(args.save_weights, exist_ok=True)
+                torch.save(weights, os.path.join(args.save_weights, f"{placement}.pt"))
     if ctx.rank == 0 and "colocated" in final and "disaggregated" in final:  # tensors stay in this process
         a, b = final["colocated"], final["disaggregated"]
         out["weight_diff"] = max((a[k] - b[k]).abs().max().item() for k in a)
