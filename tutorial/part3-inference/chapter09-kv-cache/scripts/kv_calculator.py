@@ -24,7 +24,8 @@ Try next
         -> your own model: download its config.json from its Hugging Face page (Llama- or Mistral-style
            decoders); the row shows its KiB per token and how many requests fit
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --dtype fp8
-        -> an 8-bit cache and 8-bit weights: half the bytes per token, and Llama-3-70B now fits on one GPU
+        -> an 8-bit cache and 8-bit weights: half the KiB per token, MiB per request and weight GiB; the budget
+           left after the weights grows, so more than twice the requests fit, and Llama-3-70B now fits on one GPU
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-8b --kv-heads 1
         -> a multi-query variant: 8x less cache per token than Llama-3-8B's 8 KV heads, 8x the requests
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --prompt-len 32000 --max-new-tokens 1000
@@ -167,7 +168,8 @@ def main() -> int:
                   f"is {s.num_heads // s.num_kv_heads}x smaller than the same model with full multi-head attention.")
             break
     real = check_against_real_pool()
-    print(f"\nself-check: the engine's fp32 KV pool for mlsys-small holds {real['pool_bytes']} bytes for "
+    print(f"\nself-check: the engine's KV pool for mlsys-small (fp32, whatever --dtype says) holds "
+          f"{real['pool_bytes']} bytes for "
           f"{8 * 16} token slots = {real['bytes_per_token_measured']:.0f} B/token = formula "
           f"2 * 4 layers * 4 heads * 32 dims * 4 B = {real['formula']} B  OK")
     if args.json:

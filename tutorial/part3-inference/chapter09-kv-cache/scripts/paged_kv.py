@@ -23,11 +23,13 @@ Runtime on 2 cores: about 3 s (the two engine runs), 4 s with --smoke.
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --block-size 16
-        -> bigger blocks: more of each sequence's last block sits empty, so the paged waste grows
+        -> bigger blocks in section 4 (sections 1 and 2 keep blocks of 4; section 3's table already has a row for
+           16): more of each sequence's last block sits empty, so the paged waste grows
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --block-size 1
-        -> one token per block: no waste at all, but block tables as long as the sequences
+        -> one token per block in section 4: no paged waste at all, but block tables as long as the sequences
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --pool-seqs 4
-        -> a pool twice as big: fewer preemptions, and the reservation run admits twice as many sequences
+        -> a pool twice the default 2 sequences: fewer preemptions, and the reservation run admits twice as many
+           sequences
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def bookkeeping_demo(block_size: int = 4, num_blocks: int = 10) -> dict:
     return {"blocks_A": blocks_a, "blocks_B": len(seqs["B"].block_table), "free_after": bm.pool.num_free,
             "before_free": state}
 # --8<-- [end:bookkeeping]
+
+
+# --8<-- [start:slots]
+def slots_by_formula(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """slot = T[p // B] * B + p % B for positions p = 0..num_tokens-1 of one sequence, all at once. The engine's
+    ModelRunner (`_group` in model_runner.py) does the same for every token of a step, all sequences packed:
+        slot_mapping[rows] = table[seq_of, positions // bs] * bs + positions % bs"""
+    positions = torch.arange(num_tokens)
+    table = torch.tensor(block_table)  # logical block -> physical block
+    return (table[positions // block_size] * block_size + positions % block_size).tolist()
+# --8<-- [end:slots]
 
 
 def block_table_slots(model, state: dict, block_size: int, num_blocks: int) -> dict[str, list[int]]:
@@ -290,6 +303,9 @@ def main() -> int:
     report.expect_equal("free blocks after A finished", results["bookkeeping"]["free_after"], 10 - 2)
     state = results["bookkeeping"]["before_free"]
     slots = block_table_slots(model, state, block_size=4, num_blocks=10)
+    for name, st in state.items():
+        report.expect_equal(f"{name}: the engine's slot_mapping vs slot = T[p // B] * B + p % B", slots[name],
+                            slots_by_formula(st["block_table"], st["tokens"], 4))
     results["block_table_drawn"] = draw_block_table(state, slots, 4, 10, ("A", 9), args)
 
     lengths = [1, 3, 4, 5, 8, 9, 17] if args.smoke else [1, 3, 4, 5, 7, 8, 9, 16, 17, 30]
@@ -303,7 +319,8 @@ def main() -> int:
     work = make_workload(args)
     final_lens = [len(p) + sp.max_tokens for p, sp in work]
     print(f"\n3. Workload: {len(work)} requests, final lengths {min(final_lens)}..{max(final_lens)} "
-          f"(mean {sum(final_lens) / len(final_lens):.0f}), max_model_len {args.max_model_len}")
+          f"(mean {sum(final_lens) / len(final_lens):.0f}), max_model_len {args.max_model_len}; waste counted at "
+          "the final lengths")
     rows = []
     for bs in sorted({1, 4, 8, 16, 32, args.block_size}):
         f = kvm.fragmentation(final_lens, bs, reserve_len=args.max_model_len)

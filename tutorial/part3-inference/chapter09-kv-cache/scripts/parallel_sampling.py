@@ -165,7 +165,7 @@ def main() -> int:
     ratio = shared["peak_blocks"] / separate["peak_blocks"]
     print(f"\nsharing the prompt: {ratio:.3g}x the KV blocks ({shared['peak_blocks']} instead of "
           f"{separate['peak_blocks']}) and {shared['prefill_tokens'] / separate['prefill_tokens']:.3g}x the prefill "
-          f"tokens; the goal of at most 0.5x is {'met' if ratio <= 0.5 else 'not met'}")
+          f"tokens; the goal (at most 0.5x the blocks of separate requests) is {'met' if ratio <= 0.5 else 'not met'}")
     if args.json:
         report.write_json(args.json, {"fork_drawn": fork_drawn,
                                       "shared": {k: v for k, v in shared.items() if k != "answers"},

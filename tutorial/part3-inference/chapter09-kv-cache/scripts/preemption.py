@@ -99,7 +99,8 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
 
 # --8<-- [start:serve]
 def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, log: bool) -> dict:
-    """Run all requests to completion; print preemptions as they happen; invariants after every step."""
+    """Run all requests to completion; print preemptions as they happen (with the running and waiting counts
+    after that step); invariants after every step."""
     cfg = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=len(prompts),
                        max_model_len=args.max_model_len, device=device)
     engine = Engine(model, config=cfg)
@@ -121,7 +122,8 @@ def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, l
                 if log:
                     st = engine.stats()
                     print(f"   step {step:>3}: preempted {i} ({computed[i]} tokens of K/V dropped, "
-                          f"{s.num_tokens} tokens kept), running {st['num_running']}, waiting {st['num_waiting']}")
+                          f"{s.num_tokens} tokens kept); after the step: running {st['num_running']}, "
+                          f"waiting {st['num_waiting']}")
     stats = engine.stats()
     assert stats["num_used_blocks"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"], stats
     return {"outputs": [final[i].token_ids for i in ids], "reasons": [final[i].finish_reason for i in ids],
@@ -215,7 +217,8 @@ def main() -> int:
     for n in (args.swap_tokens, 2048, 8192):
         rows.append({"case": "llama-3-8b bf16, computed", **computed_recompute_vs_swap(llama, n, args)})
     for r in rows:
-        r["KV MiB"] = r.pop("kv_bytes") / kvm.MIB
+        mib = r.pop("kv_bytes") / kvm.MIB
+        r["KV MiB"] = int(mib) if mib.is_integer() else mib  # 1024, not 1.02e+03
         r["recompute / swap"] = r["recompute_s"] / r["swap_s"]
     print("\n2. Paying for a preempted sequence: recompute (prefill again) vs swap (K/V out and back in)"
           + ("  [CPU: 'swap' is a memory copy here, not a PCIe transfer]" if device == "cpu" else ""))

@@ -210,7 +210,8 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
     ax.set_xlim(-1, 3 * max((b[0] for b in boxes), default=1) + 2)
     ax.set_ylim(leaf[0], -1)
     ax.axis("off")
-    title = f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens)"
+    title = (f"the engine's radix tree after {len(seqs)} requests (blocks of {args.block_size} tokens); "
+             "in the labels ^ = <bos>, $ = <eos>")
     if len(boxes) < total:
         title += f"\nonly the first {len(boxes)} of its {total} edges drawn; the rest are left out"
     ax.set_title(title)
