@@ -29,7 +29,8 @@ by its pipe's EOF and its exit code. The job stops when:
   died without a report is blamed ahead of every report not sent clearly before (DEATH_SLACK_S) the parent last saw
   it alive, since its peers' errors are the consequence of its death and often reach the parent first. The
   message gives the rank's traceback, or its exit code or signal ("killed by SIGSEGV"; a segfault also prints the
-  rank's Python stack, from faulthandler), and which ranks failed after it.
+  rank's Python stack, from faulthandler), and which ranks failed after it, each with its own failure in one line
+  (its own self-check, a timeout, the last line of its error).
 - a rank straggles: once any rank has returned from the worker, the others have --timeout seconds to do the same;
   a rank still running then ends the job with a one-line reason naming it.
 - a rank makes no collective progress: the process group's timeout is --timeout, so ranks waiting in a collective
@@ -63,6 +64,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -667,6 +669,24 @@ def _how(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def _own_failure(rank: int, seen: _Seen) -> str:
+    """One line on how `rank` itself failed, from its own report (not assumed to be a consequence of another's)."""
+    if seen.died_silently:
+        return f"rank {rank} died ({_how(seen.exitcode)})"
+    kind, text, _ = seen.message  # type: ignore[misc]
+    if kind == "selfcheck":
+        return f"rank {rank} failed its own self-check"
+    if kind == "usage":
+        return f"rank {rank} hit a usage error"
+    if kind in ("timeout", "join-timeout"):
+        where = "a collective" if kind == "timeout" else "init_process_group"
+        return f"rank {rank} timed out in {where}"
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "an error")
+    last = re.sub(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ", "", last)  # gloo's "[.../pair.cc:553] " source location
+    last = last.split(". ")[0]  # its first sentence: gloo goes on with advice
+    return f"rank {rank} raised {last if len(last) <= 120 else last[:117] + '...'}"
+
+
 def _failure(rank: int, seen: list[_Seen]) -> JobFailed:
     others = sorted(r for r, s in enumerate(seen) if r != rank and (s.reported_error or s.died_silently))
     if seen[rank].reported_error:
@@ -674,9 +694,10 @@ def _failure(rank: int, seen: list[_Seen]) -> JobFailed:
     else:
         kind, text = "died", f"rank {rank} died ({_how(seen[rank].exitcode)}) without a Python exception or report"
     if others:
-        after = ", ".join(f"{r} ({_how(seen[r].exitcode)})" if seen[r].died_silently else str(r) for r in others)
-        note = (f"(job stopped: rank {rank} failed first; rank(s) {after} failed after it, "
-                "waiting on a peer that was gone; any rank still running was terminated)")
+        after = ", ".join(map(str, others))
+        own = "; ".join(_own_failure(r, seen[r]) for r in others)
+        note = (f"(job stopped: rank {rank} failed first; rank(s) {after} failed after it: {own}; any rank still "
+                "running was terminated)")
     else:
         note = f"(job stopped: rank {rank} failed; the other ranks were terminated)"
     return JobFailed(rank, f"{text.rstrip()}\n{note}", 2 if kind == "usage" else 1)

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import load_script, run, scripts_dir
 
@@ -349,19 +348,31 @@ def test_the_buffer_oracle_reads_the_changed_tensor_and_the_stale_buffer() -> No
                      "missing wait, fixed": [5.0]}
 
 
-def test_reference_is_the_plain_model_on_autograd() -> None:
-    """The script's single-process reference equals an independent autograd run of the same builder."""
+def test_reference_is_the_plain_model_by_hand_in_numpy() -> None:
+    """The script's single-process reference against the model written out here in float64 numpy, backward pass
+    by hand (no autograd, no build_model forward): the lesson's 16 -> hidden -> hidden -> 4 blocks, ReLU after
+    every block but the last, mean squared error."""
     pipe = load("pipeline_handoff")
     args = pipe.Settings(world_size=2, num_blocks=3, hidden=8, batch_size=5, seed=3)
     out, grads = pipe.reference(args)
-    model = pipe.build_model(3, 8, 3)
-    x, target = pipe.make_batch(5, 3)
-    params = dict(model.named_parameters())
-    y = model(x)
-    want = torch.autograd.grad(((y - target) ** 2).mean(), list(params.values()))
-    torch.testing.assert_close(out, y.detach(), rtol=0, atol=0)
-    for (name, _), g in zip(params.items(), want):
-        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7)
+    params = {k: v.detach().double().numpy() for k, v in pipe.build_model(3, 8, 3).state_dict().items()}
+    layers = [(params[f"{i}.0.weight"], params[f"{i}.0.bias"]) for i in range(3)]  # block i's Linear
+    assert [w.shape for w, _ in layers] == [(8, 16), (8, 8), (4, 8)]
+    x, target = (t.double().numpy() for t in pipe.make_batch(5, 3))
+    acts, h = [x], x
+    for i, (w, b) in enumerate(layers):
+        h = h @ w.T + b
+        h = np.maximum(h, 0.0) if i < 2 else h
+        acts.append(h)
+    np.testing.assert_allclose(out.double().numpy(), h, rtol=1e-5, atol=1e-6)
+    g = 2.0 * (h - target) / h.size  # d mean((y - t)^2) / dy
+    for i in reversed(range(3)):
+        if i < 2:
+            g = g * (acts[i + 1] > 0)  # through the ReLU
+        np.testing.assert_allclose(grads[f"{i}.0.weight"].double().numpy(), g.T @ acts[i], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(grads[f"{i}.0.bias"].double().numpy(), g.sum(0), rtol=1e-4, atol=1e-6)
+        g = g @ layers[i][0]
+    assert set(grads) == {f"{i}.0.{k}" for i in range(3) for k in ("weight", "bias")}
 
 
 @pytest.mark.timeout(120)

@@ -146,6 +146,26 @@ def test_blame_prefers_a_silent_death_unless_a_report_clearly_precedes_it() -> N
     assert _blame([_Seen(message=("ok", None, 99.0), gone=(99.0, 99.1), exitcode=0)]) is None
 
 
+
+def test_each_rank_failing_after_the_first_is_reported_with_its_own_failure() -> None:
+    """Ranks that fail after the first are not all victims: a rank whose own self-check failed says so, a rank
+    that lost its peer quotes its own error (without gloo's source location), a silent death gives its signal."""
+    from mlsys.launch import _failure, _Seen
+
+    first = _Seen(message=("selfcheck", "self-check failed on rank 0: sum", 10.0), gone=(10.1, 10.2), exitcode=1)
+    own = _Seen(message=("selfcheck", "self-check failed on rank 1: sum", 10.3), gone=(10.4, 10.5), exitcode=1)
+    victim = _Seen(message=("error", "rank 2 failed:\nTraceback ...\nRuntimeError: [/x/gloo/pair.cc:553] "
+                            "Connection closed by peer [127.0.0.1]:5. This is typically caused by a crash.\n", 10.3),
+                   gone=(10.4, 10.5), exitcode=1)
+    late = _Seen(message=("timeout", "rank 3 failed:\nTimeout\n", 12.0), gone=(12.1, 12.2), exitcode=1)
+    dead = _Seen(gone=(10.6, 10.7), exitcode=-9)
+    note = str(_failure(0, [first, own, victim, late, dead])).splitlines()[-1]
+    assert note.startswith("(job stopped: rank 0 failed first; rank(s) 1, 2, 3, 4 failed after it: "), note
+    assert "rank 1 failed its own self-check" in note, note
+    assert "rank 2 raised RuntimeError: Connection closed by peer [127.0.0.1]:5;" in note, note
+    assert "rank 3 timed out in a collective" in note and "rank 4 died (killed by SIGKILL)" in note, note
+    assert "waiting on a peer" not in note, note
+
 @pytest.mark.timeout(120)
 def test_straggler_after_a_rank_returned_ends_the_job(tmp_path) -> None:
     """Rank 0 returns; rank 1 sleeps far past --timeout with no collective left to time out: the launcher stops it."""

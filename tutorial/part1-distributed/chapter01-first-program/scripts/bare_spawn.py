@@ -21,7 +21,7 @@ Exit codes: 0 the all_reduce matched, 1 a rank failed or the check failed, 2 bad
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 2
         -> rank 2 raises after joining; spawn terminates the others and reports the first failure it
-           noticed (usually rank 2's, sometimes a survivor's broken connection); exit 1
+           noticed: often a survivor's "Connection closed by peer", sometimes rank 2's own error; exit 1
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 8 --numel 1000000
         -> eight ranks, a million numbers each: the same sum, still checked with no communication
 """

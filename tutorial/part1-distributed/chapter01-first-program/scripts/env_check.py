@@ -102,7 +102,8 @@ def run_checks(args: Settings) -> list[dict]:
         "available" if nccl else "not in this build (needs CUDA)")
     add("backend mpi", "info", "available" if dist.is_mpi_available() else "not in this build (needs an MPI build)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    add("cpu cores", "info", f"{cores}; each of 2 ranks would get {threads_per_rank(2)} torch thread(s)")
+    add("cpu cores", "info", f"{cores}; each of {args.world_size} ranks would get "
+        f"{threads_per_rank(args.world_size)} torch thread(s)")
     try:
         ok, detail = check_spawn()
         add("spawn a process", "ok" if ok else "FAIL", detail)

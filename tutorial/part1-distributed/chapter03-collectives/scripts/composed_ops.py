@@ -166,6 +166,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         report.expect_close(f"{name} var on rank {r}", var, full.var(0), rtol=1e-9, atol=1e-10)
         ctx.print(f"{name:>5}: mean {np.round(mean.numpy(), 4).tolist()}  var {np.round(var.numpy(), 4).tolist()}")
         results[f"{name}_max_abs_err_var"] = float(np.abs(var.numpy() - full.var(0)).max())
+        results[f"{name}_mean"], results[f"{name}_var"] = mean.tolist(), var.tolist()  # what this rank computed
     ctx.print(f"numpy: mean {np.round(full.mean(0), 4).tolist()}  var {np.round(full.var(0), 4).tolist()}")
 
     # the same rows shifted by a large mean, in float64: the sums formula subtracts two numbers near 1e16
@@ -176,6 +177,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         err = float(np.abs(var.numpy() - full_shifted.var(0)).max())
         ctx.print(f"{name:>5}: var {np.round(var.numpy(), 4).tolist()}  largest error {err:.2g}")
         results[f"shifted_{name}_max_abs_err_var"] = err
+        results[f"shifted_{name}_var"] = var.tolist()
         if name == "chan":  # Chan's merge must survive the shift; the sums formula is shown failing, not checked
             report.expect_close(f"chan var after the shift on rank {r}", var, full_shifted.var(0), rtol=1e-6)
     ctx.print(f"numpy: var {np.round(full_shifted.var(0), 4).tolist()}")

@@ -291,8 +291,9 @@ def all_reduce_every_way(numels: list[int], seed: int) -> dict[str, list[list[fl
             for name, fn in algorithms(dist.get_world_size()).items()}
 
 
-def check_against_gloo(ctx: RankContext, args: Settings) -> dict:
-    """Every hand algorithm on random data of an odd length must match dist.all_reduce."""
+def check_against_gloo(ctx: RankContext, args: Settings) -> tuple[dict, dict]:
+    """Every hand algorithm on random data of an odd length must match dist.all_reduce. Returns (largest error of
+    each, what each returned on this rank: an observation a test can hold against its own sum of the inputs)."""
     results = all_reduce_every_way([args.check_numel], args.seed)
     reference = torch.tensor(results["gloo all_reduce"][0])
     errors = {}
@@ -300,7 +301,7 @@ def check_against_gloo(ctx: RankContext, args: Settings) -> dict:
         got = torch.tensor(values)
         report.expect_close(f"rank {ctx.rank}: {name} vs dist.all_reduce", got, reference, rtol=1e-5, atol=1e-5)
         errors[name] = float((got - reference).abs().max())
-    return errors
+    return errors, {name: values for name, (values,) in results.items()}
 
 
 def sweep_sizes(args: Settings) -> list[int]:
@@ -313,7 +314,7 @@ def sweep_sizes(args: Settings) -> list[int]:
 
 def worker(ctx: RankContext, args: Settings) -> dict:
     algos = algorithms(ctx.world_size)
-    errors = check_against_gloo(ctx, args)
+    errors, outputs = check_against_gloo(ctx, args)
     rows = []
     with steady_timing():  # one garbage collection for the whole sweep, not one per timed loop (each rank's costs
         for size in sweep_sizes(args):  # a tenth of a second, and the barrier waits for the slowest rank's)
@@ -329,7 +330,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                 seconds = float(np.median(times))
                 rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
                              "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size)})
-    return {"rows": rows, "max_abs_error": errors}
+    return {"rows": rows, "max_abs_error": errors, "check_output": outputs}
 
 
 def summarise(rows: list[dict], world_size: int) -> dict:
@@ -541,6 +542,7 @@ def main() -> int:
     steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
+                                      "check_numel": args.check_numel, "check_output_rank0": result["check_output"],
                                       "steps_numel": 16 * w, "steps": steps, "figures": figures, **summary}, args)
     return 0
 

@@ -151,8 +151,10 @@ def megatron_mlp(args: Settings, rows: list[dict], device: torch.device) -> dict
         if events:
             report.expect_equal(f"MLP {phase} all-reduce op", events[0].op, "all_reduce")
             report.expect_equal(f"MLP {phase} all-reduce bytes", events[0].nbytes, n_bytes)
+    logged = {phase: [[e.op, e.nbytes] for e in events] for phase, events in counted.items()}  # what ran, as logged
     return {"forward_all_reduces": len(counted["forward"]), "backward_all_reduces": len(counted["backward"]),
-            "all_reduce_bytes": n_bytes if t > 1 else 0}
+            "all_reduce_bytes": counted["forward"][0].nbytes if counted["forward"] else 0, "logged": logged,
+            "observed": {"output": y.tolist(), "input_grad": x_tp.grad.tolist()}}  # for a test's own dense run
 # --8<-- [end:mlp_check]
 
 

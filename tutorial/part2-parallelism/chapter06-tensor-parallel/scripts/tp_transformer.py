@@ -120,6 +120,10 @@ def check_gpt(model: GPT, group, idx: torch.Tensor, targets: torch.Tensor) -> di
     out.update(param_grads=worst, worst_param=where, n_params_checked=len(expected),
                gpt_events=Counter(f"{e.phase} {e.op}" + (" (param grad)" if e.tag == "param_grad" else "")
                                   for e in log))
+    # what the TP model produced, for a test to hold against its own dense run: logits, loss, and the gradients of
+    # the LayerNorms (kept whole on every rank; they depend on the whole TP backward above them)
+    out["observed"] = {"logits": logits.tolist(), "loss": loss.item(), "layer_norm_grads": {
+        name: p.grad.tolist() for name, p in tp_model.named_parameters() if "ln_" in name}}
     return out
 # --8<-- [end:gpt_check]
 
