@@ -281,18 +281,22 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
             [[(x, y), (x + 1, y), (x + 1, y + 1), (x, y + 1)] for y in range(SEAT_DEMO_SEATS) for x in range(frames)],
             facecolors="white", edgecolors="white", linewidths=1))
         labels[mode] = [(c, ax.text(c["step"] + 0.5, c["seat"] + 0.5, f"P{c['tokens']}", ha="center", va="center",
-                                    fontsize=9, color="white", weight="bold"))
+                                    fontsize=11, color="white", weight="bold"))
                         for c in cs if c["kind"] == "prefill" and c["step"] < frames]
         ax.set(yticks=[k + 0.5 for k in range(SEAT_DEMO_SEATS)], xticks=range(frames + 1),
                yticklabels=[f"seat {k}" for k in range(SEAT_DEMO_SEATS)])
         ax.set(xlim=(0, frames), ylim=(SEAT_DEMO_SEATS, 0))
         ax.grid(False)
-        titles[mode] = ax.set_title("", fontsize=11)
+        ax.tick_params(labelsize=11)
+        # a placeholder as long as the real titles, so that tight_layout leaves room for them
+        titles[mode] = ax.set_title(f"{mode}: step {frames}, {SEAT_DEMO_BUDGET} of {SEAT_DEMO_BUDGET} tokens in the "
+                                    "flat batch", fontsize=12)
     axes[0].tick_params(labelbottom=False)
-    axes[1].set_xlabel("engine step   (Pn: n prompt tokens prefilled in this step;  plain: one decode token)")
+    axes[1].set_xlabel("engine step   (Pn: n prompt tokens prefilled in this step;  plain: one decode token)",
+                       fontsize=11)
     from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color=colour[r], label=f"request {r}") for r in colour], loc="center right",
-               fontsize=9, frameon=False)
+               fontsize=11, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
 
     def draw(f: int) -> None:
@@ -309,7 +313,7 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
             titles[mode].set_text(f"{mode}: step {f}, {used} of {SEAT_DEMO_BUDGET} tokens in the flat batch"
                                   if f < len(runs[mode]) else f"{mode}: finished after {len(runs[mode])} steps")
 
-    gif, strip = plot.animate(fig, draw, frames, args, "seats", fps=1.0, strip_columns=4, dpi=100)
+    gif, strip = plot.animate(fig, draw, frames, args, "seats", fps=1.0, strip_columns=3, dpi=100)
     print(f"figure: {gif}\nfigure: {strip}")
     return cells
 

@@ -241,10 +241,14 @@ def main() -> None:
 
     p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
     peak = max(decode, key=lambda r: r["tokens_per_s"])
+    p_peak = max(prefill, key=lambda r: r["tokens_per_s"])
     before_last = decode[-2] if len(decode) > 1 else d_last
     bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"
     print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
           f"{bound(p_last['intensity'])}")
+    print(f"prefill tokens/s: the most at L={p_peak['prompt_len']} ({p_peak['tokens_per_s']:.0f}); "
+          f"L={p_last['prompt_len']} {p_last['tokens_per_s']:.0f} "
+          f"({p_last['tokens_per_s'] / p_peak['tokens_per_s']:.2f}x the most)")
     print(f"decode at B=1: {d_first['intensity']:.2f} FLOPs/byte, {bound(d_first['intensity'])}; "
           f"B={d_last['batch']}: {d_last['intensity']:.1f}, {bound(d_last['intensity'])}")
     print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
@@ -263,6 +267,9 @@ def main() -> None:
         report.write_json(args.json, {"num_params": n_params, "weights_mib": n_params * 4 / 2**20,
                                       "peak_gflop_per_s": flops_peak / 1e9, "copy_gb_per_s": bw_peak / 1e9,
                                       "ridge_flops_per_byte": ridge, "prefill": prefill, "decode": decode,
+                                      "prefill_peak_len": p_peak["prompt_len"],
+                                      "prefill_peak_tokens_per_s": p_peak["tokens_per_s"],
+                                      "prefill_last_vs_peak": p_last["tokens_per_s"] / p_peak["tokens_per_s"],
                                       "decode_peak_batch": peak["batch"],
                                       "decode_peak_tokens_per_s": peak["tokens_per_s"],
                                       "decode_speedup_last_vs_b1": d_last["tokens_per_s"] / d_first["tokens_per_s"],
