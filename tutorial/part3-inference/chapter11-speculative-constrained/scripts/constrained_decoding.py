@@ -270,7 +270,8 @@ def draw_masks(fsm: SchemaFSM, outputs: list[tuple[int, str]], args: Settings) -
     from matplotlib.colors import ListedColormap
 
     tok = fsm.tok
-    fig, axes = plt.subplots(len(outputs), 1, figsize=(13, 3.6 * len(outputs)))
+    # tall enough that each of the vocabulary's rows gets its own readable label (about 9 pt per row)
+    fig, axes = plt.subplots(len(outputs), 1, figsize=(13, 0.125 * tok.vocab_size * len(outputs) + 1.2))
     forced = []
     for ax, (budget, text) in zip(axes, outputs):
         ids = tok.encode(text) + [tok.eos_id]
@@ -282,8 +283,8 @@ def draw_masks(fsm: SchemaFSM, outputs: list[tuple[int, str]], args: Settings) -
         ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(["white", "#9ecae1", "#08306b"]))
         ax.set_xticks(range(len(ids)), [c if c != " " else "\u2423" for c in text] + ["$"], fontsize=7,
                       family="monospace")
-        ax.set_yticks(range(tok.vocab_size), [t if len(t) == 1 else t.strip("<>")[:3] for t in tok.itos], fontsize=5,
-                      family="monospace")
+        ax.set_yticks(range(tok.vocab_size), [t.replace(" ", "\u2423") if len(t) == 1 else t.strip("<>")[:3]
+                                              for t in tok.itos], fontsize=6.5, family="monospace")
         ax.grid(False)
         ax.set(ylabel="next token", title=f"budget {budget}: {forced[-1]['one_choice']} of {len(ids)} positions "
                                           "allow exactly one token (light: allowed, dark: chosen; $ = <eos>)")

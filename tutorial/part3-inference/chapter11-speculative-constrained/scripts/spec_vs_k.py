@@ -174,6 +174,11 @@ def main() -> int:
     print(f"   best: k={best['k']}, {best['speed-up']:.2f}x measured ({best['predicted']:.2f}x predicted); measured "
           f"above predicted for {above} of {len(rows)} k; {torch.get_num_threads()} thread, {torch.__version__}, "
           f"{bench.load_average()}")
+    slower = [f"k = {r['k']} ({r['speed-up']:.2f}\u00d7)" for r in rows if r["speed-up"] < 1]
+    lost = (f"speculation lost time in this run: it was slower than plain decoding at "
+            f"{', '.join(slower[:-1]) + ' and ' + slower[-1] if len(slower) > 1 else slower[0]}" if slower else
+            "speculation lost no time in this run: every k timed was at least as fast as plain decoding")
+    print(f"   {lost}")
 
     draw(rows, args)
     if args.json:
@@ -181,7 +186,8 @@ def main() -> int:
                    "plain_s": timed["plain"], "best_k": best["k"], "best_speedup": best["speed-up"],
                    "best_predicted": best["predicted"], "draft_cost_ratio": c_d1 / c_t1, "param_share": share,
                    "params_ratio": 1 / share, "measured_above_predicted": above, "num_k": len(rows),
-                   "load_average": bench.load_average()}
+                   "load_average": bench.load_average(), "num_slower": len(slower),
+                   "lost": lost[0].upper() + lost[1:]}
         report.write_json(args.json, results, args)
     return 0
 

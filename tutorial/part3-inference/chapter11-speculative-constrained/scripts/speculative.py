@@ -28,7 +28,8 @@ Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two m
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
         -> a longer guess in the traced step (the first with a rejection, so it may accept no more than at k = 4):
-           more drafts are thrown away on the miss
+           more grey (never judged) drafts after the pink miss, all thrown away, in rollback.png and steps.png;
+           steps.png also runs past <eos> into the <bos> of a new record (the figure's run does not stop there)
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --ks 1 16
         -> k = 16: still exactly the target's tokens; tokens per target forward still rise from k = 8 to 16, but
            stay far below k + 1, because a late draft survives only if every draft before it did
@@ -118,13 +119,13 @@ def draw_steps(steps: list[dict], k: int, args: Settings, max_rows: int = 14) ->
     def show(t: int) -> str:  # a visible space, escapes for <eos> and the like
         return repr(tok.decode([t], skip_special=False))[1:-1].replace(" ", "\u2423")
 
-    colours = {"accepted": "#7fc97f", "rejected": "#f0027f", "unjudged": "#dddddd", "correction": "#386cb0",
-               "bonus": "#9467bd"}
+    colours = {"accepted": "#7fc97f", "rejected": "#f0027f", "never judged": "#dddddd", "correction": "#386cb0",
+               "bonus": "#9467bd"}  # the same colours as rollback.png
     fig, ax = plt.subplots(figsize=(1.2 + 0.55 * (k + 2), 0.42 * len(rows) + 1.2))
     for r, st in enumerate(rows):
         j = st["accepted"]
         for i, d in enumerate(st["drafts"]):
-            kind = "accepted" if i < j else "rejected" if i == j else "unjudged"
+            kind = "accepted" if i < j else "rejected" if i == j else "never judged"
             ax.add_patch(Rectangle((i, r), 0.95, 0.9, color=colours[kind]))
             ax.text(i + 0.47, r + 0.45, show(d), ha="center",
                     va="center", fontsize=8, family="monospace")
@@ -178,7 +179,7 @@ def rollback_step(target, draft, prompt: list[int], k: int, max_new: int) -> dic
         seq += new
     drafted = [n for op, n in drf.log if op == "feed"][-1]
     verified = [n for op, n in tgt.log if op == "feed"][-1]
-    return {"seq": seq, "drafts": drafts, "accepted": j, "new": new, "k": k, "phases": [
+    return {"seq": seq, "n": len(seq), "drafts": drafts, "accepted": j, "new": new, "k": k, "phases": [
         {"phase": "before the step", "target": before[0], "draft": before[1]},
         {"phase": f"draft fed {k} tokens", "target": before[0], "draft": drafted},
         {"phase": "target verified k + 1", "target": verified, "draft": drafted},
@@ -195,16 +196,20 @@ def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
     n = len(seq)
     tokens = seq + drafts  # position p holds tokens[p]: the prompt/committed part, then d1..dk at n..n+k-1
     first = max(0, n - 1 - context)
-    colours = {"committed": "#9ecae1", "pending (not cached yet)": "#ffffff", "draft, not yet judged": "#dddddd",
-               "accepted draft": "#7fc97f", "rejected draft (stale)": "#f0027f"}
+    # the same colours as steps.png; a cell past the cache's length after the rollback is hatched: stale
+    colours = {"committed": "#9ecae1", "pending (not cached yet)": "#ffffff", "draft, not judged yet": "#dddddd",
+               "accepted draft": "#7fc97f", "rejected draft": "#f0027f", "never judged": "#dddddd"}
     written = {name: step["phases"][2][name] for name in ("target", "draft")}  # the furthest each cache wrote
+
+    def judged(pos: int) -> str:
+        return "accepted draft" if pos - n < j else "rejected draft" if pos - n == j else "never judged"
 
     def status(pos: int, length: int, ph: int, name: str) -> str:
         if pos < n:
             return "committed" if pos < length else "pending (not cached yet)" if ph < 2 else ""
         if pos < length:
-            return "draft, not yet judged" if ph < 2 else "accepted draft" if pos - n < j else "rejected draft (stale)"
-        return "rejected draft (stale)" if ph == 3 and pos < written[name] else ""
+            return "draft, not judged yet" if ph < 2 else judged(pos)
+        return judged(pos) + " (stale)" if ph == 3 and pos < written[name] else ""
 
     drawn, rows = [], []
     for ph, p in enumerate(step["phases"]):
@@ -219,7 +224,8 @@ def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
                 continue
             cells.append((pos, tokens[pos], st))
             y = r + ph * 0.5  # a gap between phases
-            ax.add_patch(Rectangle((pos, y), 0.92, 0.85, facecolor=colours[st], edgecolor="#555555",
+            ax.add_patch(Rectangle((pos, y), 0.92, 0.85, facecolor=colours[st.removesuffix(" (stale)")],
+                                   edgecolor="#555555",
                                    linestyle="--" if st.startswith("pending") else "-", linewidth=0.8,
                                    hatch="//" if "stale" in st else None))
             ax.text(pos + 0.46, y + 0.43, repr(tok.decode([tokens[pos]], skip_special=False))[1:-1]
@@ -234,8 +240,12 @@ def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
                   fontsize=7)
     ax.set_xlabel("cache position (earlier positions committed, not drawn)")
     ax.grid(False)
-    ax.legend(handles=[Patch(facecolor=c, edgecolor="#555555", label=s, hatch="//" if "stale" in s else None)
-                       for s, c in colours.items()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    labels = {"draft, not judged yet": "draft, not judged (yet, or never)"}  # one grey entry for both greys
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="#555555", label=labels.get(s, s))
+                       for s, c in colours.items() if s != "never judged"]
+              + [Patch(facecolor="#ffffff", edgecolor="#555555", hatch="//",
+                       label="stale (past len): overwritten\nby the next forward")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(f"one step, k = {step['k']}: {j} of {len(drafts)} drafts accepted; the target's token "
                  f"{tok.decode([step['new'][-1]], skip_special=False)!r} becomes the new pending token",
                  fontsize=9)
