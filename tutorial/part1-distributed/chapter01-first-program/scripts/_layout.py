@@ -10,6 +10,7 @@ the tree is still drawn from the pids; the store is then marked "not observed".
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -105,15 +106,53 @@ def draw(ranks: list[dict], root: int, roles: dict[int, str], args: Any, name: s
         for i, node in enumerate(row):
             where[node["pid"]] = ((i + 0.5) * width / len(row), -level)
     store_xy = (width / 2, -depth)
-    line = {"shrinkA": 16, "shrinkB": 20}
+    listener = drawn["store"]["listener"]
+    boxes = {}  # pid (or "store") -> the text box drawn there
+    for node in drawn["nodes"]:
+        hosts = node["pid"] == listener
+        boxes[node["pid"]] = ax.text(
+            *where[node["pid"]], f"{node['label']}\npid {node['pid']}" + ("\nhosts the store" if hosts else ""),
+            ha="center", va="center", fontsize=8, zorder=5,
+            bbox={"boxstyle": "round", "fc": "#fde0c5" if hosts else ("#dbe9f6" if "rank" in node else "#eeeeee"),
+                  "ec": "C1" if hosts else "#777777"})
+    store_text = (f"TCPStore {drawn['store']['address']}\n"
+                  + ("listening socket held by pid " + str(listener) if listener else "listener not observed"))
+    boxes["store"] = ax.text(*store_xy, store_text, ha="center", va="center", fontsize=8, zorder=5,
+                             bbox={"boxstyle": "round", "fc": "#fff4e6", "ec": "C1", "lw": 1.5})
+    ax.set_xlim(-0.1, width + 0.3)
+    ax.set_ylim(-depth - 0.8, 0.5)
+    ax.axis("off")
+    ax.set_title(title, fontsize=10)
+    fig.canvas.draw()  # lays the boxes out, so the arrows can start and end at their edges
+    to_data = ax.transData.inverted()
+    half = {}  # each box's half width and half height, in data units
+    for key, text in boxes.items():
+        (x0, y0), (x1, y1) = to_data.transform(text.get_bbox_patch().get_window_extent())
+        half[key] = ((x1 - x0) / 2, (y1 - y0) / 2)
+    xy = where | {"store": store_xy}
+
+    def edge(a: Any, b: Any, shift: tuple[float, float]) -> tuple[float, float]:
+        """Where the straight line from the centre of box `a` (moved by `shift`) towards box `b` (moved the
+        same) leaves box `a`."""
+        (xa, ya), (xb, yb), (hw, hh), (sx, sy) = xy[a], xy[b], half[a], shift
+        dx, dy = xb - xa, yb - ya
+        t = min((hw - math.copysign(1, dx) * sx) / abs(dx) if dx else math.inf,
+                (hh - math.copysign(1, dy) * sy) / abs(dy) if dy else math.inf)
+        return xa + sx + t * dx, ya + sy + t * dy
+
+    def arrow(a: Any, b: Any, offset: float = 0.0, **style: Any) -> None:
+        """An arrow from box `a`'s edge to box `b`'s, moved `offset` data units sideways."""
+        (xa, ya), (xb, yb) = xy[a], xy[b]
+        norm = ((xb - xa) ** 2 + (yb - ya) ** 2) ** 0.5
+        shift = (offset * (yb - ya) / norm, -offset * (xb - xa) / norm)
+        ax.annotate("", xy=edge(b, a, shift), xytext=edge(a, b, shift), zorder=6,
+                    arrowprops={"arrowstyle": "-|>", "shrinkA": 2, "shrinkB": 2, "mutation_scale": 14, **style})
+
     for parent, child in drawn["edges"]:
         if parent in where and child in where:
-            ax.annotate("", xy=where[child], xytext=where[parent], zorder=1,
-                        arrowprops={"arrowstyle": "-|>", "color": "#444444", **line})
-    for pid in drawn["clients"]:
-        ax.annotate("", xy=store_xy, xytext=where[pid], zorder=1,
-                    arrowprops={"arrowstyle": "-|>", "color": "C1", "linestyle": "--", **line})
-    listener = drawn["store"]["listener"]
+            arrow(parent, child, color="#444444")
+    for pid in drawn["clients"]:  # the host's own connection runs beside the thick line, not hidden under it
+        arrow(pid, "store", 0.12 if pid == listener else 0.0, color="C1", linestyle="--")
     if listener in where:  # a thick line from the process that hosts the store, around the others if it is above
         (x0, y0), (x1, y1) = where[listener], store_xy
         if y0 == y1 + 1:
@@ -121,21 +160,6 @@ def draw(ranks: list[dict], root: int, roles: dict[int, str], args: Any, name: s
         else:
             side = width + 0.15
             ax.plot([x0, side, side, x1], [y0, y0, y1, y1], color="C1", lw=3, zorder=0)
-    for node in drawn["nodes"]:
-        x, y = where[node["pid"]]
-        hosts = node["pid"] == listener
-        ax.text(x, y, f"{node['label']}\npid {node['pid']}" + ("\nhosts the store" if hosts else ""),
-                ha="center", va="center", fontsize=8, zorder=5,
-                bbox={"boxstyle": "round", "fc": "#fde0c5" if hosts else ("#dbe9f6" if "rank" in node else "#eeeeee"),
-                      "ec": "C1" if hosts else "#777777"})
-    store_text = (f"TCPStore {drawn['store']['address']}\n"
-                  + ("listening socket held by pid " + str(listener) if listener else "listener not observed"))
-    ax.text(*store_xy, store_text, ha="center", va="center", fontsize=8, zorder=5,
-            bbox={"boxstyle": "round", "fc": "#fff4e6", "ec": "C1", "lw": 1.5})
-    ax.set_xlim(-0.1, width + 0.3)
-    ax.set_ylim(-depth - 0.8, 0.5)
-    ax.axis("off")
-    ax.set_title(title, fontsize=10)
     ax.text(-0.05, -depth - 0.65, "grey arrow: parent -> child process    dashed: a connection to the store    "
             "thick: the process listening on the store's port", fontsize=7, color="#555555")
     return str(plot.save(fig, args, name)), drawn

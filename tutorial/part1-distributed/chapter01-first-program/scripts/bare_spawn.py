@@ -18,10 +18,15 @@ Under torchrun the script does not spawn: torchrun has already started one copy 
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, so each copy runs the worker directly.
 Exit codes: 0 the all_reduce matched, 1 a rank failed or the check failed, 2 bad flags.
 
+Runtime on 2 cores: 13 to 40 s in the book's builds, nearly all of it the fresh processes each importing torch
+(spawn re-imports; the book's launcher forks its ranks from a process that already has); --smoke (2 ranks) is
+only a little faster.
+
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 2
         -> rank 2 raises after joining; spawn terminates the others and reports the first failure it
-           noticed: often a survivor's "Connection closed by peer", sometimes rank 2's own error; exit 1
+           noticed, and the line above the traceback says whose: the culprit's own error or a victim's
+           "Connection closed by peer" (it changes from run to run); exit 1
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 8 --numel 1000000
         -> eight ranks, a million numbers each: the same sum, still checked with no communication
 """
@@ -188,7 +193,10 @@ def main() -> int:
     try:
         mp.spawn(worker, args=(args.world_size, args), nprocs=args.world_size, join=True)
     except mp.ProcessRaisedException as err:  # a rank raised: spawn stopped the others and passes its traceback
-        print(f"a rank failed; the others were terminated.\n{err}", file=sys.stderr)
+        who = ("" if args.crash_rank < 0 else " (the culprit)" if err.error_index == args.crash_rank
+               else f" (a victim: rank {args.crash_rank} is the one that crashed)")
+        print(f"a rank failed; the others were terminated. spawn passes on the traceback of rank "
+              f"{err.error_index}{who}:\n{err}", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as err:  # a rank died without a Python exception (a signal, os._exit)
         print(f"a rank died: {err}", file=sys.stderr)

@@ -9,8 +9,9 @@ What it shows
     For each store every rank: registers its address under its own key, takes a ticket from an atomic counter
     (its arrival order), waits until every rank's key exists, reads all the addresses; then hands the store to
     gloo, which runs its own exchange through it to build a new process group. An all_reduce over that new group
-    is checked against W(W+1)/2. Rank 0 prints what each rank saw and how long each step took, and draws the
-    steps as one bar per rank and store.
+    is checked against W(W+1)/2 (rank r contributes r + 1). Rank 0 prints what each rank saw and how long each
+    step took, draws the steps as one bar per rank and store, and prints the `stores:` line: where the job's own
+    store (the launcher's, or torchrun's) and the hand-built TCPStore listened.
 
 How to run (any world size >= 1)
     python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py -w 4
@@ -28,6 +29,10 @@ Try next
         -> the same protocol inside a torchrun job: the hand-built stores sit beside torchrun's
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py
         -> no launcher, no store by hand: the bare init_process_group program
+    python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py &
+    python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py --plot-dir /tmp/rv2; wait
+        -> two jobs at once (the second draws into /tmp/rv2), both OK: their `stores:` lines show different
+           ports, as each launcher got its own free port; their other lines interleave
 """
 
 from __future__ import annotations
@@ -108,21 +113,27 @@ def one_store(kind: str, ctx: RankContext, args: Settings, tmpdir: str | None) -
                         torch.tensor([ctx.world_size * (ctx.world_size + 1) / 2]))
     dist.barrier()  # every client is done before rank 0's store server goes away
     del group
-    return {"store": kind, "ticket": ticket, "peers_seen": len(peers), "all_reduce": t.item(),
+    return {"store": kind, "port": store.port if kind == "tcp" else None,
+            "ticket": ticket, "peers_seen": len(peers), "all_reduce": t.item(),
             "rendezvous_ms": 1e3 * (met - start), "build_group_ms": 1e3 * (built - met),
             "all_reduce_ms": 1e3 * (done - built) / args.rounds}
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
     rows = []
+    # the job's own store: where the launcher (or torchrun) told this rank to meet the others
+    stores = {"the job's store": f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"}
     with tempfile.TemporaryDirectory() as tmpdir:
         for kind in ("tcp", "file"):
             mine = one_store(kind, ctx, args, tmpdir if ctx.rank == 0 else None)
+            port = mine.pop("port")
+            if port:
+                stores["hand-built TCPStore"] = f"127.0.0.1:{port}"
             everyone: list = [None] * ctx.world_size
             dist.all_gather_object(everyone, mine)
             rows += [{"rank": r, **row} for r, row in enumerate(everyone)]
         dist.barrier()  # rank 0 removes the temporary directory only after every rank closed the file store
-    return {"world_size": ctx.world_size, "rows": rows}
+    return {"world_size": ctx.world_size, "rows": rows, "stores": stores}
 
 
 def draw(rows: list[dict], args: Settings) -> str:
@@ -162,6 +173,7 @@ def main() -> int:
     if any(t != list(range(1, w + 1)) for t in tickets.values()):  # the counter must hand out each ticket once
         raise cli.SelfCheckFailed(f"arrival tickets {tickets} are not 1..{w} once each")
     print(f"figure: {draw(rows, args)}")
+    print("stores: " + ", ".join(f"{name} at {where}" for name, where in result["stores"].items()))
     print(f"\nOK: on both stores, {w} ranks took tickets 1..{w} (one each), saw all {w} addresses, "
           f"and an all_reduce over the group built from the store gave {w * (w + 1) // 2} on every rank.")
     if args.json:
