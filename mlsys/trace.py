@@ -6,8 +6,9 @@ spent. Calls that torch makes internally are not traced, only the script's own.
 
 `recording(calls)` does the same silently for the point-to-point calls, for pictures: inside the `with`, each call
 (and each `wait()` on the request an isend, irecv or batch_isend_irecv returned) appends
-{call, peer, numel, start, end, outcome} to `calls`; `note(calls, what, value)` adds an instant of the script's
-own (a tensor changed, a buffer read) to the same list.
+{call, peer, numel, start, end, outcome} to `calls`; `recording(calls, also=("all_reduce",))` records collectives
+too (an async one's wait() and the moment its result was ready included); `note(calls, what, value)` adds an
+instant of the script's own (a tensor changed, a buffer read) to the same list.
 """
 
 from __future__ import annotations
@@ -105,12 +106,19 @@ class _Request:
 
 
 @contextlib.contextmanager
-def recording(calls: list[dict]):
+def recording(calls: list[dict], also: tuple[str, ...] = (), values: bool = False):
     """Wrap the torch.distributed functions in RECORDED (called as `dist.send(...)` etc.) so that each call appends
     {call, peer, numel, start, end, outcome} to `calls`: start and end in time.perf_counter() seconds (one clock for
     every process of a machine), outcome "returned" or "raised". batch_isend_irecv is one call, with the operations
     it posted under "ops" as [kind, peer, numel]; the requests it returns are recorded as wait(isend) / wait(irecv),
-    in the order of its list."""
+    in the order of its list.
+
+    `also` names more functions to record, collectives such as "all_reduce" or "monitored_barrier": numel is their
+    first tensor's, "op" the reduce op's name. One called with async_op=True returns its work handle recorded like
+    a request (its wait() as wait(all_reduce)), and its entry gets "done": the moment its result was ready (the
+    handle's future completed, on the backend's own thread). values=True adds a blocking collective's tensor as
+    "in" (before the call) and "out" (after it), as lists."""
+    import torch
     import torch.distributed as dist
 
     @contextlib.contextmanager
@@ -139,12 +147,26 @@ def recording(calls: list[dict]):
             p2p = name in ("send", "recv", "isend", "irecv")
             peer = kwargs.get("dst", kwargs.get("src", args[1] if p2p and len(args) > 1 else None))
             numel = (args[0] if args else kwargs["tensor"]).numel() if p2p else None
-            with log(name, peer, numel):
+            tensor = next((a for a in (*args, kwargs.get("tensor")) if isinstance(a, torch.Tensor)), None)
+            collective = name in also
+            with log(name, peer, tensor.numel() if collective and tensor is not None else numel):
+                if collective and "reduce" in name:  # the op: by keyword, second positional, or the default SUM
+                    op = kwargs.get("op", args[1] if len(args) > 1 else None)
+                    calls[-1]["op"] = getattr(op, "name", "SUM") if op is not None else "SUM"
+                if collective and values and tensor is not None and not kwargs.get("async_op"):
+                    calls[-1]["in"] = tensor.tolist()
+                entry = calls[-1]
                 out = fn(*args, **kwargs)
+                if "in" in entry:
+                    entry["out"] = tensor.tolist()
+            if collective and kwargs.get("async_op") and out is not None:
+                # the handle's future completes when the result is ready: note the moment, on whatever thread
+                out.get_future().add_done_callback(lambda _: entry.__setitem__("done", time.perf_counter()))
+                return _Request(out, log, name, None, entry["numel"])
             return _Request(out, log, name, peer, numel) if name in ("isend", "irecv") else out
         return recorded
 
-    originals = {name: getattr(dist, name) for name in RECORDED}
+    originals = {name: getattr(dist, name) for name in (*RECORDED, *also)}
     real_isend, p2p_op = inspect.unwrap(originals["isend"]), dist.P2POp
     try:
         for name, fn in originals.items():

@@ -388,12 +388,114 @@ def test_ring_where_every_rank_sends_first_deadlocks_and_the_fixes_do_not(tmp_pa
 
 
 # ----------------------------------------------------------------------------------------------- debugging
+def debug_programs(w: int) -> list[dict[int, list]]:
+    """The three scenarios' programs, written out here: per rank, (call, peer or numel) in order. The last rank
+    passes 5 elements; in scenario 2 it is stuck in a recv from rank 0, which rank 0 answers after its barrier."""
+    late = w - 1
+    return [{r: [("all_reduce", 5 if r == late else 4)] for r in range(w)},
+            {r: [("recv", 0), ("monitored_barrier", None)] if r == late else
+             [("monitored_barrier", None)] + ([("send", late)] if r == 0 else []) for r in range(w)},
+            {r: [("recv", 1 - r)] if r <= 1 else [] for r in range(w)}]
+
+
+def hang_oracle(programs: dict[int, list], timeout: dict[str, float]) -> dict[int, list[tuple[str, str]]]:
+    """Replay the programs on a clock: a call takes no time unless it must wait, and a waiting call raises when its
+    timeout runs out. A send and a recv meet in pairs (nothing buffered); a checked all_reduce completes once every
+    rank is in it, raising on every rank if the sizes differ; in monitored_barrier rank 0 returns once every rank
+    is in, raises at its timeout otherwise, and every other rank ends as rank 0 did (at once, if it comes later).
+    Returns, per rank, (call, "returned" or "raised") for every call it entered."""
+    pc, since, now, verdict0 = dict.fromkeys(programs, 0), {}, 0.0, None
+    done: dict[int, list] = {r: [] for r in programs}
+
+    def current(r: int):
+        return programs[r][pc[r]] if pc[r] < len(programs[r]) else None
+
+    def finish(r: int, outcome: str) -> None:
+        done[r].append((current(r)[0], outcome))
+        pc[r] += 1
+        since[r] = now
+
+    while any(current(r) for r in programs):
+        progress = True
+        while progress:
+            progress = False
+            for r in programs:
+                call = current(r)
+                if call is None:
+                    continue
+                since.setdefault(r, now)
+                kind, arg = call
+                if kind in ("send", "recv"):
+                    other = current(arg)
+                    if other == ("recv" if kind == "send" else "send", r):
+                        finish(r, "returned")
+                        finish(arg, "returned")
+                        progress = True
+                elif kind == "all_reduce" and all(current(q) and current(q)[0] == kind for q in programs):
+                    sizes = {current(q)[1] for q in programs}
+                    for q in programs:
+                        finish(q, "returned" if len(sizes) == 1 else "raised")
+                    progress = True
+                elif kind == "monitored_barrier":
+                    if r == 0 and all(current(q) and current(q)[0] == kind for q in programs):
+                        verdict0 = "returned"
+                        finish(0, verdict0)
+                        progress = True
+                    elif r != 0 and verdict0 is not None:
+                        finish(r, verdict0)
+                        progress = True
+        blocked = [r for r in programs if current(r) is not None]
+        if not blocked:
+            break
+        r = min(blocked, key=lambda q: since[q] + timeout[current(q)[0]])  # the first wait to run out
+        now = since[r] + timeout[current(r)[0]]
+        if current(r)[0] == "monitored_barrier" and r == 0:
+            verdict0 = "raised"
+        finish(r, "raised")
+    return done
+
+
+def check_debug_lanes(lanes: dict, w: int, wait: float, barrier: float) -> None:
+    """The flight-record picture: per scenario, the calls each rank entered, in order, with their sizes or peers
+    and how each ended, are the hang oracle's; a recv that returned ended after its sender entered the send."""
+    timeout = {"send": wait, "recv": wait, "all_reduce": wait, "monitored_barrier": barrier}
+    assert len(lanes) == 3
+    for (scenario, calls), programs in zip(lanes.items(), debug_programs(w)):
+        predicted = hang_oracle(programs, timeout)
+        for r in range(w):
+            mine = [c for c in calls if c["rank"] == r]
+            assert [(c["call"], c["outcome"]) for c in mine] == predicted[r], (scenario, r, mine)
+            assert [c["numel"] if c["call"] == "all_reduce" else c["peer"] for c in mine] == \
+                [arg for _, arg in programs[r]], (scenario, r, mine)
+            assert all(c["start_ms"] <= c["end_ms"] for c in mine)
+            assert all(a["end_ms"] <= b["start_ms"] for a, b in zip(mine, mine[1:])), (scenario, r, mine)
+            for c in mine:
+                if c["call"] == "recv" and c["outcome"] == "returned":
+                    send = next(s for s in calls if s["rank"] == c["peer"] and s["call"] == "send")
+                    assert c["end_ms"] >= send["start_ms"], (scenario, c, send)
+
+
+def test_the_hang_oracle_on_its_own() -> None:
+    """Without the late rank, the barrier passes; with equal sizes, the all_reduce does; a recv pair deadlocks."""
+    t = {"send": 2, "recv": 2, "all_reduce": 2, "monitored_barrier": 1}
+    assert hang_oracle({r: [("monitored_barrier", None)] for r in range(3)}, t) == \
+        {r: [("monitored_barrier", "returned")] for r in range(3)}
+    assert hang_oracle({r: [("all_reduce", 4)] for r in range(2)}, t) == {r: [("all_reduce", "returned")]
+                                                                        for r in range(2)}
+    programs = debug_programs(3)
+    assert hang_oracle(programs[1], t)[2] == [("recv", "returned"), ("monitored_barrier", "raised")]
+    assert hang_oracle(programs[2], t) == {0: [("recv", "raised")], 1: [("recv", "raised")], 2: []}
+
+
 @pytest.mark.timeout(120)
 def test_debug_tools_name_the_mismatch_the_late_rank_and_the_waiting_line(tmp_path) -> None:
     out = tmp_path / "r.json"
-    proc = run([CH02 / "debugging.py", "-w", 3, "--smoke", "--json", out], timeout=110)
+    proc = run([CH02 / "debugging.py", "-w", 3, "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())["results"]
+    settings = json.loads(out.read_text())["settings"]
+    check_debug_lanes(result["lanes"], 3, settings["wait_timeout"], settings["barrier_timeout"])
+    assert (tmp_path / "lanes.png").stat().st_size > 1000
     assert "Ranks 2 failed to pass monitoredBarrier" in result["barrier_error_rank0"]  # rank 2 is the late one
     frames = result["stack_rank0"]
     assert " in recv" in frames[0] and any("debugging.py" in f and "in where_it_hangs" in f for f in frames)

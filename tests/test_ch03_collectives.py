@@ -281,11 +281,34 @@ def test_tour_figure_shows_where_each_id_went(smoke_cache) -> None:
             assert got is None if expected[r] is None else np.array_equal(got, expected[r]), (name, r)
 
 
+def check_partials(calls: list[dict], rows: list[np.ndarray], vec: np.ndarray) -> None:
+    """The partials picture: what each rank put into each all_reduce and what came back, against numpy on the
+    rank's own rows and its np.array_split slice of the vector, then reduced over the ranks here."""
+    W, big = len(rows), np.iinfo(np.int64).max
+    slices = np.array_split(np.arange(len(vec)), W)
+    top = vec.max()
+    want_in = []
+    for q in range(W):
+        x, part = rows[q], vec[slices[q]]
+        hits = slices[q][part == top]
+        want_in.append([np.concatenate([[len(x)], x.sum(0), (x * x).sum(0)]), part.max(),
+                        np.exp(part - top).sum(), part.max(), hits[0] if len(hits) else big])
+    want_out = [sum(w[0] for w in want_in), top, sum(w[2] for w in want_in), top, min(w[4] for w in want_in)]
+    assert [p["rank"] for p in calls] == list(range(W))
+    for q, p in enumerate(calls):
+        assert p["slice"] == [int(slices[q][0]), int(slices[q][-1]) + 1]
+        assert [c["op"] for c in p["calls"]] == ["SUM", "MAX", "SUM", "MAX", "MIN"]
+        for k, c in enumerate(p["calls"]):
+            np.testing.assert_allclose(c["in"], want_in[q][k], rtol=1e-5, err_msg=f"rank {q} call {k} in")
+            np.testing.assert_allclose(c["out"], want_out[k], rtol=1e-5, err_msg=f"rank {q} call {k} out")
+
+
 @pytest.mark.timeout(120)
 def test_composed_ops_equal_numpy(tmp_path) -> None:
     out = tmp_path / "ops.json"
-    proc = run([CH03 / "composed_ops.py", "-w", 3, "--vocab", 17, "--json", out])
+    proc = run([CH03 / "composed_ops.py", "-w", 3, "--vocab", 17, "--json", out, "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "partials.png").stat().st_size > 1000
     res = json.loads(out.read_text())["results"]
     assert res["rows_per_rank"] == [5, 8, 11]
     vec = np.asarray(res["vector"], dtype=np.float64)  # the softmax and argmax, from the input alone, in numpy
@@ -305,6 +328,9 @@ def test_composed_ops_equal_numpy(tmp_path) -> None:
     shifted = np.var(rows + settings.shift, axis=0)
     np.testing.assert_allclose(res["shifted_chan_var"], shifted, rtol=1e-6)
     assert np.abs(np.asarray(res["shifted_sums_var"]) - shifted).max() > 0.1
+    # the picture's all_reduces: each rank's own rows and slice, reduced in numpy
+    shards = [ops.shard_rows(settings.seed, q, settings).numpy().astype(np.float64) for q in range(3)]
+    check_partials(res["all_reduce_calls"], shards, vec)
 
 
 def test_a_large_shift_breaks_the_sums_formula_but_not_chan() -> None:
@@ -541,6 +567,35 @@ def test_async_all_reduce_after_wait_is_the_numpy_sum(world_size: int) -> None:
     assert results["demo"]["completed_after_wait"] is True
 
 
+def check_async_timeline(lanes: dict, world_size: int) -> None:
+    """The timeline picture, against what any all_reduce must obey: no rank's sum is ready, and no blocking
+    all_reduce or wait() returns, before the last rank has entered the all_reduce (the sum needs every input);
+    the overlapped order posts, then waits, then returns, and nothing of it waits before the post returned."""
+    assert list(lanes) == ["sequential", "overlapped"]
+    for order, program in (("sequential", ["all_reduce", "returned"]),
+                           ("overlapped", ["all_reduce", "wait(all_reduce)", "returned"])):
+        calls = lanes[order]
+        last_in = max(c["start_ms"] for c in calls if c["call"] == "all_reduce")
+        for q in range(world_size):
+            mine = [c for c in calls if c["rank"] == q]
+            assert [c["call"] for c in mine] == program, (order, q, mine)
+            assert all(a["end_ms"] <= b["start_ms"] for a, b in zip(mine, mine[1:])), (order, q, mine)
+            got = mine[-2]  # the call after which the sum may be read: the blocking all_reduce, or wait()
+            assert got["end_ms"] >= last_in, (order, q, got, last_in)
+            if order == "overlapped":
+                assert mine[0]["done_ms"] >= last_in and mine[0]["done_ms"] >= mine[0]["start_ms"], (q, mine)
+
+
+@pytest.mark.timeout(120)
+def test_async_timeline_obeys_the_all_reduce(tmp_path) -> None:
+    out = tmp_path / "a.json"
+    proc = run([CH03 / "async_ops.py", "-w", 2, "--mib", 1, "--matmuls", 2, "--n", 64, "--repeats", 1,
+                "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_async_timeline(json.loads(out.read_text())["results"]["timeline"], 2)
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
 def groups_worker(ctx, R: int, C: int) -> list[dict]:
     import torch.distributed as dist
 
@@ -568,6 +623,28 @@ def test_row_and_column_groups_against_numpy(R: int, C: int) -> None:
         np.testing.assert_array_equal(got["row_sum"], grid[i].sum(0))
         np.testing.assert_array_equal(got["col_gather"], grid[:, j])
         np.testing.assert_array_equal(got["col_top"], grid[0, j])
+
+
+def check_group_cells(cells: list[dict], R: int, C: int, x: np.ndarray) -> None:
+    """The groups picture: rank g's cell sits at divmod(g, C), its row and column groups are the rows and columns
+    of arange(W).reshape(R, C), and what it got is numpy's row sum and the column's first x."""
+    ranks = np.arange(R * C).reshape(R, C)
+    assert [c["rank"] for c in cells] == list(range(R * C))
+    for g, c in enumerate(cells):
+        i, j = divmod(g, C)
+        assert c["at"] == [i, j] and c["x"] == x[g].tolist()
+        assert c["row_group"] == ranks[i].tolist() and c["col_group"] == ranks[:, j].tolist(), c
+        assert c["row_sum"] == x[ranks[i]].sum(0).tolist() and c["col_top"] == x[ranks[0, j]].tolist(), c
+
+
+@pytest.mark.timeout(120)
+def test_groups_picture_against_numpy_on_the_grid(tmp_path) -> None:
+    out = tmp_path / "g.json"
+    proc = run([CH03 / "subgroups.py", "-w", 6, "--rows", 2, "--seed", 5, "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    x = np.random.default_rng(5).integers(0, 10, size=(6, 3)).astype(np.float64)  # rank g's vector, as documented
+    check_group_cells(json.loads(out.read_text())["results"]["cells"], 2, 3, x)
+    assert (tmp_path / "groups.png").stat().st_size > 1000
 
 
 @pytest.mark.timeout(60)

@@ -15,12 +15,16 @@ What it shows (each scenario on its own gloo group with a short timeout, so noth
        dump_traceback_later prints each rank's Python stack while it waits: the frame in this script and the
        torch.distributed call it is blocked in. Checked: the dump shows the recv. From outside the job,
        `py-spy dump --pid PID` prints the same for a running process without any change to its code.
+    The figure (lanes.png, printed as `figure: <path>`) is the job's flight record of the three scenarios: every
+    collective and point-to-point call each rank made (mlsys.trace.recording), from when it was entered to when it
+    returned or raised, one lane per rank, with the error each raised call ended in. The JSON keeps the calls
+    under `lanes`.
 
 How to run (2 to 8 ranks)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/debugging.py
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/debugging.py -w 4 --all-ranks
 
-Runtime on 2 cores: about 10 s at the defaults (mostly the timeouts themselves), 7 s with --smoke.
+Runtime on 2 cores: about 11 s at the defaults (mostly the timeouts themselves), 8 s with --smoke.
 
 Try next
     TORCH_DISTRIBUTED_DEBUG=DETAIL python tutorial/part1-distributed/chapter02-point-to-point/scripts/debugging.py
@@ -44,12 +48,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
+from mlsys.trace import recording
+
+SCENARIOS = ("1. mismatched all_reduce (DETAIL group)", "2. monitored_barrier, one rank late",
+             "3. ranks 0 and 1 both recv first")
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 2
     """Number of ranks to start (2 to 8). Under torchrun it is taken from WORLD_SIZE."""
     wait_timeout: float = 2.0
@@ -168,11 +176,17 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
     dist.barrier()
     groups = [short_group(args.wait_timeout, detail=True), short_group(args.wait_timeout),
               short_group(args.wait_timeout)]
-    checked = mismatched_all_reduce(ctx, groups[0])
-    barrier = late_rank(ctx, args, groups[1])
-    hang = where_it_hangs(ctx, args, groups[2])
+    calls: dict[str, list] = {name: [] for name in SCENARIOS}  # the flight record: every call, for the picture
+    with recording(calls[SCENARIOS[0]], also=("all_reduce",)):
+        checked = mismatched_all_reduce(ctx, groups[0])
+    with recording(calls[SCENARIOS[1]], also=("monitored_barrier",)):
+        barrier = late_rank(ctx, args, groups[1])
+    with recording(calls[SCENARIOS[2]]):
+        hang = where_it_hangs(ctx, args, groups[2])
+    if hang:  # the recorder's own frame (mlsys/trace.py) is not the program's: leave it out of the dump
+        hang["stack"] = [f for f in hang["stack"] if "/mlsys/trace.py" not in f]
     everyone = [None] * W
-    dist.all_gather_object(everyone, {"checked": checked, "barrier": barrier, "hang": hang})
+    dist.all_gather_object(everyone, {"checked": checked, "barrier": barrier, "hang": hang, "calls": calls})
 
     report.expect_equal(f"rank {r} raised on the checked group", checked["outcome"], "raised")
     report.expect_equal(f"rank {r}'s error names the mismatch", "Detected mismatch" in checked["error"], True)
@@ -194,8 +208,76 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
         ctx.print(f"   rank {q}: " + " <- ".join(short_path(f) for f in everyone[q]["hang"]["stack"][:4]))
     ctx.print(f"   then the wait ended (the group's timeout, or the peer closing the connection when its own "
               f"timer fired first): {clip(everyone[0]['hang']['error'], 120)}")
-    return {"checked_all_raised": True,
+    return {"checked_all_raised": True, "lanes": lanes(everyone),
             "barrier_error_rank0": everyone[0]["barrier"]["error"], "stack_rank0": everyone[0]["hang"]["stack"]}
+
+
+def lanes(everyone: list[dict]) -> dict[str, list[dict]]:
+    """Per scenario, every rank's recorded calls in ms since the first rank entered that scenario's first call,
+    a raised call with the error the scenario caught on that rank."""
+    out = {}
+    for scenario, key in zip(SCENARIOS, ("checked", "barrier", "hang")):
+        recorded = [c for p in everyone for c in p["calls"][scenario]]
+        origin = min(c["start"] for c in recorded)
+        out[scenario] = [{"rank": q, "call": c["call"], "peer": c["peer"], "numel": c["numel"],
+                          "outcome": c["outcome"], "start_ms": round(1e3 * (c["start"] - origin), 3),
+                          "end_ms": round(1e3 * (c["end"] - origin), 3),
+                          **({"error": p[key].get("error")} if c["outcome"] == "raised" else {})}
+                         for q, p in enumerate(everyone) for c in p["calls"][scenario]]
+    return out
+
+
+def gist(error: str | None) -> str:
+    """A few words for an error in the picture (the run's output prints it whole)."""
+    text = error or ""
+    found = re.search(r"Ranks? [\d, ]+ failed to pass monitoredBarrier", text)
+    for key, words in (("Detected mismatch", "Detected mismatch between collectives"),
+                       ("failed to pass monitoredBarrier", found.group(0) if found else ""),
+                       ("rank 0", "rank 0 gave up: see its log"), ("imed out", "timed out"),
+                       ("onnection closed", "peer closed the connection")):
+        if key in text:
+            return words
+    return clip(text, 40)
+
+
+def draw(drawn: dict[str, list[dict]], world_size: int, args: Settings) -> str:
+    """One panel per scenario, one lane per rank, one box per call; a raised call gets a red edge and its error."""
+    plt = plot.pyplot()
+    palette = plot.colours(["all_reduce", "monitored_barrier", "recv", "send"])
+    names = [f"rank {q}" for q in range(world_size)]
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(12, 1.0 + len(drawn) * (0.75 + 0.5 * world_size)))
+    for ax, (scenario, calls) in zip(axes, drawn.items()):
+        def label(c: dict) -> str:
+            if c["call"] == "all_reduce":
+                return f"all_reduce of {c['numel']}"
+            return c["call"] + ("" if c["peer"] is None else f" {'->' if c['call'] == 'send' else '<-'} {c['peer']}")
+
+        spans = [plot.Span(f"rank {c['rank']}", c["start_ms"], c["end_ms"], label(c), c["call"]) for c in calls]
+        plot.timeline(ax, spans, names, unit="ms", palette=palette, legend=False, fontsize=7)
+        end = max(c["end_ms"] for c in calls)
+        for c in calls:
+            y = world_size - 1 - c["rank"]
+            short = (c["end_ms"] - c["start_ms"]) / end * 60 < len(label(c)) * 7 / 8  # no room for its label inside
+            if short:
+                ax.plot([c["start_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
+            if c["outcome"] == "raised":
+                ax.barh(y, c["end_ms"] - c["start_ms"], left=c["start_ms"], height=0.8, fill=False,
+                        edgecolor="red", linewidth=1.8)
+                ax.text(c["end_ms"] + 0.01 * end, y, (f"then {label(c)} " if short else "") +
+                        f"raised: {gist(c.get('error'))}", color="red", fontsize=7, va="center")
+            elif short:
+                ax.text(c["start_ms"], y + 0.42, label(c), fontsize=6.5, va="bottom")
+        ax.set_xlim(0, end * 1.5)
+        ax.set_title(scenario, fontsize=9, loc="left")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, edgecolor="black", label=k) for k, c in palette.items()]
+    handles.append(Patch(facecolor="white", edgecolor="red", linewidth=1.8, label="raised (its error in red)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle("The flight record of the three scenarios: every call each rank made, from entry to return or "
+                 "error.\nEach panel has its own time scale; 0 ms = the first rank's first call there", fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return str(plot.save(fig, args, "lanes"))
 
 
 def main() -> int:
@@ -206,6 +288,7 @@ def main() -> int:
         return 0
     print("OK: DETAIL named the mismatch on every rank, monitored_barrier named the late rank, "
           "the stack dumps showed the recv")
+    print(f"figure: {draw(result['lanes'], args.world_size, args)}")
     if args.json:
         report.write_json(args.json, result, args)
     return 0

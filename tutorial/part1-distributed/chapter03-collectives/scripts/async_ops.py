@@ -14,6 +14,11 @@ What it shows
        1 = fully hidden, 0 = no gain. (The sequential step is printed too; timed as one step, it can differ from
        the sum of its parts.) A last line says which case the run fell into, including the one no real overlap
        can produce (overlapped faster than its longer part alone), which only timing noise explains.
+    3. The figure (timeline.png, printed as `figure: <path>`): one more round of each order, untimed, with every
+       all_reduce call, wait() and the moment the sum was ready (the handle's future completing, on gloo's thread)
+       recorded on every rank (mlsys.trace.recording), one lane per rank. The compute is drawn where it ran: in
+       `overlapped` between the all_reduce's return and the wait() call, in `sequential` after the all_reduce until
+       the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`.
 
 What "completed" means depends on the backend
     gloo (CPU): the collective runs on gloo's own threads; wait() returns once the result is in x.
@@ -25,7 +30,7 @@ How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 2
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py
 
-Runtime on 2 cores: about 6 s at the defaults, 4 s with --smoke.
+Runtime on 2 cores: about 7 s at the defaults, 5 s with --smoke.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py --matmuls 0
@@ -45,12 +50,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlsys import bench, cli, report
+from mlsys import bench, cli, plot, report
 from mlsys.launch import RankContext, launch
+from mlsys.trace import note, recording
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 2
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     mib: float = 16.0
@@ -148,6 +154,76 @@ def summarize(times_ms: dict[str, float]) -> tuple[dict[str, float], float, str]
     return t, round(hidden, 2), verdict
 
 
+def recorded_round(buf: torch.Tensor, mats: list[torch.Tensor], device: torch.device) -> dict[str, list[dict]]:
+    """One more call of each order, untimed, with its all_reduce, wait() and the sum's arrival recorded; a note
+    marks the moment the function returned (after the device finished)."""
+    rounds: dict[str, list[dict]] = {}
+    for name, fn in (("sequential", sequential), ("overlapped", overlapped)):
+        dist.barrier()  # not recorded: start together, so that the lanes line up
+        with recording(rounds.setdefault(name, []), also=("all_reduce",)) as calls:
+            fn(buf, mats)
+            finish(device)
+            note(calls, "returned")
+    return rounds
+
+
+def timeline(per_rank: list[dict]) -> dict[str, list[dict]]:
+    """Per order, every rank's recorded calls in ms since the first rank entered that order's first call."""
+    out = {}
+    for order in per_rank[0]:
+        origin = min(c["start"] for rounds in per_rank for c in rounds[order])
+        out[order] = [{"rank": q, "call": c["call"], "start_ms": round(1e3 * (c["start"] - origin), 3),
+                       "end_ms": round(1e3 * (c["end"] - origin), 3),
+                       **({"done_ms": round(1e3 * (c["done"] - origin), 3)} if "done" in c else {})}
+                      for q, rounds in enumerate(per_rank) for c in rounds[order]]
+    return out
+
+
+def draw(lanes: dict[str, list[dict]], W: int, args: Settings) -> str:
+    """One panel per order, one lane per rank: the all_reduce (blocking, or its post), the compute where it ran,
+    wait(), and a diamond where the sum was ready; both panels on one time axis."""
+    plt = plot.pyplot()
+    kinds = {"all_reduce": "all_reduce, blocking", "post": "all_reduce(async_op=True): post",
+             "compute": "compute (matmuls)", "wait(all_reduce)": "wait()"}
+    palette = plot.colours(kinds.values())
+    names = [f"rank {q}" for q in range(W)]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 1.6 + 2 * (0.6 + 0.45 * W)), sharex=True)
+    for ax, (order, calls) in zip(axes, lanes.items()):
+        spans = []
+        for q in range(W):
+            mine = [c for c in calls if c["rank"] == q]
+            call = {c["call"]: c for c in mine}
+            ar, back = call["all_reduce"], call["returned"]
+            if order == "sequential":
+                spans += [plot.Span(names[q], ar["start_ms"], ar["end_ms"], "all_reduce", kinds["all_reduce"]),
+                          plot.Span(names[q], ar["end_ms"], back["start_ms"], "compute", kinds["compute"])]
+            else:
+                waited = call["wait(all_reduce)"]
+                spans += [plot.Span(names[q], ar["start_ms"], ar["end_ms"], "", kinds["post"]),
+                          plot.Span(names[q], ar["end_ms"], waited["start_ms"], "compute", kinds["compute"]),
+                          plot.Span(names[q], waited["start_ms"], waited["end_ms"], "", kinds["wait(all_reduce)"])]
+            ready = ar.get("done_ms", ar["end_ms"])
+            ax.plot([ready], [W - 1 - q], marker="D", color="black", markersize=7, zorder=5)
+            if order == "overlapped":  # the post and the wait are often too short to see: their times, in text
+                ax.text(back["end_ms"], W - 1 - q, f"  post {ar['end_ms'] - ar['start_ms']:.2f} ms, wait "
+                        f"{waited['end_ms'] - waited['start_ms']:.2f} ms", va="center", fontsize=7)
+        plot.timeline(ax, spans, names, unit="ms" if order == "overlapped" else "", palette=palette, legend=False)
+        ax.set_title({"sequential": "sequential(buf, mats): the all_reduce, then the compute",
+                      "overlapped": "overlapped(buf, mats): post the all_reduce, compute, wait()"}[order],
+                     fontsize=9, loc="left")
+        ax.set_xlim(right=max(c["end_ms"] for c in lanes["overlapped"] + lanes["sequential"]) * 1.25)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, edgecolor="black", label=k) for k, c in palette.items()]
+    handles.append(Line2D([], [], marker="D", color="black", lw=0, label="the sum is ready on this rank"))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle(f"One round of each order, {args.mib:g} MiB all_reduce and {args.matmuls} matmuls of "
+                 f"{args.n}x{args.n}, every rank's calls as recorded; 0 ms = the first call of the round", fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return str(plot.save(fig, args, "timeline"))
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     results = {"world_size": W, "backend": ctx.backend}
@@ -188,6 +264,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"verdict: {verdict}")
     results.update({f"{k}_ms": v for k, v in times.items()}, hidden=hidden, verdict=verdict,
                    overlap_saving_ms=round(times["compute"] + times["communication"] - times["overlapped"], 1))
+    everyone: list = [None] * W
+    dist.all_gather_object(everyone, recorded_round(buf, mats, dev))
+    results["timeline"] = timeline(everyone)
     return results
 
 
@@ -198,6 +277,7 @@ def main() -> int:
     if result is None:
         return 0
     print(f"OK: async all_reduce sums, .then() means and overlapped results checked on all {args.world_size} ranks")
+    print(f"figure: {draw(result['timeline'], args.world_size, args)}")
     if args.json:
         report.write_json(args.json, result, args)
     return 0

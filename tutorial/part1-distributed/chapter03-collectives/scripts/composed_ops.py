@@ -11,12 +11,16 @@ What it shows
     3. argmax with its global index: all_reduce MAX of the values, then all_reduce MIN of the indices whose value is
        the maximum, so ties go to the lowest index, like numpy.argmax.
     Every rank checks its answer against numpy / torch on the full (concatenated) data, rebuilt from the seed.
+    The figure (partials.png, printed as `figure: <path>`) draws the vector, coloured by the rank that holds each
+    element, above every all_reduce of the run (the sums one of the mean/variance and the four of softmax and
+    argmax): what each rank put in, recorded as the call was made (mlsys.trace.recording), and what came out.
+    The JSON keeps those calls under `all_reduce_calls`, one list per rank.
 
 How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 4
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
 
-Runtime on 2 cores: about 4 s (process start-up dominates), 3 s with --smoke.
+Runtime on 2 cores: about 5 s (process start-up and drawing dominate), 4 s with --smoke.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 1
@@ -35,12 +39,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
+from mlsys.trace import recording
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     rows: int = 5
@@ -160,8 +165,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"world_size={W}: mean/var of {full.shape[0]} rows x {args.dim} columns, in {shards} shards")
     ctx.print_ordered(f"rows {x.shape[0]:3d}  local mean[0] {x[:, 0].mean().item():.4f}")
     results = {"world_size": W, "rows_per_rank": [args.rows + q * args.extra_rows for q in range(W)]}
+    calls: list[dict] = []  # every all_reduce of the picture: what this rank put in, what came out
     for name, fn in (("sums", lambda: moments_by_sums(x)), ("chan", lambda: moments_by_chan(x, W))):
-        mean, var = fn()
+        with recording(calls if name == "sums" else [], also=("all_reduce",), values=True):
+            mean, var = fn()
         report.expect_close(f"{name} mean on rank {r}", mean, full.mean(0), rtol=1e-10, atol=1e-10)
         report.expect_close(f"{name} var on rank {r}", var, full.var(0), rtol=1e-9, atol=1e-10)
         ctx.print(f"{name:>5}: mean {np.round(mean.numpy(), 4).tolist()}  var {np.round(var.numpy(), 4).tolist()}")
@@ -184,9 +191,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
     vec = full_vector(args.seed, args.vocab)  # (V,): every rank rebuilds it, then keeps only its slice
     start, stop = my_slice(args.vocab, r, W)
-    probs = sharded_softmax(vec[start:stop])
+    with recording(calls, also=("all_reduce",), values=True):
+        probs = sharded_softmax(vec[start:stop])
+        value, index = sharded_argmax(vec[start:stop], start)
     report.expect_close(f"softmax on rank {r}", probs, torch.softmax(vec, 0)[start:stop], rtol=1e-5, atol=1e-7)
-    value, index = sharded_argmax(vec[start:stop], start)
     ctx.print_ordered(f"slice [{start:3d}, {stop:3d})  local max {vec[start:stop].max().item():g}  "
                       f"softmax slice sum {probs.sum().item():.4f}")
     expected = int(np.argmax(vec.numpy()))
@@ -197,7 +205,82 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     # observations, for a test to check against its own numpy: the input, this rank's slice of the softmax, argmax
     results.update(vector=vec.tolist(), slice=[start, stop], softmax_slice=probs.tolist(), argmax_index=index,
                    argmax_value=value, max_ties=int((vec == value).sum()))
+    mine = [{"what": what, "op": c["op"], "in": c["in"], "out": c["out"]} for what, c in zip(ALL_REDUCES, calls)]
+    everyone: list = [None] * W
+    dist.all_gather_object(everyone, {"rank": r, "slice": [start, stop], "calls": mine})
+    results["all_reduce_calls"] = everyone  # rank order: everyone[q] is what rank q put in and got
     return results
+
+
+# the all_reduces the worker records, in the order it makes them
+ALL_REDUCES = ("mean/var: [n, Σx, Σx²]", "softmax: max", "softmax: Σ exp(x − max)", "argmax: max",
+               "argmax: first index of the max")
+
+
+def draw(results: dict, args: Settings) -> str:
+    """Top: the vector, one cell per element coloured by the rank that holds it, the maximum's cells outlined and
+    the argmax in red. Below: one column per recorded all_reduce, what each rank put in (a row per rank, in its
+    colour) and, under the line, what the all_reduce returned (the same on every rank). For the mean/variance call
+    only n and the first column's Σx and Σx² are shown (the call carries all d columns)."""
+    plt = plot.pyplot()
+    import seaborn as sns
+
+    per_rank = results["all_reduce_calls"]
+    W, vec, d = len(per_rank), results["vector"], args.dim
+    palette = [tuple(0.55 + 0.45 * c for c in rgb) for rgb in sns.color_palette("colorblind", W)]  # light tints
+    fig, (top, low) = plt.subplots(2, 1, figsize=(max(9.0, 0.2 * len(vec) + 1.5), 1.9 + 0.42 * (W + 3)),
+                                   gridspec_kw={"height_ratios": [1.0, 0.42 * (W + 3)]})
+    best, where = max(vec), results["argmax_index"]
+    for p in per_rank:
+        start, stop = p["slice"]
+        for e in range(start, stop):
+            top.add_patch(plt.Rectangle((e, 0), 1, 1, facecolor=palette[p["rank"]], edgecolor="white"))
+            top.text(e + 0.5, 0.5, f"{vec[e]:g}", ha="center", va="center", fontsize=7,
+                     fontweight="bold" if vec[e] == best else "normal")
+        top.text((start + stop) / 2, 1.15, f"rank {p['rank']}: [{start}, {stop})", ha="center", fontsize=8)
+    for e, v in enumerate(vec):
+        if v == best:
+            top.add_patch(plt.Rectangle((e, 0), 1, 1, fill=False, lw=2.2 if e == where else 1.0,
+                                        edgecolor="red" if e == where else "black"))
+    top.set_xlim(0, len(vec))
+    top.set_ylim(0, 1.45)
+    top.set_axis_off()
+    top.set_title(f"The vector of {len(vec)} elements, split over {W} ranks; its maximum {best:g} outlined, "
+                  f"the argmax (index {where}) in red", fontsize=9, loc="left")
+
+    big = torch.iinfo(torch.int64).max
+
+    def shown(what: str, values: list) -> str:
+        if what.startswith("mean/var"):
+            return f"n={values[0]:g}  Σx={values[1]:.1f}  Σx²={values[1 + d]:.0f}"
+        if "index" in what:
+            return "none here" if values == big else f"{values}"
+        return f"{values:.4g}"
+
+    columns = [p["calls"] for p in per_rank]
+    widths = [3.0] + [1.6] * (len(ALL_REDUCES) - 1)
+    edges = np.concatenate([[0.0], np.cumsum(widths)])
+    for k, what in enumerate(ALL_REDUCES):
+        x0, x1 = edges[k], edges[k + 1]
+        header = what + (f" (column 0 of {d})" if k == 0 else "")
+        low.text((x0 + x1) / 2, W + 1.6, f"{header}\nall_reduce {columns[0][k]['op']}", ha="center", va="center",
+                 fontsize=8)
+        for q in range(W):
+            y = W - q + 0.5
+            low.add_patch(plt.Rectangle((x0 + 0.05, y - 0.45), x1 - x0 - 0.1, 0.9, facecolor=palette[q]))
+            low.text((x0 + x1) / 2, y, shown(what, columns[q][k]["in"]), ha="center", va="center", fontsize=8)
+        low.add_patch(plt.Rectangle((x0 + 0.05, 0.05), x1 - x0 - 0.1, 0.9, facecolor="0.85", edgecolor="black"))
+        low.text((x0 + x1) / 2, 0.5, shown(what, columns[0][k]["out"]), ha="center", va="center", fontsize=8,
+                 fontweight="bold")
+    for q in range(W):
+        low.text(-0.1, W - q + 0.5, f"rank {q} puts in", ha="right", va="center", fontsize=8)
+    low.text(-0.1, 0.5, "every rank gets", ha="right", va="center", fontsize=8, fontweight="bold")
+    low.plot([0, edges[-1]], [1.0, 1.0], color="black", lw=1)
+    low.set_xlim(-2.0, edges[-1])
+    low.set_ylim(0, W + 2.2)
+    low.set_axis_off()
+    fig.tight_layout()
+    return str(plot.save(fig, args, "partials"))
 
 
 def main() -> int:
@@ -207,6 +290,7 @@ def main() -> int:
     if result is None:
         return 0
     print(f"OK: mean, variance (sums and Chan), softmax and argmax match numpy/torch on all {args.world_size} ranks")
+    print(f"figure: {draw(result, args)}")
     if args.json:
         report.write_json(args.json, result, args)
     return 0

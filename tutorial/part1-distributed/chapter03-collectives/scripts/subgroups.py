@@ -11,13 +11,17 @@ What it shows
     4. DeviceMesh, the modern way to name the same groups: init_device_mesh(device, (R, C),
        mesh_dim_names=("dp", "tp")). The mesh's "tp" group is a row, its "dp" group a column; the script checks
        that they hold the same ranks as the hand-made groups and give the same sums.
+    The figure (groups.png, printed as `figure: <path>`) draws the grid twice, every rank a cell coloured by its
+    row group (left) or its column group (right), with the group's members as the group object reports them
+    (dist.get_process_group_ranks), the rank's x, and what the row all_reduce and the column broadcast left there.
+    The JSON keeps every rank's cell under `cells`.
 
 How to run (any world size from 1 to 8; --rows 0 picks the most square grid)
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 4
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 8 --rows 4
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py
 
-Runtime on 2 cores: about 5 s (process start-up and group creation dominate).
+Runtime on 2 cores: about 6 s (process start-up, group creation and drawing dominate).
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 6 --rows 3 --all-ranks
@@ -34,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     rows: int = 0
@@ -120,7 +124,45 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                       f"column's top {got['col_top'].tolist()}{gathered}")
     ctx.print(f"DeviceMesh {mesh.mesh.tolist()}: 'tp' groups are the rows, 'dp' groups the columns; "
               "same ranks and same sums as the hand-made groups", all_ranks=False)
-    return {"grid": [R, C], "row_sums": grid.sum(1).tolist(), "ok": True}
+    cell = {"rank": g, "at": [i, j], "row_group": dist.get_process_group_ranks(row),
+            "col_group": dist.get_process_group_ranks(col), "x": x.cpu().tolist(),
+            "row_sum": got["row_sum"].tolist(), "col_top": got["col_top"].tolist()}
+    cells: list = [None] * W
+    dist.all_gather_object(cells, cell)  # what every rank held and got, for the picture
+    return {"grid": [R, C], "row_sums": grid.sum(1).tolist(), "cells": cells, "ok": True}
+
+
+def draw(cells: list[dict], R: int, C: int, args: Settings) -> str:
+    """The grid twice: left, each rank's cell coloured by its row group, with its x and the row's all_reduce sum;
+    right, coloured by its column group, with its x and what the column's broadcast from group rank 0 left."""
+    plt = plot.pyplot()
+    import seaborn as sns
+
+    fig, axes = plt.subplots(1, 2, figsize=(2 * (1.0 + 2.1 * C), 0.9 + 1.15 * R), squeeze=False)
+    for ax, (group, result, title) in zip(axes[0], (
+            ("row_group", "row_sum", "row groups: all_reduce(x, group=row)"),
+            ("col_group", "col_top", "column groups: broadcast(x, group_src=0, group=col)"))):
+        groups = list(dict.fromkeys(tuple(c[group]) for c in cells))  # in order of first appearance
+        tints = [tuple(0.5 + 0.5 * v for v in rgb) for rgb in sns.color_palette("colorblind", len(groups))]
+        for c in cells:
+            i, j = c["at"]
+            k = groups.index(tuple(c[group]))
+            ax.add_patch(plt.Rectangle((j, R - 1 - i), 0.96, 0.94, facecolor=tints[k], edgecolor="black"))
+            fmt = " ".join(f"{v:g}" for v in c["x"])
+            got = " ".join(f"{v:g}" for v in c[result])
+            ax.text(j + 0.48, R - 1 - i + 0.47, f"rank {c['rank']}: rank {c[group].index(c['rank'])} of group "
+                    f"{list(c[group])}\nx = {fmt}\n"
+                    f"after: {got}", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, C)
+        ax.set_ylim(0, R)
+        ax.set_xticks([j + 0.48 for j in range(C)], [f"j = {j}" for j in range(C)], fontsize=8)
+        ax.set_yticks([R - 1 - i + 0.47 for i in range(R)], [f"i = {i}" for i in range(R)], fontsize=8)
+        ax.grid(False)
+        ax.set_title(title, fontsize=9)
+    fig.suptitle(f"{len(cells)} ranks as a {R} x {C} grid (rank = i * {C} + j); colour = the group of the "
+                 "collective", fontsize=9)
+    fig.tight_layout()
+    return str(plot.save(fig, args, "groups"))
 
 
 def main() -> int:
@@ -131,6 +173,7 @@ def main() -> int:
     R, C = result["grid"]
     print(f"OK: row sums, column gathers and broadcasts, group ranks and the DeviceMesh's groups match numpy on "
           f"all {args.world_size} ranks ({R} x {C})")
+    print(f"figure: {draw(result['cells'], R, C, args)}")
     if args.json:
         report.write_json(args.json, result, args)
     return 0
