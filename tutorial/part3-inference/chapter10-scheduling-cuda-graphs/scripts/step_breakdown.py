@@ -178,8 +178,8 @@ def main() -> int:
     profiles = [forward_ops(model, B, args, device) for B in sorted({min(args.batch_sizes), max(args.batch_sizes)})]
     print("2. One decode step's forward under the PyTorch profiler")
     print(report.table([{k: v for k, v in p.items() if k != "top"} for p in profiles]))
-    top = ", ".join(f"{name.removeprefix('aten::')} x{n}" for name, n in profiles[0]["top"])
-    print(f"   ops called from Python, most frequent: {top}")
+    frequent = ", ".join(f"{name.removeprefix('aten::')} x{n}" for name, n in profiles[0]["top"])
+    print(f"   ops called from Python, most frequent: {frequent}")
     p0, p1 = profiles[0], profiles[-1]
     print(f"   B={p0['batch_size']}: {p0['python_ops']} ops called from Python per step; B={p1['batch_size']}: "
           f"{p1['python_ops']}. The op count is set by the model's depth, not by the batch.")
