@@ -31,6 +31,7 @@ independently, one step emits (1 - alpha^(k+1)) / (1 - alpha) tokens on average 
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -50,7 +51,8 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
 def chi_square(counts, probs, significance: float = 1e-3) -> tuple[float, float]:
     """Pearson's statistic of observed counts against probabilities, and its critical value at `significance`.
 
-    Cells expected to hold fewer than 5 are pooled (into one cell, or into the last if still under 5). The
+    Cells expected to hold fewer than 5 are pooled (into one cell, or into the last if still under 5). A count in a
+    cell of probability 0 cannot happen under `probs`: the statistic is then infinite (pooling would hide it). The
     quantile of chi2(df) uses the Wilson-Hilferty approximation df * (1 - 2/(9 df) + z sqrt(2/(9 df)))^3
     (accurate to about 1% for df >= 3), so no scipy is needed."""
     counts, probs = [float(c) for c in counts], [float(p) for p in probs]
@@ -65,7 +67,8 @@ def chi_square(counts, probs, significance: float = 1e-3) -> tuple[float, float]
         cells.append((rest_o, rest_e))
     elif rest_e > 0:  # still too thin: fold it into the last cell
         cells[-1] = (cells[-1][0] + rest_o, cells[-1][1] + rest_e)
-    stat = sum((o - e) ** 2 / e for o, e in cells)
+    impossible = any(o > 0 and p == 0 for o, p in zip(counts, probs))
+    stat = math.inf if impossible else sum((o - e) ** 2 / e for o, e in cells)
     df = max(len(cells) - 1, 1)
     z = statistics.NormalDist().inv_cdf(1 - significance)
     return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
