@@ -1,21 +1,19 @@
-"""Apply one mutmut mutant to a scratch copy of the repository and run the given tests there.
+"""Run tests against one mutmut mutant: does a test written to kill it fail on it?
 
-A test written to kill a surviving mutant should fail here and pass on the real tree:
+    python scripts/mutant_check.py mlsys.rl.x_masked_mean__mutmut_3 tests/units/test_rl.py -k masked
 
-    python scripts/mutant_check.py mlsys.rl.x_masked_mean__mutmut_3 tests/test_ch12_rl.py -k masked
-
-It needs a previous `make mutate` (the mutants/ folder, to read the mutant's diff with `mutmut show`). The real
-tree is never touched: the copy lives in a temporary folder, first on PYTHONPATH. Exit status: pytest's (1 = the
-tests failed, i.e. the mutant is killed), or 2 if the mutant could not be applied.
+It uses the mutants/ folder of the last `make mutate` the way mutmut does: mutants/mlsys (every listed function
+behind a trampoline) goes first on PYTHONPATH and MUTANT_UNDER_TEST names the mutant, so the tests run against it,
+from their place in the real tree (new tests included). Run it after a fresh `make mutate`: mutants/ holds the
+library as it was then. The real tree is never changed. Exit status: pytest's (1 = the tests failed, i.e. the
+mutant is killed; 0 = it survives), or 2 if there is no such mutant.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,25 +24,21 @@ def main() -> int:
         print(__doc__)
         return 0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2
     name, tests = sys.argv[1], sys.argv[2:]
-    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=ROOT, capture_output=True, text=True)
-    diff = shown.stdout[shown.stdout.find("--- "):]
-    if shown.returncode != 0 or not diff.startswith("--- "):
-        print(f"mutant_check: no diff for {name}: {shown.stdout.strip()[:200]} {shown.stderr.strip()[-300:]}",
+    module = name.split(".x_")[0] if ".x_" in name else name.rsplit(".", 1)[0]
+    source = ROOT / "mutants" / (module.replace(".", "/") + ".py")
+    mangled = name.rsplit(".", 1)[-1]
+    if not source.is_file() or mangled not in source.read_text(encoding="utf-8"):
+        print(f"mutant_check: no mutant {name} in {source.relative_to(ROOT)} (run make mutate first)",
               file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="mutant_") as tmp:
-        for part in ("mlsys", "tests", "tutorial", "scripts", "pyproject.toml"):
-            src = ROOT / part
-            (shutil.copytree if src.is_dir() else shutil.copy)(src, Path(tmp) / part)
-        applied = subprocess.run(["patch", "-p0", "--no-backup-if-mismatch"], input=diff, cwd=tmp, text=True,
-                                 capture_output=True)
-        if applied.returncode != 0:
-            print(f"mutant_check: the diff does not apply:\n{applied.stdout}{applied.stderr}", file=sys.stderr)
-            return 2
-        env = dict(os.environ, PYTHONPATH=tmp, MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
-        print(f"mutant {name} applied in {tmp}:\n{diff}", flush=True)
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                               *tests], cwd=tmp, env=env).returncode
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "mutants"), MUTANT_UNDER_TEST=name,
+               MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
+    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=ROOT, capture_output=True, text=True)
+    print(shown.stdout, flush=True)
+    # from mutants/, so that `python -m` puts mutants/ (not the real tree) first on sys.path; test paths made absolute
+    tests = [str(ROOT / t) if (ROOT / t.split("::")[0]).exists() else t for t in tests]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                           "--rootdir", str(ROOT), *tests], cwd=ROOT / "mutants", env=env).returncode
 
 
 if __name__ == "__main__":

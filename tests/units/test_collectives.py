@@ -198,3 +198,41 @@ def test_comm_volume_against_the_nccl_tests_bus_bandwidth_factors(world_size: in
         collectives.comm_volume("all_reduce", n, 0)
     with pytest.raises(ValueError):
         collectives.comm_volume("allreduce", n, w)
+
+
+def test_halving_doubling_ranks_own_their_own_balanced_piece_in_rank_order() -> None:
+    """Rabenseifner's recursive halving (Thakur et al. 2005): at each step the lower rank of a pair (bit d clear)
+    keeps the lower half, and each half is the range cut in two. So after log2(W) steps rank r owns the r-th of W
+    contiguous pieces, in rank order, whose sizes differ by at most one (a balanced split, like numpy's)."""
+    for world_size in (2, 4, 8):
+        for numel in (8, 13, 29, 64):
+            owned = []
+            for rank in range(world_size):
+                lo, hi = 0, numel
+                for partner, keep, give in collectives.halving_doubling_plan(rank, world_size, numel):
+                    lower, upper = sorted([keep, give])
+                    assert lower[0] == lo and lower[1] == upper[0] and upper[1] == hi
+                    assert abs((upper[1] - upper[0]) - (lower[1] - lower[0])) <= 1, "each step halves the range"
+                    assert keep == (lower if rank < partner else upper), "the lower rank keeps the lower half"
+                    lo, hi = keep
+                owned.append((lo, hi))
+            assert [lo for lo, _ in owned] == sorted(lo for lo, _ in owned), "rank r owns piece r"
+            sizes = [hi - lo for lo, hi in owned]
+            assert max(sizes) - min(sizes) <= 1, (world_size, numel, sizes)
+
+
+def test_comm_volume_names_the_algorithm_and_says_what_is_wrong() -> None:
+    """The algorithm each volume assumes (the docstring's table; nccl-tests' PERFORMANCE.md: ring for all-reduce,
+    all-gather and reduce-scatter, pipelined chains for broadcast and reduce), and errors that name the bad value."""
+    expected = {"broadcast": "pipelined chain", "scatter": "direct from root", "gather": "direct to root",
+                "all_gather": "ring", "reduce": "pipelined chain", "all_reduce": "ring", "reduce_scatter": "ring",
+                "all_to_all": "direct pairwise"}
+    assert set(expected) == set(collectives.COLLECTIVES)
+    for name, algorithm in expected.items():
+        v = collectives.comm_volume(name, 64, 4)
+        assert set(v) == {"collective", "algorithm", "sent", "received"}
+        assert v["algorithm"] == algorithm, name
+    with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
+        collectives.comm_volume("all_reduce", 64, 0)
+    with pytest.raises(ValueError, match=r"'allreduce'.*broadcast, scatter, gather, all_gather, reduce, all_reduce"):
+        collectives.comm_volume("allreduce", 64, 4)
