@@ -84,6 +84,11 @@ class Settings(cli.DistArgs, cli.PlotArgs):
                 raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.bucket_mb <= 0 or self.lr <= 0 or self.atol <= 0:
             raise cli.UsageError("--bucket-mb, --lr and --atol must be positive")
+        block = PRESETS[self.preset]["block_size"]
+        per_rank = len(load_splits(self.num_records, self.seed)[0]) // self.world_size
+        if per_rank < block + 1:  # each rank draws windows of block + 1 tokens from its own shard
+            raise cli.UsageError(f"--num-records {self.num_records} gives each of {self.world_size} ranks "
+                                 f"{per_rank} tokens, fewer than one window of {block + 1}: use more records")
 
 
 def fresh_model(args: Settings, rank: int) -> GPT:

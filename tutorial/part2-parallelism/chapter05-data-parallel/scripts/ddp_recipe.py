@@ -44,6 +44,9 @@ from mlsys.data import load_splits
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
 
+# Two epochs' shuffles of n windows coincide by chance with probability 1/n!: below 3e-7 from 10 windows on.
+MIN_WINDOWS = 10
+
 
 @dataclass
 class Settings(cli.DistArgs):
@@ -64,6 +67,10 @@ class Settings(cli.DistArgs):
                 raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise cli.UsageError(f"--lr must be positive, got {self.lr}")
+        n = len(load_splits(self.num_records, self.seed)[0]) // (GPTConfig.preset("tiny").block_size + 1)
+        if n < MIN_WINDOWS:
+            raise cli.UsageError(f"--num-records {self.num_records} cuts into {n} window(s); the checks need at least "
+                                 f"{MIN_WINDOWS} (two shuffles of fewer coincide too often to tell set_epoch's work)")
 
 
 def windows(tokens: torch.Tensor, block_size: int) -> TensorDataset:
@@ -107,7 +114,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             total, steps = total + loss.item(), steps + 1
         # --8<-- [end:recipe]
         every = check_epoch(ctx, list(sampler), len(dataset), epoch)
-        orders.append(every[0])
+        orders.append(every)  # the whole epoch's order, every rank's share: rank 0's alone can repeat by chance
         mean = torch.tensor(total / steps)
         dist.all_reduce(mean)
         losses.append(mean.item() / ctx.world_size)

@@ -15,7 +15,7 @@ What it shows
        The bytes each collective carries are counted as the ops reach the dispatcher (the full buffer of each
        all-gather and reduce-scatter). Checked: bf16 parameters halve the all-gather bytes exactly, a bf16
        reduce_dtype halves the reduce-scatter bytes exactly, and every run's loss stays within --tolerance of
-       fp32's at every step.
+       fp32's at every step (fp16's of an fp32 run that skips the steps its GradScaler skipped on an overflow).
 
 How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/mixed_precision.py
@@ -115,8 +115,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 # --8<-- [start:runs]
-def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str) -> dict:
-    """One run: fully_shard every block and the root, then --steps AdamW steps on this rank's batches."""
+def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str, skip: frozenset = frozenset()) -> dict:
+    """One run: fully_shard every block and the root, then --steps AdamW steps on this rank's batches (none at the
+    steps in `skip`). Returns the losses, the collective bytes, the final loss scale and the steps it skipped."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -131,19 +132,24 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str) -> d
     fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
     opt = make_optimizer(model.parameters(), args)  # AdamW on the fp32 shards: the master weights
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=run == "autocast-fp16")
-    losses, counter = [], CollectiveBytes()
+    losses, skipped, counter = [], [], CollectiveBytes()
     for step in range(args.steps):
         x, y = (t.to(ctx.device) for t in rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
         with counter, torch.autocast(ctx.device.type, dtype=autocast or bf16, enabled=autocast is not None):
             _, loss = model(x, y)
             scaler.scale(loss).backward()  # times the loss scale for fp16; a no-op scale otherwise
-        scaler.step(opt)  # unscales, skips the step if a gradient overflowed
-        scaler.update()
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        if step not in skip:
+            scaler.step(opt)  # unscales, skips the step if a gradient overflowed (on any rank: DTensor agrees)
+            scaler.update()  # ... and then halves the scale
         opt.zero_grad()
+        if step in skip or (scaler.is_enabled() and scaler.get_scale() < scale):
+            skipped.append(step)
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)  # the global batch's loss, for the comparison between runs
         losses.append(mean.item() / ctx.world_size)
-    return {"losses": losses, "bytes": counter.bytes, "scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
+    return {"losses": losses, "bytes": counter.bytes, "scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
+            "skipped": skipped}
 # --8<-- [end:runs]
 
 
@@ -160,9 +166,15 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
     runs = {run: train(ctx, args, tokens, run) for run in RUNS}
     base = runs["fp32"]
+    # A step GradScaler skipped (an overflow at the first, too large, scales: small batches have larger gradients)
+    # leaves fp16 one update behind, a gap no rounding made: fp16 is compared with fp32 skipping the same steps.
+    skipped = runs["autocast-fp16"]["skipped"]
+    refs = {run: base for run in runs}
+    if skipped:
+        refs["autocast-fp16"] = train(ctx, args, tokens, "fp32", skip=frozenset(skipped))
     rows = []
     for run, r in runs.items():
-        gap = max(abs(a - b) for a, b in zip(r["losses"], base["losses"], strict=True))
+        gap = max(abs(a - b) for a, b in zip(r["losses"], refs[run]["losses"], strict=True))
         rows.append({"run": run, "all_gather MiB": r["bytes"]["all_gather"] / 2**20,
                      "reduce_scatter MiB": r["bytes"]["reduce_scatter"] / 2**20,
                      "vs fp32 bytes": sum(r["bytes"].values()) / max(sum(base["bytes"].values()), 1),
@@ -183,28 +195,32 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\n{args.steps} AdamW steps on {ctx.world_size} rank(s) with FSDP2; bytes are the full buffers of "
               "every all-gather and reduce-scatter of the run")
     ctx.print(report.table(rows, floatfmt=".4g"))
-    ctx.print(f"autocast-fp16's dynamic loss scale at the end: {runs['autocast-fp16']['scale']:g}")
+    ctx.print(f"autocast-fp16's dynamic loss scale at the end: {runs['autocast-fp16']['scale']:g}"
+              + (f"; it skipped step(s) {[k + 1 for k in skipped]} (overflow), so its gap is to fp32 skipping them too"
+                 if skipped else ""))
     if ctx.is_main:
-        draw(args, runs)
+        draw(args, runs, refs)
     return {"formats": formats(), "underflow": under, "runs": rows,
-            "losses": {run: r["losses"] for run, r in runs.items()},
+            "losses": {run: r["losses"] for run, r in runs.items()}, "fp16_skipped_steps": [k + 1 for k in skipped],
+            "fp32_skipping_fp16_skips": refs["autocast-fp16"]["losses"],
             "fsdp_bf16_bytes_ratio": rows[3]["vs fp32 bytes"], "fsdp_bf16_all_bytes_ratio": rows[4]["vs fp32 bytes"],
             "fp16_zero_unscaled": under[0]["zero"], "fp16_subnormal_unscaled": under[0]["subnormal"],
             "fp16_zero_scaled_2_16": under[2]["zero"],
             "bf16_zero": under[3]["zero"], "max_gap": max(r["max |loss - fp32|"] for r in rows)}
 
 
-def draw(args: Settings, runs: dict) -> None:
+def draw(args: Settings, runs: dict, refs: dict) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     base = runs["fp32"]["losses"]
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("x", "-."), ("d", "-")]  # runs that coincide stay visible
     for k, (run, r) in enumerate((run, r) for run, r in runs.items() if run != "fp32"):
         marker, line = styles[k % len(styles)]
-        ax.plot(range(1, len(base) + 1), [a - b for a, b in zip(r["losses"], base, strict=True)], marker=marker,
+        ref = refs[run]["losses"]  # fp32, skipping the steps this run skipped
+        ax.plot(range(1, len(base) + 1), [a - b for a, b in zip(r["losses"], ref, strict=True)], marker=marker,
                 linestyle=line, markersize=9 - 2 * k, linewidth=2.4 - 0.5 * k, fillstyle="none", label=run)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set(xlabel="step", ylabel="loss - fp32 loss", title="16-bit runs against fp32, same batches")
+    ax.set(xlabel="step", ylabel="loss - fp32 loss", title="16-bit runs against fp32, same batches and steps")
     ax.legend(fontsize=8)
     print(f"figure: {plot.save(fig, args, 'loss_gap')}")
 
