@@ -334,8 +334,9 @@ def test_serve_drains_or_cuts_on_a_signal_then_exits_without_a_traceback(sig, gr
     if sig == signal.SIGTERM:  # 10 s is plenty for one stream: it ends with [DONE]
         assert error is None and events[-1] == "data: [DONE]"
         assert "drained 1 of 1 request(s) in flight, cut 0" in out
-    else:  # no grace: the stream is cut before its end
-        assert error is not None or events[-1] != "data: [DONE]"
+    else:  # no grace: the server cuts the request it had in flight. What the client received is not asserted: on
+        # a busy machine the tiny model can write all 200 tokens into the socket before the signal is handled, and
+        # the complete stream then arrives although the request was cut (this assert failed so at load 9)
         assert "drained 0 of 1 request(s) in flight, cut 1" in out
 
 
