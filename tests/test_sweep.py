@@ -27,9 +27,12 @@ from conftest import ROOT, chapter_scripts, run
 
 DISTRIBUTED = [s for s in chapter_scripts() if "DistArgs" in s.read_text()]
 BY_CHAPTER = {ch: list(scripts) for ch, scripts in groupby(DISTRIBUTED, key=lambda s: s.parent.parent.name)}
-# At most three scripts per case, so the two pytest workers share a long chapter and no case nears its timeout.
-CASES = {f"{ch}-{i // 3 + 1}": scripts[i:i + 3] for ch, scripts in BY_CHAPTER.items()
-         for i in range(0, len(scripts), 3)}
+# At most three scripts per case, so the two pytest workers share a long chapter and no case nears its timeout; a
+# script that starts Ray at every size (20-90 s each on 2 cores) gets a case of its own.
+SOLO = {"ray_placement.py"}
+CASES = {f"{ch}-{i // 3 + 1}": group[i:i + 3] for ch, scripts in BY_CHAPTER.items()
+         for group in [[s for s in scripts if s.name not in SOLO]] for i in range(0, len(group), 3)}
+CASES |= {f"{s.parent.parent.name}-{s.stem}": [s] for s in DISTRIBUTED if s.name in SOLO}
 SIZES = list(range(1, 9))
 SWEEP = ROOT / "tests" / "fixtures" / "sweep.py"
 
