@@ -8,14 +8,49 @@ seeded shard gives the same tokens and the same micro-batch the same scores.
     score_micro_batch(models, b, a, m)  the reward, reference and critic forwards on micro-batch m
     train_on(models, ..., batch, extras) advantages and chapter 13's PPO step on the whole batch
 
-`args` is any object with seed, num_rollouts, shards and max_tokens (the scripts' Settings).
+`args` is any object with seed, num_rollouts, shards and max_tokens: PlacementSettings below, the flags both
+scripts share (each script's Settings extends it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from mlsys import rlhf
+from mlsys import cli, rlhf
+
+PLACEMENTS = ("colocated", "disaggregated", "async")
+COMPUTE = ("generate", "score", "train")  # everything else a rank does is communication or waiting
+
+
+@dataclass
+class PlacementSettings(cli.DistArgs, cli.PlotArgs):
+    """The flags both placement scripts take: the same task, so the same numbers wherever it runs."""
+
+    placements: list[str] = field(default_factory=lambda: list(PLACEMENTS))
+    """Which to run: colocated, disaggregated, async."""
+    iterations: int = 6
+    """RLHF iterations (generate -> score -> train -> sync) per placement."""
+    num_rollouts: int = 16
+    """Responses per iteration (a multiple of 4 * --shards: groups of 4 per prompt)."""
+    shards: int = 2
+    """The batch is generated in this many seeded shards and scored in as many micro-batches, wherever it runs."""
+    max_tokens: int = 72
+    """Response length limit: chapter 13's, long enough for a whole record (45 to 65 tokens), so rule scores mean
+    something; at 32 every response would be cut short and malformed."""
+    bucket_mb: float = 1.0
+    """Bucket size for the trainer -> rollout weight broadcast."""
+    save_weights: str = ""
+    """Save each placement's final actor weights as DIR/<placement>.pt (tests compare the two scripts' weights)."""
+
+    def validate(self) -> None:
+        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
+            raise cli.UsageError(f"--placements must name some of {PLACEMENTS}, got {self.placements}")
+        if self.iterations < 2 or self.shards < 1 or self.max_tokens < 1 or not self.bucket_mb > 0:
+            raise cli.UsageError("--iterations >= 2, --shards >= 1, --max-tokens >= 1, --bucket-mb > 0 required")
+        if self.num_rollouts < 1 or self.num_rollouts % (4 * self.shards):
+            raise cli.UsageError(f"--num-rollouts must be a positive multiple of 4 * --shards, got {self.num_rollouts}")
 
 
 def holdings(**roles) -> dict:

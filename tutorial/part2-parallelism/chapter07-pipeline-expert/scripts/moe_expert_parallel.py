@@ -26,7 +26,7 @@ How to run (W must divide the number of experts)
 Runtime on 2 cores: about 5 s at -w 2, 3 s with --smoke.
 
 Try next
-    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py \
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py \\
         --top-k 1 --no-renormalize --capacity-factor 1.0
         -> Switch-style top-1 routing: every drop now drops the whole token (fully_dropped equals dropped)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py --skew 0

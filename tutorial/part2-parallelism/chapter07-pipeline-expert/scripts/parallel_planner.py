@@ -33,11 +33,11 @@ Runtime on 2 cores: about 2-3 s, the same with --smoke: nearly all of it is Pyth
 where the model shapes live, imports the book's GPT config); the arithmetic itself takes under 0.1 s.
 
 Try next
-    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \\
         --model mistral-7b --gpus 8 --global-batch 64 --layout 8 1 1 1 --zero-stage 0
         -> --layout takes dp tp pp ep: plain data parallelism over 8 GPUs. With --zero-stage 0 every GPU holds all
            16 B/param of a 7B model and it does not fit in 80 GiB; the default ZeRO-1 (or 3) makes it fit
-    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \
+    python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \\
         --model llama-3-8b --gpus 8 --global-batch 64
         -> one node: the ranking of every layout of 8 GPUs for an 8B model, and the pick
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py --gpus 7

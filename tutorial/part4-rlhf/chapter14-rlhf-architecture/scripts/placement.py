@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import _placement_figures as figures  # this script's three figures (_placement_figures.py)
 import torch
@@ -51,38 +51,23 @@ import torch.distributed as dist
 
 from mlsys import cli, report, rlhf
 from mlsys.launch import RankContext, launch
-from mlsys.rlhf_shards import generate_shard, holdings, merge, score_micro_batch, setup, train_on
+from mlsys.rlhf_shards import (
+    COMPUTE,
+    PLACEMENTS,
+    PlacementSettings,
+    generate_shard,
+    holdings,
+    merge,
+    score_micro_batch,
+    setup,
+    train_on,
+)
 from mlsys.weight_sync import broadcast_bucketed, named_meta, plan_buckets, unique_parameters
-
-PLACEMENTS = ("colocated", "disaggregated", "async")
-COMPUTE = ("generate", "score", "train")  # everything else a rank does is communication or waiting
 
 
 @dataclass
-class Settings(cli.DistArgs, cli.PlotArgs):
-    placements: list[str] = field(default_factory=lambda: list(PLACEMENTS))
-    """Which to run: colocated, disaggregated, async."""
-    iterations: int = 6
-    """RLHF iterations (generate -> score -> train -> sync) per placement."""
-    num_rollouts: int = 16
-    """Responses per iteration (a multiple of 4 * --shards: groups of 4 per prompt)."""
-    shards: int = 2
-    """The batch is generated in this many seeded shards and scored in as many micro-batches, wherever it runs."""
-    max_tokens: int = 72
-    """Response length limit: chapter 13's, long enough for a whole record (45 to 65 tokens), so rule scores mean
-    something; at 32 every response would be cut short and malformed."""
-    bucket_mb: float = 1.0
-    """Bucket size for the trainer -> rollout weight broadcast."""
-    save_weights: str = ""
-    """Save each placement's final actor weights as DIR/<placement>.pt (ray_placement.py's test compares them)."""
-
-    def validate(self) -> None:
-        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
-            raise cli.UsageError(f"--placements must name some of {PLACEMENTS}, got {self.placements}")
-        if self.iterations < 2 or self.shards < 1 or self.max_tokens < 1 or not self.bucket_mb > 0:
-            raise cli.UsageError("--iterations >= 2, --shards >= 1, --max-tokens >= 1, --bucket-mb > 0 required")
-        if self.num_rollouts < 1 or self.num_rollouts % (4 * self.shards):
-            raise cli.UsageError(f"--num-rollouts must be a positive multiple of 4 * --shards, got {self.num_rollouts}")
+class Settings(PlacementSettings):
+    """placement.py takes exactly the shared flags (mlsys/rlhf_shards.py)."""
 
 
 class Timeline:

@@ -27,7 +27,7 @@ What it shows
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py -w 3 --strategy SPREAD
-    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --address HEAD_IP:6379 \
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --address HEAD_IP:6379 \\
         --trainer-on trainer_node --rollout-on rollout_node
         -> join a running cluster (ray start --head / ray start --address=...), roles on the nodes that advertise
            those custom resources (ray start --resources '{"trainer_node": 1}')
@@ -39,7 +39,7 @@ placement.py).
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --fault generate
         -> a generation actor is killed mid-iteration: one line names its role, pid and node; exit 1; nothing left
-    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py \
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py \\
         --placements disaggregated async --iterations 8
         -> only the disaggregated pools: compare time per iteration with placement.py's
 """
@@ -50,31 +50,17 @@ import os
 import shutil
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from mlsys import cli, plot, ray_rlhf, report
 from mlsys.launch import threads_per_rank
-
-PLACEMENTS = ("colocated", "disaggregated", "async")
-COMPUTE = ("generate", "score", "train")
+from mlsys.rlhf_shards import COMPUTE, PlacementSettings
 
 
 @dataclass
-class Settings(cli.DistArgs, cli.PlotArgs):
-    placements: list[str] = field(default_factory=lambda: list(PLACEMENTS))
-    """Which to run: colocated, disaggregated, async."""
-    iterations: int = 6
-    """RLHF iterations per placement (placement.py's default)."""
-    num_rollouts: int = 16
-    """Responses per iteration (a multiple of 4 * --shards)."""
-    shards: int = 2
-    """The batch is generated in this many seeded shards and scored in as many micro-batches."""
-    max_tokens: int = 72
-    """Response length limit (placement.py's)."""
-    bucket_mb: float = 1.0
-    """Bucket size for the trainer -> rollout weight broadcast."""
+class Settings(PlacementSettings):
     strategy: typing.Literal["PACK", "SPREAD"] = "PACK"
     """Placement-group strategy of the co-located pool and the rollout pool."""
     address: str = ""
@@ -83,20 +69,13 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """A custom resource the trainer pool's bundles ask for: the trainer lands on a node that advertises it."""
     rollout_on: str = ""
     """The same for the rollout pool."""
-    save_weights: str = ""
-    """Save each placement's final actor weights as DIR/<placement>.pt."""
     fault: typing.Literal["none", "generate", "train"] = "none"
     """Planted fault: kill the first generation actor (generate) or the trainer (train) mid-iteration."""
     fault_iteration: int = 1
     """The iteration in which --fault strikes."""
 
     def validate(self) -> None:
-        if not self.placements or any(p not in PLACEMENTS for p in self.placements):
-            raise cli.UsageError(f"--placements must name some of {PLACEMENTS}, got {self.placements}")
-        if self.iterations < 2 or self.shards < 1 or self.max_tokens < 1 or not self.bucket_mb > 0:
-            raise cli.UsageError("--iterations >= 2, --shards >= 1, --max-tokens >= 1, --bucket-mb > 0 required")
-        if self.num_rollouts < 1 or self.num_rollouts % (4 * self.shards):
-            raise cli.UsageError(f"--num-rollouts must be a positive multiple of 4 * --shards, got {self.num_rollouts}")
+        super().validate()
         if self.backend == "nccl":
             raise cli.UsageError("the draft models run on the CPU here, so the sync group is gloo: use --backend gloo")
 
