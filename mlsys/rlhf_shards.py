@@ -25,8 +25,9 @@ COMPUTE = ("generate", "score", "train")  # everything else a rank does is commu
 
 
 @dataclass
-class PlacementSettings(cli.DistArgs, cli.PlotArgs):
-    """The flags both placement scripts take: the same task, so the same numbers wherever it runs."""
+class PlacementSettings(cli.DistArgs):
+    """The flags both placement scripts take: the same task, so the same numbers wherever it runs (each script adds
+    cli.PlotArgs for its figures)."""
 
     placements: list[str] = field(default_factory=lambda: list(PLACEMENTS))
     """Which to run: colocated, disaggregated, async."""

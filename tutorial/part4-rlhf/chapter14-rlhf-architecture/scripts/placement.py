@@ -66,7 +66,7 @@ from mlsys.weight_sync import broadcast_bucketed, named_meta, plan_buckets, uniq
 
 
 @dataclass
-class Settings(PlacementSettings):
+class Settings(PlacementSettings, cli.PlotArgs):
     """placement.py takes exactly the shared flags (mlsys/rlhf_shards.py)."""
 
 

@@ -60,7 +60,7 @@ from mlsys.rlhf_shards import COMPUTE, PlacementSettings
 
 
 @dataclass
-class Settings(PlacementSettings):
+class Settings(PlacementSettings, cli.PlotArgs):
     strategy: typing.Literal["PACK", "SPREAD"] = "PACK"
     """Placement-group strategy of the co-located pool and the rollout pool."""
     address: str = ""
