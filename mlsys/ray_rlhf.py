@@ -56,6 +56,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_resources() -> dict:
+    """The resources the cluster's nodes advertise together (CPU, GPU, and any custom ones given to ray start)."""
+    import ray
+
+    return ray.cluster_resources()
+
+
 def ping_seconds() -> float:
     """What Ray itself costs to start one actor: a new worker process, registered, answering one call."""
     import ray

@@ -215,6 +215,18 @@ def test_roles_land_on_the_named_nodes(cluster) -> None:
     assert sorted(x["node_id"] for x in res["colocated"]["actors"]) == sorted([a, b])
 
 
+@pytest.mark.timeout(300)
+def test_a_node_resource_no_node_advertises_is_refused_at_once(cluster) -> None:
+    """A pool asking for a resource no node has could never be placed: one line, exit 2, not a wait for --timeout."""
+    c, _, _ = cluster
+    proc = subprocess.run([sys.executable, CH14 / "ray_placement.py", *SMOKE, "--address", c.address,
+                           "--trainer-on", "no_such_node", "--rollout-on", "rollout_node"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"ray_placement.py: error: no node of the cluster at {c.address} advertises no_such_node"], proc.stderr
+
+
 @pytest.mark.timeout(600)
 def test_killed_generation_actor_is_named_with_its_node(cluster) -> None:
     c, nodes, _ = cluster

@@ -78,6 +78,12 @@ class Settings(PlacementSettings, cli.PlotArgs):
         super().validate()
         if self.backend == "nccl":
             raise cli.UsageError("the draft models run on the CPU here, so the sync group is gloo: use --backend gloo")
+        if (self.trainer_on or self.rollout_on) and not self.address:
+            raise cli.UsageError("--trainer-on/--rollout-on name a resource that a node of a running cluster "
+                                 "advertises (ray start --resources): give that cluster's --address")
+        if self.fault != "none" and not 0 <= self.fault_iteration < self.iterations:
+            raise cli.UsageError(f"--fault-iteration must be in 0..{self.iterations - 1} (--iterations "
+                                 f"{self.iterations}), got {self.fault_iteration}: the fault would never strike")
 
 
 def actor_settings(args: Settings, fault_rank: int) -> dict:
@@ -270,6 +276,9 @@ def main() -> int:
     try:
         gpus = None if torch.cuda.is_available() else args.world_size  # real GPUs, or W logical ones
         init_s = ray_rlhf.start(args.address, num_cpus=args.world_size, num_gpus=gpus, temp_dir=temp_dir)
+        missing = [r for r in (args.trainer_on, args.rollout_on) if r and r not in ray_rlhf.cluster_resources()]
+        if missing:  # its pools could never be placed: say so now rather than after --timeout
+            raise cli.UsageError(f"no node of the cluster at {args.address} advertises {', '.join(missing)}")
         ping_s = ray_rlhf.ping_seconds()
         shared = None  # the disaggregated pools and groups, reused by async (models rebuilt, same processes)
         for name in args.placements:
