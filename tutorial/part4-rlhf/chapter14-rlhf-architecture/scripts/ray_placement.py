@@ -312,9 +312,10 @@ def main() -> int:
                                 "final KL": r["stats"][-1]["kl"], "weights MB": r["object_store"]["bytes"] / 2**20,
                                 "put s": r["object_store"]["put_s"], "get s": r["object_store"]["get_s"]}
                                for n, r in results.items()], floatfmt=".3f"))
+    overhead, work = init_s + sum(r["start_s"] for r in results.values()), sum(r["wall_s"] for r in results.values())
     summary = {**results, "ray": {"init_s": init_s, "empty_actor_s": ping_s, "load_avg": load, "threads": threads,
-                                  "version": ray.__version__,
-                                  "overhead_s": init_s + sum(r["start_s"] for r in results.values())}}
+                                  "version": ray.__version__, "overhead_s": overhead, "work_s": work,
+                                  "overhead_vs_work": "more than" if overhead > work else "less than"}}
     if "colocated" in weights and "disaggregated" in weights:
         a, b = weights["colocated"], weights["disaggregated"]
         report.expect_equal("per-iteration rewards, co-located vs disaggregated",
