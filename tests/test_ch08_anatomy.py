@@ -15,7 +15,7 @@ import torch
 from conftest import load_script, scripts_dir
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.model import GPT, GPTConfig
-from mlsys.server import format_summary, request_latencies, serving_summary
+from mlsys.serving_metrics import format_summary, request_latencies, serving_summary
 
 CH08 = scripts_dir(8)
 

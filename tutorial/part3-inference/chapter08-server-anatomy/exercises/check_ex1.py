@@ -42,9 +42,9 @@ def check_request_metrics(ex) -> None:
     assert abs(one["ttft"] - 0.25) < 1e-12 and abs(one["e2e"] - 0.25) < 1e-12
 
 
-@task("summarize equals numpy on 300 random requests and mlsys.server.serving_summary (ITL pooled, TPOT skips n=1)")
+@task("summarize equals numpy on 300 random requests and mlsys.serving_metrics (ITL pooled, TPOT skips n=1)")
 def check_summarize(ex) -> None:
-    from mlsys.server import serving_summary
+    from mlsys.serving_metrics import serving_summary
 
     reqs = random_requests(7, 300)
     duration = max(times[-1] for _, times in reqs) - reqs[0][0]

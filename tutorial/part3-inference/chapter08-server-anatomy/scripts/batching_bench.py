@@ -50,7 +50,7 @@ import torch
 from mlsys import bench, cli, plot, report
 from mlsys.data import make_corpus
 from mlsys.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from mlsys.server import format_summary, serving_summary
+from mlsys.serving_metrics import format_summary, serving_summary
 from mlsys.weights import load_pretrained
 
 

@@ -50,7 +50,8 @@ from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.tokenizer import encode_prompt
 from mlsys.model import generate
-from mlsys.server import completion_body, request_latencies, sse_event
+from mlsys.server import completion_body, sse_event
+from mlsys.serving_metrics import request_latencies
 from mlsys.weights import load_pretrained
 
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")
