@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlsys import cli, rlhf
+from mlsys.reward_model import load_reward_model
 
 PLACEMENTS = ("colocated", "disaggregated", "async")
 COMPUTE = ("generate", "score", "train")  # everything else a rank does is communication or waiting
@@ -74,7 +75,7 @@ def setup(role: str, seed: int):
     models = opts = kl_ctl = engine = None
     cfg = rlhf.PPOConfig()
     if role in ("all", "trainer"):
-        models = rlhf.build_models(sft, rlhf.load_reward_model("draft"))
+        models = rlhf.build_models(sft, load_reward_model("draft"))
         opts = rlhf.make_optimizers(models, cfg)
         kl_ctl = rlhf.AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.k_beta)
     if role in ("all", "rollout"):

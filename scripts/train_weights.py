@@ -12,7 +12,7 @@ already exists is only evaluated, unless `--force` (also needed for
     MLSYS_CACHE=/tmp/c python scripts/train_weights.py --steps 5   # smoke run, seconds
     python scripts/train_weights.py --if-missing     # build what is absent, evaluate nothing (make test/book)
 
-`--if-missing` also builds chapter 13's reward model (`mlsys.rlhf.load_reward_model`, on the draft trunk) and
+`--if-missing` also builds chapter 13's reward model (`mlsys.reward_model.load_reward_model`, on the draft trunk) and
 the byte-level BPE tokenizer that chapter 8 streams through its detokenizer (`mlsys.bpe`, well under a second).
 
 Runtime on a 2-core CPU (torch 2.13, no other load): `small` (0.83 M params,
@@ -98,7 +98,7 @@ def build_missing() -> None:
             start = time.perf_counter()
             build_weights(name)
             print(f"{name}: built in {time.perf_counter() - start:.1f} s")
-    from mlsys.rlhf import load_reward_model  # chapter 13's reward model, on the draft trunk
+    from mlsys.reward_model import load_reward_model  # chapter 13's reward model, on the draft trunk
 
     load_reward_model()
     if not bpe_path().exists():

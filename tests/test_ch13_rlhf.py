@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import load_script, run_json, scripts_dir, smoke_run
-from mlsys import rlhf
+from mlsys import reward_model, rlhf
 from mlsys.engine import Engine, EngineConfig
 from mlsys.model import GPT, GPTConfig
 from mlsys.weights import load_pretrained
@@ -40,19 +40,19 @@ def tiny_gpt(seed: int = 0) -> GPT:
 
 def test_rule_score_reads_validity_and_languages() -> None:
     base = '{"name": "ada", "age": 34, "city": "london", "langs": '
-    assert rlhf.rule_score(base + '["c"]}') == 1
-    assert rlhf.rule_score(base + '["c", "go", "rust"]}') == 3
-    assert rlhf.rule_score(base + '["c", "go", "lua", "rust"]}') == 0  # four: malformed
-    assert rlhf.rule_score(base + '["c", "g') == 0
+    assert reward_model.rule_score(base + '["c"]}') == 1
+    assert reward_model.rule_score(base + '["c", "go", "rust"]}') == 3
+    assert reward_model.rule_score(base + '["c", "go", "lua", "rust"]}') == 0  # four: malformed
+    assert reward_model.rule_score(base + '["c", "g') == 0
 
 
 def test_preference_pairs_are_labelled_by_the_rule() -> None:
-    pairs = rlhf.make_preference_pairs(200, seed=3)
+    pairs = reward_model.make_preference_pairs(200, seed=3)
     assert len(pairs) == 200
     for chosen, rejected in pairs:
-        assert rlhf.rule_score(chosen) > rlhf.rule_score(rejected)
+        assert reward_model.rule_score(chosen) > reward_model.rule_score(rejected)
         assert chosen.split('"')[3] == rejected.split('"')[3]  # same name: the same prompt
-    assert rlhf.make_preference_pairs(20, seed=3) == pairs[:20]  # deterministic
+    assert reward_model.make_preference_pairs(20, seed=3) == pairs[:20]  # deterministic
 
 
 def _rule_by_hand(text: str) -> int:
@@ -118,18 +118,18 @@ def test_records_picture_counts_agree_with_the_rule_written_by_hand(smoke_cache)
 def test_bradley_terry_loss_by_hand() -> None:
     chosen, rejected = torch.tensor([2.0, -1.0, 0.3]), torch.tensor([0.5, 0.5, 0.3])
     by_hand = sum(math.log(1 + math.exp(-(c - r))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 3
-    assert rlhf.bradley_terry_loss(chosen, rejected).item() == pytest.approx(by_hand, rel=1e-6)
+    assert reward_model.bradley_terry_loss(chosen, rejected).item() == pytest.approx(by_hand, rel=1e-6)
     # gradient w.r.t. r_chosen: -(1 - sigmoid(c - r)) / P
     c = chosen.clone().requires_grad_(True)
-    rlhf.bradley_terry_loss(c, rejected).backward()
+    reward_model.bradley_terry_loss(c, rejected).backward()
     want = [-(1 - 1 / (1 + math.exp(-(a - b)))) / 3 for a, b in zip(chosen.tolist(), rejected.tolist())]
     assert c.grad.tolist() == pytest.approx(want, rel=1e-5)
 
 
 def test_scalar_head_scores_at_the_last_real_token() -> None:
-    rm = rlhf.ScalarHeadModel(tiny_gpt())
+    rm = reward_model.ScalarHeadModel(tiny_gpt())
     torch.nn.init.normal_(rm.head.weight)
-    ids, lengths = rlhf.encode_records(['{"name": "ada"}', '{"name": "alan", "age": 41}'])
+    ids, lengths = reward_model.encode_records(['{"name": "ada"}', '{"name": "alan", "age": 41}'])
     per_pos = rm(ids)  # (B, T)
     alone = rm(ids[:1, : lengths[0]])  # the short row without its padding
     assert rm.score(ids, lengths)[0].item() == pytest.approx(alone[0, -1].item(), abs=1e-5)
@@ -137,13 +137,13 @@ def test_scalar_head_scores_at_the_last_real_token() -> None:
 
 
 def test_normalized_reward_model_has_mean_0_std_1_and_keeps_the_order() -> None:
-    rm = rlhf.ScalarHeadModel(tiny_gpt())
+    rm = reward_model.ScalarHeadModel(tiny_gpt())
     torch.nn.init.normal_(rm.head.weight)
-    texts = [t for pair in rlhf.make_preference_pairs(20, seed=1) for t in pair]
-    ids, lengths = rlhf.encode_records(texts)
+    texts = [t for pair in reward_model.make_preference_pairs(20, seed=1) for t in pair]
+    ids, lengths = reward_model.encode_records(texts)
     with torch.no_grad():
         before = rm.score(ids, lengths)
-        rlhf.normalize_reward_model(rm, texts)
+        reward_model.normalize_reward_model(rm, texts)
         after = rm.score(ids, lengths)
     assert after.mean().item() == pytest.approx(0.0, abs=1e-5)
     assert after.std().item() == pytest.approx(1.0, abs=1e-5)
@@ -300,7 +300,7 @@ def test_response_grid_gathers_each_rows_own_tokens() -> None:
 def test_engine_sampled_tokens_get_the_same_logprobs_when_recomputed(temperature: float) -> None:
     model = tiny_gpt(3)
     engine = Engine(model, config=EngineConfig(max_num_seqs=4, block_size=4))
-    batch = rlhf.generate_rollouts(engine, rlhf.make_prompts(6, seed=2), max_tokens=20, temperature=temperature)
+    batch = rlhf.generate_rollouts(engine, reward_model.make_prompts(6, seed=2), max_tokens=20, temperature=temperature)
     logits, _ = model(batch.ids)
     logp = F.log_softmax(logits[:, :-1] / temperature, -1).gather(2, batch.ids[:, 1:, None]).squeeze(2)
     recomputed = rlhf.gather_response(logp, batch.positions)
@@ -311,8 +311,8 @@ def test_engine_sampled_tokens_get_the_same_logprobs_when_recomputed(temperature
 
 def test_rollouts_are_reproducible_by_seed() -> None:
     engine = Engine(tiny_gpt(), config=EngineConfig(max_num_seqs=8))
-    a = rlhf.generate_rollouts(engine, rlhf.make_prompts(4, 0), 16, seed=5)
-    b = rlhf.generate_rollouts(engine, rlhf.make_prompts(4, 0), 16, seed=5)
+    a = rlhf.generate_rollouts(engine, reward_model.make_prompts(4, 0), 16, seed=5)
+    b = rlhf.generate_rollouts(engine, reward_model.make_prompts(4, 0), 16, seed=5)
     assert torch.equal(a.ids, b.ids) and a.texts == b.texts
 
 
@@ -356,7 +356,7 @@ def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model
     SFT model's."""
     cfg = rlhf.PPOConfig()
     sft_engine = Engine(load_pretrained("draft"), config=EngineConfig(max_num_seqs=64))
-    sft = rlhf.evaluate_policy(sft_engine, rlhf.load_reward_model("draft"), num_prompts=256)
+    sft = rlhf.evaluate_policy(sft_engine, reward_model.load_reward_model("draft"), num_prompts=256)
     # well-formed by the schema written in this file (_rule_by_hand), not by the rule_score that `valid` and
     # `kinds` both come from
     by_hand = sum(_rule_by_hand(t) > 0 for t in sft["texts"])

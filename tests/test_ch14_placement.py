@@ -291,11 +291,11 @@ def test_placement_picture_roles_and_work_per_rank(placement_json: dict) -> None
 def test_default_response_length_fits_a_record() -> None:
     """At the default --max-tokens some responses of the first shard are whole, well-formed records (at 32 tokens
     every record was cut, so the placements were compared on a task with rule score 0 everywhere)."""
-    from mlsys import rlhf
+    from mlsys import reward_model
 
     mod = load_script(CH14 / "placement.py")
     args = mod.Settings()
     torch.set_num_threads(1)
     _, _, _, engine, _ = mod.setup("rollout", args.seed)
     batch = mod.generate_shard(engine, args, 0, 0)
-    assert sum(rlhf.rule_score(t) > 0 for t in batch.texts) >= len(batch.texts) // 2, batch.texts
+    assert sum(reward_model.rule_score(t) > 0 for t in batch.texts) >= len(batch.texts) // 2, batch.texts

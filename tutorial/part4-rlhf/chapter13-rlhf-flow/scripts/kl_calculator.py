@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from mlsys import cli, report
 from mlsys.data import Tokenizer
 from mlsys.model import generate
-from mlsys.rlhf import kl_estimators, make_prompts, shape_rewards
+from mlsys.reward_model import make_prompts
+from mlsys.rlhf import kl_estimators, shape_rewards
 from mlsys.weights import load_pretrained
 
 

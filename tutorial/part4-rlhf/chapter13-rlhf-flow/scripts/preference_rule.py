@@ -1,12 +1,12 @@
 """The task of chapter 13: the SFT model writes records, and a rule anyone can read says which one a person prefers.
 
 What it shows
-    1. Prompts: the start of a record of the book's corpus, '{"name": "ada", ' (mlsys.rlhf.make_prompts).
+    1. Prompts: the start of a record of the book's corpus, '{"name": "ada", ' (mlsys.reward_model.make_prompts).
     2. Responses: the `draft` GPT (the SFT model the RLHF loop starts from) completes --num-prompts of them with the
        inference engine, sampling at temperature 1, as the RLHF loop will.
-    3. The rule (mlsys.rlhf.rule_score), the stand-in for the human: 0 for a malformed record, else its number of
-       languages. Any well-formed record beats any malformed one; between two well-formed ones, more languages
-       win. Every record the rule scores 0 is sorted by how it breaks the schema (mlsys.rlhf.response_kind).
+    3. The rule (mlsys.reward_model.rule_score), the stand-in for the human: 0 for a malformed record, else its
+       number of languages. Any well-formed record beats any malformed one; between two well-formed ones, more
+       languages win. Every record the rule scores 0 is sorted by how it breaks the schema (mlsys.rlhf.response_kind).
     The figure records.png shows a few of the responses with the rule's verdict, and how many of all the
     responses got each score: the room the RLHF loop has to improve, and the malformed kinds it could drift into.
 
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from mlsys import cli, plot, report
-from mlsys.rlhf import KINDS, generate_rollouts, make_prompts, response_kind, rule_score
+from mlsys.reward_model import make_prompts, rule_score
+from mlsys.rlhf import KINDS, generate_rollouts, response_kind
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The reward model: a GPT trunk with a scalar head, trained on rule-labelled preference pairs (Bradley-Terry).
 
 What it shows
-    1. The preference rule (mlsys.rlhf.rule_score) and a few of the pairs it labels: two records for the same
+    1. The preference rule (mlsys.reward_model.rule_score) and a few of the pairs it labels: two records for the same
        name, the one the rule prefers first. Malformed records here are cut short, as a response that runs out
        of tokens is.
     2. Training: the `draft` GPT's trunk plus a zero-initialised linear head, scored at the last token, trained
@@ -10,7 +10,7 @@ What it shows
     3. Held-out pairwise accuracy (pairs drawn with another seed), overall and per kind of pair, and the scores
        of a few hand-written records, including kinds of fault the model never saw in training.
     4. The four models of PPO-based RLHF built from it: actor, critic, reward model, reference.
-    The default run saves the model where mlsys.rlhf.load_reward_model looks (.cache/weights/reward-draft.pt),
+    The default run saves the model where mlsys.reward_model.load_reward_model looks (.cache/weights/reward-draft.pt),
     so the next scripts use exactly this model; --smoke trains a few steps and saves nothing.
 
 How to run
@@ -38,10 +38,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlsys import cli, plot, report
-from mlsys.rlhf import (
+from mlsys.reward_model import (
     RewardRecipe,
     ScalarHeadModel,
-    build_models,
     encode_records,
     make_preference_pairs,
     pair_scores,
@@ -50,6 +49,7 @@ from mlsys.rlhf import (
     rule_score,
     train_reward_model,
 )
+from mlsys.rlhf import build_models
 from mlsys.weights import load_pretrained, save_checkpoint
 
 
@@ -79,7 +79,7 @@ def kind(text: str) -> str:
 # --8<-- [start:bt_by_hand]
 def check_loss_by_hand(rm, pairs) -> float:
     """The Bradley-Terry loss of one batch, recomputed one pair at a time with math.log/math.exp."""
-    from mlsys.rlhf import bradley_terry_loss
+    from mlsys.reward_model import bradley_terry_loss
 
     with torch.no_grad():
         chosen, rejected = pair_scores(rm, pairs)  # (P,), (P,)
@@ -164,7 +164,7 @@ def main() -> int:
     if not args.smoke and args.seed == 0 and recipe == RewardRecipe():
         save_checkpoint(reward_model_path("draft"), rm, {"recipe": asdict(recipe), "accuracy": accuracy,
                                                          "final_loss": history[-1]["loss"]})
-        print(f"\n   saved to {reward_model_path('draft')} (mlsys.rlhf.load_reward_model reads it)")
+        print(f"\n   saved to {reward_model_path('draft')} (mlsys.reward_model.load_reward_model reads it)")
     if args.json:
         report.write_json(args.json, {"accuracy": accuracy, "by_kind": rows, "probes": probe_rows,
                                       "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],

@@ -20,7 +20,7 @@ What it shows
     FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
     response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages),
     iteration.png (every tensor of the last iteration: ids, log-probs, values, scores, k1, rewards, advantages).
-    The reward model is mlsys.rlhf.load_reward_model() (trained by reward_model.py; trained here if missing).
+    The reward model is mlsys.reward_model.load_reward_model() (trained by reward_model.py; trained here if missing).
 
 How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py
@@ -54,7 +54,8 @@ from dataclasses import dataclass
 import torch
 
 from mlsys import cli, plot, report, rlhf
-from mlsys.rlhf import TOKENIZER, PPOConfig, RolloutBatch, evaluate_policy, rlhf_iteration, setup_rlhf
+from mlsys.reward_model import TOKENIZER, rule_score
+from mlsys.rlhf import PPOConfig, RolloutBatch, evaluate_policy, rlhf_iteration, setup_rlhf
 
 
 @dataclass
@@ -326,7 +327,7 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
           f"{trained['malformed']} malformed records score above its mean well-formed "
           f"one ({trained['reward_valid']:+.2f}); four or repeated languages ({trained['hacks']} records): "
           f"{trained['reward_hacks']:+.2f} on average")
-    bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rlhf.rule_score(t) == 0)
+    bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rule_score(t) == 0)
     for score, text in bad[::-1][:3]:
         print(f"   malformed, scored {score:+.2f}: {text}")
     print("   the same prompts, SFT then trained:")

@@ -25,7 +25,7 @@ How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 6
     torchrun --nproc-per-node 2 tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py
 
-The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/rlhf.py).
+The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/reward_model.py).
 Prints one table per placement (seconds per phase and idle per rank), the equality check and the async effect.
 Runtime on 2 cores: about 10-15 s at a load average of 5 (other jobs on the cores multiply it: about 40 s at 10);
 --smoke almost as long (13 s at load 5), since starting the processes and loading the models take most of it.
@@ -49,7 +49,7 @@ import _placement_figures as figures  # this script's three figures (_placement_
 import torch
 import torch.distributed as dist
 
-from mlsys import cli, report, rlhf
+from mlsys import cli, report, reward_model
 from mlsys.launch import RankContext, launch
 from mlsys.rlhf_shards import (
     COMPUTE,
@@ -231,7 +231,7 @@ def warm_cache() -> None:
     from mlsys.weights import load_pretrained
 
     load_pretrained("draft")
-    rlhf.load_reward_model("draft")
+    reward_model.load_reward_model("draft")
 
 
 def main() -> int:

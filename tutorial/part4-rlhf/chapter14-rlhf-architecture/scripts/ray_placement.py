@@ -263,12 +263,12 @@ def main() -> int:
                      world_sizes=lambda w: w >= 2, world_sizes_text="of 2 or more (1 trainer + rollouts)")
     import ray
 
-    from mlsys import rlhf
+    from mlsys import reward_model
     from mlsys.weights import load_pretrained
 
     print(f"RLHF placements as Ray actors, {args.world_size} bundles ({args.backend} sync group): {args.iterations} "
           f"iterations of {args.num_rollouts} rollouts x {args.max_tokens} tokens")
-    load_pretrained("draft"), rlhf.load_reward_model("draft")  # train-and-cache once, before any actor needs it
+    load_pretrained("draft"), reward_model.load_reward_model("draft")  # train-and-cache once, before any actor needs it
     load = os.getloadavg()[0]
     threads = threads_per_rank(args.world_size)  # what a launcher rank gets on this machine
     results: dict = {}
