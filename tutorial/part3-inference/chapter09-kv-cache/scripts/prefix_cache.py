@@ -219,17 +219,8 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
     return edges
 
 
-def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"num_requests": 4, "shots": 1, "max_tokens": 8})
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # a tiny model: one thread is faster than two fighting over small matmuls
-    model, tok = load_pretrained("small"), Tokenizer()
-    system, prompts = make_prompts(args.num_requests, args.shots, args.seed)
-    print(f"{len(prompts)} requests: a shared {len(system)}-token system prompt ({len(system) // args.block_size} "
-          f"full blocks of {args.block_size}) + a {len(prompts[0]) - len(system)}-token question each, "
-          f"{args.max_tokens} tokens out\n")
-
-    # 1. cache off vs on, side by side
+def compare_off_on(model, prompts, args: Settings) -> tuple[dict, dict, float, float, str]:
+    """1. The same requests with the prefix cache off and on, side by side: tokens prefilled and p50 TTFT."""
     runs, p50 = timed_runs(model, prompts, args)
     off, on = runs["no cache"], runs["prefix cache"]
     ttft = {name: {"best_ms": 1e3 * min(v), "median_ms": 1e3 * statistics.median(v)} for name, v in p50.items()}
@@ -246,8 +237,12 @@ def main() -> int:
           f"pass(es), GC frozen) {ttft['no cache']['best_ms']:.2f} -> {ttft['prefix cache']['best_ms']:.2f} ms: "
           f"{ratio:.2f}x, "
           f"{direction} with the cache; {bench.load_average()}")
+    return runs, ttft, saved, ratio, direction
 
-    # 2. same tokens; a full hit equals a cold run
+
+def check_full_hit(runs: dict, prompts, args: Settings) -> int:
+    """2. Same tokens with and without the cache; request 0 again is a full hit and equals its cold run."""
+    off, on = runs["no cache"], runs["prefix cache"]
     for i, (a, b) in enumerate(zip(on["outputs"], off["outputs"])):
         report.expect_equal(f"request {i}: tokens with vs without the prefix cache", a, b)
     engine = on["engine"]
@@ -257,8 +252,13 @@ def main() -> int:
     report.expect_equal("full hit: tokens equal the cold run", again.token_ids, off["outputs"][0])
     print(f"\n2. All {len(prompts)} outputs identical with and without the cache. Repeating request 0: "
           f"{full} of its {len(prompts[0])} prompt tokens came from the cache, and its tokens equal the cold run.")
+    return full
 
-    # 3. the tree, refcounts back to zero, nothing leaked
+
+def show_tree(runs: dict, system, prompts, tok: Tokenizer, args: Settings) -> tuple[dict, int]:
+    """3. The radix tree the requests left, every reference count back to 0, nothing leaked."""
+    on = runs["prefix cache"]
+    engine = on["engine"]
     cache, pool = engine.block_manager.prefix_cache, engine.block_manager.pool
     shared = next((i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1), min(map(len, prompts)))
     first_edge = len(next(iter(cache.root.children.values())).key)
@@ -290,8 +290,11 @@ def main() -> int:
     report.expect_equal("free blocks after emptying the cache", pool.num_free, pool.num_blocks)
     print(f"   all reference counts 0, invariants hold; emptying the cache freed {freed} blocks: "
           f"{pool.num_free}/{pool.num_blocks} free.")
+    return tree, freed
 
-    # 4. eviction under memory pressure: two system prompts take turns in a small pool
+
+def eviction_run(model, prompts, args: Settings) -> dict:
+    """4. Eviction under memory pressure: two system prompts take turns in a pool of about two sequences."""
     _, prompts_b = make_prompts(args.num_requests, args.shots, args.seed + 1)
     mixed = [p for pair in zip(prompts, prompts_b) for p in pair][: args.num_requests]
     longest = max(map(len, mixed)) + args.max_tokens
@@ -304,6 +307,22 @@ def main() -> int:
     print(f"\n4. Two system prompts taking turns in a pool of {st['num_total_blocks']} blocks: "
           f"{st['num_evicted_blocks']} blocks evicted (LRU, unreferenced leaves only), hit rate "
           f"{100 * st['prefix_hit_rate']:.0f}%, {st['num_preemptions']} preemptions, outputs identical.")
+    return st
+
+
+def main() -> int:
+    args = cli.parse(Settings, __doc__, smoke={"num_requests": 4, "shots": 1, "max_tokens": 8})
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # a tiny model: one thread is faster than two fighting over small matmuls
+    model, tok = load_pretrained("small"), Tokenizer()
+    system, prompts = make_prompts(args.num_requests, args.shots, args.seed)
+    print(f"{len(prompts)} requests: a shared {len(system)}-token system prompt ({len(system) // args.block_size} "
+          f"full blocks of {args.block_size}) + a {len(prompts[0]) - len(system)}-token question each, "
+          f"{args.max_tokens} tokens out\n")
+    runs, ttft, saved, ratio, direction = compare_off_on(model, prompts, args)
+    full = check_full_hit(runs, prompts, args)
+    tree, freed = show_tree(runs, system, prompts, tok, args)
+    st = eviction_run(model, prompts, args)
 
     if args.json:
         out = {name: {k: v for k, v in r.items() if k not in ("engine", "outputs")} for name, r in runs.items()}
@@ -313,7 +332,6 @@ def main() -> int:
                                       "full_hit_cached_tokens": full, "prompt0_tokens": len(prompts[0]),
                                       "freed_on_reset": freed, "eviction": {"stats": st}}, args)
     return 0
-
 
 if __name__ == "__main__":
     cli.run(main)
