@@ -271,6 +271,110 @@ class _ActivationMeter:
         self.live.pop(mb, None)
 
 
+class _Receiver:
+    """The receiving end of this stage's two channels (activations from s-1, gradients from s+1).
+
+    Messages on a channel arrive in micro-batch order, so after taking one message the receiver posts the irecv
+    for the next one at once: the peer's isend then finds a waiting receiver and delivers while this stage
+    computes. Communication only; the compute lives in _StageStep.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, group: Any):
+        self.dtype, self.device, self.group = dtype, device, group
+        self.posted: dict[int, tuple[torch.Tensor, Any]] = {}  # tag -> the receive posted for the next message
+
+    def _post(self, shape: tuple, src: int, tag: int) -> None:
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.posted[tag] = (buf, dist.irecv(buf, src=src, group=self.group, tag=tag))
+
+    def recv(self, shape: tuple, src: int, tag: int, more: bool, name: str) -> torch.Tensor:
+        """The next message from `src` on channel `tag`; with `more`, post the receive for the one after it.
+        `name` labels the wait in a torch.profiler trace ("recv act 3")."""
+        if tag not in self.posted:
+            self._post(shape, src, tag)
+        buf, work = self.posted.pop(tag)
+        with record_function(name):
+            work.wait()  # blocks until the peer's message is in
+        if more:
+            self._post(shape, src, tag)
+        return buf
+
+
+class _StageStep:
+    """One stage's state during one step: what it received, what it produced, the sends still in flight."""
+
+    def __init__(self, stage: nn.Module, stage_ranks: Sequence[int], micro_batches: Sequence[torch.Tensor],
+                 targets: Sequence[torch.Tensor], group: Any):
+        self.stage, self.micro_batches, self.targets, self.group = stage, micro_batches, targets, group
+        self.s, self.p, self.m = list(stage_ranks).index(dist.get_rank()), len(stage_ranks), len(micro_batches)
+        self.prev_rank = stage_ranks[self.s - 1] if self.s > 0 else None
+        self.next_rank = stage_ranks[self.s + 1] if self.s < self.p - 1 else None
+        self.param = next(stage.parameters())
+        self.width = stage.config.n_embd if hasattr(stage, "config") else self.param.size(-1)
+        self.receiver = _Receiver(self.param.dtype, self.param.device, group)
+        self.inputs: dict[int, torch.Tensor] = {}  # micro-batch -> the activation received (requires grad)
+        self.outputs: dict[int, torch.Tensor] = {}  # micro-batch -> this stage's output (or the scaled loss)
+        self.pending: list[tuple[torch.Tensor, Any]] = []  # (tensor, isend handle), waited for at the end
+        self.events: list[dict] = []
+        self.losses: list[torch.Tensor] = []
+        self.meter = _ActivationMeter(stage)
+
+    def clock(self) -> float:
+        if self.param.is_cuda:  # GPU kernels run asynchronously: wait for them, or the stamps time only the launches
+            torch.cuda.synchronize(self.param.device)
+        return time.perf_counter()
+
+    # --8<-- [start:forward]
+    def forward(self, i: int) -> None:
+        s, p, m, param = self.s, self.p, self.m, self.param
+        B, T = self.micro_batches[i].shape
+        if s == 0:
+            x = self.micro_batches[i].to(param.device)  # (B, T) token ids
+        else:  # the activation of micro-batch i from stage s-1, (B, T, C)
+            x = self.receiver.recv((B, T, self.width), self.prev_rank, _TAG_ACT, i < m - 1, f"recv act {i}")
+            x.requires_grad_()
+            self.inputs[i] = x
+        with record_function(f"F{i}"):  # names the forward in a torch.profiler trace
+            start = self.clock()
+            with self.meter.hooks(i):
+                out = self.stage(x)  # (B, T, C), or logits (B, T, V) on the last stage
+                if s == p - 1:
+                    loss = F.cross_entropy(out.flatten(0, 1), self.targets[i].to(param.device).flatten())
+                    self.losses.append(loss.detach())
+                    out = loss / m  # each micro-batch contributes 1/m of the batch's mean loss
+            self.events.append({"kind": "F", "mb": i, "start": start, "end": self.clock()})
+        self.outputs[i] = out
+        if s < p - 1:
+            sent = out.detach()
+            with record_function(f"send act {i}"):
+                self.pending.append((sent, dist.isend(sent, dst=self.next_rank, group=self.group, tag=_TAG_ACT)))
+    # --8<-- [end:forward]
+
+    # --8<-- [start:backward]
+    def backward(self, i: int) -> None:
+        s, p, m = self.s, self.p, self.m
+        out = self.outputs.pop(i)
+        # dL/d(out) from stage s+1 (the last stage starts from its loss)
+        grad = None if s == p - 1 else self.receiver.recv(tuple(out.shape), self.next_rank, _TAG_GRAD, i < m - 1,
+                                                          f"recv grad {i}")
+        with record_function(f"B{i}"):
+            start = self.clock()
+            torch.autograd.backward(out, grad)  # frees this micro-batch's saved activations
+            self.events.append({"kind": "B", "mb": i, "start": start, "end": self.clock()})
+        self.meter.release(i)
+        if s > 0:
+            x = self.inputs.pop(i)
+            with record_function(f"send grad {i}"):
+                self.pending.append((x.grad, dist.isend(x.grad, dst=self.prev_rank, group=self.group,
+                                                        tag=_TAG_GRAD)))
+    # --8<-- [end:backward]
+
+    def wait_for_sends(self) -> None:
+        with record_function("wait for sends"):
+            for _, work in self.pending:  # the tensor stays referenced until its send is complete
+                work.wait()
+
+
 def run_pipeline_step(stage: nn.Module, stage_ranks: Sequence[int], micro_batches: Sequence[torch.Tensor],
                       targets: Sequence[torch.Tensor], schedule: Any = "1f1b", group: Any = None,
                       sync_tied: bool = True) -> dict[str, Any]:
@@ -281,113 +385,35 @@ def run_pipeline_step(stage: nn.Module, stage_ranks: Sequence[int], micro_batche
     me = dist.get_rank()
     if me not in stage_ranks:
         raise ValueError(f"rank {me} is not in the pipeline {list(stage_ranks)}")
-    s, p, m = list(stage_ranks).index(me), len(stage_ranks), len(micro_batches)
+    m = len(micro_batches)
     if len(targets) != m:
         raise ValueError(f"{m} micro-batches but {len(targets)} targets")
     if len({tuple(x.shape) for x in micro_batches}) != 1:
         raise ValueError("micro-batches must all have the same shape (the loss of each is weighted 1/m)")
-    prev_rank = stage_ranks[s - 1] if s > 0 else None
-    next_rank = stage_ranks[s + 1] if s < p - 1 else None
-    param = next(stage.parameters())
-    width = stage.config.n_embd if hasattr(stage, "config") else param.size(-1)
-    actions = schedule(s, p, m) if callable(schedule) else schedule_actions(schedule, s, p, m)
+    step = _StageStep(stage, stage_ranks, micro_batches, targets, group)
+    actions = schedule(step.s, step.p, m) if callable(schedule) else schedule_actions(schedule, step.s, step.p, m)
     check_actions(actions, m)
-
-    inputs: dict[int, torch.Tensor] = {}  # micro-batch -> the activation received (requires grad)
-    outputs: dict[int, torch.Tensor] = {}  # micro-batch -> this stage's output (or the scaled loss)
-    pending: list[tuple[torch.Tensor, Any]] = []  # (tensor, isend handle), waited for at the end
-    events: list[dict] = []
-    meter = _ActivationMeter(stage)
-    losses = []
     live = peak_live = 0
-
-    def clock() -> float:
-        if param.is_cuda:  # GPU kernels run asynchronously: wait for them, or the stamps time only the launches
-            torch.cuda.synchronize(param.device)
-        return time.perf_counter()
-
-    posted: dict[int, tuple[torch.Tensor, Any]] = {}  # tag -> the receive posted ahead for the next message
-
-    def recv(shape: tuple, src: int, tag: int, more: bool, name: str) -> torch.Tensor:
-        """The next message from `src` on this channel; with `more`, post the receive for the one after it.
-
-        Messages on a channel arrive in micro-batch order, so posting the next irecv early lets the peer's
-        isend find a waiting receiver and deliver while this stage computes. `name` labels the wait in a
-        torch.profiler trace ("recv act 3").
-        """
-        if tag not in posted:
-            buf = torch.empty(shape, dtype=param.dtype, device=param.device)
-            posted[tag] = (buf, dist.irecv(buf, src=src, group=group, tag=tag))
-        buf, work = posted.pop(tag)
-        with record_function(name):
-            work.wait()  # blocks until the peer's message is in
-        if more:
-            nxt = torch.empty(shape, dtype=param.dtype, device=param.device)
-            posted[tag] = (nxt, dist.irecv(nxt, src=src, group=group, tag=tag))
-        return buf
-
-    # --8<-- [start:forward]
-    def forward(i: int) -> None:
-        B, T = micro_batches[i].shape
-        if s == 0:
-            x = micro_batches[i].to(param.device)  # (B, T) token ids
-        else:
-            x = recv((B, T, width), prev_rank, _TAG_ACT, i < m - 1, f"recv act {i}").requires_grad_()  # from s-1
-            inputs[i] = x
-        with record_function(f"F{i}"):  # names the forward in a torch.profiler trace
-            start = clock()
-            with meter.hooks(i):
-                out = stage(x)  # (B, T, C), or logits (B, T, V) on the last stage
-                if s == p - 1:
-                    loss = F.cross_entropy(out.flatten(0, 1), targets[i].to(param.device).flatten())
-                    losses.append(loss.detach())
-                    out = loss / m  # each micro-batch contributes 1/m of the batch's mean loss
-            events.append({"kind": "F", "mb": i, "start": start, "end": clock()})
-        outputs[i] = out
-        if s < p - 1:
-            sent = out.detach()
-            with record_function(f"send act {i}"):
-                pending.append((sent, dist.isend(sent, dst=next_rank, group=group, tag=_TAG_ACT)))
-    # --8<-- [end:forward]
-
-    # --8<-- [start:backward]
-    def backward(i: int) -> None:
-        out = outputs.pop(i)
-        # dL/d(out) from stage s+1 (the last stage starts from its loss)
-        grad = None if s == p - 1 else recv(tuple(out.shape), next_rank, _TAG_GRAD, i < m - 1, f"recv grad {i}")
-        with record_function(f"B{i}"):
-            start = clock()
-            torch.autograd.backward(out, grad)  # frees this micro-batch's saved activations
-            events.append({"kind": "B", "mb": i, "start": start, "end": clock()})
-        meter.release(i)
-        if s > 0:
-            x = inputs.pop(i)
-            with record_function(f"send grad {i}"):
-                pending.append((x.grad, dist.isend(x.grad, dst=prev_rank, group=group, tag=_TAG_GRAD)))
-    # --8<-- [end:backward]
-
     for kind, i in actions:
         if kind == "F":
-            forward(i)
+            step.forward(i)
             live += 1
-            meter.update()
+            step.meter.update()
         else:
-            backward(i)
+            step.backward(i)
             live -= 1
         peak_live = max(peak_live, live)
-    with record_function("wait for sends"):
-        for _, work in pending:  # the tensor stays referenced until its send is complete
-            work.wait()
-    if sync_tied and p > 1:
+    step.wait_for_sends()
+    if sync_tied and step.p > 1:
         with record_function("tied grad exchange"):
             sync_tied_grads(stage, stage_ranks, group)
     return {
-        "loss": float(torch.stack(losses).mean()) if losses else None,
-        "events": events,
+        "loss": float(torch.stack(step.losses).mean()) if step.losses else None,
+        "events": step.events,
         "actions": actions,
-        "stage": s,
+        "stage": step.s,
         "peak_in_flight": peak_live,
-        "peak_activation_bytes": meter.peak_bytes,
+        "peak_activation_bytes": step.meter.peak_bytes,
     }
 
 
