@@ -93,7 +93,9 @@ def chain_blocking(ctx: RankContext, numel: int) -> torch.Tensor:
         dist.recv(value, src=ctx.rank - 1)
         value += ctx.rank
     if ctx.rank < ctx.world_size - 1:
-        dist.send(value, dst=ctx.rank + 1)  # returns once the next rank has the data
+        # on gloo, returns once rank + 1 has posted its recv and the bytes are handed to the connection,
+        # which can be before rank + 1's recv returns
+        dist.send(value, dst=ctx.rank + 1)
     return value
 
 
@@ -117,7 +119,7 @@ def ring_even_odd(ctx: RankContext, own: torch.Tensor) -> torch.Tensor:
     """Blocking calls. If every rank sent first, every send would wait for a recv that never comes.
 
     Even ranks send then receive, odd ranks receive then send. With an odd W, rank W-1 and rank 0 are both even:
-    rank W-1's send waits until rank 0 has finished its own send and posts its recv, which it always does.
+    rank W-1's send cannot complete until rank 0 has finished its own send and posted its recv, which it always does.
     """
     right, left = (ctx.rank + 1) % ctx.world_size, (ctx.rank - 1) % ctx.world_size
     got = torch.empty_like(own)

@@ -11,9 +11,10 @@ What it shows
        sequential one. Each variant's median over --repeats rounds is printed in ms with one decimal, and
        "hidden" is computed from those printed values: how much of the shorter of the two the overlap saved
        against the two parts timed alone, (compute + communication - overlapped) / min(compute, communication):
-       1 = fully hidden, 0 = no gain. (The sequential step is printed too; timed as one step, it can differ from
-       the sum of its parts.) A last line says which case the run fell into, including the one no real overlap
-       can produce (overlapped faster than its longer part alone), which only timing noise explains.
+       1 = fully hidden, 0 = no gain; undefined (null in the JSON) with --matmuls 0 or on one rank. (The
+       sequential step is printed too; timed as one step, it can differ from the sum of its parts.) A last line
+       says which case the run fell into, including the one no real overlap can produce (overlapped faster than
+       its longer part alone), which only timing noise explains.
     3. The figure (timeline.png, printed as `figure: <path>`): one more round of each order, untimed, with every
        all_reduce call, wait() and the moment the sum was ready (the handle's future completing, on gloo's thread)
        recorded on every rank (mlsys.trace.recording), one lane per rank. The compute is drawn where it ran: in
@@ -34,7 +35,8 @@ Runtime on 2 cores: about 7 s at the defaults, 5 s with --smoke.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py --matmuls 0
-        -> nothing to overlap with: hidden is 0 and the verdict says so; the times differ only by noise
+        -> nothing to overlap with: "hidden: undefined, no compute to hide behind" (null in the --json), and the
+           verdict says so; overlapped and sequential differ only by noise
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 4 --mib 32
         -> four ranks on two cores and a 32 MiB all-reduce: every time grows, and the "hidden" line says how much
            of the shorter part the overlap still saved against the two parts timed alone; it varies from run to run,
@@ -253,14 +255,18 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                 if rep > 0:  # the first round is a warm-up
                     samples[name].append(t)
     times, hidden, verdict = summarize({name: 1e3 * float(np.median(ts)) for name, ts in samples.items()})
-    if not (args.matmuls and W > 1):
-        hidden, verdict = 0.0, "nothing to overlap (no matmuls, or a single rank with no communication)"
+    nothing = "no compute to hide behind" if not args.matmuls else "no communication on a single rank" if W == 1 else ""
+    if nothing:  # the ratio has no meaning here (no shorter part to hide): None in the JSON, not a made-up 0
+        hidden, verdict = None, f"nothing to overlap ({nothing})"
     ctx.print(f"\noverlap: all_reduce of {args.mib:g} MiB with {args.matmuls} matmuls of {args.n}x{args.n}, "
               f"median of {args.repeats}, slowest rank ({bench.load_average()})")
     ctx.print(report.table([{"variant": k, "ms": v} for k, v in times.items()], floatfmt=".1f"))
     shorter = min(times["compute"], times["communication"])
-    ctx.print(f"hidden: ({times['compute']:.1f} + {times['communication']:.1f} - {times['overlapped']:.1f}) / "
-              f"{shorter:.1f} = {hidden:.2f} of the shorter part (compute or communication)")
+    if hidden is None:
+        ctx.print(f"hidden: undefined, {nothing}")
+    else:
+        ctx.print(f"hidden: ({times['compute']:.1f} + {times['communication']:.1f} - {times['overlapped']:.1f}) / "
+                  f"{shorter:.1f} = {hidden:.2f} of the shorter part (compute or communication)")
     ctx.print(f"verdict: {verdict}")
     results.update({f"{k}_ms": v for k, v in times.items()}, hidden=hidden, verdict=verdict,
                    overlap_saving_ms=round(times["compute"] + times["communication"] - times["overlapped"], 1))

@@ -24,10 +24,11 @@ Runtime on 2 cores: about 6 s at -w 4 (mostly starting the ranks and drawing), 5
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/bytes_on_the_wire.py -w 8
-        -> the ring collectives still send (W-1)/W of N per rank (7/8 now), while the root of scatter and gather
-           moves 7 pieces and every other rank one
+        -> all_gather, reduce_scatter and all_to_all send (W-1)/W of N per rank (7/8 now), the ring all_reduce
+           twice that (1.75), while the root of scatter and gather moves 7 pieces and every other rank one
     python tutorial/part1-distributed/chapter03-collectives/scripts/bytes_on_the_wire.py -w 2
-        -> two ranks: every collective is a single exchange of half the buffer, except the chains (two pieces)
+        -> two ranks: every collective is a single exchange of half the buffer, except all_reduce and the chains
+           (two pieces each)
 """
 
 from __future__ import annotations

@@ -197,9 +197,9 @@ def draw_ring(trace: list[list[dict]], messages: list[dict], args: Settings) -> 
                                        facecolor=colours(0.15 + 0.8 * ranks_in / W)))
                 ax.text(x0 + (k + 0.5) * cell, cy, str(value), ha="center", va="center", fontsize=font, zorder=4,
                         color="white" if ranks_in > W / 2 else "black")
-            if r == 0:  # the chunks' names once, under rank 0: every rank's row is in the same order
-                for k in range(W):
-                    ax.text(x0 + (k + 0.5) * cell, cy - cell * 0.62, f"c{k}", ha="center", va="top", fontsize=6)
+            for k in range(W):  # the chunks' names under every rank's row (the same order on every rank)
+                ax.text(x0 + (k + 0.5) * cell, cy - cell * 0.58, f"c{k}", ha="center", va="top",
+                        fontsize=font - 1, color="#444444")
         step = [m for m in messages if m["step"] == i - 1]
         for m in step:  # an arc from the sender to its right neighbour, labelled with the chunk it carries
             (x1, y1), (x2, y2) = centre[m["src"]], centre[m["dst"]]
