@@ -197,7 +197,8 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], logpr
 # --8<-- [start:score]
 @torch.no_grad()
 def score_rollouts(models: Models, batch: RolloutBatch) -> RolloutBatch:
-    """The three forward passes after generation: actor and reference log-probs, critic values, RM score."""
+    """The four forward passes after generation, one per model: actor and reference log-probs, critic values, and
+    the reward model's score (three for GRPO, which has no critic)."""
     pos = batch.positions  # (B, L)
     batch.extra["logprobs"] = gather_response(token_logprobs(models.actor, batch.ids), pos)  # (B, L) old logp
     batch.extra["ref_logprobs"] = gather_response(token_logprobs(models.reference, batch.ids), pos)  # (B, L)
@@ -323,7 +324,7 @@ def grouped_prompts(num_rollouts: int, group_size: int, seed: int) -> list[str]:
 # --8<-- [start:iteration]
 def rlhf_iteration(engine, models: Models, opts: dict, kl_ctl: AdaptiveKLController, cfg: PPOConfig,
                    num_rollouts: int, max_tokens: int, seed: int, algo: str = "ppo") -> tuple[dict, RolloutBatch]:
-    """One iteration: generate (engine) -> score (3 forwards) -> advantages -> update -> push weights."""
+    """One iteration: generate (engine) -> score (4 forwards; 3 for GRPO) -> advantages -> update -> push weights."""
     t = {"start": time.perf_counter()}
     prompts = grouped_prompts(num_rollouts, cfg.group_size, seed)
     batch = generate_rollouts(engine, prompts, max_tokens, temperature=1.0, seed=seed)

@@ -32,7 +32,10 @@ Runtime on 2 cores: about 10 s (training the policy, refitting the critic, 2 x 8
 
 Try next
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --train-steps 20480
-        -> a better policy and critic: compare the bias^2 at lambda = 0 and where the lowest MSE lands
+        -> a better policy and critic: compare the bias^2 at lambda = 0 and where the lowest MSE lands. The bias^2
+           at lambda = 1 can land well above (or below) what "an unbiased estimate would show": that is an average
+           over runs, and one run's value is a mean over only --num-states noisy squared errors; with policy and
+           critic frozen and the same truncated return on both sides, only finite sampling separates them
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --rollouts 16
         -> fewer rollouts per state: the variance column is the same in expectation, but the bias^2 left at
            lambda = 1 grows, because its sampling-noise part is variance / --rollouts

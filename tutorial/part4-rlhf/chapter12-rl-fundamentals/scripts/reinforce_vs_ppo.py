@@ -21,7 +21,8 @@ How to run
 
 What it prints
     A table per method (mean return of the last 20 training episodes, the largest fall of the mean of 20
-    consecutive episodes, env steps to first reach a running mean of 195 and 475) and the gradient-variance table.
+    consecutive episodes, env steps to first reach a running mean of 195 and 475, or `never` if it did not within
+    the budget) and the gradient-variance table.
     Figures: return_curves.png, grad_variance.png.
 
 Runtime on 2 cores: about 11 s (two training runs, a tqdm bar on a terminal, then 16 batches); --smoke 4 s.
@@ -185,8 +186,8 @@ def main() -> int:
                       len(run["updates"]) * (1 if name.startswith("REINFORCE") else 40),
                       "last-20 mean return": float(np.mean(last)) if last else 0.0,
                       "largest fall of the 20-episode mean": running_mean_drop(run["curve"])["drop"],
-                      "steps to 195": running_mean_crossing(run["curve"], 195) or "-",
-                      "steps to 475": running_mean_crossing(run["curve"], 475) or "-",
+                      "steps to 195": running_mean_crossing(run["curve"], 195) or "never",
+                      "steps to 475": running_mean_crossing(run["curve"], 475) or "never",
                       "mean approx KL / update": float(np.mean([u["approx_kl"] for u in run["updates"]]))})
     print(f"training returns after {args.total_steps:,} env steps (8 envs x 128 steps per batch, seed {args.seed})")
     print(report.table(table, floatfmt=".4g"))

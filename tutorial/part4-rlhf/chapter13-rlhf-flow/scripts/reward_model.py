@@ -17,7 +17,8 @@ How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/reward_model.py
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/reward_model.py --steps 200 --plot-dir /tmp/rm
 
-Runtime on 2 cores: about 13 s on a busy machine (a tqdm bar on a terminal), 12 s with --smoke.
+Runtime on 2 cores: about 13-35 s, the upper end at a load average of 7 (a tqdm bar on a terminal); --smoke
+about 12 s on a quiet machine, longer on a busy one.
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/reward_model.py --steps 200 --plot-dir /tmp/rm

@@ -41,8 +41,9 @@ Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
         -> no critic, group baseline, KL in the loss; no token table at the end (no per-token values)
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --k-beta 2
-        -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column with the
-           default run's
+        -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column and beta
+           with the default run's, and section 3's rule score and well-formed share: a KL nearer its target need
+           not mean less hacking (the penalty limits how far the policy moves, not where)
 """
 
 from __future__ import annotations
@@ -291,7 +292,8 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     axes[0].set(ylabel="reward r_t", title=f"one response of the last iteration (row {row}), {n} tokens; "
                 f"beta = {beta:.3f}")
     axes[1].plot(t, data["values"], "o-", ms=3, label="critic value V_t (expected)")
-    axes[1].plot(t, returns, "-", color="#e6550d", label="return G_t = A_t + V_t (what came)")
+    axes[1].plot(t, returns, "-", color="#e6550d",
+                 label="lambda-return G_t = A_t + V_t\n(rewards mixed with later V; not their plain sum)")
     axes[1].set(ylabel="value")
     axes[2].bar(t, data["advantages_raw"], color=["#31a354" if a >= 0 else "#de2d26" for a in data["advantages_raw"]])
     for colour, sign in (("#31a354", ">= 0"), ("#de2d26", "< 0")):   # legend entries for both bar colours
