@@ -191,12 +191,13 @@ def worst_stage_dense_params(dense_params: float, num_layers: int, pp: int, voca
     layers, p = _pos_int("num_layers", num_layers), _pos_int("pp", pp)
     if p == 1:
         return dense_params
-    outside = vocab * hidden * (1 if tied_embeddings else 2) + hidden  # embedding, head, final norm
+    outside = vocab * hidden * (1 if tied_embeddings else 2) + hidden  # embedding, head unless tied, final norm
     per_layer = (dense_params - outside) / layers
-    first = math.ceil(layers / p) * per_layer + vocab * hidden
-    last = layers // p * per_layer + vocab * hidden + hidden
-    middle = math.ceil(layers / p) * per_layer if p > 2 else 0.0
-    return max(first, last, middle)
+    sizes = [layers // p + (s < layers % p) for s in range(p)]  # the first L % p stages take one more layer
+    stages = [n * per_layer for n in sizes]
+    stages[0] += vocab * hidden  # the embedding
+    stages[-1] += vocab * hidden + hidden  # the output head (a tied one needs its own copy here) and the final norm
+    return max(stages)
 
 
 def model_state_bytes_per_gpu(dense_params: int, expert_params: int, dp: int, tp: int, pp: int, ep: int,
@@ -333,10 +334,12 @@ def step_time_estimate(flops: float, num_gpus: int, peak_flops: float, mfu: floa
     shares = [1.0 / p] * p if stage_shares is None else [_pos("stage share", f) for f in stage_shares]
     if len(shares) != p or abs(sum(shares) - 1) > 1e-9:
         raise ValueError(f"stage_shares must be {p} positive numbers adding up to 1, got {stage_shares!r}")
+    # --8<-- [start:step_time]
     compute = flops / (num_gpus * _pos("peak_flops", peak_flops) * mfu)
     mean, slowest = compute / m, compute * p * max(shares) / m  # per micro-batch
     out = {"compute": compute, "bubble": (p - 1) * mean, "imbalance": (m - 1) * max(0.0, slowest - mean)}
     for name, (nbytes, bandwidth) in comm.items():
         out[name] = 0.0 if nbytes == 0 else nbytes / _pos(f"{name} bandwidth", bandwidth)
     out["total"] = sum(out.values())
+    # --8<-- [end:step_time]
     return out

@@ -253,25 +253,31 @@ def test_tp_traffic_with_sequence_parallelism_matches_the_bytes_chapter6_measure
 
 
 # ----------------------------------------------------------------------------------------------- independent references
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
-def test_worst_stage_params_match_a_split_hf_llama(pp):
+@pytest.mark.parametrize("vocab", [97, 4001])  # 4001: the head outweighs a layer, so the last stage can be heaviest
+def test_worst_stage_params_match_a_split_hf_llama(pp, tied, vocab):
     """Cut a random-init transformers Llama by modules (embedding + first layers | ... | last layers + norm + head)
-    and count each stage's real parameters; the heaviest must equal worst_stage_dense_params."""
+    and count each stage's real parameters; the heaviest must equal worst_stage_dense_params. A tied head is
+    counted once in the whole model, but the last stage of a split holds its own copy."""
     transformers = pytest.importorskip("transformers")
 
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=40, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=40, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(cfg)
     count = lambda mod: sum(p.numel() for p in mod.parameters())
-    total = count(model)
-    assert total == memory.transformer_params(6, 16, 4, 2, 4, 40, 97)["total"]  # same shape, two counters
+    total = count(model)  # parameters() yields a tied matrix once
+    assert total == memory.transformer_params(6, 16, 4, 2, 4, 40, vocab, tied_embeddings=tied)["total"]
     sizes = [6 // pp + (s < 6 % pp) for s in range(pp)]  # split_gpt's even split: the first stages take the rest
     cuts = [sum(sizes[:s]) for s in range(pp + 1)]
     layers = model.model.layers
     stages = [sum(count(layers[i]) for i in range(cuts[s], cuts[s + 1])) for s in range(pp)]
     stages[0] += count(model.model.embed_tokens)
-    stages[-1] += count(model.model.norm) + count(model.lm_head)
-    assert max(stages) == pytest.approx(memory.worst_stage_dense_params(total, 6, pp, 97, 16))
+    if pp == 1:
+        stages[-1] += count(model.model.norm) + (0 if tied else count(model.lm_head))
+    else:
+        stages[-1] += count(model.model.norm) + model.lm_head.weight.numel()  # its own copy even when tied
+    assert max(stages) == pytest.approx(memory.worst_stage_dense_params(total, 6, pp, vocab, 16, tied_embeddings=tied))
 
 
 def test_logits_bytes_match_what_cross_entropy_saves():

@@ -297,3 +297,20 @@ def test_step_time_names_the_bad_argument(kwargs, message):
     args = dict(flops=8e12, num_gpus=4, peak_flops=1e12, mfu=0.5, pp=2, num_micro=4, comm={}) | kwargs
     with pytest.raises(ValueError, match=message):
         memory.step_time_estimate(**args)
+
+
+# ------------------------------------------------------------------------------- which argument an error names
+SHAPE = dict(num_layers=2, hidden=4, num_heads=2, num_kv_heads=1, head_dim=2, intermediate=8, vocab=10, num_experts=1)
+
+
+@pytest.mark.parametrize("name", list(SHAPE))
+def test_transformer_params_names_the_bad_argument(name):
+    with pytest.raises(ValueError, match=rf"^{name} {INT_MSG}, got 0$"):
+        memory.transformer_params(**{**SHAPE, name: 0})
+
+
+@pytest.mark.parametrize("name", ["num_layers", "pp"])
+def test_worst_stage_dense_params_names_the_bad_argument(name):
+    args = {"dense_params": 1000, "num_layers": 4, "pp": 2, "vocab": 10, "hidden": 4, name: 0}
+    with pytest.raises(ValueError, match=rf"^{name} {INT_MSG}, got 0$"):
+        memory.worst_stage_dense_params(**args)
