@@ -292,6 +292,11 @@ def test_latency_bandwidth_fit_of_the_benchmark() -> None:
     assert alpha == pytest.approx(300e-6, rel=1e-9) and bandwidth == pytest.approx(1.5e9, rel=1e-9)
     shrinking = 1e-3 - sizes * 1e-12  # noise can make big messages look no slower: no bandwidth term at all
     assert bench.fit_latency_bandwidth(sizes, shrinking)[1] == math.inf
+    assert bench.bandwidth_bound_points(sizes, 300e-6 + sizes / 1.5e9, 300e-6, 1.5e9)  # knee 450 KB << 32 MiB
+    small = np.array([8.0, 32, 128, 512, 1024])  # a latency-bound sweep whose noise fits a knee of 886 B inside it
+    noisy = np.array([230e-6, 180e-6, 260e-6, 200e-6, 450e-6])
+    assert not bench.bandwidth_bound_points(small, noisy, 221.5e-6, 4e6)
+    assert not bench.bandwidth_bound_points(sizes, np.full(sizes.size, 1e-3), 1e-3, 1e4)  # knee low, no growth
 
 
 # ------------------------------------------------------------------------------------------ the scripts' results

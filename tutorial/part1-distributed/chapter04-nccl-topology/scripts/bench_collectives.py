@@ -12,8 +12,12 @@ What it shows
       busbw       algbw * factor(collective, world size): the factors published in nccl-tests'
                   doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
     and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (time is flat, busbw tiny),
-    large ones bandwidth-bound (time grows with size, busbw levels off). A fitted time = alpha + size/B line puts the
-    boundary at size = alpha * B, shaded on the figure. Each size is checked once against a closed-form answer
+    large ones bandwidth-bound (time grows with size; busbw stops climbing, and may fall again once the buffers
+    outgrow the CPU caches). A fitted time = alpha + size/B line puts the boundary at size = alpha * B, shaded on
+    the figure. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
+    at most half the largest size, and the measured time of the largest size must be at least twice the smallest
+    measured time (the size term at least as large as the fixed cost); otherwise the line fits noise, and the
+    output says the sweep has no bandwidth-bound points. Each size is checked once against a closed-form answer
     before it is timed. Over gloo on CPU here; with one GPU per rank, --backend auto picks NCCL and CUDA tensors.
 
 How to run (any world size >= 1; the busbw factors are defined for every number of ranks p)
@@ -27,10 +31,11 @@ Runtime on 2 cores: about 6 s (2 ranks, 8 B .. 32 MiB); --smoke about 4 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
-        -> the same sweep for all_gather: busbw uses the factor (n-1)/n
+        -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
         -> only the latency-bound end: the time stays roughly flat (noisy on a busy machine), and the
-           "# fit" line says the whole sweep is latency-bound (or, when noise hides the size term, why no fit is shown)
+           "# fit" line says the sweep has no bandwidth-bound points (or, when noise hides the size term, why no
+           fit is shown)
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
@@ -160,7 +165,17 @@ def fit_latency_bandwidth(size_bytes: np.ndarray, time_s: np.ndarray) -> tuple[f
     return max(float(alpha), 1e-9), (1.0 / float(beta) if beta > 0 else math.inf)
 
 
-def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int) -> None:
+def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, alpha: float, bandwidth: float) -> bool:
+    """Whether the sweep reaches the bandwidth-bound regime: the fitted boundary alpha * B lies at most half the
+    largest size, and the time really grew (largest size at least twice the smallest time). A fit through a
+    latency-bound sweep can put the boundary inside it with a tiny, noise-made bandwidth; this says no to it."""
+    knee = alpha * bandwidth
+    grew = time_s[np.argmax(size_bytes)] >= 2 * time_s.min()
+    return bool(math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2 and grew)
+
+
+def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,
+         has_bandwidth_bound: bool = True) -> None:
     plt = plot.pyplot()
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -169,7 +184,7 @@ def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world
                 f"{bandwidth / 1e9:.2f} GB/s")  # bandwidth may be inf: the line is then flat at alpha
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
     for ax in (ax_t, ax_b):
-        knee = alpha * bandwidth  # latency term == bandwidth term
+        knee = alpha * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
         ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
         ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
         ax.set_xlabel("message size (bytes)")
@@ -193,7 +208,8 @@ def main() -> int:
     avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
     size = np.array([r["size (B)"] for r in rows], dtype=float)
-    alpha, bandwidth = fit_latency_bandwidth(size, np.array([r["time (us)"] for r in rows]) * 1e-6)
+    times = np.array([r["time (us)"] for r in rows]) * 1e-6
+    alpha, bandwidth = fit_latency_bandwidth(size, times)
     knee = alpha * bandwidth  # where the fixed cost and the size term are equal
     if not math.isfinite(bandwidth):
         print(f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound")
@@ -204,10 +220,15 @@ def main() -> int:
     elif knee > size.max():
         print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s: the two terms would meet "
               f"at about {knee:,.0f} B, beyond the largest size, so the whole sweep is latency-bound")
+    elif not bandwidth_bound_points(size, times, alpha, bandwidth):
+        print(f"# fit: no bandwidth-bound points in this sweep: all latency-bound. The fitted line (fixed cost "
+              f"{alpha * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
+              f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), and its largest size "
+              f"takes at least 2x the smallest time ({times[np.argmax(size)] / times.min():.1f}x here)")
     else:
         print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
               f"{knee / 1024:.0f} KiB, bandwidth-bound above")
-    draw(rows, alpha, bandwidth, args, args.world_size)
+    draw(rows, alpha, bandwidth, args, args.world_size, bandwidth_bound_points(size, times, alpha, bandwidth))
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
                                       "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,

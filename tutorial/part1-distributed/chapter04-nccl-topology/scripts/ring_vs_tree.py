@@ -409,12 +409,13 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
             if pts:
                 ax.loglog([p["size (B)"] for p in pts], [p["measured (us)"] for p in pts], "o", color="C3",
                           mfc=face, label=f"measured, {'seen by the fit' if role == 'fit' else 'held out'}")
-        for p in mine:
+        for p in mine:  # centred above or below its dot (away from the model line), clear of the neighbours
             if p["role"] == "held out":
-                right = p["size (B)"] == hi  # the last point: write to its left, inside the axes
+                above = p["measured/model"] >= 1
                 ax.annotate(f"×{p['measured/model']:.2g}", (p["size (B)"], p["measured (us)"]),
-                            xytext=(-4 if right else 4, 4), ha="right" if right else "left",
-                            textcoords="offset points", fontsize=7, color="C3")
+                            xytext=(0, 6 if above else -6), ha="center", va="bottom" if above else "top",
+                            textcoords="offset points", fontsize=7, color="C3",
+                            bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
         ax.set_title(f"{name}: {a:g}α + {b:.3g}·nβ", fontsize=10)
         ax.set_xlabel("message size n (bytes)")
         panels[name] = {"steps": a, "bytes_factor": b, "knee_bytes": knee if math.isfinite(knee) else None,

@@ -12,6 +12,11 @@ What it shows
     (every group's batch concatenated), to float32 rounding. SGD, not AdamW, so that the comparison cannot flake on
     the rounding of tiny gradients.
 
+    Figure: mesh.png, the 2-D mesh of ranks and, for the MLP's two weights of block 0, which block of the full
+    matrix each rank holds after TP and then FSDP2 split it: offsets and shapes computed from each DTensor's
+    placements (torch's compute_local_shape_and_global_offset), checked against the local shard's shape, and kept
+    in the JSON with the shard's values ("fsdp_tp" -> "shards"), so a test can put the full matrix back together.
+
     The fused q, k, v projection needs one preparation for ColwiseParallel, which gives rank r a contiguous block
     of output rows: its rows are reordered so that rank r's block holds the q, k and v rows of its own heads.
 
@@ -21,6 +26,8 @@ How to run (W from 1 to 8; --tp must divide W and the 4 heads)
 
 Runtime on 2 cores: about 8 s at -w 4, 6 s with --smoke.
 
+Contract flags: --smoke trains 2 steps instead of 3; --seed sets the initial weights and the batches.
+
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/fsdp_tp.py -w 8 --tp 4
         -> 2 dp groups of 4 tensor-parallel ranks; HSDP as 2 replicas of 4 shards
@@ -28,19 +35,21 @@ Try next
 
 from __future__ import annotations
 
+import base64
 import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys.data import get_batch, load_splits
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig
 
 
 @dataclass
-class Settings(cli.DistArgs):
+class Settings(cli.DistArgs, cli.PlotArgs):
     world_size: int = 4
     """Number of ranks to start (1 to 8). Under torchrun it is taken from WORLD_SIZE."""
     tp: int = 0
@@ -114,6 +123,71 @@ def hsdp(model: GPT, mesh) -> GPT:
 # --8<-- [end:fsdp_tp]
 
 
+SHOWN = ("h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight")  # the two weights the picture draws
+
+
+def shards_held(model: GPT, mesh) -> dict[str, list[dict]]:
+    """For each weight in SHOWN, every rank's block of the full matrix: its mesh coordinate, the offset and shape
+    that DTensor's placements give it, and the values it holds, row-major float32 bytes in base64 to keep the JSON
+    small (gathered from every rank)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params, mine = dict(model.named_parameters()), {}
+    for name in SHOWN:
+        p = params[name]
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        local = p.to_local().detach().cpu()
+        report.expect_equal(f"{name}: local shard shape vs the one its placements give", list(local.shape),
+                            list(shape))
+        mine[name] = {"rank": dist.get_rank(), "coordinate": mesh.get_coordinate(), "offset": list(offset),
+                      "shape": list(shape), "placements": str(tuple(p.placements)),
+                      "local_float32_base64": base64.b64encode(local.contiguous().numpy().tobytes()).decode()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {name: [held[name] for held in every] for name in SHOWN}
+
+
+def draw_mesh(args: Settings, mesh_dims: dict, shards: dict[str, list[dict]]):
+    """Left: the mesh, dp rows x tp columns, each rank in its colour. Right: each weight in SHOWN at its true
+    proportions, every rank's block (at the offset and shape recorded) in that rank's colour, the TP cut drawn
+    as a thick line."""
+    from matplotlib.patches import Rectangle
+
+    plt = plot.pyplot()
+    (dp_name, dp), (tp_name, tp) = mesh_dims.items()
+    colours = list(plot.colours(f"rank {r}" for r in range(dp * tp)).values())
+    fig, axes = plt.subplots(1, 3, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.1, 0.8, 1.9]})
+    ax = axes[0]
+    for h in next(iter(shards.values())):
+        r, (i, j) = h["rank"], h["coordinate"]
+        ax.add_patch(Rectangle((j, dp - 1 - i), 0.94, 0.94, color=colours[r], alpha=0.8))
+        ax.text(j + 0.47, dp - 0.53 - i, f"rank {r}\n{dp_name} {i}, {tp_name} {j}", ha="center", va="center",
+                fontsize=9)
+    ax.set(xlim=(-0.05, tp), ylim=(-0.05, dp + 0.05), aspect="equal",
+           title=f"the mesh: {dp} {dp_name} rows x {tp} {tp_name} columns\n(one row = one TP group)")
+    ax.axis("off")
+    for ax, (name, held) in zip(axes[1:], shards.items(), strict=True):
+        rows = max(h["offset"][0] + h["shape"][0] for h in held)
+        cols = max(h["offset"][1] + h["shape"][1] for h in held)
+        for h in held:
+            (r0, c0), (nr, nc) = h["offset"], h["shape"]
+            ax.add_patch(Rectangle((c0, r0), nc, nr, facecolor=colours[h["rank"]], alpha=0.8, edgecolor="white",
+                                   lw=1.5))
+            ax.text(c0 + nc / 2, r0 + nr / 2, f"rank {h['rank']}\nrows {r0}:{r0 + nr}\ncols {c0}:{c0 + nc}",
+                    ha="center", va="center", fontsize=8)
+        tp_dim = 0 if "c_fc" in name else 1  # ColwiseParallel splits the output rows, RowwiseParallel the columns
+        for k in range(1, tp):
+            cut = k * (rows if tp_dim == 0 else cols) / tp
+            ax.plot([0, cols] if tp_dim == 0 else [cut, cut], [cut, cut] if tp_dim == 0 else [0, rows], "k-", lw=3)
+        ax.set(xlim=(0, cols), ylim=(rows, 0), aspect="equal", xlabel="column", ylabel="row")
+        ax.set_title(f"{name} ({rows} x {cols})\n{held[0]['placements']}", fontsize=9)
+        ax.grid(False)
+    fig.suptitle(f"FSDP2 x TP on {dp * tp} ranks: TP cuts each weight first (thick line), then FSDP2 cuts every "
+                 f"TP piece by {dp_name}", fontsize=11)
+    fig.tight_layout()
+    return plot.save(fig, args, "mesh")
+
+
 def full_params(model: GPT, tp: int) -> dict[str, torch.Tensor]:
     """Every parameter as one full tensor (DTensor.full_tensor() gathers it), qkv rows back in dense order."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # "2 all_gathers": fine
@@ -164,6 +238,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         model = build(args).to(ctx.device)
         if name == "fsdp_tp":
             model, group, groups = fsdp_tp(model, mesh), mesh.get_local_rank("dp"), W // tp
+            shards = shards_held(model, mesh)  # before training: the initial weights, where each block sits
         else:
             model, group, groups = hsdp(model, mesh), r, W
         train(model, tokens, group, args, ctx.device)
@@ -175,7 +250,15 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         results[name] = {"mesh": dict(zip(names, dims, strict=True)), "max_abs_diff": worst,
                          "placements": str(tuple(w.placements)), "local_shape": list(w.to_local().shape),
                          "full_shape": list(w.shape)}
+    results["fsdp_tp"]["shards"] = shards
     ctx.print(f"{W} ranks, {args.steps} SGD steps each way; every parameter compared with one process")
+    ctx.print("FSDP2 x TP: the block of each MLP weight of block 0 that each rank holds (rows, columns of the full "
+              "matrix):")
+    ctx.print(report.table([{"rank": h["rank"], "dp, tp": ", ".join(map(str, h["coordinate"])),
+                             **{n.removeprefix("h.0.mlp.").removesuffix(".weight"):
+                                f"{o[0]}:{o[0] + sh[0]}, {o[1]}:{o[1] + sh[1]}"
+                                for n in SHOWN for o, sh in [(shards[n][k]["offset"], shards[n][k]["shape"])]}}
+                            for k, h in enumerate(shards[SHOWN[0]])]))
     ctx.print(report.table([{"run": k.replace("_", " x "), "mesh": " x ".join(f"{n}={s}" for n, s in v["mesh"].items()),
                              "h.0.mlp.c_fc.weight placements": v["placements"],
                              "local / full shape": f"{v['local_shape']} / {v['full_shape']}",
@@ -188,6 +271,7 @@ def main() -> int:
     result = launch(worker, args)
     if result is None:
         return 0
+    print(f"figure: {draw_mesh(args, result['fsdp_tp']['mesh'], result['fsdp_tp']['shards'])}")
     print("OK: FSDP2 x TP and HSDP both end with the parameters of one process on the global batch")
     if args.json:
         report.write_json(args.json, result, args)

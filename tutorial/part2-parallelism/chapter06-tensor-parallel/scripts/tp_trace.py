@@ -19,8 +19,10 @@ the trace and the figure were written. Runtime on 2 cores: about 8 s; --smoke ab
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py --seq 128 --batch 8
-        -> sixteen times the tokens: the matrix multiplies grow with them; the all-reduces carry sixteen times
-           the bytes but, at these sizes on one machine, their time is mostly fixed cost and may barely grow
+        -> sixteen times the tokens, so the all-reduces carry sixteen times the bytes. Compare the closing
+           "forward + backward took ... ms; the collectives were busy ... ms" line with the default run's: how the
+           step and the collectives' share change depends on the machine and its load, and single rows of the
+           table may not move the same way as the total
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 4
         -> four ranks on two cores: the collectives wait longer for the slowest rank
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 1
@@ -167,10 +169,18 @@ def draw(args: Settings, spans: list[plot.Span], world: int):
     plot.timeline(ax, boxes, lanes, unit="ms since the profiled forward started (rank 0)", palette=palette,
                   fontsize=7)
     y = len(lanes) - 1 - lanes.index("layers")
-    for s in spans:  # the layer names, written across their boxes: narrow ones too
+    end = max(s.end for s in spans)
+    for s in spans:  # the layer names: across wide boxes, upright in narrow ones, beside the narrowest
         if s.lane == "layers":
-            ax.text((s.start + s.end) / 2, y, short(s.label), rotation=90, ha="center", va="center", fontsize=6)
-    ax.set_xlim(0, None)
+            width = (s.end - s.start) / end
+            if width >= 0.05:
+                ax.text((s.start + s.end) / 2, y, short(s.label), ha="center", va="center", fontsize=8)
+            elif width >= 0.012:
+                ax.text((s.start + s.end) / 2, y, short(s.label), rotation=90, ha="center", va="center",
+                        fontsize=8)
+            else:
+                ax.text(s.end + 0.003 * end, y, short(s.label), rotation=90, ha="left", va="center", fontsize=8)
+    ax.set_xlim(0, 1.03 * end)  # room for a label beside the last, narrowest box
     ax.set_title(f"One tensor-parallel training step on rank 0 of {world}, from its torch.profiler trace")
     fig.tight_layout()
     return plot.save(fig, args, "tp_trace")
