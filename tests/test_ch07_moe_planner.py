@@ -300,6 +300,110 @@ def test_planner_bad_inputs_are_usage_errors(argv, monkeypatch, capsys):
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+# ----------------------------------------------------------------------------------------------- its pictures
+# Published shapes (the models' config.json), typed here rather than read from the planner:
+# (layers, hidden, heads, kv heads, head dim, MLP size, vocab, experts, top-k)
+SHAPES = {"llama-3-70b": (80, 8192, 64, 8, 128, 28672, 128256, 1, 1),
+          "mixtral-8x7b": (32, 4096, 32, 8, 128, 14336, 32000, 8, 2)}
+
+
+def planner_results(argv: list[str]) -> tuple[dict, str]:
+    """The planner's main() in this process with `argv`: (its --json results, what it printed)."""
+    import contextlib
+    import io
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        out, printed = f"{tmp}/plan.json", io.StringIO()
+        mp.setattr("sys.argv", ["parallel_planner.py", *argv, "--json", out])
+        with contextlib.redirect_stdout(printed):
+            assert planner.main() == 0
+        return json.loads(open(out).read())["results"], printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def default_plan(tmp_path_factory) -> tuple[dict, str, object]:
+    """The lesson's run (Llama-3-70B on 64 GPUs), with its figures."""
+    plots = tmp_path_factory.mktemp("planner_figures")
+    results, printed = planner_results(["--plot-dir", str(plots)])
+    return results, printed, plots
+
+
+def accepted_layouts(model_name: str, gpus=64, per_node=8, batch=512, micro=1) -> set[tuple[int, int, int, int]]:
+    """Brute force over every (dp, tp, pp, ep) with dp*tp*pp = gpus, kept when the planner's rules (as its lesson
+    states them) accept it: tp divides the heads and tiles a node, pp divides the layers, ep divides dp and the
+    experts (ep = 1 without experts), and dp micro-batches of `micro` sequences divide the global batch."""
+    layers, _, heads, *_, experts, _ = SHAPES[model_name]
+    return {(dp, tp, pp, ep) for dp in range(1, gpus + 1) for tp in range(1, gpus + 1) for pp in range(1, gpus + 1)
+            for ep in range(1, gpus + 1)
+            if dp * tp * pp == gpus and heads % tp == 0 and per_node % tp == 0 and layers % pp == 0
+            and dp % ep == 0 and experts % ep == 0 and batch % (dp * micro) == 0}
+
+
+@pytest.mark.parametrize("model_name", ["llama-3-70b", "mixtral-8x7b"])
+def test_layouts_picture_draws_every_accepted_layout_split_into_its_times(model_name, default_plan):
+    """layouts.png: one bar per layout the rules accept (brute force above), fastest first; each bar's pieces add
+    up to its step time, and that time is the oracle's: the 1F1B pipeline walked on an event clock with flops
+    from a transformers model of the shape (oracle_pipeline_seconds), plus each dimension's bytes over NVLink
+    when its group of consecutive ranks fits in a node, else the network. The recommended bar is the fastest that
+    fits."""
+    results = default_plan[0] if model_name == "llama-3-70b" else planner_results(["--model", model_name])[0]
+    bars = results["picture"]["layouts"]
+    assert {(b["dp"], b["tp"], b["pp"], b["ep"]) for b in bars} == accepted_layouts(model_name)
+    assert len(bars) == len({(b["dp"], b["tp"], b["pp"], b["ep"]) for b in bars})
+    assert [b["t_total"] for b in bars] == sorted(b["t_total"] for b in bars)
+    args = planner.Settings(model=model_name)
+    model = planner.load_model(args)
+    sent = {(r["dp"], r["tp"], r["pp"], r["ep"]): r for r in results["candidates"]}
+    for b in bars:
+        parts, row = b["components"], sent[(b["dp"], b["tp"], b["pp"], b["ep"])]
+        span = {"tp": b["tp"], "dp": b["tp"] * b["dp"], "pp": 64, "ep": b["tp"] * b["ep"]}
+        comm = {d: row[f"{d}_GB_sent"] * 1e9 / (450e9 if span[d] <= 8 else 50e9) for d in span}
+        pipeline, _ = oracle_pipeline_seconds(model, args, {"tp": b["tp"], "pp": b["pp"], "micro": 512 // b["dp"]})
+        assert sum(parts.values()) == pytest.approx(pipeline + sum(comm.values()), rel=1e-9), b
+        assert b["t_total"] == pytest.approx(sum(parts.values()), rel=1e-12), b
+        assert parts["compute"] + parts["bubble"] + parts["imbalance"] == pytest.approx(pipeline, rel=1e-9), b
+        assert {d: parts.get(d, 0.0) for d in span} == pytest.approx(comm, rel=1e-9), b
+    (best,) = [b for b in bars if b["recommended"]]
+    assert best == min((b for b in bars if b["total_GiB"] <= 80 * 0.9), key=lambda b: b["t_total"])
+
+
+def test_stages_picture_is_paced_by_the_head_and_ends_at_the_closed_form(default_plan):
+    """stages.png: the lesson's pp = 16 layout (the fastest that fits). Its stage times against flops counted here
+    from the published shape (6 per weight and token; 5 layers a stage, the V x h head on the last), and its 1F1B
+    timeline against the closed form sum(t) + (m - 1) max(t) for the slowest stage last; every op as long as its
+    stage's forward (1/3) or backward (2/3) and after the op it depends on."""
+    results, printed, plots = default_plan
+    pic = results["picture"]["stages"]
+    fitting16 = [b for b in results["picture"]["layouts"] if b["pp"] == 16 and b["total_GiB"] <= 72.0]
+    fastest16 = min(fitting16, key=lambda b: b["t_total"])
+    assert pic["layout"] == fastest16["layout"] == "dp=2 tp=2 pp=16" and pic["pp"] == 16
+    layers, h, heads, kv, hd, ffn, vocab, _, _ = SHAPES["llama-3-70b"]
+    layer_w = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * ffn  # q, k, v, o; gate, up, down
+    tokens, rate = 4096, 2 * 989e12 * 0.4  # one sequence per micro-batch; tp = 2 GPUs a stage
+    want = [6 * tokens * (layer_w * layers // 16 + (h * vocab if i == 15 else 0)) / rate * 1e3 for i in range(16)]
+    assert pic["stage_ms"] == pytest.approx(want, rel=1e-9)
+    ratio = 16 * (layer_w * 5 + h * vocab) / (layer_w * layers + h * vocab)  # last stage over the mean
+    assert pic["last_over_mean"] == pytest.approx(ratio, rel=1e-9) and ratio > 1.2
+    m, t = pic["timeline_m"], pic["stage_ms"]
+    assert m == 6 and pic["end_ms"] == pytest.approx(sum(t) + (m - 1) * max(t), rel=1e-12)
+    end = {}
+    for s, events in enumerate(pic["events"]):
+        assert sorted((e["kind"], e["mb"]) for e in events) == sorted((k, i) for k in "FB" for i in range(m))
+        for e, nxt in zip(events, events[1:]):
+            assert nxt["start"] >= e["end"] - 1e-9  # one op at a time on a stage
+        for e in events:
+            assert e["end"] - e["start"] == pytest.approx(t[s] / 3 if e["kind"] == "F" else 2 * t[s] / 3)
+            end[(e["kind"], e["mb"], s)] = e["end"]
+        assert pic["idle_ms"][s] == pytest.approx(pic["end_ms"] - m * t[s])
+    for kind, i, s in end:
+        start = next(e["start"] for e in pic["events"][s] if (e["kind"], e["mb"]) == (kind, i))
+        dep = ("F", i, s - 1) if kind == "F" else ("B", i, s + 1) if s < 15 else ("F", i, s)
+        assert start >= end.get(dep, 0.0) - 1e-9
+    for name in ("layouts", "stages"):
+        assert (plots / f"{name}.png").is_file() and f"figure: {plots / f'{name}.png'}" in printed
+
+
 # ----------------------------------------------------------------------------------------------- the 3-D mesh
 @pytest.mark.parametrize("dp, tp, pp", [(2, 2, 2), (3, 1, 2), (1, 4, 1), (2, 3, 4)])
 def test_mesh_coordinates_match_a_numpy_array_of_ranks(dp, tp, pp):

@@ -22,6 +22,15 @@ What it shows
     recommendation is the fastest layout that fits, followed by why it beats the best layout that differs from
     it in each dimension. Everything is arithmetic: no GPU is needed, and none is used.
 
+    FIGURES (with --plot-dir; _planner_figures.py draws them from the costed layouts, and the JSON keeps what
+    they show under "picture")
+      layouts.png  every costed layout, fastest on top: its step time as a stacked bar of the components above
+                   (compute, bubble, imbalance, communication per dimension); layouts that do not fit hatched,
+                   with their memory per GPU against the usable memory; the recommendation marked
+      stages.png   the best-ranked layout with the most pipeline stages: each stage's time per micro-batch
+                   (the last one also runs the output head) against the mean, and the ideal 1F1B timeline of
+                   those stages for --timeline-m micro-batches (mlsys.pipeline.simulate), idle time in grey
+
 How to run
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py
     ... --model llama-3-8b --gpus 8 --global-batch 64       # one node
@@ -30,7 +39,8 @@ How to run
     ... --layout 8 8 1 1                                     # cost one layout (dp tp pp ep) and explain it
 
 Runtime on 2 cores: about 2-3 s, the same with --smoke: nearly all of it is Python importing torch (mlsys.kv_memory,
-where the model shapes live, imports the book's GPT config); the arithmetic itself takes under 0.1 s.
+where the model shapes live, imports the book's GPT config); the arithmetic itself takes under 0.1 s. --plot-dir
+(the book passes it) adds 1-3 s for importing matplotlib and drawing the two figures.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \\
@@ -49,6 +59,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import _planner_figures as figures  # this script's two figures (_planner_figures.py)
+
 from mlsys import cli, report
 from mlsys import memory as mem
 from mlsys.kv_memory import MODEL_SHAPES, ModelShape
@@ -63,7 +75,7 @@ MODELS = sorted([*MODEL_SHAPES, *MOE_SHAPES, "custom"])
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     model: str = "llama-3-70b"
     """A published shape (llama-3-8b, llama-3-70b, mistral-7b, llama-2-7b, mixtral-8x7b, mlsys-small) or custom."""
     layers: int = 0
@@ -116,6 +128,8 @@ class Settings(cli.Args):
     """Cost only this layout: four numbers dp tp pp ep."""
     top: int = 8
     """Candidate layouts to print."""
+    timeline_m: int = 6
+    """Micro-batches in the 1F1B timeline of stages.png (few, to stay readable; the step has more)."""
 
     def validate(self) -> None:
         if self.model not in MODELS:
@@ -131,7 +145,7 @@ class Settings(cli.Args):
                 raise cli.UsageError(f"--kv-heads must divide --heads, got {kv} and {self.heads}")
             if self.experts < 1 or not 1 <= self.top_k <= max(1, self.experts):
                 raise cli.UsageError("--experts must be >= 1 and --top-k in 1..experts")
-        for name in ("gpus", "gpus_per_node", "global_batch", "micro_batch", "seq", "top"):
+        for name in ("gpus", "gpus_per_node", "global_batch", "micro_batch", "seq", "top", "timeline_m"):
             if getattr(self, name) < 1:
                 raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("gpu_mem_gib", "capacity_factor", "peak_tflops", "intra_gbps", "inter_gbps"):
@@ -383,11 +397,25 @@ def main() -> int:
         print(f"no layout fits in {usable:.1f} GiB per GPU; the smallest need is shown first. Try a higher "
               "--zero-stage, --recompute full, a smaller --micro-batch, or more GPUs.\nclosest: " +
               describe(min(rows, key=lambda r: r["total_GiB"]), s.num_layers))
+    picture = {"usable_GiB": usable, "layouts": figures.layout_bars(rows, best if best["fits"] else None,
+                                                                     model.experts)}
+    piped = max(rows, key=lambda r: r["pp"])  # the best-ranked layout with the most stages
+    if piped["pp"] > 1:
+        picture["stages"] = figures.stage_picture(piped, args.peak_tflops * 1e12, args.mfu,
+                                                  2 / (8 if args.recompute == "full" else 6), args.timeline_m,
+                                                  model.experts)
+    if args.plot_dir:  # matplotlib only when figures are asked for: the printed run stays quick
+        print()
+        title = f"Every layout of {s.name} on {args.gpus} GPUs, by estimated step time"
+        print(f"figure: {figures.draw_layouts(picture['layouts'], usable, title, args)}")
+        if "stages" in picture:
+            print(f"figure: {figures.draw_stages(picture['stages'], args)}")
     if args.json:
         report.write_json(args.json, {"model": s.name, "params": model.dense_params + model.expert_params,
                                       "active_params": model.active_params,
                                       "recommended": best if best["fits"] else None,
-                                      "candidates": rows, "rejected": rejected}, args)  # all, best first
+                                      "candidates": rows, "rejected": rejected, "picture": picture},
+                          args)  # all, best first
     return 0
 
 
