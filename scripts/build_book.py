@@ -10,6 +10,9 @@ Each chapter's README.md becomes a page. Markers in it are HTML comments (GitHub
     <!-- figure: x/name.png "Caption" run="-w 8" -->       ... during its run with these arguments
     <!-- value: x results.path .2f -->                     a value from the --json of x.py's default run
     <!-- value: x rows[size=1024].busbw .1f run="-w 8" -->  ... of its run with these arguments
+    <!-- recorded: results/h200/x.json rows.0.ms .2f -->   a value from a recorded run kept as data in the
+                                                           chapter folder (a GPU run: CI has no GPU), not re-run;
+                                                           a path ending in `.#` gives a list's length
     <!-- contents -->                                      (book/pages/*.md only) the parts and chapters
 
 Code is included from the real files by pymdownx.snippets (`--8<-- "tutorial/.../x.py:section"`, from the repo
@@ -61,6 +64,7 @@ PART_TITLES = {1: "Part I — Distributed foundations", 2: "Part II — Parallel
 RUN_RE = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
 FIGURE_RE = re.compile(r'<!--\s*figure:\s*(\S+)\s+"([^"]*)"(?:\s+run="([^"]*)")?\s*-->')
 VALUE_RE = re.compile(r'<!--\s*value:\s*(.*?)(?:\s+run="([^"]*)")?\s*-->')
+RECORDED_RE = re.compile(r"<!--\s*recorded:\s*(.*?)\s*-->")
 RUNTIME_RE = re.compile(r"Runtime on 2 cores:\s*about\s+(\d+(?:\.\d+)?)(?:\s*-\s*(\d+(?:\.\d+)?))?\s*s\b")
 CONTENTS_RE = re.compile(r"<!--\s*contents\s*-->")
 LINK_RE = re.compile(r"(\]\()([^)\s]+)(\))")
@@ -183,11 +187,13 @@ SELECT_RE = re.compile(r"^([^\[\]]*)\[([^=\]]+)=([^\]]*)\]$")
 
 
 def lookup(data, path: str):
-    """The value at `path` in JSON data: dotted keys, integer indexes (rows.0, rows.-1) and `rows[size=1024]`,
-    the first dict of a list whose field prints as that value."""
+    """The value at `path` in JSON data: dotted keys, integer indexes (rows.0, rows.-1), `rows[size=1024]`,
+    the first dict of a list whose field prints as that value, and `rows.#`, the length of a list."""
     for part in path.split("."):
         m = SELECT_RE.match(part)
-        if m:
+        if part == "#" and isinstance(data, list):
+            data = len(data)
+        elif m:
             key, field, want = m.groups()
             rows = data[key] if key else data
             match = [r for r in rows if isinstance(r, dict) and field in r and str(r[field]) == want]
@@ -201,6 +207,22 @@ def lookup(data, path: str):
                 raise KeyError(f"no key `{part}` (have: {', '.join(list(data)[:12])})")
             data = data[part]
     return data
+
+
+def recorded_md(folder: Path, slug: str, spec: str) -> str:
+    """`FILE PATH [FORMAT]`: the value at PATH in FILE, a JSON file of a recorded run kept in the chapter folder."""
+    words = shlex.split(spec)
+    if len(words) not in (2, 3):
+        raise BuildError(f"{slug}/README.md: `<!-- recorded: {spec} -->` wants `file.json path [format]`")
+    file = (folder / words[0]).resolve()
+    if folder.resolve() not in file.parents:
+        raise BuildError(f"{slug}/README.md: `<!-- recorded: {spec} -->`: the file must be inside the chapter folder")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        value = lookup(data.get("results", data) if isinstance(data, dict) else data, words[1])
+        return format(value, words[2] if len(words) == 3 else "")
+    except (OSError, KeyError, IndexError, ValueError, TypeError) as exc:
+        raise BuildError(f"{slug}/README.md: `<!-- recorded: {spec} -->`: {exc}") from exc
 
 
 def fence(lang: str, body: str) -> str:
@@ -465,6 +487,7 @@ class Builder:
         text = RUN_RE.sub(lambda m: self.run_marker(ch, m.group(1)), ch.readme)
         text = FIGURE_RE.sub(lambda m: self.figure_md(ch, m.group(1), m.group(2), m.group(3)), text)
         text = VALUE_RE.sub(lambda m: self.value_md(ch, m.group(1), m.group(2)), text)
+        text = RECORDED_RE.sub(lambda m: recorded_md(ch.path, ch.slug, m.group(1)), text)
         text = LINK_RE.sub(lambda m: m.group(1) + self.rewrite_link(ch, chapters, m.group(2)) + m.group(3), text)
         if any(f"]({s.stem}.md" not in text for s in ch.scripts):
             text = text.rstrip() + "\n\n## Scripts in this chapter\n\n" + "\n".join(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the `gpu`-marked tests and chapter 10's runs on the GPU, each with
 # its --json, plus the provenance of the machine (GPU, driver, Python, torch, CUDA, commit). The book keeps what
-# comes back under book/recorded/gpu/<date>-<gpu>/ and quotes it as a recorded run (CI has no GPU).
+# comes back under chapter 10's results/<gpu>/ folder and its lesson quotes it as a recorded run (CI has no GPU).
 #
 #   OUT=/tmp/gpu bash scripts/gpu_checks.sh          # from the repository root, on a machine with a CUDA GPU
 #

@@ -170,6 +170,39 @@ def test_value_marker_with_a_missing_path_fails_the_full_build(tmp_path):
     assert "no row with rank=9" in result.stderr
 
 
+def test_recorded_marker_reads_the_chapter_folders_json_and_refuses_bad_paths(tmp_path):
+    """`<!-- recorded: FILE PATH [FORMAT] -->`: a value from a recorded run's JSON in the chapter folder; a path
+    that is not in the JSON, or a file outside the chapter folder, fails the build with a BuildError."""
+    import json
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import build_book
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    chapter = tmp_path / "chapter99-x"
+    (chapter / "results/gpu").mkdir(parents=True)
+    (chapter / "results/gpu/run.json").write_text(json.dumps(
+        {"settings": {"iters": 3}, "results": {"rows": [{"B": 1, "step ms": 2.6085}, {"B": 8, "step ms": 1.85}],
+                                               "launches": {"kernels": ["k0", "k1", "k2"]}}}))
+    (tmp_path / "outside.json").write_text(json.dumps({"results": {"x": 1}}))
+
+    def recorded(spec: str) -> str:
+        return build_book.recorded_md(chapter, "chapter99-x", spec)
+
+    assert recorded('results/gpu/run.json "rows.0.step ms" .2f') == "2.61"       # looked up in "results"
+    assert recorded("results/gpu/run.json rows[B=8].B") == "8"
+    assert recorded("results/gpu/run.json launches.kernels.#") == "3"           # a list's length
+    for bad, why in (("results/gpu/run.json rows.0.nope", "no key `nope`"),
+                     ("results/gpu/run.json rows.5.B", "out of range"),
+                     ("results/gpu/missing.json rows.0.B", "No such file"),
+                     ("results/gpu/run.json", "wants `file.json path [format]`"),
+                     ("../outside.json x", "inside the chapter folder"),
+                     (f"{tmp_path / 'outside.json'} x", "inside the chapter folder")):
+        with pytest.raises(build_book.BuildError, match=re.escape(why)):
+            recorded(bad)
+
+
 def test_script_page_has_docstring_source_output_results(fixture_book):
     root, _ = fixture_book
     page = (root / "book/docs/chapter01-demo/demo.md").read_text()

@@ -134,6 +134,38 @@ def test_launch_picture_counts_equal_torch_function_mode(tiny: GPT, tmp_path) ->
         assert all(a.end <= b.start + 1e-6 for a, b in zip(drawn, drawn[1:])), "drawn ops overlap: nested op kept"
 
 
+def test_launch_picture_names_every_launch_call_in_a_legend(tmp_path, monkeypatch) -> None:
+    """On a GPU the graph replay's one launch call (cudaGraphLaunch, never in the eager step) gets its own legend
+    entry, in a colour no other entry of the figure has: every box colour drawn in a panel is named by that
+    panel's legend or one above it, checked against the spans handed in (a hand-made GPU trace)."""
+    from matplotlib.colors import to_hex
+
+    mod = load_script(CH10 / "cuda_graphs.py")
+    span = mod.plot.Span
+    lanes = {"eager step": [span("CPU: ops called from Python", 0, 1, "", "linear"),
+                            span("CPU: ops called from Python", 1, 2, "", "view"),
+                            span("CPU: CUDA launch calls", 0.2, 0.3, "", "cudaLaunchKernel"),
+                            span("CPU: CUDA launch calls", 0.5, 0.6, "", "cudaLaunchKernelExC"),
+                            span("GPU: kernels", 0.4, 0.45, "", "gemm_kernel")],
+             "graph step": [span("CPU: CUDA launch calls", 0.1, 0.9, "", "cudaGraphLaunch"),
+                            *(span("GPU: kernels", 1 + k / 10, 1.05 + k / 10, "", "k") for k in range(3))]}
+    figures = []
+    monkeypatch.setattr(mod.plot, "save", lambda fig, args, name: figures.append(fig) or tmp_path / f"{name}.png")
+    mod.draw_launches(lanes, mod.Settings(sizes=[1], plot_dir=str(tmp_path)), "cuda")
+    (fig,) = figures
+    named_all = {}
+    for ax, step in zip(fig.axes, lanes):
+        legend = ax.get_legend()
+        assert legend is not None, step                  # each panel here draws a kind the one above did not
+        named = {t.get_text(): to_hex(h.get_facecolor()) for t, h in zip(legend.get_texts(), legend.legend_handles)}
+        drawn = {to_hex(p.get_facecolor()) for p in ax.patches}
+        assert set(named.values()) <= drawn, step        # a legend names only what its panel draws ...
+        named_all |= named
+        assert drawn <= set(named_all.values()), step    # ... and every colour drawn is named here or above
+    assert "cudaGraphLaunch" in named_all and "cudaLaunchKernelExC" in named_all
+    assert len(set(named_all.values())) == len(named_all)  # one colour per legend entry across the figure
+
+
 # ------------------------------------------------------------------------------------------ overlap
 @pytest.mark.parametrize("case", ["greedy_stops_chunked", "seeded_sampling", "tight_pool_prefix_cache"])
 def test_overlapped_engine_equals_plain(tiny: GPT, case: str) -> None:

@@ -281,17 +281,24 @@ def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str
     """Eager step above, graph path below, same time axis. Returns what was drawn: per step, the ops and
     launches per lane in order."""
     plt = plot.pyplot()
+    from matplotlib.patches import Patch
+
     common = ("linear", "layer_norm", "scaled_dot_product_attention", "index_copy_", "view")
     kind = {s.kind: s.kind if s.kind in common else ("kernel" if s.lane.startswith("GPU") else "other op")
             for spans in lanes.values() for s in spans}
-    kind |= {k: k for k in kind if "Launch" in k}
+    kind |= {k: k for k in kind if "Launch" in k}  # every CUDA launch API its own entry: cudaGraphLaunch too
     palette = plot.colours(sorted(set(kind.values())))
     names = ["CPU: ops called from Python"] + (["CPU: CUDA launch calls", "GPU: kernels"] if device == "cuda" else [])
     fig, axes = plt.subplots(len(lanes), 1, figsize=(11, 1.3 + 0.9 * len(names) * len(lanes)), sharex=True)
-    drawn = {}
+    drawn, named = {}, set()
     for ax, (step, spans) in zip(axes, lanes.items()):
         shown = [plot.Span(s.lane, s.start, s.end, "", kind[s.kind]) for s in spans]
-        plot.timeline(ax, shown, names, palette=palette, legend=ax is axes[0])
+        plot.timeline(ax, shown, names, palette=palette, legend=False)
+        new = [k for k in palette if k not in named and any(s.kind == k for s in shown)]
+        if new:  # each panel names the kinds no panel above it named (the replay's cudaGraphLaunch, on a GPU)
+            ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k) for k in new],
+                      loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+            named |= set(new)
         key = step.split()[0]  # "eager" or "graph"
         drawn[key] = {lane: [s.kind for s in spans if s.lane == lane] for lane in names}
         drawn[key] |= {"num_ops": len(drawn[key][names[0]]), "ms": max((s.end for s in spans), default=0.0)}
