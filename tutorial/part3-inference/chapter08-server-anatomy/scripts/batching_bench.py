@@ -218,7 +218,8 @@ def draw(results: dict, args: Settings) -> None:
     ax.set_ylabel("sequences in the step")
     arrivals = f"{args.request_rate:g} req/s Poisson" if math.isfinite(args.request_rate) else "all at t = 0"
     ax.set_title(f"{args.num_requests} requests, {arrivals}, {args.max_num_seqs} seats")
-    ax.legend()
+    # outside the axes, to the right: inside, it would cover the continuous line's plateau at the top left
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     print(f"figure: {plot.save(fig, args, 'batch_occupancy')}")
 
 

@@ -189,6 +189,8 @@ class StopSignals:
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"port": 0, "serve_seconds": 0.0, "forever": False, "max_tokens": 8})
     args.api_key = args.api_key or os.environ.get("MLSYS_API_KEY", "")   # the key need not appear in `ps`
+    if hasattr(sys.stdout, "reconfigure"):  # print each line at once, even into a file or pipe (--forever > log)
+        sys.stdout.reconfigure(line_buffering=True)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     if args.host not in LOOPBACK:

@@ -16,8 +16,10 @@ What it shows
          mlsys.engine  Engine.generate (scheduler, paged KV cache, sampling, detokenization every step)
        each the best and the median of --reps runs after a warm-up, with the garbage collector held off, and
        the ratios engine / transformers and engine / mlsys.model, each with a verdict measured against the
-       spread of the runs; for engine / transformers whether it reached the goal of 1x in this run. Timings
-       never fail the run; a token mismatch does (exit 1).
+       spread of the runs; for engine / transformers whether it reached the speed goal of 1x in this run (a
+       target for the engine's per-step overhead, not a check: a static batch gives the engine nothing to gain,
+       so below 1x means its scheduler, block tables and detokenizer cost more per step than transformers'
+       loop on this tiny model). Timings never fail the run; a token mismatch does (exit 1).
     Prompts in a batch have equal length, so transformers needs no padding (left-padding changes positions
     and would make the comparison about padding rather than about the engine). They are the starts of records
     of the book's corpus, in the book's tokenizer, for both models (the Llama model has the same 47 ids).
@@ -198,7 +200,8 @@ def main() -> None:
     verdict, hf_verdict = compare(vs_plain, spread), compare(vs_hf, spread)
     goal = "met" if vs_hf >= 1 else "not met"  # the goal: at least transformers' tokens/s
     print(f"\nmedians sit up to {spread:.0%} above the best runs")
-    print(f"engine / transformers tokens/s: {vs_hf:.2f}x: {hf_verdict}; goal (>= 1x) {goal} in this run")
+    print(f"engine / transformers tokens/s: {vs_hf:.2f}x: {hf_verdict}; speed goal (>= 1x, not a check) {goal} "
+          "in this run")
     print(f"engine / mlsys.model.generate tokens/s: {vs_plain:.2f}x: {verdict}")
     engine.check_invariants()
     if args.json:

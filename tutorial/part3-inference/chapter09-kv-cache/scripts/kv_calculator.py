@@ -15,14 +15,18 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-70b --gpu h200 \
         --prompt-len 4000 --max-new-tokens 1000
 
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config path/to/config.json
+    python -c "from transformers import LlamaConfig; LlamaConfig(hidden_size=4096, intermediate_size=14336, \
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256\
+        ).save_pretrained('/tmp/llama3-8b')"
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config /tmp/llama3-8b/config.json
 
 Runtime on 2 cores: about 2 s (importing torch dominates), the same with --smoke.
 
 Try next
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config path/to/config.json
-        -> your own model: download its config.json from its Hugging Face page (Llama- or Mistral-style
-           decoders); the row shows its KiB per token and how many requests fit
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config /tmp/llama3-8b/config.json
+        -> a model from its config.json: the one the `python -c` line under "How to run" writes has
+           Llama-3-8B's shape and gives the built-in llama-3-8b row; pass your own model's config.json (from its
+           Hugging Face page; Llama- or Mistral-style decoders) the same way
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --dtype fp8
         -> an 8-bit cache and 8-bit weights: half the KiB per token, MiB per request and weight GiB; the budget
            left after the weights grows, so more than twice the requests fit, and Llama-3-70B now fits on one GPU
