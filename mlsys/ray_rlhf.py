@@ -37,9 +37,12 @@ ROLE_NAMES = {"all": "co-located (all four models + engine)", "trainer": "traine
 def start(address: str = "", num_cpus: int = 2, num_gpus: int | None = None, temp_dir: str = "/tmp/ray") -> float:
     """ray.init: start a one-machine Ray (head node, raylet, GCS, object store) or join a running cluster at
     `address`. num_gpus None: the GPUs Ray finds; a number: that many GPU slots, logical ones on a CPU machine.
-    Returns the seconds it took. No dashboard, a small object store, workers' output not echoed."""
+    Returns the seconds it took. No dashboard, a small object store, workers' output not echoed. What Ray still
+    prints on the driver (a "(raylet)" paragraph when a worker dies) comes without terminal colour codes, so a
+    captured log reads as plain text."""
     import ray
 
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by the driver each time it prints a Ray message
     t = time.perf_counter()
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

@@ -9,6 +9,10 @@ from mlsys import plot
 # args: placement.py's Settings (world_size, plot_dir); results: its per-placement summaries
 
 ROLE_COLUMNS = ("actor", "critic", "reward_model", "reference", "engine")
+# One colour per phase, shared by placement.py's timeline and ray_placement.py's: grey is waiting (a collective or
+# the driver's next call), not work.
+PHASE_LABELS = {"comm": "comm / wait"}
+PHASE_COLOURS = {"generate": "C0", "score": "C1", "train": "C2", "weight sync": "C3", "comm / wait": "0.85"}
 
 
 def draw_placement(results: dict, args) -> None:
@@ -46,17 +50,17 @@ def draw_timeline(results: dict, args) -> None:
     names = list(results)
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
                              sharex=True, squeeze=False)
-    colors = {"generate": "C0", "score": "C1", "train": "C2", "weight sync": "C3", "comm": "0.85"}
     for ax, name in zip(axes[:, 0], names):
         for rank, events in enumerate(results[name]["timelines"]):
             for phase, s, e in events:
-                ax.barh(rank, e - s, left=s, color=colors[phase], edgecolor="none", height=0.7)
+                ax.barh(rank, e - s, left=s, color=PHASE_COLOURS[PHASE_LABELS.get(phase, phase)], edgecolor="none",
+                        height=0.7)
         ax.set_yticks(range(args.world_size))
         ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
         ax.invert_yaxis()
         ax.set_title(name, fontsize=10, loc="left")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, [("comm / wait" if k == "comm" else k) for k in colors], loc="lower center", ncol=5,
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()]
+    fig.legend(handles, list(PHASE_COLOURS), loc="lower center", ncol=5,
                fontsize=8, bbox_to_anchor=(0.5, -0.04))
     axes[-1, 0].set_xlabel("seconds since start")
     fig.tight_layout()

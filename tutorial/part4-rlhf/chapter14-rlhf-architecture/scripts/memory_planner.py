@@ -226,15 +226,20 @@ def plan(args: Settings) -> dict:
     pool = rollout_pool(args, budget)
     n_dis = None if n_tr is None or pool is None else n_tr + pool["gpus"]
     if n_co is None and n_dis is None:
-        pick = "neither fits within 4096 GPUs"
+        pick, why = "neither fits within 4096 GPUs", ""
     elif n_dis is None or (n_co is not None and n_co <= n_dis):
         pick = f"co-located on {n_co} GPUs"
+        why = ("disaggregated does not fit" if n_dis is None else
+               f"a tie with disaggregated's {n_tr} + {pool['gpus']} = {n_dis}: on equal GPU counts co-located wins, "
+               "since no weights cross between processes" if n_co == n_dis else
+               f"disaggregated needs {n_tr} + {pool['gpus']} = {n_dis}")
     else:
         pick = f"disaggregated: {n_tr} trainer + {pool['gpus']} rollout GPUs = {n_dis}"
+        why = "co-located does not fit" if n_co is None else f"co-located needs {n_co}"
     return {"budget_bytes": budget, "colocated_gpus": n_co,
             "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
             "trainer_gpus": n_tr, "rollout": pool,
-            "disaggregated_gpus": n_dis, "pick": pick}
+            "disaggregated_gpus": n_dis, "pick": pick, "pick_reason": why}
 
 
 def model_rows(args: Settings) -> list[dict]:
@@ -242,7 +247,7 @@ def model_rows(args: Settings) -> list[dict]:
     rows, seq = [], args.prompt_len + args.response_len
     for role, (shape, n) in models_of(args).items():
         s = state_bytes(n, TRAINED[role], 1)
-        rows.append({"model": role, "shape": shape.name, "params (B)": n / 1e9, "weights": s["weights"] / GIB,
+        rows.append({"model": role, "shape": shape.name, "params (billions)": n / 1e9, "weights": s["weights"] / GIB,
                      "grads": s["grads"] / GIB, "optimizer": s["optimizer"] / GIB,
                      "train act.": train_activation_bytes(shape, args.micro_batch, seq, args.recompute,
                                                           role == "actor") / GIB if TRAINED[role] else 0.0})
@@ -352,7 +357,8 @@ def main() -> int:
               f"{trainer_peak(args, result['trainer_gpus']) / GIB:.1f} GiB each); rollout pool {pool['replicas']} "
               f"engine(s) x TP {pool['tp']} = {pool['gpus']} GPUs ({pool['weights'] / GIB:.1f} GiB weights + "
               f"{pool['KV cache'] / GIB:.1f} GiB KV each)")
-    print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}.")
+    reason = f" ({result['pick_reason']})" if result["pick_reason"] else ""
+    print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}{reason}.")
     draw(result, args)
     if args.json:
         report.write_json(args.json, {**result, "models": model_rows(args), "roles": roles, "kv_total_bytes": kv_total,

@@ -248,7 +248,8 @@ def main() -> int:
         table, wall = summarize(name, res, args)
         tables += table
         rollouts_per_s = args.iterations * args.num_rollouts / wall
-        summary[name] = {"wall_s": wall, "rollouts_per_s": rollouts_per_s, "stats": res["stats"],
+        summary[name] = {"wall_s": wall, "s_per_iteration": wall / args.iterations, "rollouts_per_s": rollouts_per_s,
+                         "stats": res["stats"],
                          "ranks": table, "timelines": res["timelines"], "t0": res["t0"],
                          "idle_pct": [row["idle %"] for row in table], "weight_sync_s": table[0]["weight sync"],
                          "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
@@ -261,11 +262,14 @@ def main() -> int:
     print("Parameters each rank holds (all its models, the engine's copy included), seconds per phase and idle time "
           "per rank (idle = wall - generate - score - train):")
     print(report.table(tables, floatfmt=".2f"))
-    print("\n" + report.table([{"placement": n, "wall s": s["wall_s"], "rollouts/s": s["rollouts_per_s"],
-                                "final reward": s["stats"][-1]["reward"],
-                                "well-formed": sum(x["valid"] for x in s["stats"]) / args.iterations,
-                                "mean off-policy gap": sum(x["off_policy_gap"] for x in s["stats"]) / args.iterations}
-                               for n, s in summary.items()], floatfmt=".3f"))
+    print("\nfinal reward, final KL: the last iteration's mean reward-model score and its KL to the reference "
+          "(nats per response, summed over its tokens)")
+    print(report.table([{"placement": n, "wall s": s["wall_s"], "s / iteration": s["wall_s"] / args.iterations,
+                         "rollouts/s": s["rollouts_per_s"], "final reward": s["stats"][-1]["reward"],
+                         "final KL": s["stats"][-1]["kl"],
+                         "well-formed": sum(x["valid"] for x in s["stats"]) / args.iterations,
+                         "mean off-policy gap": sum(x["off_policy_gap"] for x in s["stats"]) / args.iterations}
+                        for n, s in summary.items()], floatfmt=".3f"))
     if "colocated" in results and "disaggregated" in results:
         a, b = results["colocated"], results["disaggregated"]
         report.expect_equal("per-iteration rewards, co-located vs disaggregated",

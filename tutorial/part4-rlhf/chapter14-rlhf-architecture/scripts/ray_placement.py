@@ -38,10 +38,13 @@ placement.py).
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --fault generate
-        -> a generation actor is killed mid-iteration: one line names its role, pid and node; exit 1; nothing left
+        -> a generation actor is killed mid-iteration: on stderr one line names its role, pid and node and says
+           the fault was planted; exit 1; nothing left. Before it, Ray's own "(raylet)" paragraph on stdout lists
+           likely causes of any unexpected worker death (an OOM kill first): a guess, not a diagnosis
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py \\
         --placements disaggregated async --iterations 8
-        -> only the disaggregated pools: compare time per iteration with placement.py's
+        -> only the disaggregated pools: compare the s / iteration column with placement.py's (same settings:
+           python .../placement.py --placements disaggregated async --iterations 8)
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import time
 import typing
 from dataclasses import dataclass
 
+import _placement_figures as figures  # placement.py's figure helpers: the phase colours
 import torch
 
 from mlsys import cli, plot, ray_rlhf, report
@@ -245,11 +249,11 @@ def draw_timeline(results: dict, args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.2 + 1.0 * len(results) * args.world_size / 2),
                              sharex=True, squeeze=False)
-    kinds = ("generate", "score", "train", "weight sync", "comm")
-    palette = plot.colours(kinds)
+    palette = figures.PHASE_COLOURS  # the same colours as placement.py's timeline
     for ax, (name, res) in zip(axes[:, 0], results.items()):
         lanes = [f"{a['role']}-{a['rank']}" for a in res["actors"]]
-        spans = [plot.Span(lane, s, e, kind=ph) for lane, events in zip(lanes, res["timelines"]) for ph, s, e in events]
+        spans = [plot.Span(lane, s, e, kind=figures.PHASE_LABELS.get(ph, ph))
+                 for lane, events in zip(lanes, res["timelines"]) for ph, s, e in events]
         plot.timeline(ax, spans, lanes, palette=palette)
         ax.set_title(name, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("seconds since the driver started the loop")
@@ -295,6 +299,10 @@ def main() -> int:
             results[name] = disaggregated(args, shared, off_policy=name == "async")
         if shared is not None:
             release(shared["groups"], shared["pools"])
+    except ray_rlhf.JobFailed as err:
+        if args.fault == "none" or " died in " not in str(err):
+            raise
+        raise ray_rlhf.JobFailed(err.rank, f"{err} [planted: --fault {args.fault}]", err.exit_code) from None
     finally:
         ray.shutdown()  # stops every process this run started (also after an error or Ctrl-C)
         if not args.address and not os.environ.get("RAY_TMPDIR"):

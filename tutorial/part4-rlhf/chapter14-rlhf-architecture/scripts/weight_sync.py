@@ -6,8 +6,8 @@ What it shows
     1. sends the new weights with one dist.broadcast per tensor, and again packed into buckets of --bucket-mb MB
        (mlsys/weight_sync.py); after each, every receiving rank checks torch.equal on every tensor against a
        reference that travelled by a different road (pickled with broadcast_object_list);
-    2. times both ways (slowest rank, best of --iters after a warm-up, mlsys.bench.time_collective) and reports
-       ms per MB and the ratio of the two times;
+    2. times both ways, the two taking turns (slowest rank, best of --iters after a warm-up,
+       mlsys.bench.time_collective), and reports ms per MB and the ratio of the two times;
     3. sweeps the bucket size on the largest model;
     4. on the last rollout rank, loads the received weights into the inference engine (Engine.load_weights) and
        checks that its greedy completions equal the trainer's own generate().
@@ -72,9 +72,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Bucket sizes (MB) tried on the largest model; empty to skip."""
     figure_bucket_kb: float = 96.0
     """Bucket size (KiB) of the packing figure buckets.png, drawn for the 'draft' model."""
-    iters: int = 5
+    iters: int = 7
     """Timed syncs per measurement, after one warm-up; the fastest is reported (the least disturbed by other work
-    on a shared machine)."""
+    on a shared machine). The methods compared (per tensor and bucketed; the sweep's bucket sizes) take turns."""
 
     def validate(self) -> None:
         bad = [m for m in self.models if m not in SIZES]
@@ -121,11 +121,19 @@ def check_sync(ctx: RankContext, params: dict[str, torch.Tensor], how: str) -> N
 # --8<-- [end:check]
 
 
-def fastest(call, repeats: int, device: torch.device) -> float:
-    """Seconds of one call (the slowest rank's), the best of `repeats` after a warm-up, with the garbage collector
-    out of the way. Every rank runs the same sequence of collectives, so they stay in step."""
+def fastest(calls: list, repeats: int, device: torch.device) -> list[float]:
+    """Seconds of one call of each of `calls` (the slowest rank's), the best of `repeats` after a warm-up, with the
+    garbage collector out of the way. The calls take turns, round by round, so a burst of other work on a shared
+    machine slows all of them alike rather than the one that happened to be timed then. Every rank runs the same
+    sequence of collectives, so they stay in step."""
     with bench.steady_timing():
-        return bench.best_of(lambda: bench.time_collective(call, 0, 1, device), repeats, warmup=1)["best_s"]
+        for call in calls:  # warm-up
+            bench.time_collective(call, 0, 1, device)
+        best = [float("inf")] * len(calls)
+        for _ in range(repeats):
+            for i, call in enumerate(calls):
+                best[i] = min(best[i], bench.time_collective(call, 0, 1, device))
+    return best
 
 
 def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
@@ -145,8 +153,8 @@ def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
     broadcast_bucketed(params, plan, src=0)
     check_sync(ctx, params, "bucketed")
 
-    t_tensor = fastest(lambda: broadcast_per_tensor(params, 0), args.iters, ctx.device)
-    t_bucket = fastest(lambda: broadcast_bucketed(params, plan, 0), args.iters, ctx.device)
+    t_tensor, t_bucket = fastest([lambda: broadcast_per_tensor(params, 0),
+                                  lambda: broadcast_bucketed(params, plan, 0)], args.iters, ctx.device)
     return {"model": size, "params": sum(t.numel() for t in params.values()), "MB": nbytes / MB,
             "tensors": len(params), "buckets": len(plan), "per-tensor ms": t_tensor * 1e3,
             "bucketed ms": t_bucket * 1e3, "per-tensor ms/MB": t_tensor * 1e3 / (nbytes / MB),
@@ -156,11 +164,10 @@ def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
 def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     params = unique_parameters(model)
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
-    rows = []
-    for mb in args.sweep_mb:
-        plan = plan_buckets(named_meta(params), int(mb * MB))
-        t = fastest(lambda: broadcast_bucketed(params, plan, 0), args.iters, ctx.device)  # noqa: B023
-        rows.append({"bucket MB": mb, "buckets": len(plan), "ms": t * 1e3, "ms/MB": t * 1e3 / (nbytes / MB)})
+    plans = [plan_buckets(named_meta(params), int(mb * MB)) for mb in args.sweep_mb]
+    times = fastest([lambda p=p: broadcast_bucketed(params, p, 0) for p in plans], args.iters, ctx.device)
+    rows = [{"bucket MB": mb, "buckets": len(p), "ms": t * 1e3, "ms/MB": t * 1e3 / (nbytes / MB)}
+            for mb, p, t in zip(args.sweep_mb, plans, times)]
     return rows
 
 
