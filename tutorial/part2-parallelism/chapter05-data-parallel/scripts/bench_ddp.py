@@ -167,6 +167,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                     f"({best['overlapped']:g} MiB buckets), torch's DDP {1e3 * med[('torch', best['torch'])]:.1f} ms "
                     f"({best['torch']:g} MiB) and local {1e3 * floor:.1f} ms: overlapped / torch = {ratio:.2f}x")
     ctx.print(f"at the best bucket size among the rows not below local: {headline}  ({load_average()})")
+    local_ms = [1e3 * t for t in times[("local", 0.0)]]
+    ctx.print(f"local's own {len(local_ms)} rounds ranged from {min(local_ms):.1f} to {max(local_ms):.1f} ms: "
+              "the spread that noise alone gives a row here")
     if ctx.is_main:
         draw(args, med)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -181,7 +184,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "num_buckets": {f"{mb:g}": len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
-            "grad_mib": grad_bytes / 2**20,
+            "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
             "world_size": ctx.world_size, "backend": ctx.backend}

@@ -12,9 +12,11 @@ What it shows
        Then one more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
        (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
        of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
-       is blocked, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows of
-       gloo's worker threads. The overlap share counts only all-reduce time during which the training thread was
-       computing the backward (its segments minus the launch calls).
+       is held in the call, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows
+       of gloo's worker threads. The launch calls are also timed from the training thread: wall clock, the
+       thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap share counts
+       only all-reduce time during which the training thread was computing the backward (its segments minus the
+       launch calls).
     5. The all-reduce volume of one step from mlsys.collectives.comm_volume: 2(W-1)/W x gradient bytes per rank.
 
 How to run (any world size from 1 to 8)
@@ -144,6 +146,38 @@ def train_data_parallel(ctx: RankContext, args: Settings, tokens: torch.Tensor, 
             "backward": backward_spans[-1], "launches": launches[-1] if launches else []}
 
 
+def _run_queue_ns() -> int | None:
+    """Nanoseconds this thread has spent runnable but waiting for a core (Linux schedstat), None elsewhere."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def clocked_launches(ddp: OverlappedDDP, clock: list[dict] | None):
+    """Time each all-reduce launch of `ddp` from the calling thread: wall clock, the thread's CPU time, and how
+    long it was runnable but waiting for a core. Appends one dict per launch to `clock` (nothing if None)."""
+    if clock is None:
+        yield
+        return
+    launch_one = ddp._all_reduce
+
+    def clocked(tensor, async_op=False):
+        w0, c0, q0 = time.perf_counter(), time.thread_time(), _run_queue_ns()  # the wall clock outermost:
+        handle = launch_one(tensor, async_op=async_op)                        # CPU and queue time fall inside it
+        q1, c1, w1 = _run_queue_ns(), time.thread_time(), time.perf_counter()
+        clock.append({"wall_ms": 1e3 * (w1 - w0), "cpu_ms": 1e3 * (c1 - c0),
+                      "run_queue_ms": None if q0 is None or q1 is None else (q1 - q0) / 1e6})
+        return handle
+    ddp._all_reduce = clocked
+    try:
+        yield
+    finally:
+        del ddp._all_reduce  # back to the class's method
+
+
 # --8<-- [start:profile]
 @contextlib.contextmanager
 def labelled_block_backward(model: GPT):
@@ -165,16 +199,18 @@ def labelled_block_backward(model: GPT):
             h.remove()
 
 
-def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trace_path) -> list[list[str]]:
+def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trace_path,
+                    clock: list[dict] | None = None) -> list[list[str]]:
     """One OverlappedDDP step under torch.profiler (after one unprofiled warm-up step), on every rank; rank 0
-    writes the Chrome trace. Returns the parameter names of each bucket, in launch order."""
+    writes the Chrome trace. Returns the parameter names of each bucket, in launch order; `clock` receives the
+    profiled step's launch timings (clocked_launches)."""
     model = fresh_model(args, ctx.rank)
     ddp = OverlappedDDP(model, args.bucket_mb)
     x, y = rank_batches(tokens, ctx.rank, ctx.world_size, args.batch_size, model.config.block_size, args.seed, 1)[0]
     ddp(x, y)[1].backward()  # warm-up: the first backward allocates what later ones reuse
     ddp.finish_gradient_synchronization()
     model.zero_grad(set_to_none=True)
-    with labelled_block_backward(model), plot.quiet_stderr(), torch.profiler.profile(
+    with labelled_block_backward(model), clocked_launches(ddp, clock), plot.quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with torch.profiler.record_function("forward"):
             _, loss = ddp(x, y)
@@ -226,7 +262,7 @@ def overlap_spans(trace_path) -> list[plot.Span]:
     return spans
 
 
-LAUNCH = "launch call (training thread blocked)"
+LAUNCH = "launch call (thread held in it)"
 
 
 def minus(intervals: list[tuple[float, float]], cuts: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -262,33 +298,62 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
             "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
 
 
+GAP = "training thread in no named range"
+
+
+def _levels(centres_widths: list[tuple[float, float]]) -> list[int]:
+    """A text row for each label (x centre, width) so that labels on the same row do not overlap."""
+    ends: list[float] = []  # the right end of the last label on each row
+    out = []
+    for x, w in centres_widths:
+        level = next((i for i, e in enumerate(ends) if x - w / 2 > e), len(ends))
+        ends[level:level + 1] = [x + w / 2]
+        out.append(level)
+    return out
+
+
 def draw_overlap(args: Settings, spans: list[plot.Span]):
     plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(11, 3.0))
-    short = {"forward": "forward", "wait for all-reduces": "wait"}  # labels that fit in narrow boxes
+    fig, ax = plt.subplots(figsize=(11, 4.2))
     launches = [s for s in spans if s.lane == "launch"]
     cuts = [(s.start, s.end) for s in launches]
+    named = sorted((s for s in spans if s.lane == "compute"), key=lambda s: s.start)  # the training thread's ranges
     boxes = []
     for s in spans:
         if s.lane == "launch":  # the hook's launch call, on the training thread: drawn on the compute row
             boxes.append(plot.Span("compute", s.start, s.end, f"L{s.label.split()[-1]}", LAUNCH))
-        elif s.kind == "backward":  # a backward segment minus the launch calls inside it; the widest piece
-            pieces = minus([(s.start, s.end)], cuts)  # carries its label
-            widest = max(pieces, key=lambda p: p[1] - p[0], default=None)
-            boxes += [plot.Span("compute", a, b, s.label.replace("block ", "blk ") if (a, b) == widest else "",
-                                s.kind) for a, b in pieces]
+        elif s.lane == "compute":  # a range minus the launch calls inside it; its name is written above the row
+            boxes += [plot.Span("compute", a, b, "", s.kind) for a, b in minus([(s.start, s.end)], cuts)]
         else:
-            boxes.append(plot.Span(s.lane, s.start, s.end, short.get(s.label, s.label), s.kind))
+            boxes.append(plot.Span(s.lane, s.start, s.end, s.label, s.kind))
+    # what is left of the training thread's row between its named ranges and launch calls: drawn grey
+    covered = sorted([(s.start, s.end) for s in named] + cuts)
+    gaps = minus([(covered[0][0], max(b for _, b in covered))], covered)
+    boxes += [plot.Span("compute", a, b, "", GAP) for a, b in gaps if b - a > 0.01]
     lanes = ["compute"] + sorted({s.lane for s in boxes} - {"compute"})
-    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces", LAUNCH])
+    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces", LAUNCH]) | {GAP: "0.85"}
     plot.timeline(ax, boxes, lanes, unit="ms since the profiled step's forward started (rank 0)", palette=palette,
-                  fontsize=7)
-    for k, s in enumerate(launches):  # where the gradient hook launched each bucket: a dotted line down
-        ax.plot([s.start, s.start], [len(lanes) - 1.4, -0.4], color="black", linestyle=":", linewidth=1)
-        ax.annotate(f"launch {s.label.split()[-1]}", (s.start, len(lanes) - 1.45 - 0.25 * (k % 3)), xytext=(2, 0),
-                    textcoords="offset points", fontsize=6, ha="left", va="top")  # staggered: close launches
-    ax.set_xlim(0, None)
-    ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace")
+                  fontsize=8)
+    top, bottom = len(lanes) - 1 + 0.4, -0.4  # the upper edge of the top row, the lower edge of the bottom row
+    x_max = max(s.end for s in spans)
+    char = x_max / 110  # about one character of 7-point text (with room to spare), in ms, on this axis
+    # the name of each range of the training thread above its row, with a bracket over the whole range
+    names = [(s, {"wait for all-reduces": "wait"}.get(s.label, s.label.replace("block ", "blk "))) for s in named]
+    for (s, text), level in zip(names, _levels([((s.start + s.end) / 2, (len(t) + 1) * char) for s, t in names])):
+        y = top + 0.12 + 0.3 * level
+        ax.plot([s.start, s.start, s.end, s.end], [top + 0.02, y, y, top + 0.02], color="black", linewidth=0.7,
+                clip_on=False)
+        ax.text((s.start + s.end) / 2, y + 0.03, text, ha="center", va="bottom", fontsize=7)
+    # where the gradient hook launched each bucket: a dotted line down, named below the bottom row
+    marks = [(s.start + (len(f"launch {k}") / 2 + 0.5) * char, (len(f"launch {k}") + 1) * char)
+             for k, s in enumerate(launches)]
+    for (k, s), level in zip(enumerate(launches), _levels(marks)):
+        y = bottom - 0.08 - 0.28 * level
+        ax.plot([s.start, s.start], [top - 1.0, y], color="black", linestyle=":", linewidth=1)
+        ax.text(s.start, y, f" launch {k}", ha="left", va="top", fontsize=7)
+    ax.set_ylim(bottom - 0.9, top + 1.0)
+    ax.set_xlim(0, x_max * 1.02)
+    ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace", pad=4)
     fig.tight_layout()
     return plot.save(fig, args, "ddp_overlap")
 
@@ -351,17 +416,25 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(report.table(timeline, ".0f"))
 
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main else None
-    bucket_names = profile_overlap(ctx, args, tokens, trace_path)
-    spans = []
+    clock: list[dict] = []
+    bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock)
+    spans, clocked = [], {}
     if ctx.is_main:
         spans = overlap_spans(trace_path)
-        o = overlap_summary(spans)
+        queued = [c["run_queue_ms"] for c in clock]
+        clocked = {"launch_wall_ms": sum(c["wall_ms"] for c in clock), "launch_cpu_ms": sum(c["cpu_ms"] for c in clock),
+                   "launch_run_queue_ms": None if None in queued else sum(queued)}
+        o = overlap_summary(spans) | clocked
         ctx.print(f"\nprofiled one more overlapped step on rank 0: trace {trace_path}")
         ctx.print(f"backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy {o['allreduce_ms']:.1f} ms "
                   f"in all, {o['hidden_share']:.0%} of it while the training thread computed the backward; the "
-                  f"hooks' launch calls blocked it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
+                  f"hooks' launch calls held it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
                   f"final wait {o['wait_ms']:.1f} ms; gloo started a launched bucket up to "
                   f"{o['max_start_delay_ms']:.2f} ms late")
+        ctx.print(f"the same launch calls timed from the training thread: {o['launch_wall_ms']:.1f} ms of wall "
+                  f"clock, of which the thread ran {o['launch_cpu_ms']:.2f} ms on a core"
+                  + ("" if o["launch_run_queue_ms"] is None else
+                     f" and was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms"))
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)
@@ -375,7 +448,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "overlap_timeline": timeline, "allreduce_sent_bytes_per_rank": volume["sent"],
             "max_diff_overlapped_vs_torch_all_ranks": same.item(),
             "overlap_trace": {"path": str(trace_path), "bucket_params": bucket_names,
-                              "spans": [vars(s) for s in spans]} | (overlap_summary(spans) if spans else {})}
+                              "spans": [vars(s) for s in spans]} | (overlap_summary(spans) if spans else {})
+                             | clocked}
 
 
 def main() -> int:
