@@ -46,9 +46,15 @@ def run_all(rank: int, world_size: int) -> dict:
             x = inputs(rank, numel)
             if name == "ring":
                 steps: list = []
-                hook = lambda phase, step, s, r, nbytes, chunks, steps=steps: steps.append((phase, step, s, r, nbytes))
+                held: list = []  # the chunk each step wrote, as the hook sees it right after the step
+
+                def hook(phase, step, s, r, nbytes, chunks, steps=steps, held=held):
+                    steps.append((phase, step, s, r, nbytes))
+                    held.append(chunks[r].tolist())
+
                 result = collectives.ring_all_reduce(x, on_step=hook)
                 out[("trace", numel)] = steps
+                out[("held", numel)] = held
             elif name == "tree":
                 result = collectives.tree_all_reduce(x)
             else:
@@ -66,6 +72,19 @@ def run_all(rank: int, world_size: int) -> dict:
         y = inputs(rank, 7)
         collectives.ring_all_reduce(y, group=group)
         out["evens"] = y.tolist()
+    # a message already queued on the default group must not be taken by a ring on a sub-group of the same ranks
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):
+        z = inputs(rank, 2)  # two ranks, two elements: one-element chunks, the size of the stray message
+        early = dist.isend(torch.full((1,), 999.0), dst=1) if rank == 0 else None  # default group, tag 0
+        collectives.ring_all_reduce(z, group=pair)
+        out["pair"] = z.tolist()
+        if rank == 1:
+            stray = torch.empty(1)
+            dist.recv(stray, src=0)
+            out["stray"] = stray.item()
+        else:
+            early.wait()
     dist.barrier()
     return out
 
@@ -145,6 +164,39 @@ def test_the_ring_sends_two_w_minus_one_chunks_and_matches_comm_volume() -> None
         if numel % world_size == 0:  # even pieces: every rank sends exactly the bandwidth-optimal volume
             sent = sum(t[4] for t in results[0][("trace", numel)])
             assert sent == collectives.comm_volume("all_reduce", 4 * numel, world_size)["sent"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_each_ring_step_leaves_the_partial_sums_the_schedule_promises(world_size: int) -> None:
+    """The chunk a step writes, as the on_step hook sees it, against numpy sums over the ranks that chunk has
+    passed: after reduce-scatter step s, rank r's chunk (r-s-1) holds the sum over ranks r-s-1 .. r (s + 2 of
+    them); after any all-gather step the chunk it received is complete. Computed from the inputs, not the trace."""
+    results = run_group(world_size)
+    W = world_size
+    for numel in LENGTHS:
+        pieces = [np.array_split(inputs(r, numel).numpy(), W) for r in range(W)]  # pieces[rank][chunk]
+        for rank in range(W):
+            held = results[rank][("held", numel)]
+            assert len(held) == 2 * (W - 1)
+            for s in range(W - 1):
+                chunk = (rank - s - 1) % W
+                ranks = [(rank - j) % W for j in range(s + 2)]
+                assert held[s] == sum(pieces[q][chunk] for q in ranks).tolist(), (numel, rank, "rs", s)
+            for s in range(W - 1):
+                chunk = (rank - s) % W
+                assert held[W - 1 + s] == sum(pieces[q][chunk] for q in range(W)).tolist(), (numel, rank, "ag", s)
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_on_a_sub_group_does_not_take_the_default_groups_messages() -> None:
+    """Rank 0 has a message in flight to rank 1 on the default group when both start a ring on a two-rank
+    sub-group: the ring must exchange over its own group (sum exact) and leave the stray message to rank 1's
+    later plain recv (999). A ring that talked over the default group would swap the two."""
+    results = run_group(3)
+    want = (inputs(0, 2).numpy() + inputs(1, 2).numpy()).tolist()
+    assert results[0]["pair"] == want and results[1]["pair"] == want
+    assert results[1]["stray"] == 999.0
 
 
 def test_tree_shape_against_a_heap_built_by_hand() -> None:
