@@ -1,7 +1,7 @@
 # One command surface for the book. Every target sets up .venv (pinned) on first use.
 #   make book     build the executed book (runs every script, captures outputs and figures; about 9 minutes) -> book/site/,
 #                 then open it in headless Chromium where installed
-#   make serve    serve the built book on http://127.0.0.1:8000
+#   make serve    serve the book that make book built on http://127.0.0.1:8000 (builds nothing)
 #   make test     the test suite (about 8 minutes of pytest on 2 cores)
 #   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
 #                 the long learning and timing checks (about 30 minutes; CI runs it after make test)
@@ -39,7 +39,10 @@ book: $(STAMP)
 	# open what was built in headless Chromium (skipped without it: make browser; CI requires it)
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m browser tests/test_book.py
 
-serve: book
+# Serves what make book last built; it builds nothing (run make book first, and again after changes).
+serve:
+	@test -f book/site/index.html || { echo "no built book in book/site/: run make book first" >&2; exit 2; }
+	@test -x $(PYTHON) || { echo "no .venv: run make setup (or make book) first" >&2; exit 2; }
 	@echo "Serving book/site on http://127.0.0.1:8000 (Ctrl-C to stop)"
 	$(PYTHON) -m http.server --bind 127.0.0.1 --directory book/site 8000
 

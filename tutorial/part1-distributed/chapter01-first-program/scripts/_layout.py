@@ -24,6 +24,25 @@ def parent_of(pid: int) -> int | None:
         return None
 
 
+def launcher_command(pid: int, default: str) -> str:
+    """The torchrun command that started `pid` as it was typed, up to the script (`torchrun --standalone
+    --nproc-per-node 2`), read from /proc/<pid>/cmdline; `default` where that does not show a torchrun."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return default
+    for i, arg in enumerate(argv):
+        if os.path.basename(arg) == "torchrun" or arg == "torch.distributed.run":
+            flags = []
+            for rest in argv[i + 1:]:
+                if rest.endswith(".py"):
+                    break
+                flags.append(rest)
+            return " ".join(["torchrun", *flags])
+    return default
+
+
 def _socket_inodes(pid: int) -> set[int]:
     found = set()
     try:

@@ -98,7 +98,8 @@ def for_the_book(rank: int, world_size: int, x: torch.Tensor, err: float, args: 
         with open(args.layout_file, "w") as f:
             json.dump(ranks, f)
     else:  # torchrun: our parent is torchrun's agent
-        title = f"torchrun --nproc-per-node {world_size}: the process tree"
+        command = _layout.launcher_command(os.getppid(), f"torchrun --nproc-per-node {world_size}")
+        title = f"{command}: the process tree"
         path, layout["drawn"] = _layout.draw(ranks, os.getppid(), {os.getppid(): "torchrun (its elastic agent)"},
                                              args, "layout", title)
         print(f"figure: {path}", flush=True)

@@ -10,8 +10,10 @@ What it shows
 How to run (any world size >= 1)
     python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 4
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py
-    ... --crash-rank 1     # rank 1 raises: watch the launcher stop the whole job and exit non-zero
-    ... --verbose          # trace every collective call on every rank
+    python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 4 --crash-rank 1
+        # rank 1 raises: watch the launcher stop the whole job and exit non-zero
+    python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 4 --verbose
+        # trace every collective call on every rank (on stderr)
 
 Runtime on 2 cores: about 5 s (mostly starting the processes and importing torch), 4 s with --smoke.
 

@@ -1,6 +1,9 @@
 """JSON-constrained decoding: a schema's automaton masks the real model's logits, for every token budget.
 
-What it shows
+What it shows (numbered as the output is)
+    0. A toy schema (an enum of three names) compiled to its DFA and drawn whole, every state with dist[s] (the
+       fewest characters that still close a document), with the path of the real model's masked output
+       (automaton.png).
     1. The record schema (mlsys.json_constrained.RECORD_SCHEMA) compiled to an NFA, then a DFA; the shortest
        valid document, i.e. the smallest budget that can close; and a walk through a few prefixes printing the
        allowed next characters and the minimum number of tokens still needed to close from there.
@@ -12,11 +15,8 @@ What it shows
     3. The cost of the mask per token: one row lookup in the precomputed token tables against trying every
        token on the NFA (what an interpreting parser does), next to the model's own forward time. Both give the
        same mask (checked on every state the decodes visit).
-    0. A toy schema (an enum of three names) compiled to its DFA and drawn whole, every state with dist[s] (the
-       fewest characters that still close a document), with the path of the real model's masked output
-       (automaton.png).
-    4. Figures: valid share against the budget, with and without the mask (validity_vs_budget.png); the mask
-       itself along two real masked outputs, at the tightest budget and at the largest (mask.png).
+    Figures: valid share against the budget, with and without the mask (validity_vs_budget.png); the mask
+    itself along two real masked outputs, at the tightest budget and at the largest (mask.png).
 
 How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/constrained_decoding.py

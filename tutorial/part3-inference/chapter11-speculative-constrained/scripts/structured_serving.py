@@ -5,10 +5,10 @@ What it shows
     response_format share each step, so the engine (mlsys/engine/sampler.py, apply_structured_masks) looks up
     one mask row per structured request, in that request's own automaton state, and masks only those rows.
     1. A mixed batch of --batch-size sequences: --batch-size/4 requests with a JSON schema (response_format
-       json_schema in the API) and n=2 answers each fill half of them, --batch-size/2 free requests (one answer
-       each) the other half; at the default 16: 4 structured requests x 2 answers + 8 free = 12 requests, 16
-       sequences. Every structured answer validates (jsonschema), and every free request produces exactly the
-       tokens it produces alone (self-checks).
+       json_schema in the API) and the API's n (answers per request) = 2 fill half of them, --batch-size/2 free
+       requests (one answer each) the other half; at the default 16: 4 structured requests x 2 answers + 8 free
+       = 12 requests, 16 sequences. Every structured answer validates (jsonschema), and every free request
+       produces exactly the tokens it produces alone (self-checks).
     2. The cost of the masks in a decode step: the same batch decoded twice, every request structured and none,
        for the same number of steps (each free request generates as many tokens as its structured twin).
        Timed side by side, alternating, --repeats times after a warm-up, with the garbage collector held
@@ -18,7 +18,8 @@ What it shows
 
 How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/structured_serving.py
-    python .../structured_serving.py --batch-size 32 --repeats 5
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/structured_serving.py \\
+        --batch-size 32 --repeats 5
 
 Runtime on 2 cores: about 4 s, 4 s with --smoke.
 
