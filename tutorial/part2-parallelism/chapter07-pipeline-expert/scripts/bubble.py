@@ -167,6 +167,12 @@ def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
     results.update(replayed_met=met, wall_met=wall, runs_total=len(results["runs"]))
     print(f"\nwithin {GOAL:.0%} of the formula: replayed {met} of {len(results['runs'])}, "
           f"wall clock {wall} of {len(results['runs'])}")
+    print("\nmedian ms per stage (stage 0, 1, ...), the times the replay gives each forward F and backward B; the\n"
+          "replay equals the formula only when every stage has the same times:")
+    for run in results["runs"]:
+        med = run["median_ms"]
+        print(f"  {run['schedule']:5s} m={run['m']}: F " + " ".join(f"{t:.1f}" for t in med["F"])
+              + "   B " + " ".join(f"{t:.1f}" for t in med["B"]))
     print("\npeak micro-batches in flight (saved activations, KiB) per stage:")
     for run in results["runs"]:
         if run["m"] == max(args.micro_batches):

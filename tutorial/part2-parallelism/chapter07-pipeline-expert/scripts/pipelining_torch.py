@@ -165,9 +165,8 @@ def print_report(args: Settings, results: dict) -> None:
     print(report.table(rows))
     for name, why in results["problems"].items():
         print(f"\n{name} did not run here: {why}")
-    skipped = ", ".join(results["problems"]) or "none"
-    print(f"\n{', '.join(results['losses'])}: the same loss and gradients as one process: OK "
-          f"(did not run: {skipped})")
+    skipped = f" ({', '.join(results['problems'])} did not run)" if results["problems"] else ""
+    print(f"\n{', '.join(results['losses'])}: the same loss and gradients as one process: OK{skipped}")
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py
     python .../cuda_graphs.py --sizes 1 2 4 8 16 32 64 --iters 200     # on a GPU
 
-Runtime: about 8 s on 2 CPU cores (3 s with --smoke); about 20 s on an H100.
+Runtime: about 8 s on 2 CPU cores (3 s with --smoke); on a GPU it also captures and times a graph per size.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --sizes 1 3 8

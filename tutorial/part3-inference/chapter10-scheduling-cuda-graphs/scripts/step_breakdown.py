@@ -182,7 +182,8 @@ def main() -> int:
     print(f"   ops called from Python, most frequent: {frequent}")
     p0, p1 = profiles[0], profiles[-1]
     print(f"   B={p0['batch_size']}: {p0['python_ops']} ops called from Python per step; B={p1['batch_size']}: "
-          f"{p1['python_ops']}. The op count is set by the model's depth, not by the batch.")
+          f"{p1['python_ops']}. The count of ops called from Python is set by the model's depth, not by "
+          "the batch.")
     if args.json:
         report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
                                       "step_growth": step_growth, "token_cost_ratio": token_cost_ratio,
