@@ -10,7 +10,15 @@ mutants killed in every module.
 
     python scripts/mutate.py              # run mutmut (resumes where it stopped), then print the table
     python scripts/mutate.py --report     # only print the table from the last run
-    python scripts/mutate.py --module mlsys/rl.py --survivors   # list one module's surviving mutants
+    python scripts/mutate.py --survivors mlsys/rl.py   # list one module's surviving mutants
+    python scripts/mutate.py --recheck-timeouts       # re-run every timed-out mutant's tests in a fresh process
+
+Timeouts. mutmut runs each mutant in a child forked from its own process; a test that starts threads or process
+pools can then hang for reasons of the fork, not of the mutant (seen: SchemaCache tests under SchemaFSM.nbytes
+mutants, each hanging until the limit while the same tests pass in 2 s in a fresh process). mutmut counts a timeout
+as a kill, which would flatter the rate, so the table counts timeouts apart, and `--recheck-timeouts` runs each
+timed-out mutant's tests again in a fresh pytest process (scripts/mutant_check.py's way, 120 s per test): a
+failure is a kill, a pass a survivor. The verdicts go to mutants/rechecked.json and the table uses them.
 
 Exit status: 0 if every module meets the goal, 1 if one does not, 2 on bad usage.
 """
@@ -29,7 +37,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 0.90
-KILLED = {1, 3, 36, 24, -24, 152, 255, 37, -11, -9}  # mutmut's killed, timeout, type-check and crash codes
+KILLED = {1, 3, 37, -11, -9}  # mutmut's killed, type-check and crash codes
+TIMEOUT = {36, 24, -24, 152, 255}  # a kill only once a fresh process confirms it (--recheck-timeouts)
 SURVIVED = {0}
 NO_TESTS = {5, 33}
 
@@ -48,10 +57,46 @@ def equivalents() -> dict[str, str]:
 
 
 def statuses(module: str) -> dict[str, int | None]:
+    """mutmut's exit code per mutant, with timeouts replaced by their fresh-process re-check where there is one."""
     meta = ROOT / "mutants" / (module + ".meta")
     if not meta.exists():
         return {}
-    return json.loads(meta.read_text())["exit_code_by_key"]
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    rechecked = rechecks()
+    return {k: (rechecked[k] if c in TIMEOUT and k in rechecked else c) for k, c in codes.items()}
+
+
+RECHECKED = ROOT / "mutants" / "rechecked.json"
+
+
+def rechecks() -> dict[str, int]:
+    return json.loads(RECHECKED.read_text()) if RECHECKED.exists() else {}
+
+
+def recheck_timeouts() -> None:
+    """Each timed-out mutant's tests (mutmut's own mapping) in a fresh pytest process: 1 killed, 0 survived."""
+    stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    done = rechecks()
+    for module in modules():
+        meta = ROOT / "mutants" / (module + ".meta")
+        if not meta.exists():
+            continue
+        for key, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if code not in TIMEOUT or key in done:
+                continue
+            tests = sorted(stats.get(key.rsplit("__mutmut_", 1)[0], []))
+            env = dict(os.environ, PYTHONPATH=str(ROOT / "mutants"), MUTANT_UNDER_TEST=key,
+                       MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "--timeout", "120",
+                   "--rootdir", str(ROOT), *[str(ROOT / t) for t in tests]]
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT / "mutants", env=env, capture_output=True,
+                                    timeout=120 + 30 * len(tests)).returncode
+            except subprocess.TimeoutExpired:
+                rc = 1  # hung in a fresh process too: the mutant's own doing
+            done[key] = 1 if rc != 0 else 0
+            print(f"{key}: {'killed' if rc else 'survived'} in a fresh process", flush=True)
+            RECHECKED.write_text(json.dumps(done, indent=1))
 
 
 def report(show_survivors: str | None) -> int:
@@ -68,18 +113,22 @@ def report(show_survivors: str | None) -> int:
                 count["equivalent"] += 1
             elif code in KILLED:
                 count["killed"] += 1
+            elif code in TIMEOUT:
+                count["timeout"] += 1
             elif code in SURVIVED:
                 count["survived"] += 1
             elif code in NO_TESTS:
                 count["no tests"] += 1
             else:
                 count["not run"] += 1
-        judged = count["killed"] + count["survived"] + count["no tests"]
+        judged = count["killed"] + count["survived"] + count["no tests"] + count["timeout"]
         rate = count["killed"] / judged if judged else float("nan")
         worst = min(worst, rate) if judged else 0.0
         note = "" if codes else "  (not run)"
         if count["not run"]:
             note += f"  ({count['not run']} not run)"
+        if count["timeout"]:
+            note += f"  ({count['timeout']} timeouts not re-checked: counted as survivors)"
         print(f"{module:34} {len(codes):7d} {count['killed']:6d} {count['survived']:8d} {count['no tests']:7d} "
               f"{count['equivalent']:5d} {rate:9.1%}{note}")
         if show_survivors in (module, "all"):
@@ -99,15 +148,20 @@ def main() -> int:
     parser.add_argument("--survivors", nargs="?", const="all", default=None, metavar="MODULE",
                         help="list the surviving mutants (of MODULE, e.g. mlsys/rl.py, or of all modules)")
     parser.add_argument("--max-children", type=int, default=None, help="mutmut's parallel workers (default: CPUs)")
+    parser.add_argument("--recheck-timeouts", action="store_true",
+                        help="only re-run the timed-out mutants' tests in fresh processes, then print the table")
     args = parser.parse_args()
     if args.survivors not in (None, "all") and args.survivors not in modules():
         parser.error(f"--survivors takes one of {modules()} or nothing")
-    if not args.report:
+    if args.recheck_timeouts:
+        recheck_timeouts()
+    elif not args.report:
         env = dict(os.environ, MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
         cmd = [sys.executable, "-m", "mutmut", "run"]
         if args.max_children:
             cmd += ["--max-children", str(args.max_children)]
         subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+        recheck_timeouts()
     return report(args.survivors)
 
 
