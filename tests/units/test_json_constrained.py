@@ -390,3 +390,20 @@ def test_estimated_size_of_malformed_and_unbounded_nodes_is_small() -> None:
                    {"minimum": 3},
                    {"type": "string", "pattern": "a"}, {"type": "integer", "minimum": 9, "maximum": 3}):
         assert jc.estimated_size(schema) <= 256, schema
+
+
+# ------------------------------------------------------------------------------------------ the scanning mask
+def test_the_scanning_mask_applies_like_the_table_mask() -> None:
+    """mask_by_scanning (the table-free reference the chapter compares against) must be usable exactly where the
+    decoder uses the table mask: as a boolean mask over the vocabulary, `logits.masked_fill(~allowed, -inf)`.
+    Checked on the first state of the record schema, against the tokens a hand-written rule allows there: only
+    '{' opens a JSON object."""
+    import torch
+
+    fsm = jc.SchemaFSM(jc.RECORD_SCHEMA)
+    allowed = fsm.mask_by_scanning(fsm.nfa_start, remaining=10_000)
+    table = fsm.mask(fsm.start, 10_000)
+    logits = torch.zeros(fsm.tok.vocab_size)
+    masked = logits.masked_fill(~allowed, float("-inf"))  # raises unless the mask is boolean
+    assert torch.equal(masked, logits.masked_fill(~table, float("-inf")))
+    assert [fsm.tok.itos[v] for v in torch.nonzero(allowed).flatten().tolist()] == ["{"]
