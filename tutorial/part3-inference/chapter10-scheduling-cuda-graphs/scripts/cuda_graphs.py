@@ -43,6 +43,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Before `import torch` loads OpenMP, which reads this once: with --threads > 1 OpenMP's idle threads spin
+# between ops by default, and on 2 shared cores the spinning takes the core that the thread with work needs
+# (the forward then runs many times slower). A user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.nn.functional as F
 

@@ -37,10 +37,19 @@ Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --threads 2
         -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores: compare the
            speed-ups with a default run made just before, and read the load average first, since on a busy
-           machine the load, not the thread count, decides both
+           machine the load, not the thread count, decides both. The main thread and the worker thread each
+           have their own OpenMP pool, and two pools spinning while idle would fill the 2 cores, so the script
+           sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle OpenMP threads sleep instead
 """
 
 from __future__ import annotations
+
+import os
+
+# Before `import torch` loads OpenMP, which reads this once: with --threads > 1 each thread that runs torch ops
+# (the main thread, and here the forward's worker thread) has its own OpenMP pool, and idle pool threads that
+# spin instead of sleeping keep 2 cores busy and starve the thread with work. A user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import statistics
 import time

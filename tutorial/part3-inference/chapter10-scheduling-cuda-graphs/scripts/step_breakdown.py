@@ -27,10 +27,18 @@ Try next
         -> two torch threads: section 2's op counts stay the same; compare the `forward ms` column, B by B, with
            a default (one-thread) run made just before on the same machine (the summary line's "B 1 -> 64" ratio
            compares batch sizes within one run, not thread counts). With other work on the 2 cores, the second
-           thread waits for a core and the load decides the result
+           thread waits for a core and the load decides the result. The script sets OMP_WAIT_POLICY=PASSIVE
+           (unless you set it) so that OpenMP's idle threads sleep instead of spinning on the 2 cores
 """
 
 from __future__ import annotations
+
+import os
+
+# Before `import torch` loads OpenMP, which reads this once: with --threads > 1 OpenMP's idle threads spin
+# between ops by default, and on 2 shared cores the spinning takes the core that the thread with work needs
+# (the forward then runs many times slower). A user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dataclasses import dataclass, field
 

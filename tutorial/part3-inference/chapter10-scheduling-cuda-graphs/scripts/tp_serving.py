@@ -201,7 +201,8 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
         if r.label.startswith("layer "):
             layers.setdefault(int(r.label.split()[1]), r.start)
     edges = [step.start, *layers.values(), max(r.end for r in regions if r.label.startswith("layer ")), step.end]
-    names = ["prepare, send batch", *(f"layer {i}" for i in layers), "head, sample"]
+    # short layer names, so that a narrow layer's box still has room for its label
+    names = ["prepare, send batch", *(f"L{i}" for i in layers), "head, sample"]
     parts = [plot.Span("step", a, b, n, "engine" if i in (0, len(names) - 1) else f"layer {i % 2}")
              for i, (a, b, n) in enumerate(zip(edges, edges[1:], names))]
     spans = [plot.Span(s.lane, s.start - step.start, s.end - step.start, s.label, s.kind)

@@ -12,8 +12,10 @@ What it shows
                                            plus the fp32 logits over the vocabulary for the actor
       forward working set (scoring)        the fp32 logits of one micro-batch plus one layer's activations
     Then it sizes two placements on --gpu:
-      co-located    every GPU holds a ZeRO-3 shard of all four models and runs every phase in turn, with a full
-                    bf16 actor copy for the inference engine during generation (the "hybrid engine" of verl)
+      co-located    every GPU holds a ZeRO-3 shard of all four models and runs every phase in turn, with the
+                    inference engine's bf16 actor during generation (the "hybrid engine" of verl): a whole copy on
+                    each GPU, or split over engine_tp GPUs (tensor-parallel) when a whole one does not fit beside
+                    the rest; the output's "engine TP" is the smallest that fits
       disaggregated trainer GPUs hold actor, critic, reward and reference (ZeRO-3 over them); rollout GPUs hold
                     only the bf16 actor (tensor-parallel when it does not fit on one GPU) and the KV cache
     and recommends the one that needs fewer GPUs. Figures: roles.png (each model's own memory, unsharded) and

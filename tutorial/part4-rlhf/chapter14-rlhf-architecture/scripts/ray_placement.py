@@ -247,6 +247,8 @@ def draw_pools(results: dict, args: Settings) -> None:
 
 def draw_timeline(results: dict, args: Settings) -> None:
     plt = plot.pyplot()
+    from matplotlib.patches import Patch
+
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.2 + 1.0 * len(results) * args.world_size / 2),
                              sharex=True, squeeze=False)
     palette = figures.PHASE_COLOURS  # the same colours as placement.py's timeline
@@ -254,7 +256,13 @@ def draw_timeline(results: dict, args: Settings) -> None:
         lanes = [f"{a['role']}-{a['rank']}" for a in res["actors"]]
         spans = [plot.Span(lane, s, e, kind=figures.PHASE_LABELS.get(ph, ph))
                  for lane, events in zip(lanes, res["timelines"]) for ph, s, e in events]
-        plot.timeline(ax, spans, lanes, palette=palette)
+        plot.timeline(ax, spans, lanes, palette=palette, legend=False)
+        # white: the actor recorded nothing, i.e. it sat between two calls (waiting for the driver's next call, or
+        # for that call's arguments, such as the rollout actors' shards, to be ready)
+        used = [k for k in palette if any(s.kind == k for s in spans)]
+        ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k) for k in used]
+                  + [Patch(facecolor="white", edgecolor="black", label="between calls")],
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
         ax.set_title(name, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("seconds since the driver started the loop")
     fig.tight_layout()
