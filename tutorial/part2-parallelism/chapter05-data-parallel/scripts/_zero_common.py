@@ -171,14 +171,17 @@ def draw_memory(args, rows: list[dict], world_size: int, num_params: int) -> Non
 
 # ----------------------------------------------------------------------------------------------- the ZeRO grid
 KINDS = ("params", "grads", "optimizer")
-KIND_TITLES = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state (m, v, master)"}
+KIND_TITLES = {"params": "parameters", "grads": "gradients", "optimizer": "Adam state (m, v)"}
+OPTIMIZER_TITLE = {"fp32": "Adam state (m, v)",  # fp32: the master weights ARE the parameters
+                   "mixed": "Adam state (m, v, fp32 master)"}
 
 
 def _unit_sizes(layout: dict) -> set[tuple[int, int]]:
     return {tuple(u) for u in layout["units"]}
 
 
-def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | None = None) -> list[dict]:
+def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | None = None,
+                   precision: str = "fp32") -> list[dict]:
     """One row per rank, three blocks side by side (parameters, gradients, Adam state), each block the flat
     parameter vector (every unit's padded buffer, end to end). A held range is drawn grey when it is a full copy
     of its unit and in the rank's colour when it is the rank's own shard; with `highlight`, ranges that changed
@@ -210,7 +213,8 @@ def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | 
     ax.set_xlim(-gap / 2, 3 * total + 2.5 * gap)
     ax.set_ylim(-0.6, W - 0.4)
     ax.set_yticks(range(W), [f"rank {r}" for r in reversed(range(W))])
-    ax.set_xticks([k * (total + gap) + total / 2 for k in range(3)], [KIND_TITLES[k] for k in KINDS], fontsize=8)
+    titles = KIND_TITLES | {"optimizer": OPTIMIZER_TITLE.get(precision, KIND_TITLES["optimizer"])}
+    ax.set_xticks([k * (total + gap) + total / 2 for k in range(3)], [titles[k] for k in KINDS], fontsize=8)
     ax.grid(False)
     return drawn
 
@@ -226,10 +230,11 @@ def draw_grid(args, runs: dict, precision: str = "fp32") -> tuple[object, list[d
         f"stage{stages[0]}_{precision}"]["layout"])), squeeze=False)
     boxes = []
     for ax, stage in zip(axes[:, 0], stages):
-        drawn = draw_rank_rows(ax, runs[f"stage{stage}_{precision}"]["layout"])
+        drawn = draw_rank_rows(ax, runs[f"stage{stage}_{precision}"]["layout"], precision=precision)
         boxes += [b | {"stage": stage} for b in drawn]
         ax.set_title(f"stage {stage}", fontsize=9, loc="left")
-    fig.suptitle("What each rank holds between steps (grey: a full copy; colour: the rank's own shard)", fontsize=10)
+    fig.suptitle(f"What each rank holds between steps, {precision} run (grey: a full copy; colour: the rank's own "
+                 "shard)", fontsize=10)
     fig.tight_layout()
     return plot.save(fig, args, "zero_grid"), boxes
 
@@ -243,7 +248,7 @@ STEP_CAPTIONS = {
 }
 
 
-def draw_step(args, phases: list[list]) -> tuple:
+def draw_step(args, phases: list[list], precision: str = "fp32") -> tuple:
     """zero_step.gif (+ zero_step_strip.png): stage 2's first step, one frame per recorded moment; hatched: what
     changed since the previous frame. `phases` is per rank a list of (moment, layout)."""
     from mlsys import plot
@@ -255,7 +260,8 @@ def draw_step(args, phases: list[list]) -> tuple:
 
     def draw(i: int) -> None:
         ax.clear()
-        draw_rank_rows(ax, [phases[r][i][1] for r in range(W)], highlight="changed" if i else None)
+        draw_rank_rows(ax, [phases[r][i][1] for r in range(W)], highlight="changed" if i else None,
+                       precision=precision)
         ax.set_title(f"{i + 1}/{len(names)}  {STEP_CAPTIONS.get(names[i], names[i])}", fontsize=9, loc="left")
 
     return plot.animate(fig, draw, len(names), args, "zero_step", fps=0.7, strip_columns=2)

@@ -170,6 +170,13 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     local_ms = [1e3 * t for t in times[("local", 0.0)]]
     ctx.print(f"local's own {len(local_ms)} rounds ranged from {min(local_ms):.1f} to {max(local_ms):.1f} ms: "
               "the spread that noise alone gives a row here")
+    # the rows this run separates from local: a median above local's slowest round is a cost noise alone did not give
+    above = [(k, mb) for (k, mb), t in med.items() if k != "local" and 1e3 * t > max(local_ms)]
+    above_rows = ", ".join(f"{k} ({1e3 * med[(k, mb)]:.0f} ms)" if k == "naive"
+                           else f"{k} at {mb:g} MiB ({1e3 * med[(k, mb)]:.0f} ms)" for k, mb in above) or "none"
+    above_text = (f"medians above local's slowest round, outside the noise: {above_rows}" if above else
+                  "no median lies above local's slowest round: this run separates no version from local")
+    ctx.print(above_text)
     if ctx.is_main:
         draw(args, med)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -178,7 +185,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "best_bucket_mb": best, "overlapped_over_torch": ratio, "overlapped_over_torch_per_size": per_size,
             "goal": GOAL, "goal_met": ratio is not None and ratio <= GOAL, "allreduce_sent_bytes_per_rank": volume,
             "below_floor": [f"{k}@{mb:g}" for k, mb in below_floor], "load_average": load_average(),
-            "headline_text": headline,
+            "headline_text": headline, "above_noise": [f"{k}@{mb:g}" for k, mb in above],
+            "above_noise_text": above_text, "above_noise_rows": above_rows,
             "below_floor_text": (f"{below_text} came out below local" if below_floor
                                  else "no version came out below local"),
             "num_buckets": {f"{mb:g}": len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},

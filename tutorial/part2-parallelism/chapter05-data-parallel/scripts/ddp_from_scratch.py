@@ -321,7 +321,7 @@ def draw_overlap(args: Settings, spans: list[plot.Span]):
     boxes = []
     for s in spans:
         if s.lane == "launch":  # the hook's launch call, on the training thread: drawn on the compute row
-            boxes.append(plot.Span("compute", s.start, s.end, f"L{s.label.split()[-1]}", LAUNCH))
+            boxes.append(plot.Span("compute", s.start, s.end, "", LAUNCH))  # named by its dotted "launch k" line
         elif s.lane == "compute":  # a range minus the launch calls inside it; its name is written above the row
             boxes += [plot.Span("compute", a, b, "", s.kind) for a, b in minus([(s.start, s.end)], cuts)]
         else:
@@ -329,9 +329,12 @@ def draw_overlap(args: Settings, spans: list[plot.Span]):
     # what is left of the training thread's row between its named ranges and launch calls: drawn grey
     covered = sorted([(s.start, s.end) for s in named] + cuts)
     gaps = minus([(covered[0][0], max(b for _, b in covered))], covered)
-    boxes += [plot.Span("compute", a, b, "", GAP) for a, b in gaps if b - a > 0.01]
+    # a gap too narrow to see (autograd's step between two blocks, on a core) is drawn without a legend entry
+    visible = (max(b for _, b in covered) - covered[0][0]) / 200
+    boxes += [plot.Span("compute", a, b, "", GAP if b - a > visible else "") for a, b in gaps if b - a > 0.01]
     lanes = ["compute"] + sorted({s.lane for s in boxes} - {"compute"})
-    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces", LAUNCH]) | {GAP: "0.85"}
+    palette = plot.colours(["forward", "backward", ALL_REDUCE, "wait for all-reduces", LAUNCH]) | {GAP: "0.85",
+                                                                                                  "": "0.85"}
     plot.timeline(ax, boxes, lanes, unit="ms since the profiled step's forward started (rank 0)", palette=palette,
                   fontsize=8)
     top, bottom = len(lanes) - 1 + 0.4, -0.4  # the upper edge of the top row, the lower edge of the bottom row
@@ -412,7 +415,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     b0, b1 = over["backward"]
     timeline = [{"bucket": i, "launched at (% of backward)": 100 * (t - b0) / (b1 - b0)}
                 for i, t in enumerate(over["launches"])]
-    ctx.print(f"\noverlapped DDP, last step: backward took {1e3 * (b1 - b0):.1f} ms on rank 0; bucket launches:")
+    ctx.print(f"\noverlapped DDP, last training step (not the profiled one below): backward took "
+              f"{1e3 * (b1 - b0):.1f} ms on rank 0; bucket launches:")
     ctx.print(report.table(timeline, ".0f"))
 
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main else None
@@ -424,6 +428,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         queued = [c["run_queue_ms"] for c in clock]
         clocked = {"launch_wall_ms": sum(c["wall_ms"] for c in clock), "launch_cpu_ms": sum(c["cpu_ms"] for c in clock),
                    "launch_run_queue_ms": None if None in queued else sum(queued)}
+        clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(
+            0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
         o = overlap_summary(spans) | clocked
         ctx.print(f"\nprofiled one more overlapped step on rank 0: trace {trace_path}")
         ctx.print(f"backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy {o['allreduce_ms']:.1f} ms "
@@ -431,10 +437,13 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                   f"hooks' launch calls held it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
                   f"final wait {o['wait_ms']:.1f} ms; gloo started a launched bucket up to "
                   f"{o['max_start_delay_ms']:.2f} ms late")
-        ctx.print(f"the same launch calls timed from the training thread: {o['launch_wall_ms']:.1f} ms of wall "
-                  f"clock, of which the thread ran {o['launch_cpu_ms']:.2f} ms on a core"
+        ctx.print(f"the same launch calls timed from the training thread around the whole Python call (a longer "
+                  f"stretch than the trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the "
+                  f"clock's own readings): {o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
+                  f"{o['launch_cpu_ms']:.2f} ms on a core"
                   + ("" if o["launch_run_queue_ms"] is None else
-                     f" and was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms"))
+                     f", was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms and was asleep "
+                     f"(neither) {o['launch_asleep_ms']:.1f} ms"))
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)

@@ -7,7 +7,8 @@ What it shows
        clipping), the gradients averaged by --ddp: torch's DistributedDataParallel, or one of the chapter's
        hand-written versions (mlsys.ddp). The global batch is W x --batch-size sequences.
     3. A loss table: each rank's own training loss (different data, so different numbers), their mean, and the
-       validation loss of the shared model. Figure dp_training.png: the same curves.
+       validation loss of the shared model. Figure dp_training.png: the same curves,
+       and each rank's loss minus the mean.
     Self-checks (exit 1 on failure): after training every rank holds bit-identical parameters, and the
     validation loss fell to at most --max-final-ratio of its starting value.
 
@@ -170,14 +171,23 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
 def draw(args: Settings, out: dict, world_size: int) -> None:
     plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4))
+    steps = out["step"]
     for r in range(world_size):
-        ax.plot(out["step"], [row[r] for row in out["rank_loss"]], lw=0.8, alpha=0.6, label=f"rank {r} (own shard)")
-    ax.plot(out["step"], out["mean_loss"], color="black", lw=1.2, label="mean over ranks")
-    steps, vals = zip(*out["val"])
-    ax.plot(steps, vals, "o-", color="crimson", label="validation")
+        own = [row[r] for row in out["rank_loss"]]
+        ax.plot(steps, own, lw=1.0, alpha=0.8, label=f"rank {r} (own shard)", zorder=2)
+        gap.plot(steps, [v - m for v, m in zip(own, out["mean_loss"])], lw=1.0, alpha=0.8, label=f"rank {r}")
+    # the mean dashed and thin, behind the ranks' lines, so that it hides none of them
+    ax.plot(steps, out["mean_loss"], color="black", lw=0.8, ls="--", label="mean over ranks", zorder=1)
+    val_steps, vals = zip(*out["val"])
+    ax.plot(val_steps, vals, "o-", color="crimson", label="validation (the shared model)", zorder=3)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"Data-parallel training on {world_size} ranks")
     ax.legend(fontsize="small")
+    gap.axhline(0, color="black", lw=0.8, ls="--")
+    gap.set(xlabel="step", ylabel="rank's loss - mean over ranks (nats/token)",
+            title="How far each rank's own-shard loss is from the mean")
+    gap.legend(fontsize="small")
+    fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'dp_training')}")
 
 

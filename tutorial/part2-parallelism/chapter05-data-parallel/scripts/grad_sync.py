@@ -184,14 +184,14 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
 def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_u, per_token_u, ref_u) -> None:
     plt = plot.pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 4), gridspec_kw={"wspace": 0.3})
     idx = range(per_rank.shape[1])
     for r, row in enumerate(per_rank):
         left.plot(idx, row, "o", ms=4, alpha=0.7, label=f"rank {r} before sync")
     left.plot(idx, after, "-", color="black", lw=2, label="every rank after sync")
     left.plot(idx, reference[args.param].flatten()[:len(after)], "--", color="crimson", label="full batch, 1 process")
     left.set(xlabel=f"entry of {args.param}", ylabel="gradient", title="Before and after the all-reduce")
-    left.legend(fontsize="small")
+    left.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: covers no dot
     names = list(reference)
     for label, got, want, marker in (("equal batches: average", avg_all, reference, "o"),
                                      ("unequal: plain average", plain_u, ref_u, "x"),
@@ -201,7 +201,7 @@ def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_
         right.plot(range(len(names)), errs, marker, label=label)
     right.set(yscale="log", xlabel="parameter tensor (model order)", ylabel="max |synced - full batch|",
               title="Distance from the one-process gradient")
-    right.legend(fontsize="small")
+    right.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     print(f"figure: {plot.save(fig, args, 'grad_sync')}")
 
 

@@ -378,9 +378,10 @@ def main() -> int:
              "ep_GB_sent", "t_bubble", "t_imbalance", "t_total")
     table = [{("micro-batches" if k == "micro" else k): r[k] for k in shown} | {"fits": "yes" if r["fits"] else "no"}
              for r in rows[:args.top]]
-    broken, too_big = rejected.get("breaks a divisibility rule", 0), rejected.get("does not fit in memory", 0)
+    broken = rejected.get("breaks a divisibility rule", 0)
+    fit = sum(bool(r["fits"]) for r in rows)  # counted from the rows: a --layout run has no rejection counts
     print((f"{len(rows) + broken} layouts tried, {broken} break a divisibility rule; " if broken else "")
-          + f"{len(rows)} costed, {len(rows) - too_big} fit in memory"
+          + f"{len(rows)} costed, {fit} fit{'s' if fit == 1 else ''} in memory"
           + (f"; the best {len(table)} shown:" if len(table) < len(rows) else ":"))
     print(report.table(table, floatfmt=".2f"))
     best = rows[0]

@@ -161,7 +161,8 @@ def walk_demo(fsm: SchemaFSM) -> list[dict]:
                    '{"name": "ada", "age": 34, "city": "london", "langs": ["c"']:
         s = fsm.walk(prefix)
         left = fsm.dist[s]
-        rows.append({"after": prefix[-24:] or "(start)", "min to close": left,
+        shown = prefix[-24:].removesuffix(" ") + ("\u2420" if prefix.endswith(" ") else "")  # a visible space
+        rows.append({"after": shown or "(start)", "min to close": left,
                      "allowed (budget 100)": allowed_text(fsm, s, 100 - len(prefix)),
                      "allowed (budget = just enough)": allowed_text(fsm, s, left)})
     return rows

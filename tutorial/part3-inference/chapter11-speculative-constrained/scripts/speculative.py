@@ -23,7 +23,7 @@ How to run
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 6 --num-prompts 8
 
-Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two models, about 3 min, once).
+Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two models once, a few minutes).
 
 Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
