@@ -457,8 +457,13 @@ class Builder:
     def figures_section(self, ch: Chapter, stem: str, run: Run) -> list[str]:
         plots = run.dir / f"{stem}_figures"
         animated = {g.with_name(g.stem + "_strip.png") for g in plots.rglob("*.gif")}
-        shown = [self.figure_md(ch, f"{stem}/{png.relative_to(plots).as_posix()}", png.stem.replace("_", " "))
-                 for png in sorted([*plots.rglob("*.png"), *plots.rglob("*.gif")]) if png not in animated]
+        # a figure the lesson shows from this same (default) run keeps the lesson's caption; others get their name
+        captions = {m.group(1): m.group(2) for m in FIGURE_RE.finditer(ch.readme) if not m.group(3)}
+        shown = []
+        for png in sorted([*plots.rglob("*.png"), *plots.rglob("*.gif")]):
+            if png not in animated:
+                name = f"{stem}/{png.relative_to(plots).as_posix()}"
+                shown.append(self.figure_md(ch, name, captions.get(name, png.stem.replace("_", " "))))
         traces = sorted([*plots.rglob("*.trace.json"), *plots.rglob("*.trace.json.gz")])
         if traces:      # torch.profiler traces: open them in https://ui.perfetto.dev or chrome://tracing
             links = []

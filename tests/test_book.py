@@ -211,6 +211,7 @@ def test_script_page_has_docstring_source_output_results(fixture_book):
     assert f'--8<-- "{CHAPTER}/scripts/demo.py"' in page
     assert "--json /tmp/demo.json --plot-dir /tmp/demo_figures --smoke" in page
     assert '"world_size": 2' in page and "figures/demo/ranks.png" in page
+    assert "One bar per rank" in page and "Five bars" not in page  # the lesson's caption of this (default) run
     assert "def main() -> int:" in page_text(root / "book/site/chapter01-demo/demo.html")
 
 
