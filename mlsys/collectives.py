@@ -100,6 +100,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 
 # ------------------------------------------------------- two more all-reduces (chapter 4): tree, halving-doubling
+# --8<-- [start:sendrecv]
 def sendrecv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
     """Post a send and a receive together and wait for both (either may be absent or empty).
 
@@ -109,6 +110,7 @@ def sendrecv(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src
     works += [dist.irecv(recv, src)] if recv is not None and recv.numel() else []
     for work in works:
         work.wait()
+# --8<-- [end:sendrecv]
 
 
 # --8<-- [start:tree]

@@ -244,7 +244,9 @@ def gist(error: str | None) -> str:
 def draw(drawn: dict[str, list[dict]], world_size: int, args: Settings) -> str:
     """One panel per scenario, one lane per rank, one box per call; a raised call gets a red edge and its error."""
     plt = plot.pyplot()
-    palette = plot.colours(["all_reduce", "monitored_barrier", "recv", "send"])
+    c10 = list(plot.colours(map(str, range(10))).values())  # the book's colour-blind palette, by index
+    palette = {"all_reduce": c10[0], "monitored_barrier": c10[4], "recv": c10[2], "send": c10[3]}  # pink barrier:
+    # far from send's vermilion
     names = [f"rank {q}" for q in range(world_size)]
     fig, axes = plt.subplots(len(drawn), 1, figsize=(12, 1.0 + len(drawn) * (0.75 + 0.5 * world_size)))
     for ax, (scenario, calls) in zip(axes, drawn.items()):
@@ -259,7 +261,9 @@ def draw(drawn: dict[str, list[dict]], world_size: int, args: Settings) -> str:
         for c in calls:
             y = world_size - 1 - c["rank"]
             short = (c["end_ms"] - c["start_ms"]) / end * 60 < len(label(c)) * 7 / 8  # no room for its label inside
-            if short:
+            if short:  # too short to see: a sliver of its colour, at least 0.6% of the panel, and a black tick
+                ax.barh(y, max(c["end_ms"] - c["start_ms"], 0.006 * end), left=c["start_ms"], height=0.8,
+                        color=palette[c["call"]], edgecolor="none")
                 ax.plot([c["start_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
             if c["outcome"] == "raised":
                 ax.barh(y, c["end_ms"] - c["start_ms"], left=c["start_ms"], height=0.8, fill=False,

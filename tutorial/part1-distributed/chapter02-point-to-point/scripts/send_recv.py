@@ -21,7 +21,8 @@ How to run (any world size >= 2)
 
 Contract flags: --seed changes nothing here (every value is a function of the rank, so nothing is random).
 
-Runtime on 2 cores: about 5 s with -w 4 (mostly starting the ranks and drawing), 4 s with --smoke.
+Runtime on 2 cores: about 5-15 s with -w 4 (mostly starting the ranks and drawing; 14 s at load 8), 4-10 s with
+--smoke.
 
 Try next
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 5
@@ -317,7 +318,9 @@ def draw_lanes(lanes: dict[str, list[dict]], messages: dict[str, list[dict]], wo
                 "" if c["peer"] is None else f" {'->' if 'send' in c['call'] else '<-'} {c['peer']}")
             px_per_unit = ax.get_window_extent().width / (len(at) + 1)
             wide = (span.end - span.start) * px_per_unit >= 0.6 * 7 * fig.dpi / 72 * len(label) + 4
-            short = "wait" if c["call"].startswith("wait") else label.split(" ")[0]  # upright: the arrows name peers
+            short = label.split(" ")[0]  # upright: the arrows name the peers; a wait names the request it waits on
+            if c["call"].startswith("wait") and c["peer"] is not None:
+                short = f"wait\n{'->' if c['call'] == 'wait(isend)' else '<-'}{c['peer']}"
             ax.text((span.start + span.end) / 2, world_size - 1 - c["rank"], label if wide else short, ha="center",
                     va="center", fontsize=7 if wide else 6.5, rotation=0 if wide else 90)
         for m in messages[version]:  # the message: from where it was posted to where its receive completed

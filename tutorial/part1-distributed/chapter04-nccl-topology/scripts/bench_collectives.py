@@ -1,17 +1,24 @@
 """A collective benchmark in the layout of NVIDIA's nccl-tests: time, algbw and busbw over a sweep of sizes.
 
 What it shows
-    One collective (all_reduce by default) timed at message sizes from a few bytes to tens of MiB. For each size:
-    warm-up calls, then a timed loop (barrier first, time.perf_counter around the loop, the MAX of the elapsed time
-    over ranks: nccl-tests' -a 3; its default, -a 1, averages over ranks). Columns as in nccl-tests:
+    One collective (all_reduce by default) timed at message sizes from a few bytes to tens of MiB. Each size is
+    checked and warmed up, then all sizes are timed in --rounds rounds (8): every round times every size once, the
+    sizes taking turns, so that a burst of load from elsewhere lands on one round of many sizes rather than on one
+    size. One timing is a warm-up call and a timed loop of `iters` calls (barrier first, time.perf_counter around
+    the loop, the MAX of the elapsed time over ranks: nccl-tests' -a 3; its default, -a 1, averages over ranks).
+    The time shown is the BEST round's (nccl-tests shows the mean of one loop): load from other processes only ever
+    adds time, so the fastest round is the least disturbed; the JSON keeps every round and the median. The garbage
+    collector runs once, then is frozen and switched off for the whole sweep. Columns as in nccl-tests:
       size (B)    bytes of the full buffer (all_reduce/broadcast: the tensor; all_gather: the gathered output;
                   reduce_scatter: the input being scattered; all_to_all: each rank's send buffer)
       count       elements of float32 in that buffer
-      time (us)   per call
+      iters       timed calls per round
+      time (us)   per call, the best round's
       algbw       size / time
       busbw       algbw * factor(collective, world size): the factors published in nccl-tests'
                   doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
-    and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (time is flat, busbw tiny),
+    and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (on a quiet machine the time is
+    about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny),
     large ones bandwidth-bound (time grows with size; busbw stops climbing, and may fall again once the buffers
     outgrow the CPU caches). A fitted time = alpha + size/B line puts the boundary at size = alpha * B, shaded on
     the figure. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
@@ -27,7 +34,8 @@ How to run (any world size >= 1; the busbw factors are defined for every number 
 
 Contract flags: --smoke sweeps 8 B .. 64 KiB with few iterations; --seed changes nothing (the data are fixed).
 
-Runtime on 2 cores: about 6 s (2 ranks, 8 B .. 32 MiB); --smoke about 4 s.
+Runtime on 2 cores: about 6-20 s (2 ranks, 8 B .. 32 MiB, 8 rounds), the longer under heavy load; --smoke about
+4-9 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
@@ -51,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from mlsys import cli, plot, report
-from mlsys.bench import algbw, busbw, busbw_factor, load_average, time_collective
+from mlsys.bench import algbw, busbw, busbw_factor, load_average, steady_timing, time_collective
 from mlsys.launch import RankContext, launch
 
 Collective = typing.Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"]
@@ -69,9 +77,12 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     step_factor: int = 4
     """Each size is this many times the previous one (nccl-tests' -f)."""
     warmup: int = 2
-    """Untimed calls before each timed loop (connection setup, first-touch of memory)."""
+    """Untimed calls per size before the rounds (connection setup, first-touch of memory); each round adds one."""
     max_iters: int = 50
-    """Timed calls at the smallest sizes; large sizes get fewer (about bytes_per_size / size, at least 3)."""
+    """Timed calls at the smallest sizes, over all rounds; large sizes get fewer (about bytes_per_size / size, at
+    least 3). Each round times iters / rounds of them (at least one)."""
+    rounds: int = 8
+    """Every size is timed once per round, the sizes taking turns; the time shown is the best round's."""
     bytes_per_size: int = 128 * 2**20
     """Bytes moved per size, which sets the iteration count of large sizes."""
 
@@ -79,8 +90,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
         if self.min_bytes < ELEMENT_BYTES or self.max_bytes < self.min_bytes:
             raise cli.UsageError(f"need {ELEMENT_BYTES} <= --min-bytes <= --max-bytes, got {self.min_bytes}, "
                                  f"{self.max_bytes}")
-        if self.step_factor < 2 or self.warmup < 0 or self.max_iters < 1:
-            raise cli.UsageError("need --step-factor >= 2, --warmup >= 0 and --max-iters >= 1")
+        if self.step_factor < 2 or self.warmup < 0 or self.max_iters < 1 or self.rounds < 1:
+            raise cli.UsageError("need --step-factor >= 2, --warmup >= 0, --max-iters >= 1 and --rounds >= 1")
 
 
 def sizes(args: Settings) -> list[int]:
@@ -136,8 +147,13 @@ def make_call(collective: str, count: int, ctx: RankContext) -> tuple[typing.Cal
     return (lambda: dist.all_to_all_single(out, src)), lambda: (out, want)
 
 
-def worker(ctx: RankContext, args: Settings) -> list[dict]:
-    rows, counts = [], []
+# --8<-- [start:rounds]
+def worker(ctx: RankContext, args: Settings) -> dict:
+    """Every size checked once, warmed up, then timed in rounds: each round times every size once, smallest to
+    largest, so a burst of load from elsewhere lands on one round of many sizes instead of on all the calls of one
+    size. A size's time is its best round: load from elsewhere only ever adds time, so the fastest round is the
+    one least disturbed (the median is kept beside it, for the spread)."""
+    calls, counts = [], []
     for size in sizes(args):
         count = element_count(args.collective, size, ctx.world_size)
         if count in counts:  # two requested sizes round to the same buffer (e.g. 8 B and 32 B at 5 ranks)
@@ -147,13 +163,23 @@ def worker(ctx: RankContext, args: Settings) -> list[dict]:
         call()  # one checked call before timing: a fast wrong answer is worth nothing
         got, want = result()
         report.expect_equal(f"rank {ctx.rank} {args.collective} of {count} elements", got.cpu(), want)
-        iters = iterations(size, args)
-        seconds = time_collective(call, args.warmup, iters, ctx.device)
-        nbytes = count * ELEMENT_BYTES
+        for _ in range(args.warmup):  # connection setup, first touch of the buffers
+            call()
+        calls.append((call, count, math.ceil(iterations(size, args) / args.rounds)))
+    per_round: list[list[float]] = [[] for _ in calls]
+    with steady_timing():  # one garbage collection, then none, for the whole sweep
+        for _ in range(args.rounds):
+            for times, (call, _, iters) in zip(per_round, calls):  # one warm-up call: the previous size left the
+                times.append(time_collective(call, 1, iters, ctx.device))  # caches full of other buffers
+    rows = []
+    for times, (_, count, iters) in zip(per_round, calls):
+        seconds, nbytes = min(times), count * ELEMENT_BYTES
         rows.append({"size (B)": nbytes, "count": count, "type": "float", "iters": iters,
                      "time (us)": seconds * 1e6, "algbw (GB/s)": algbw(nbytes, seconds),
                      "busbw (GB/s)": busbw(args.collective, nbytes, seconds, ctx.world_size)})
-    return rows
+    return {"rows": rows, "round_times_us": [[t * 1e6 for t in times] for times in per_round],
+            "median_time_us": [float(np.median(times)) * 1e6 for times in per_round]}
+# --8<-- [end:rounds]
 
 
 def fit_latency_bandwidth(size_bytes: np.ndarray, time_s: np.ndarray) -> tuple[float, float]:
@@ -172,6 +198,29 @@ def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, alpha: fl
     knee = alpha * bandwidth
     grew = time_s[np.argmax(size_bytes)] >= 2 * time_s.min()
     return bool(math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2 and grew)
+
+
+def size_text(num_bytes: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:g} {unit}"
+    return f"{num_bytes:g} B"
+
+
+def reading(rows: list[dict]) -> dict:
+    """The numbers the lesson's reading of the table quotes, whatever the run: how much the time changed over the
+    small sizes (up to 8 KiB), how it grew from the second-largest size to the largest, where busbw peaked."""
+    small = [r for r in rows if r["size (B)"] <= 8 * 2**10]
+    small_t = [r["time (us)"] for r in small]
+    last, before = rows[-1], rows[-2] if len(rows) > 1 else rows[-1]
+    peak = max(rows, key=lambda r: r["busbw (GB/s)"])
+    return {"small_sizes_text": f"{size_text(small[0]['size (B)'])} to {size_text(small[-1]['size (B)'])}"
+            if small else "none", "small_size_growth": small[-1]["size (B)"] / small[0]["size (B)"] if small else 1,
+            "small_time_ratio": max(small_t) / min(small_t) if small else 1.0,
+            "last_step_size_ratio": last["size (B)"] / before["size (B)"],
+            "last_step_time_ratio": last["time (us)"] / before["time (us)"],
+            "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
+            "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"])}
 
 
 def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,
@@ -197,13 +246,17 @@ def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world
 
 
 def main() -> int:
-    args = cli.parse(Settings, __doc__, smoke={"max_bytes": 64 * 2**10, "max_iters": 5, "warmup": 1},
+    args = cli.parse(Settings, __doc__, smoke={"max_bytes": 64 * 2**10, "max_iters": 6, "warmup": 1,
+                                                                   "rounds": 3},
                      world_sizes=lambda w: w >= 1, world_sizes_text=">= 1")
-    rows = launch(worker, args)
-    if rows is None:
+    result = launch(worker, args)
+    if result is None:
         return 0
+    rows = result["rows"]
     print(f"# {args.collective}, {args.world_size} ranks, backend {args.backend}, float32, "
           f"busbw factor {busbw_factor(args.collective, args.world_size):.3f}, {load_average()}")
+    print(f"# time: the best of {args.rounds} round(s) of the slowest rank's time per call; each round times "
+          f"every size once ('iters' calls after one warm-up call), the sizes taking turns")
     print(report.table(rows, floatfmt=".3f"))
     avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
@@ -232,6 +285,8 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
                                       "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,
+                                      "rounds": args.rounds, "round_times_us": result["round_times_us"],
+                                      "median_time_us": result["median_time_us"], **reading(rows),
                                       "fit_alpha_s": alpha,
                                       "fit_bandwidth_Bps": bandwidth if math.isfinite(bandwidth) else None}, args)
     return 0

@@ -33,7 +33,8 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
-Runtime on 2 cores: about 20 s at load 6 (4 ranks, 256 B .. 8 MiB), longer under heavier load; --smoke about 10 s.
+Runtime on 2 cores: about 20-40 s (4 ranks, 256 B .. 8 MiB; 37 s at load 9.5), longer under heavier load;
+--smoke about 10 s.
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
@@ -352,7 +353,22 @@ def summarise(rows: list[dict], world_size: int) -> dict:
     off = lambda p: max(p["measured/model"], 1 / p["measured/model"])  # how many times off, either way
     held, fitted = ([p for p in points if p["role"] == role] for role in ("held out", "fit"))
     cross = crossover_bytes(alpha, beta, world_size)
-    return {"largest_size": sizes[-1], "measured_text": measured_text,
+    split = next((i for i in range(1, len(sizes)) if set(sizes[:i]) == set(tree_faster) and set(sizes[i:]) ==
+                  set(ring_faster)), None)  # tree faster at every size below sizes[split], ring at every one above
+    where = (f"the model's n* ({size_text(cross)}) lies beyond the largest size" if cross and cross > sizes[-1] else
+             f"even above the model's n* ({size_text(cross)})" if cross else "and the model has no crossover")
+    crossover_measured_text = (
+        f"does not show a crossover: the tree was faster at every size, {where}" if not ring_faster else
+        "does not show a crossover: the ring was faster at every size" if not tree_faster else
+        f"shows a crossover: the tree was faster up to {size_text(sizes[split - 1])}, the ring from "
+        f"{size_text(sizes[split])} (the model's n*: {size_text(cross) if cross else 'none'})"
+        if split else "does not show a clean crossover: which of the two was faster flips back and forth between "
+        "neighbouring sizes")
+    gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
+    return {"crossover_measured_text": crossover_measured_text, "sizes_count": len(sizes),
+            "tree_faster_than_gloo_count": len(gloo_beaten),
+            "tree_faster_than_gloo_text": ", ".join(map(size_text, gloo_beaten)) or "no size",
+            "largest_size": sizes[-1], "measured_text": measured_text,
             "faster_at_largest": "ring" if sizes[-1] in ring_faster else "tree",
             "tree_faster_at_every_size": not ring_faster,
             "ring_over_gloo_busbw": busbw_of["ring", sizes[-1]] / busbw_of["gloo all_reduce", sizes[-1]],
@@ -409,13 +425,14 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
             if pts:
                 ax.loglog([p["size (B)"] for p in pts], [p["measured (us)"] for p in pts], "o", color="C3",
                           mfc=face, label=f"measured, {'seen by the fit' if role == 'fit' else 'held out'}")
-        for p in mine:  # centred above or below its dot (away from the model line), clear of the neighbours
-            if p["role"] == "held out":
-                above = p["measured/model"] >= 1
-                ax.annotate(f"×{p['measured/model']:.2g}", (p["size (B)"], p["measured (us)"]),
-                            xytext=(0, 6 if above else -6), ha="center", va="bottom" if above else "top",
-                            textcoords="offset points", fontsize=7, color="C3",
-                            bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
+        held = [p for p in mine if p["role"] == "held out"]
+        for i, p in enumerate(held):  # away from the model line, which rises to the right: above the line, up
+            above = p["measured/model"] >= 1  # and to the left; below it, down and to the right; every other
+            dy = 4 + 9 * (i % 2)  # label further out, so that neighbours at the same height do not collide
+            ax.annotate(f"×{p['measured/model']:.2g}", (p["size (B)"], p["measured (us)"]),
+                        xytext=(-2, dy) if above else (2, -dy), ha="right" if above else "left",
+                        va="bottom" if above else "top", textcoords="offset points", fontsize=7, color="C3",
+                        bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
         ax.set_title(f"{name}: {a:g}α + {b:.3g}·nβ", fontsize=10)
         ax.set_xlabel("message size n (bytes)")
         panels[name] = {"steps": a, "bytes_factor": b, "knee_bytes": knee if math.isfinite(knee) else None,
