@@ -172,7 +172,10 @@ def block_sequence(walk: dict) -> list[dict]:
         shape, feats = shapes[i] if lin["kind"] == "column" else (lin["input"], lin["in_features"])
         seq.append({"type": "region", "label": BETWEEN[i], "shape": shape, "features": feats})
         comm = {"type": "comm", "at": lin["name"], "forward": lin["forward"], "backward": lin["backward"]}
-        layer = {"type": "layer", "label": f"{lin['name']}\n({lin['kind']})", "shape": lin["output"],
+        # under SP the row layer's reduce-scatter runs inside its forward, so its output (the box) is already a
+        # sequence shard: say so in the label; the RS diamond after it marks the collective that made it
+        inside = " + RS" if lin["kind"] == "row" and lin["forward"] == ["reduce_scatter"] else ""
+        layer = {"type": "layer", "label": f"{lin['name']}\n({lin['kind']}{inside})", "shape": lin["output"],
                  "features": lin["features"]}
         seq += [comm, layer] if lin["kind"] == "column" else [layer, comm]
     seq.append({"type": "region", "label": BETWEEN[-1], "shape": walk["output"], "features": None})

@@ -203,15 +203,16 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
     ids = torch.where(batch.ids == TOKENIZER.pad_id, torch.nan, batch.ids.float())
     panels = [("1. generate: ids <bos> prompt response", ids), *list(grid.items())[:4],
               ("2. score: reward model R", x["scores"]), *list(grid.items())[4:]]
-    fig, axes = plt.subplots(3, 4, figsize=(15, 9.5))
+    fig, axes = plt.subplots(4, 3, figsize=(14, 14))  # three panels a row: each wide enough to read a cell
     for ax, (title, t) in zip(axes.flat, panels):
         signed = "k1" in title or "log pi" not in title and t is not ids
         cmap = "RdBu_r" if signed else "viridis"  # red/blue: signed quantities, centred on 0
         a = (t.float().masked_fill(~mask, torch.nan) if t.shape == mask.shape else t.reshape(len(t), -1)).numpy()
-        # a few outliers saturate; the shaped rewards use their largest value, so the score on the last token
-        # stands out against the small per-token KL penalties
-        pct = 100 if title.startswith("3. shaped reward") else 98
-        lim = np.nanpercentile(np.abs(a), pct) or 1.0 if cmap == "RdBu_r" else None
+        # a few outliers saturate; the shaped rewards saturate at half their largest value, so the score on the
+        # last token of every row is strongly coloured against the small per-token KL penalties
+        shaped = title.startswith("3. shaped reward")
+        lim = ((np.nanmax(np.abs(a)) / 2 if shaped else np.nanpercentile(np.abs(a), 98)) or 1.0
+               if cmap == "RdBu_r" else None)
         im = ax.imshow(a, aspect="auto", interpolation="nearest", cmap=cmap,
                        **({"vmin": -lim, "vmax": lim} if lim else {}))
         ax.add_patch(plt.Rectangle((-0.5, row - 0.5), a.shape[1], 1, fill=False, ec="black", lw=1.2))
@@ -227,8 +228,8 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
                        f"critic (vs the return G_t)\n   clip fraction {stats['clip_frac']:.3f}\n\n6. sync: "
                        f"Engine.load_weights(actor)", fontsize=9, va="center", family="monospace")
     fig.suptitle(f"The tensors of iteration {iteration}, {tuple(batch.ids.shape)[0]} responses (outlined: row {row}, "
-                 f"the response of the token table); blank: padding; red/blue scales saturate at the 98th "
-                 f"percentile (shaped reward: at its largest |value|)", fontsize=11)
+                 f"the response of the token table); blank: padding;\nred/blue scales saturate at the 98th "
+                 f"percentile (shaped reward: at half its largest |value|)", fontsize=11)
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'iteration')}")
     return {"iteration": iteration, "row": row, "beta": stats["beta"], "ids": batch.ids.tolist(),
