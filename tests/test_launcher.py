@@ -70,6 +70,7 @@ def test_ok_job_returns_rank0_result(tmp_path) -> None:
     assert sorted(hellos) == [f"[rank {r}] rank {r} says hello" for r in range(3)]  # whole lines, never mixed
 
 
+@pytest.mark.long  # 45-75 s on a loaded 2-core machine: make sweep runs it, keeping make test near 10 minutes
 @pytest.mark.timeout(120)
 def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:
     """Four copies started at the same moment all succeed, each on its own port."""
@@ -82,6 +83,7 @@ def test_concurrent_jobs_get_distinct_free_ports(tmp_path) -> None:
     assert len(ports) == 4
 
 
+@pytest.mark.long  # 45-75 s on a loaded 2-core machine: make sweep runs it, keeping make test near 10 minutes
 @pytest.mark.timeout(120)
 def test_two_copies_of_chapter1_at_once(tmp_path) -> None:
     procs = [subprocess.Popen([sys.executable, str(HELLO), "--smoke", "--plot-dir", str(tmp_path / str(i))],

@@ -8,6 +8,7 @@ import torch
 from conftest import ROOT, run
 
 
+@pytest.mark.long  # 45-75 s on a loaded 2-core machine: make sweep runs it, keeping make test near 10 minutes
 @pytest.mark.timeout(180)
 def test_train_weights_smoke_writes_a_loadable_checkpoint(tmp_path) -> None:
     proc = run([ROOT / "scripts" / "train_weights.py", "--only", "draft", "--steps", "5", "--num-samples", "4"],
