@@ -104,3 +104,53 @@ def test_check_invariants_catches_a_corrupted_edge() -> None:
     node.key = node.key + (9,)  # one token too many for its 2 blocks
     with pytest.raises(AssertionError, match="bad edge"):
         rc.check_invariants()
+
+
+# ------------------------------------------------------------------------------------ LRU after a partial eviction
+def test_a_partly_evicted_leaf_keeps_its_place_in_the_lru_order() -> None:
+    """Leaf A (two blocks, older) and leaf B (newer). A sequence still reads A's first block, so evicting one block
+    splits A and frees only its tail; the head left behind is as old as A was. Once nobody reads it, the next
+    eviction must take that head (older) before B, by the order the requests came in."""
+    pool, rc = cache(16)
+    a = put(pool, rc, [1, 1, 2, 2])  # time 1
+    b = put(pool, rc, [3, 3, 4, 4])  # time 2: more recent
+    pool.incref(a[0])  # a running sequence reads A's head
+    assert rc.evict(1) == 1 and sorted(rc.cached_blocks()) == sorted([a[0], *b])  # only A's tail went
+    rc.check_invariants()
+    pool.decref(a[0])
+    assert rc.evict(1) == 1 and sorted(rc.cached_blocks()) == sorted(b)  # the old head before the newer leaf
+    rc.check_invariants()
+
+
+# ------------------------------------------------------------------------------------------- the invariant checker
+def test_the_invariant_checker_names_each_corruption() -> None:
+    """check_invariants is the oracle other tests lean on: each corruption planted here must be reported, by name."""
+    pool, rc = cache(16)
+    a = put(pool, rc, [1, 1, 2, 2])
+    put(pool, rc, [1, 1, 3, 3])  # splits A: parent [1 1] with children [2 2] and [3 3]
+    rc.check_invariants()
+
+    pool.incref(a[1])  # a child's block read while its parent's last block is not
+    with pytest.raises(AssertionError, match="^a block is read without its prefix$"):
+        rc.check_invariants()
+    pool.decref(a[1])
+
+    long = put(pool, rc, [5, 5, 6, 6])  # one leaf of two blocks: the second read, the first not
+    pool.incref(long[1])
+    with pytest.raises(AssertionError, match="^a block is read without its prefix$"):
+        rc.check_invariants()
+    pool.decref(long[1])
+    rc.check_invariants()
+
+    parent = rc.root.children[(1, 1)]
+    child = parent.children.pop((2, 2))
+    parent.children[(9, 9)] = child  # keyed under the wrong first block
+    with pytest.raises(AssertionError, match="^child keyed wrongly$"):
+        rc.check_invariants()
+    parent.children[(2, 2)] = parent.children.pop((9, 9))
+    rc.check_invariants()
+
+    stray = pool.allocate()
+    pool.mark_cached(stray)  # the pool thinks it is cached; the tree has no such block
+    with pytest.raises(AssertionError, match="^pool marks blocks cached that the tree lacks$"):
+        rc.check_invariants()
