@@ -131,3 +131,26 @@ def test_prefix_caching_reuses_full_blocks_and_keeps_them_after_free() -> None:
     bad.block_table = [5]
     with pytest.raises(AssertionError, match=r"^refcounts differ from the block tables$"):
         bm.check_invariants([bad])
+
+
+def test_the_pool_refuses_to_cache_or_evict_a_block_in_the_wrong_state() -> None:
+    """The prefix cache may index only a block a sequence holds and has not indexed yet, and may evict only a cached
+    block nobody reads: the pool's own asserts are the last guard against a cache that frees a block in use."""
+    pool = BlockPool(4, 2)
+    b = pool.allocate()
+    pool.mark_cached(b)
+    with pytest.raises(AssertionError):
+        pool.mark_cached(b)  # indexed twice
+    with pytest.raises(AssertionError, match=f"evicting block {b} in use"):
+        pool.release_cached(b)  # still read by its sequence
+    pool.decref(b)  # the sequence finished: cached, unreferenced
+    with pytest.raises(AssertionError):
+        pool.mark_cached(b)  # nobody holds it: nothing to index
+    pool.release_cached(b)
+    assert pool.num_free == 4
+    with pytest.raises(AssertionError, match=f"evicting block {b} in use"):
+        pool.release_cached(b)  # no longer cached
+    free = pool.allocate()
+    pool.decref(free)
+    with pytest.raises(AssertionError):
+        pool.mark_cached(free)  # a free block (count 0) cannot be indexed
