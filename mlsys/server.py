@@ -701,6 +701,8 @@ class ServerThread:
         deadline = time.monotonic() + (timeout if timeout is not None else self.grace_seconds + 30.0)
         try:
             self.server.should_exit = True
+            if self.grace_seconds <= 0:  # no grace: cut now, not at uvicorn's next tick (0.1 s, in which a tiny
+                self.force()             # model can finish a whole stream and turn a cut into a drain)
             while self.thread.is_alive() and time.monotonic() < deadline:
                 # Short waits: Python runs a signal handler (a second Ctrl-C calling force()) only between
                 # bytecodes of the main thread, and a long join may never see the signal if the kernel
