@@ -314,3 +314,13 @@ def test_worst_stage_dense_params_names_the_bad_argument(name):
     args = {"dense_params": 1000, "num_layers": 4, "pp": 2, "vocab": 10, "hidden": 4, name: 0}
     with pytest.raises(ValueError, match=rf"^{name} {INT_MSG}, got 0$"):
         memory.worst_stage_dense_params(**args)
+
+
+def test_worst_stage_dense_params_assumes_an_untied_head_by_default():
+    """Llama-style models have their own output head unless told otherwise. By hand, L=4, h=4, 2 heads of 2, one KV
+    head, MLP 8, V=10: a layer holds 2*4*2*2 + 2*4*1*2 (attention) + 3*4*8 (MLP) + 2*4 (norms) = 152; the model
+    4*152 + 2*10*4 (embedding and head) + 4 (final norm) = 692. Over 2 stages the last holds 2 layers, the head and
+    the norm: 2*152 + 40 + 4 = 348, the first 2*152 + 40 = 344."""
+    dense = memory.transformer_params(4, 4, 2, 1, 2, 8, 10)["dense"]
+    assert dense == 692
+    assert memory.worst_stage_dense_params(dense, 4, 2, 10, 4) == 348
