@@ -85,7 +85,7 @@ def recheck_timeouts() -> None:
             if code not in TIMEOUT or key in done:
                 continue
             tests = sorted(stats.get(key.rsplit("__mutmut_", 1)[0], []))
-            env = dict(os.environ, PYTHONPATH=str(ROOT / "mutants"), MUTANT_UNDER_TEST=key,
+            env = dict(os.environ, PYTHONPATH=str(ROOT / "mutants"), MUTANT_UNDER_TEST=key, OMP_NUM_THREADS="1",
                        MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
             cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "--timeout", "120",
                    "--rootdir", str(ROOT), *[str(ROOT / t) for t in tests]]
@@ -158,7 +158,10 @@ def main() -> int:
     if args.recheck_timeouts:
         recheck_timeouts()
     elif not args.report:
-        env = dict(os.environ, MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"))
+        # One OpenMP thread: mutmut forks each mutant's child from a process that has run tests, and a child forked
+        # after torch's OpenMP pool started deadlocks in its first parallel op (seen: speculative.py's mutants
+        # all "timed out" that way, and survived once run with one thread).
+        env = dict(os.environ, MLSYS_CACHE=os.environ.get("MLSYS_CACHE") or str(ROOT / ".cache"), OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "mutmut", "run"]
         if args.max_children:
             cmd += ["--max-children", str(args.max_children)]
