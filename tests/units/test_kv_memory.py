@@ -135,3 +135,44 @@ def test_main_prints_the_table(capsys):
     # Llama-2-7B is MHA: 32 KV heads, 512 KiB either way
     assert rows["llama-2-7b"][1:7] == ["MHA", "32", "32", "128", "512.00", "512.00"]
     assert len(rows) == len(kv_memory.MODEL_SHAPES)
+
+
+# ------------------------------------------------------------------------------- which argument an error names
+CAPACITY = dict(gpu_bytes=1000, weight_bytes=100, bytes_per_token=10, reserve_fraction=0.1, seq_len=4, block_size=2)
+BAD = {"gpu_bytes": -1, "weight_bytes": -1, "bytes_per_token": 0, "block_size": 0, "reserve_fraction": -0.5,
+       "seq_len": 0}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_kv_capacity_names_the_bad_argument(name):
+    with pytest.raises(ValueError, match=rf"^{name} must be "):
+        kv_memory.kv_capacity(**{**CAPACITY, name: BAD[name]})
+
+
+def test_a_reserve_of_everything_is_refused_in_words():
+    with pytest.raises(ValueError, match=r"^reserve_fraction must be in \[0, 1\), got 1\.0$"):
+        kv_memory.kv_capacity(**{**CAPACITY, "reserve_fraction": 1.0})
+
+
+@pytest.mark.parametrize("name, bad", [("num_tokens", -1), ("block_size", 0)])
+def test_blocks_for_tokens_names_the_bad_argument(name, bad):
+    args = {"num_tokens": 5, "block_size": 2, name: bad}
+    with pytest.raises(ValueError, match=rf"^{name} must be "):
+        kv_memory.blocks_for_tokens(**args)
+
+
+def test_kv_capacity_counts_single_token_blocks_by_default():
+    """No block size given: every token its own block. 1000 bytes, no weights, no reserve, 10 bytes a token: 100."""
+    out = kv_memory.kv_capacity(1000, 0, 10, reserve_fraction=0.0)
+    assert out["num_blocks"] == 100 and out["max_tokens"] == 100
+
+
+def test_kv_capacity_never_counts_a_block_that_does_not_fit():
+    """A budget one representable step below k whole blocks holds k - 1 of them. Floating-point division rounds
+    that quotient up to k here (a budget of 5.7e16 bytes, blocks of 414,083); floor division does not."""
+    import math
+
+    block, k = 414083, 137438953474
+    budget = math.nextafter(float(block * k), 0.0)
+    assert budget < block * k
+    assert kv_memory.kv_capacity(budget, 0, block, reserve_fraction=0.0)["num_blocks"] == k - 1
