@@ -176,3 +176,10 @@ def test_kv_capacity_never_counts_a_block_that_does_not_fit():
     budget = math.nextafter(float(block * k), 0.0)
     assert budget < block * k
     assert kv_memory.kv_capacity(budget, 0, block, reserve_fraction=0.0)["num_blocks"] == k - 1
+
+
+def test_weight_bytes_defaults_to_bf16_and_names_a_bad_count():
+    """Two bytes a parameter unless told otherwise (the checkpoints' and the planners' dtype)."""
+    assert kv_memory.weight_bytes(1000) == 2000
+    with pytest.raises(ValueError, match=r"^num_params must be "):
+        kv_memory.weight_bytes(-1)
