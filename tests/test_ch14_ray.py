@@ -257,8 +257,11 @@ def test_killed_trainer_is_named_and_nothing_is_left() -> None:
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_leaves_nothing() -> None:
-    """Ctrl-C while the actors are starting: the driver's `finally` shuts Ray down; exit 130, one line."""
-    proc, seen = run_watched([CH14 / "ray_placement.py", *SMOKE, "--placements", "disaggregated"], interrupt=True)
+    """Ctrl-C once the actors are up: the driver's `finally` shuts Ray down; exit 130, one line. 200 iterations keep
+    the loop running well past the moment the test sees an actor and presses Ctrl-C (with the smoke run's 2, a
+    loaded machine let the whole run finish first: exit 0)."""
+    proc, seen = run_watched([CH14 / "ray_placement.py", *SMOKE, "--placements", "disaggregated",
+                              "--iterations", "200"], interrupt=True)
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == ["ray_placement.py: interrupted"]
     assert any("RoleWorker" in name for name in seen.values())
