@@ -25,8 +25,8 @@ How to run
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 256
 
-Runtime on 2 cores: about 10-20 s at the defaults when they are idle (almost all of it the 6 timed rounds of 4
-settings; the CPU time is about 18 s), up to a minute when they are busy; about 3 s with --smoke.
+Runtime on 2 cores: about 3-20 s at the defaults when they are idle (3 s in a fresh-clone book build; almost all
+of it the 6 timed rounds of 4 settings), up to a minute when they are busy; about 3 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128

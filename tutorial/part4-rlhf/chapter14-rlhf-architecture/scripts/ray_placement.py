@@ -32,9 +32,9 @@ How to run
         -> join a running cluster (ray start --head / ray start --address=...), roles on the nodes that advertise
            those custom resources (ray start --resources '{"trainer_node": 1}')
 
-Runtime on 2 cores: about 30-55 s (55 s at a load average of 9: Ray's start-up and four actor processes starting
-take most of it); --smoke about 25 s. The first run trains and caches the draft GPT and the reward model (see
-placement.py).
+Runtime on 2 cores: about 14-55 s (14 s on an idle machine, 55 s at a load average of 9: Ray's start-up and four
+actor processes starting take most of it); --smoke about 25 s. The first run trains and caches the draft GPT and
+the reward model (see placement.py).
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --fault generate
