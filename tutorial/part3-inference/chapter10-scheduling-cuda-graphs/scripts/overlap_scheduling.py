@@ -17,7 +17,8 @@ What it shows
        engines with CUDA graphs (EngineConfig.cuda_graph_sizes), where the launch is one replay.
     3. FIGURE timeline.png (into --plot-dir): 4 consecutive real decode steps of each engine at --timeline-batch
        sequences (of 24 recorded, the 4 consecutive steps whose slowest step is the fastest, so that an
-       interrupted step stays out of the picture whenever the run has 4 uninterrupted steps in a row) on two
+       interrupted step stays out of the picture whenever the run has 4 uninterrupted steps in a row; the output
+       says whether the drawn window is clean, no step over 2x its engine's median step) on two
        lanes, the main thread (from the engines' own stage timings) and the
        forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
        median step and forward, and in how many drawn steps forward n started only after step n+1's schedule +
@@ -170,6 +171,7 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
 
 
 TIMELINE_TRIES = 6  # windows of recorded steps per drawn window: 4 drawn steps of 24 recorded
+WINDOW_CLEAN_RATIO = 2.0  # a drawn step slower than this many times its engine's median step was interrupted
 
 
 def record_timeline(model, args: Settings, device: str, steps: int = 4,
@@ -210,8 +212,10 @@ def record_timeline(model, args: Settings, device: str, steps: int = 4,
         k = min(range(recorded - steps + 1),
                 key=lambda i: (max(totals[i : i + steps]), sum(totals[i : i + steps])))
         t0 = rows[k]["start"]
+        median_ms = statistics.median(totals) * 1e3  # of all recorded steps: what an uninterrupted step takes
         out[name] = [{"start": r["start"] - t0, "stages": r["stages"], "forward": [r["forward"][0] - t0,
-                                                                                   r["forward"][1] - t0]}
+                                                                                   r["forward"][1] - t0],
+                      "recorded_median_ms": median_ms, "recorded": recorded}
                      for r in rows[k : k + steps]]
     return out
 
@@ -258,7 +262,25 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
     out["serial_steps"] = sum(r["forward"][0] >= r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"])
                               for r in tl["overlap"])
     out["drawn_steps"] = len(tl["overlap"])
+    # is the drawn window clean? Its slowest step against the median of all the engine's recorded steps: above
+    # WINDOW_CLEAN_RATIO, no `steps` consecutive steps were free of an interruption, and that box shows the load
+    slow = {}
+    for name, rows in tl.items():
+        slow[name] = max(r["stages"]["total"] * 1e3 for r in rows) / rows[0].get("recorded_median_ms", float("nan"))
+        out[f"{name}_window_slowest_ratio"] = slow[name]
+    dirty = [n for n in slow if not slow[n] <= WINDOW_CLEAN_RATIO]
+    recorded = tl["plain"][0].get("recorded", len(tl["plain"]))
+    out["window_clean"] = not dirty
+    out["window_text"] = (
+        f"both drawn windows are clean: no drawn step took more than {WINDOW_CLEAN_RATIO:g}x the median of its "
+        f"engine's {recorded} recorded steps (slowest: plain {slow['plain']:.2f}x, overlapped {slow['overlap']:.2f}x)"
+        if not dirty else
+        " and ".join(f"the {'overlapped' if n == 'overlap' else 'plain'} engine's window" for n in dirty)
+        + f" holds a step that took {max(slow[n] for n in dirty):.1f}x the median of its engine's {recorded} "
+        "recorded steps: no four steps in a row were free of such a slow step, so that long box is an interruption "
+        "(the machine's load, or the two threads competing), not the engine's usual step")
     return out
+
 
 
 def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
@@ -308,9 +330,12 @@ def main() -> int:
           f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward); after the "
           f"forward returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
           f"In {summ['serial_steps']} of {summ['drawn_steps']} overlapped steps forward n started only after step "
-          f"n+1's schedule + prepare had ended. {bench.load_average()}")
+          f"n+1's schedule + prepare had ended. {bench.load_average()}\n   The drawn window: {summ['window_text']}.")
     if args.json:
+        lo, hi = (f(rows, key=lambda r: r["speed-up"]) for f in (min, max))
+        speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"]}
         report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
+                                      "speedup_range": speedup_range,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},
                                       "load_average": bench.load_average()}, args)
     return 0

@@ -21,8 +21,10 @@ not absolute milliseconds, across runs.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --prompt-len 200
-        -> longer contexts: the forward grows faster with B (more KV to gather and attend over), and the share
-           outside the forward shrinks
+        -> longer contexts: the forward grows faster with B (more KV to gather and attend over), so at the
+           largest batches the share outside the forward is usually smaller than in a default run (not steadily
+           from row to row, and on a loaded machine not always); the summary line says at which B ms/token was
+           lowest, often a middle one, every larger batch then paying more per token
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --threads 2
         -> two torch threads: section 2's op counts stay the same; compare the `forward ms` column, B by B, with
            a default (one-thread) run made just before on the same machine (the summary line's "B 1 -> 64" ratio
