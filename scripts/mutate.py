@@ -157,7 +157,7 @@ def main() -> int:
         parser.error(f"--survivors takes one of {modules()} or nothing")
     if args.recheck_timeouts:
         recheck_timeouts()
-    elif not args.report:
+    elif not args.report and args.survivors is None:  # listing survivors reads the last run, runs nothing
         # One OpenMP thread: mutmut forks each mutant's child from a process that has run tests, and a child forked
         # after torch's OpenMP pool started deadlocks in its first parallel op (seen: speculative.py's mutants
         # all "timed out" that way, and survived once run with one thread).
