@@ -270,6 +270,40 @@ def test_crossover_solves_the_two_models_equal() -> None:
     assert rvt.crossover_bytes(alpha, beta, 2) is None  # 2 ranks: same 2 steps, the ring moves fewer bytes
 
 
+@pytest.mark.parametrize(("ring_wins", "kind", "words"), [
+    ([True, False, False, False, False, False], "opposite to the model",
+     "shows one switch, the opposite way to the model's: the ring was faster up to 256 B, the tree from 1.0 KiB"),
+    ([False, False, False, True, True, True], "as the model",
+     "shows a crossover: the tree was faster up to 4.0 KiB, the ring from 16.0 KiB"),
+    ([True, False, True, False, False, False], "back and forth", "flips back and forth"),
+    ([False] * 6, "tree everywhere", "the tree was faster at every size"),
+    ([True] * 6, "ring everywhere", "the ring was faster at every size"),
+])
+def test_measured_crossover_is_classified_from_the_timings(ring_wins: list[bool], kind: str, words: str) -> None:
+    """On synthetic timings: which of ring and tree was faster at each size decides the lesson's sentence; a single
+    switch from ring to tree is named as the opposite of the model's, not as flipping back and forth."""
+    rvt = load("ring_vs_tree")
+    rows = []
+    for k, ring_first in enumerate(ring_wins):
+        size = 256 * 4**k
+        ring, tree = (100.0 + size / 1e3) * np.array([1.0, 1.3] if ring_first else [1.3, 1.0])
+        rows += [{"algorithm": name, "size (B)": size, "time (us)": float(t), "busbw (GB/s)": 1.0}
+                 for name, t in (("ring", ring), ("tree", tree), ("gloo all_reduce", 2 * ring))]
+    summary = rvt.summarise(rows, 4)
+    assert summary["crossover_kind"] == kind
+    assert words in summary["crossover_measured_text"]
+
+
+def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:
+    rvt = load("ring_vs_tree")
+    ceiling = {"loopback_tcp_GBps": 2.0, "memcpy_GBps": 8.0}
+    text = rvt.fit_vs_ceilings(3.0, ceiling, 0.75)
+    assert "above the loopback TCP ceiling (2.00 GB/s)" in text and "below the memcpy one (8.00 GB/s)" in text
+    assert "4.0x the best busbw" in text
+    assert "below the loopback TCP" in rvt.fit_vs_ceilings(1.0, ceiling, 0.75)
+    assert "no per-byte cost" in rvt.fit_vs_ceilings(None, ceiling, 0.75)
+
+
 @pytest.mark.timeout(120)
 def test_ring_and_tree_copy_the_same_total_bytes(wire) -> None:
     """Summed over all ranks both algorithms move 2(p-1) n bytes, counted on the calls the real all-reduces made:

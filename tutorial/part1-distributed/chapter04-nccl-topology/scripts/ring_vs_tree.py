@@ -38,9 +38,11 @@ Runtime on 2 cores: about 20-40 s (4 ranks, 256 B .. 8 MiB; 37 s at load 9.5), l
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
-        -> two ranks: ring and tree take the same two steps, so the model has no crossover
+        -> two ranks: ring and tree take the same two steps, so the model has no crossover; the measurement can
+           still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
+           and scheduling overhead, which the model does not see
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
-        -> eight ranks on two cores: more steps, more scheduler noise at small sizes
+        -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 3
         -> halving-doubling is skipped with a message: it needs a power of two
 """
@@ -355,6 +357,8 @@ def summarise(rows: list[dict], world_size: int) -> dict:
     cross = crossover_bytes(alpha, beta, world_size)
     split = next((i for i in range(1, len(sizes)) if set(sizes[:i]) == set(tree_faster) and set(sizes[i:]) ==
                   set(ring_faster)), None)  # tree faster at every size below sizes[split], ring at every one above
+    backwards = next((i for i in range(1, len(sizes)) if set(sizes[:i]) == set(ring_faster) and set(sizes[i:]) ==
+                      set(tree_faster)), None)  # one switch the other way: ring faster below sizes[i], tree above
     where = (f"the model's n* ({size_text(cross)}) lies beyond the largest size" if cross and cross > sizes[-1] else
              f"even above the model's n* ({size_text(cross)})" if cross else "and the model has no crossover")
     crossover_measured_text = (
@@ -362,10 +366,17 @@ def summarise(rows: list[dict], world_size: int) -> dict:
         "does not show a crossover: the ring was faster at every size" if not tree_faster else
         f"shows a crossover: the tree was faster up to {size_text(sizes[split - 1])}, the ring from "
         f"{size_text(sizes[split])} (the model's n*: {size_text(cross) if cross else 'none'})"
-        if split else "does not show a clean crossover: which of the two was faster flips back and forth between "
+        if split else
+        f"shows one switch, the opposite way to the model's: the ring was faster up to "
+        f"{size_text(sizes[backwards - 1])}, the tree from {size_text(sizes[backwards])} (the model has the tree "
+        "faster below n* and the ring above)" if backwards else
+        "does not show a clean crossover: which of the two was faster flips back and forth between "
         "neighbouring sizes")
     gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
-    return {"crossover_measured_text": crossover_measured_text, "sizes_count": len(sizes),
+    crossover_kind = ("tree everywhere" if not ring_faster else "ring everywhere" if not tree_faster else
+                      "as the model" if split else "opposite to the model" if backwards else "back and forth")
+    return {"crossover_measured_text": crossover_measured_text, "crossover_kind": crossover_kind,
+            "sizes_count": len(sizes),
             "tree_faster_than_gloo_count": len(gloo_beaten),
             "tree_faster_than_gloo_text": ", ".join(map(size_text, gloo_beaten)) or "no size",
             "largest_size": sizes[-1], "measured_text": measured_text,
@@ -481,6 +492,17 @@ def size_text(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def fit_vs_ceilings(fit_GBps: float | None, ceiling: dict, best_busbw_GBps: float) -> str:
+    """The fitted 1/beta held against the two measured ceilings and the best busbw the run reached."""
+    if not fit_GBps:
+        return "no per-byte cost was fitted, so there is no bandwidth to compare"
+    side = lambda limit: "above" if fit_GBps > limit else "below"
+    return (f"{fit_GBps:.2f} GB/s is {side(ceiling['loopback_tcp_GBps'])} the loopback TCP ceiling "
+            f"({ceiling['loopback_tcp_GBps']:.2f} GB/s), {side(ceiling['memcpy_GBps'])} the memcpy one "
+            f"({ceiling['memcpy_GBps']:.2f} GB/s), and {fit_GBps / best_busbw_GBps:.1f}x the best busbw any "
+            f"algorithm reached at the largest size ({best_busbw_GBps:.3f} GB/s)")
+
+
 def print_model(summary: dict, w: int) -> None:
     """Section 3 of the output: the fit, measured/model at every size, and the model's crossover."""
     fit, held = summary["fit_sizes"], summary["held_out_sizes"]
@@ -552,6 +574,8 @@ def main() -> int:
           f"GB/s; best busbw at {size_text(summary['largest_size'])} = {best['busbw (GB/s)']:.3f} GB/s "
           f"({best['algorithm']}) = {summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} "
           "of memcpy")
+    summary["fit_vs_ceilings_text"] = fit_vs_ceilings(summary["fit_bandwidth_GBps"], ceiling, best["busbw (GB/s)"])
+    print(f"fitted 1/beta against them: {summary['fit_vs_ceilings_text']}")
     if summary["fit_bandwidth_GBps"] and summary["fit_bandwidth_GBps"] > ceiling["memcpy_GBps"]:
         print(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
               "nothing on this box moves bytes faster than a memory copy, so the fit's beta is not a speed here")
