@@ -240,7 +240,7 @@ def draw_grid(args, runs: dict, precision: str = "fp32") -> tuple[object, list[d
 
 
 STEP_CAPTIONS = {
-    "start": "before the step: full parameters, a gradient shard, a 1/W slice of Adam's state",
+    "start": "before the step: full parameters, a zeroed gradient-shard buffer, a 1/W slice of Adam's state",
     "backward": "backward: every rank fills a full gradient of its own batch",
     "reduce-scatter": "reduce-scatter: rank r keeps the sum of slice r of everyone's gradients",
     "update": "update: rank r divides its slice by W and runs AdamW on slice r only",
