@@ -52,6 +52,7 @@ def draw_layouts(bars: list[dict], usable_gib: float, title: str, args) -> Path:
     used = [k for k in COMPONENTS if any(b["components"][k] > 0 for b in bars)]
     palette = plot.colours(k for k in COMPONENTS if k != "compute")
     palette["compute"] = "0.78"
+    palette["imbalance"] = "#ece133"  # yellow: the palette's orange sat too close to the dp piece's vermilion
     n, longest = len(bars), max(b["t_total"] for b in bars)
     fig, ax = plt.subplots(figsize=(11, 1.6 + 0.34 * n))
     for y, b in enumerate(bars):

@@ -22,15 +22,15 @@ How to run (world size 2..8; use no more ranks than cores for a clean measuremen
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 2
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py
 
-Runtime on 2 cores: about 10 s with -w 2 on an idle machine (90 s at load 17), 3 s with --smoke.
+Runtime on 2 cores: about 10 s with -w 2 on an idle machine (40 s at load 6, 90 s at load 17), 3 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --micro-batches 1 2 4 8 16
         (about twice the default run) -> more micro-batches: the formula's bubble (p-1)/(m+p-1) falls toward 0;
            compare the measured points
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 4
-        (about three times the default run) -> four stages on two cores: ranks wait for a core, not only for each
-           other, so expect the measured bubble to sit above the formula
+        (about three times the default run, a minute or more on a loaded machine) -> four stages on two cores:
+           ranks wait for a core, not only for each other, so expect the measured bubble to sit above the formula
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --timeline-m 8
         (as long as the default run) -> the timeline figure drawn at m = 8: GPipe's long run of forwards, 1F1B's
            alternation, the same gaps
@@ -139,9 +139,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             results["runs"].append(res)
             rows.append({"schedule": schedule, "m": m, "predicted": round(predicted, 3),
                          "replayed": round(res["replayed"], 3), "rel. error": f"{100 * rel:+.1f}%",
+                         "goal (15%)": "met" if abs(rel) <= GOAL else "not met",
                          "wall clock": round(res["measured"], 3),
                          "per stage": " ".join(f"{b:.3f}" for b in res["per_stage"]),
-                         "goal (15%)": "met" if abs(rel) <= GOAL else "not met",
                          "step ms": round(1000 * res["span_s"], 1), "F ms": round(res["forward_ms"], 1),
                          "B ms": round(res["backward_ms"], 1)})
     if ctx.is_main:
@@ -167,6 +167,16 @@ def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
     results.update(replayed_met=met, wall_met=wall, runs_total=len(results["runs"]))
     print(f"\nwithin {GOAL:.0%} of the formula: replayed {met} of {len(results['runs'])}, "
           f"wall clock {wall} of {len(results['runs'])}")
+    ms = sorted(set(args.micro_batches))
+    if len(ms) >= 2:  # the formula's bubble always falls from one m to the next; say what the wall clock did
+        a, b = ms[-2], ms[-1]
+        wall_at = {(r["schedule"], r["m"]): r["measured"] for r in results["runs"]}
+        moves = [(s, wall_at[s, a], wall_at[s, b]) for s in ("gpipe", "1f1b")]
+        words = [f"{'rose' if y > x else 'fell' if y < x else 'stayed'} under {name} ({x:.3f} to {y:.3f})"
+                 for (s, x, y), name in zip(moves, ("GPipe", "1F1B"))]
+        results["wall_trend"] = f"from m = {a} to m = {b} the wall-clock bubble {words[0]} and {words[1]}"
+        print(f"{results['wall_trend']}; the formula's fell from {bubble_fraction(p, a):.3f} to "
+              f"{bubble_fraction(p, b):.3f}")
     print("\nmedian ms per stage (stage 0, 1, ...), the times the replay gives each forward F and backward B; the\n"
           "replay equals the formula only when every stage has the same times:")
     for run in results["runs"]:

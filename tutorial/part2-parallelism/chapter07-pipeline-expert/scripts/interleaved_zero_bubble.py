@@ -26,7 +26,8 @@ How to run (world size 2..8; a pipeline needs 2 ranks, -w 1 is refused with exit
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/interleaved_zero_bubble.py
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/interleaved_zero_bubble.py
 
-Runtime on 2 cores: about 20 s with the defaults (4 ranks), 6 s with --smoke (2 ranks).
+Runtime on 2 cores: about 20 s with the defaults (4 ranks) on an idle machine (about 60 s at load 6 to 9),
+6 s with --smoke (2 ranks).
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/interleaved_zero_bubble.py -w 2
@@ -279,7 +280,7 @@ def print_report(args: Settings, results: dict) -> None:
     for name, r in results["schedules"].items():
         rows.append({"schedule": name, "stages/rank": r["chunks"], "formula": round(r["formula"], 4),
                      "counted": round(r["counted"], 4), "idle slots": round(r["idle_slots"], 3),
-                     "wall clock": round(r["wall_clock"], 3), "step ms": round(r["step_ms"], 1),
+                     "wall clock": round(r["wall_clock"], 3), "step ms": round(r["step_ms"]),
                      "busy ranks": round(r["busy_ranks"], 2),
                      "peak held": max(r["peak_held"]), "p2p msgs": r["p2p_messages"],
                      "max|dparam|": r["max_param_diff"]})

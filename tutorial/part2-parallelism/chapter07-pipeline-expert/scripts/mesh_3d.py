@@ -21,7 +21,8 @@ How to run (world size = dp * tp * pp)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 4 --dp 1 --tp 2 --pp 2
     torchrun --nproc-per-node 8 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py
 
-Runtime on 2 cores: about 8 s for the default 8 ranks and 2 steps (8 processes share 2 cores), 6 s with --smoke.
+Runtime on 2 cores: about 8 s for the default 8 ranks and 2 steps (8 processes share 2 cores) on an idle
+machine (about 25 s at load 6 to 9), 6 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/mesh_3d.py -w 4 --dp 1 --tp 2 --pp 2

@@ -23,7 +23,7 @@ How to run (W must divide the number of experts)
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py
     ... --top-k 1 --no-renormalize --capacity-factor 1.0      # Switch-style routing
 
-Runtime on 2 cores: about 5 s at -w 2, 3 s with --smoke.
+Runtime on 2 cores: about 5 s at -w 2 on an idle machine (about 20 s at load 6 to 9), 3 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/moe_expert_parallel.py \\

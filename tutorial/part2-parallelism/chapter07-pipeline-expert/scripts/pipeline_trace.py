@@ -24,7 +24,7 @@ How to run (world size 2..4)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_trace.py
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_trace.py
 
-Runtime on 2 cores: about 5 s, 4 s with --smoke.
+Runtime on 2 cores: about 5 s on an idle machine (over 20 s at load 6), 4 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_trace.py --micro-batches 8
@@ -221,12 +221,17 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
     first = [sp for sp in spans if sp.lane == "stage 0" and sp.kind in ("forward", "backward")]  # sorted by start
     shown = round(measured["mean"], 3), round(ideal["mean"], 3)  # as the lesson prints them
     vs = "above" if shown[0] > shown[1] else "below" if shown[0] < shown[1] else "equal to"
+    fwd, bwd = sum(ops["forward"]) / len(ops["forward"]), sum(ops["backward"]) / len(ops["backward"])
+    short = [first[0].end - first[0].start < fwd, first[-1].end - first[-1].start < bwd]  # the ends vs the means
+    ends = ("both ends were shorter than the means, so they pulled the measured share down" if all(short) else
+            "both ends were longer than the means, so they too pushed the measured share up" if not any(short) else
+            f"the first forward was {'shorter' if short[0] else 'longer'} and the last backward "
+            f"{'shorter' if short[1] else 'longer'} than the means, so the two ends pulled in opposite directions")
     return {"measured": measured, "idle_ms": [measured["span"] - b for b in measured["busy"]],
             "blocked_ms": total("blocked in recv"), "sending_ms": total("send posted"),
             "ideal": ideal["mean"], "ideal_per_stage": ideal["per_stage"],
             "formula": bubble_fraction(p, len(actions[0]) // 2),
-            "forward_ms": sum(ops["forward"]) / len(ops["forward"]),
-            "backward_ms": sum(ops["backward"]) / len(ops["backward"]),
+            "forward_ms": fwd, "backward_ms": bwd, "ends_vs_mean": ends,
             # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
             "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
             "measured_vs_ideal": vs}

@@ -14,7 +14,7 @@ How to run (world size 2..4, at most --layers)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py -w 4
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py
 
-Runtime on 2 cores: about 6 s with -w 4, 4 s with --smoke.
+Runtime on 2 cores: about 6 s with -w 4 on an idle machine (about 25 s at load 6 to 9), 4 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipelining_torch.py --micro-batches 2
