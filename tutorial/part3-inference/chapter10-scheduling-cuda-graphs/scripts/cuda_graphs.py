@@ -320,7 +320,8 @@ def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str
             title = (f"graph replay: {len(drawn[key]['CPU: CUDA launch calls'])} launch call(s) for "
                      f"{len(drawn[key]['GPU: kernels'])} kernels")
         else:
-            title = f"graph path on a CPU: nothing can be captured, so the static step still runs {n} ops one by one"
+            title = (f"static-buffer step, run uncaptured (no CUDA graph on a CPU): {n} ops called from Python "
+                     "one by one")
         ax.set_title(title, fontsize=9)
     axes[-1].set_xlabel("ms from the start of the step (torch.profiler trace)")
     fig.tight_layout()

@@ -29,7 +29,8 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
     python .../overlap_scheduling.py --batch-sizes 1 16 64 --steps 40 --device cuda
 
-Runtime on 2 cores: about 4 s, 4 s with --smoke. Needs two free cores to show any gain on a CPU.
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke; timings move with the machine's load (two or three
+times that on a busy machine). Needs two free cores to show any gain on a CPU.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5
@@ -296,6 +297,13 @@ def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
                       palette=palette, legend=ax is axes[-1])
         ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding (numbers: the step each box works for)",
                      fontsize=9)
+    # a launch takes a tiny fraction of a step: draw each one at least 0.6% of the axis wide, over its own box
+    x0, x1 = axes[1].get_xlim()
+    for ax, name in zip(axes, tl):
+        for s in spans:
+            if s.kind == "launch" and s.lane == f"{name}: main thread":
+                ax.barh(1, max(s.end - s.start, 0.006 * (x1 - x0)), left=s.start, height=0.8,
+                        color=palette["launch"], edgecolor="black", linewidth=0.5, zorder=3)
     axes[1].set_xlabel("time (ms) from the first drawn step's start")
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'timeline')}")
