@@ -294,6 +294,48 @@ def test_measured_crossover_is_classified_from_the_timings(ring_wins: list[bool]
     assert words in summary["crossover_measured_text"]
 
 
+def rows_with_rounds(rounds: list[tuple[list[float], list[float]]]) -> list[dict]:
+    """Synthetic rows at 256 B, 1 KiB, .. one per (ring's rounds, tree's rounds): each time the median of its
+    rounds, as the script's worker keeps them; gloo always slower."""
+    rows = []
+    for k, (ring, tree) in enumerate(rounds):
+        for name, times in (("ring", ring), ("tree", tree), ("gloo all_reduce", [10 * t for t in ring])):
+            rows.append({"algorithm": name, "size (B)": 256 * 4**k, "time (us)": float(np.median(times)),
+                         "busbw (GB/s)": 1.0, "rounds (us)": times})
+    return rows
+
+
+FAST, SLOW = [90.0, 95.0, 100.0], [120.0, 125.0, 130.0]
+CLEAR_TREE, CLEAR_RING = (SLOW, FAST), (FAST, SLOW)  # (the ring's rounds, the tree's rounds)
+TIE = ([36000.0, 36645.0, 37500.0], [35900.0, 36825.0, 37100.0])  # medians 0.5% apart, ranges overlapping
+
+
+@pytest.mark.parametrize(("rounds", "kind", "words"), [
+    ([CLEAR_TREE] * 4 + [TIE, CLEAR_RING], "as the model",
+     "shows a crossover: the tree was faster up to 16.0 KiB, the ring from 256.0 KiB (the model's n*"),
+    ([CLEAR_TREE] * 5 + [TIE], "tree everywhere",
+     "the tree was faster at every size where the winner was clear"),
+    ([TIE] * 6, "all ties", "were a tie within the rounds' spread at every size"),
+    # medians 0.5% apart but the ranges do not overlap: a clear (if small) win, not a tie
+    ([CLEAR_TREE] * 5 + [([99.0, 99.5, 99.8], [100.0, 100.5, 101.0])], "as the model",
+     "the tree was faster up to 64.0 KiB, the ring from 256.0 KiB"),
+])
+def test_ties_within_the_rounds_spread_are_not_called_a_win(rounds, kind: str, words: str) -> None:
+    """Where the ring's and the tree's ranges over the rounds overlap, neither is named faster: the crossover is
+    read off the sizes with a clear winner, and the tie is named in the sentence."""
+    rvt = load("ring_vs_tree")
+    summary = rvt.summarise(rows_with_rounds(rounds), 4)
+    assert summary["crossover_kind"] == kind
+    assert words in summary["crossover_measured_text"]
+    ties = [256 * 4**k for k, r in enumerate(rounds) if r == TIE]
+    assert summary["tied_sizes"] == ties
+    if ties and kind != "all ties":
+        tie_words = "a tie within the rounds' spread at " + ", ".join(map(rvt.size_text, ties))
+        assert tie_words in summary["crossover_measured_text"] and tie_words in summary["measured_text"]
+    if not ties:
+        assert "tie" not in summary["crossover_measured_text"]
+
+
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:
     rvt = load("ring_vs_tree")
     ceiling = {"loopback_tcp_GBps": 2.0, "memcpy_GBps": 8.0}

@@ -19,8 +19,9 @@ What it shows
                   doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
     and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (on a quiet machine the time is
     about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny),
-    large ones bandwidth-bound (time grows with size; busbw stops climbing, and may fall again once the buffers
-    outgrow the CPU caches). A fitted time = alpha + size/B line puts the boundary at size = alpha * B, shaded on
+    large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
+    and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
+    shows). A fitted time = alpha + size/B line puts the boundary at size = alpha * B, shaded on
     the figure. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
     at most half the largest size, and the measured time of the largest size must be at least twice the smallest
     measured time (the size term at least as large as the fixed cost); otherwise the line fits noise, and the
@@ -220,7 +221,23 @@ def reading(rows: list[dict]) -> dict:
             "last_step_size_ratio": last["size (B)"] / before["size (B)"],
             "last_step_time_ratio": last["time (us)"] / before["time (us)"],
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
-            "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"])}
+            "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
+            "busbw_trend_text": busbw_trend_text(rows)}
+
+
+def busbw_trend_text(rows: list[dict]) -> str:
+    """Where busbw peaked, in words whose direction is computed from the run: still rising at the largest size
+    (the peak is the last row), or peaked earlier and how much lower the largest size ended."""
+    peak = max(rows, key=lambda r: r["busbw (GB/s)"])
+    last = rows[-1]
+    if peak is last:
+        return (f"was still rising at the largest size: it peaked there, at {last['busbw (GB/s)']:.2f} GB/s at "
+                f"{size_text(last['size (B)'])}, so this sweep does not show where it stops (larger sizes, "
+                "--max-bytes, would)")
+    drop = 1 - last["busbw (GB/s)"] / peak["busbw (GB/s)"]
+    return (f"peaked at {peak['busbw (GB/s)']:.2f} GB/s at {size_text(peak['size (B)'])} and ended "
+            f"{drop:.1%} lower, at {last['busbw (GB/s)']:.2f} GB/s at the largest size, "
+            f"{size_text(last['size (B)'])}")
 
 
 def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,

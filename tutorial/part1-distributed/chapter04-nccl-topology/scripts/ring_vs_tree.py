@@ -12,7 +12,9 @@ What it shows
     The output has four sections:
       1. correctness: each algorithm's largest difference from dist.all_reduce;
       2. the median time per all-reduce of every algorithm and gloo's own at each size (they take turns, so a
-         burst of load hits all of them), which of ring and tree was faster where, ring busbw over gloo's;
+         burst of load hits all of them) and the fastest of them all, gloo's included; which of ring and tree was
+         faster where (a tie where their ranges over the rounds overlap: no winner is claimed there), ring busbw
+         over gloo's;
       3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) fitted by least squares to the
          ring's and the tree's times at every other size, then compared with the points it did not see (the
          sizes in between, and every halving-doubling point): measured/model per size, the median and worst
@@ -332,56 +334,82 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             for name, times in rounds.items():
                 seconds = float(np.median(times))
                 rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
-                             "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size)})
+                             "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size),
+                             "rounds (us)": [t * 1e6 for t in times]})
     return {"rows": rows, "max_abs_error": errors, "check_output": outputs}
+
+
+def tied(a: dict, b: dict) -> bool:
+    """Whether two algorithms' times at one size are a tie within the measurement's own spread: the ranges of
+    their rounds (fastest to slowest round) overlap. A row without its rounds counts as one round at its time."""
+    lo_a, hi_a = min(a.get("rounds (us)") or [a["time (us)"]]), max(a.get("rounds (us)") or [a["time (us)"]])
+    lo_b, hi_b = min(b.get("rounds (us)") or [b["time (us)"]]), max(b.get("rounds (us)") or [b["time (us)"]])
+    return max(lo_a, lo_b) <= min(hi_a, hi_b)
 
 
 def summarise(rows: list[dict], world_size: int) -> dict:
     """The measured comparison (which of ring and tree was faster where, ring against gloo), then the alpha-beta
-    model fitted on every other size and tested on the sizes it did not see."""
+    model fitted on every other size and tested on the sizes it did not see. A size where the ring's and the
+    tree's round-to-round ranges overlap is a tie: neither is named faster there, and a crossover is only claimed
+    between sizes where the winner is clear."""
     sizes = sorted({r["size (B)"] for r in rows})
-    time_of = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
-    busbw_of = {(r["algorithm"], r["size (B)"]): r["busbw (GB/s)"] for r in rows}
-    ring_faster = [s for s in sizes if time_of["ring", s] < time_of["tree", s]]
-    tree_faster = [s for s in sizes if s not in ring_faster]
+    row_of = {(r["algorithm"], r["size (B)"]): r for r in rows}
+    time_of = {key: r["time (us)"] for key, r in row_of.items()}
+    busbw_of = {key: r["busbw (GB/s)"] for key, r in row_of.items()}
+    ties = [s for s in sizes if tied(row_of["ring", s], row_of["tree", s])]
+    ring_faster = [s for s in sizes if s not in ties and time_of["ring", s] < time_of["tree", s]]
+    tree_faster = [s for s in sizes if s not in ties and s not in ring_faster]
+    clear = [s for s in sizes if s not in ties]  # the sizes with a clear winner, in order
     every = f"every size, {size_text(sizes[0])} to {size_text(sizes[-1])}"
-    measured_text = (f"the tree was faster than the ring at {every}" if not ring_faster else
-                     f"the ring was faster than the tree at {every}" if not tree_faster else
-                     f"the ring was faster at {', '.join(map(size_text, ring_faster))}; the tree at "
-                     f"{', '.join(map(size_text, tree_faster))}")
+    tie_note = (f"; a tie within the rounds' spread at {', '.join(map(size_text, ties))}" if ties else "")
+    measured_text = (f"the ring and the tree were a tie within the rounds' spread at {every}" if not clear else
+                     f"the tree was faster than the ring at {every}" if not ring_faster and not ties else
+                     f"the ring was faster than the tree at {every}" if not tree_faster and not ties else
+                     "; ".join(part for part in (
+                         f"the ring was faster at {', '.join(map(size_text, ring_faster))}" if ring_faster else "",
+                         f"the tree was faster at {', '.join(map(size_text, tree_faster))}" if tree_faster else "",
+                         f"a tie within the rounds' spread at {', '.join(map(size_text, ties))}" if ties else "")
+                               if part))
     fit_sizes, held_sizes = split_sizes(sizes)
     alpha, beta = fit_on(rows, world_size, fit_sizes)
     points = model_vs_measured(rows, world_size, fit_sizes, alpha, beta)
     off = lambda p: max(p["measured/model"], 1 / p["measured/model"])  # how many times off, either way
     held, fitted = ([p for p in points if p["role"] == role] for role in ("held out", "fit"))
     cross = crossover_bytes(alpha, beta, world_size)
-    split = next((i for i in range(1, len(sizes)) if set(sizes[:i]) == set(tree_faster) and set(sizes[i:]) ==
-                  set(ring_faster)), None)  # tree faster at every size below sizes[split], ring at every one above
-    backwards = next((i for i in range(1, len(sizes)) if set(sizes[:i]) == set(ring_faster) and set(sizes[i:]) ==
-                      set(tree_faster)), None)  # one switch the other way: ring faster below sizes[i], tree above
+    # among the sizes with a clear winner: tree at every one below clear[split], ring at every one from it on
+    split = next((i for i in range(1, len(clear)) if set(clear[:i]) == set(tree_faster) and set(clear[i:]) ==
+                  set(ring_faster)), None)
+    backwards = next((i for i in range(1, len(clear)) if set(clear[:i]) == set(ring_faster) and set(clear[i:]) ==
+                      set(tree_faster)), None)  # one switch the other way: ring faster below clear[i], tree above
     where = (f"the model's n* ({size_text(cross)}) lies beyond the largest size" if cross and cross > sizes[-1] else
              f"even above the model's n* ({size_text(cross)})" if cross else "and the model has no crossover")
+    wherever = "at every size" if not ties else "at every size where the winner was clear"
     crossover_measured_text = (
-        f"does not show a crossover: the tree was faster at every size, {where}" if not ring_faster else
-        "does not show a crossover: the ring was faster at every size" if not tree_faster else
-        f"shows a crossover: the tree was faster up to {size_text(sizes[split - 1])}, the ring from "
-        f"{size_text(sizes[split])} (the model's n*: {size_text(cross) if cross else 'none'})"
+        "does not show a crossover: the ring and the tree were a tie within the rounds' spread at every size"
+        if not clear else
+        f"does not show a crossover: the tree was faster {wherever}, {where}{tie_note}" if not ring_faster else
+        f"does not show a crossover: the ring was faster {wherever}{tie_note}" if not tree_faster else
+        f"shows a crossover: the tree was faster up to {size_text(clear[split - 1])}, the ring from "
+        f"{size_text(clear[split])} (the model's n*: {size_text(cross) if cross else 'none'}){tie_note}"
         if split else
         f"shows one switch, the opposite way to the model's: the ring was faster up to "
-        f"{size_text(sizes[backwards - 1])}, the tree from {size_text(sizes[backwards])} (the model has the tree "
-        "faster below n* and the ring above)" if backwards else
+        f"{size_text(clear[backwards - 1])}, the tree from {size_text(clear[backwards])} (the model has the tree "
+        f"faster below n* and the ring above){tie_note}" if backwards else
         "does not show a clean crossover: which of the two was faster flips back and forth between "
-        "neighbouring sizes")
+        f"neighbouring sizes{tie_note}")
     gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
-    crossover_kind = ("tree everywhere" if not ring_faster else "ring everywhere" if not tree_faster else
-                      "as the model" if split else "opposite to the model" if backwards else "back and forth")
+    crossover_kind = ("all ties" if not clear else "tree everywhere" if not ring_faster else
+                      "ring everywhere" if not tree_faster else "as the model" if split else
+                      "opposite to the model" if backwards else "back and forth")
     return {"crossover_measured_text": crossover_measured_text, "crossover_kind": crossover_kind,
             "sizes_count": len(sizes),
             "tree_faster_than_gloo_count": len(gloo_beaten),
             "tree_faster_than_gloo_text": ", ".join(map(size_text, gloo_beaten)) or "no size",
             "largest_size": sizes[-1], "measured_text": measured_text,
-            "faster_at_largest": "ring" if sizes[-1] in ring_faster else "tree",
-            "tree_faster_at_every_size": not ring_faster,
+            "tied_sizes": ties,
+            "faster_at_largest": "ring" if sizes[-1] in ring_faster else "tree" if sizes[-1] in tree_faster else
+            "tie",
+            "tree_faster_at_every_size": not ring_faster and not ties,
             "ring_over_gloo_busbw": busbw_of["ring", sizes[-1]] / busbw_of["gloo all_reduce", sizes[-1]],
             "fit_sizes": fit_sizes, "held_out_sizes": held_sizes, "alpha_s": alpha, "beta_s_per_byte": beta,
             "fit_bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else None, "model_points": points,
@@ -554,7 +582,8 @@ def main() -> int:
                          "fastest": min(names, key=lambda n: time_of[n, s])}
                         for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     summary = summarise(rows, w)
-    print(f"measured: {summary['measured_text']}")
+    print(f"measured, ring against tree (a tie where the two's ranges over the {args.rounds} round(s) overlap): "
+          f"{summary['measured_text']}")
     ratio = summary["ring_over_gloo_busbw"]
     summary["ring_vs_gloo_text"] = (
         f"above 1: our Python ring finished faster than gloo's own all-reduce at {size_text(summary['largest_size'])}"
