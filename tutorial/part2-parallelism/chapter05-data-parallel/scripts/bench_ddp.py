@@ -18,7 +18,8 @@ What it shows
     times), or says there is no ratio when every row of one of them fell below local; it is reported, not
     enforced, because timings on a shared CPU are noisy.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
-    one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there.
+    one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A line
+    gives bucketed minus overlapped at each size, next to the spread of local's own rounds.
     Writes bench_ddp.png (step time against bucket size) to --plot-dir and everything to --json.
 
 How to run (2 to 8 ranks)
@@ -177,6 +178,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     above_text = (f"medians above local's slowest round, outside the noise: {above_rows}" if above else
                   "no median lies above local's slowest round: this run separates no version from local")
     ctx.print(above_text)
+    vs_bucketed = _overlapped_vs_bucketed(med, sorted(set(args.bucket_mb)), max(local_ms) - min(local_ms))
+    ctx.print(vs_bucketed)
     if ctx.is_main:
         draw(args, med)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -192,10 +195,30 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "num_buckets": {f"{mb:g}": len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
+            "overlapped_vs_bucketed_text": vs_bucketed,
             "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
             "world_size": ctx.world_size, "backend": ctx.backend}
+
+
+def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:
+    """One sentence: at which bucket sizes overlapped's median beat bucketed's, by how much, against local's range."""
+    gaps = {mb: 1e3 * (med[("bucketed", mb)] - med[("overlapped", mb)]) for mb in sizes}  # > 0: overlapped faster
+    faster = [mb for mb in sizes if gaps[mb] > 0]
+    if len(faster) == len(sizes):
+        where = "at every bucket size"
+    elif not faster:
+        where = "at no bucket size"
+    else:
+        where = "only at " + ", ".join(f"{mb:g}" for mb in faster) + " MiB"
+    larger = sum(round(abs(g), 1) > round(spread_ms, 1) for g in gaps.values())  # as printed: 7.0 is not > 7.0
+    against = ("every gap is larger than that range" if larger == len(gaps) else
+               "no gap is larger than that range" if not larger else
+               f"{larger} of the {len(gaps)} gaps {'is' if larger == 1 else 'are'} larger than that range")
+    return (f"overlapped's median was below bucketed's {where} (bucketed minus overlapped: "
+            + ", ".join(f"{mb:g} MiB {g:+.1f} ms" for mb, g in gaps.items())
+            + f"); local's own rounds spread over {spread_ms:.1f} ms, and {against}")
 
 
 def _calls(wrapped, args: Settings) -> str:
