@@ -33,7 +33,8 @@ A schema is checked before it is compiled, and a `SchemaError` (a ValueError) sa
 (jsonschema's meta-schema check), uses a keyword outside the subset, or admits no document this subset can
 write: `required` naming a property that `properties` does not list, minLength > maxLength, minItems >
 maxItems, minimum > maximum, an enum or const that contradicts the node's other keywords (enum values that do
-are dropped: they could never validate), or any other node with no valid value (found as dist[start] = INF).
+are dropped: they could never validate), or the schema `false`
+(a last check that dist[start] is finite guards anything else).
 
     python -m mlsys.json_constrained     # DFA size and min length of the record schema (< 1 s)
 """
@@ -383,7 +384,9 @@ class SchemaFSM:
         self.nfa_start = closure(self.nfa, {start})
         self._determinize()
         self.dist = min_tokens_to_close(self.trans, self.accepting)
-        if self.dist[0] >= INF:  # e.g. an object whose property admits nothing: no document to steer towards
+        # A guard: build() raises for a node with no value (an empty enum, `false`, an empty range), and every
+        # fragment it returns has a path from its start to its end, so today dist[0] is always finite.
+        if self.dist[0] >= INF:
             raise SchemaError(f"no document satisfies the schema within the supported subset: {schema}")
         self.nfa_dist = self._nfa_distances()
         self._tables()
