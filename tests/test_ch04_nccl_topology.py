@@ -336,6 +336,22 @@ def test_ties_within_the_rounds_spread_are_not_called_a_win(rounds, kind: str, w
         assert "tie" not in summary["crossover_measured_text"]
 
 
+@pytest.mark.parametrize(("cross", "words", "not_words"), [
+    (2 * 1024, "even above the model's crossover n* (2.0 KiB)", "none of those sizes above"),
+    (32 * 1024, "none of those sizes above the model's crossover n* (32.0 KiB)", "even above"),
+])
+def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypatch, cross: int, words: str,
+                                                                        not_words: str) -> None:
+    """Clear tree wins at 256 B to 16 KiB, ties at 64 and 256 KiB: "even above the model's n*" is said only when
+    a clear tree win lies above the model's crossover, not when every clear win is below it."""
+    rvt = load("ring_vs_tree")
+    monkeypatch.setattr(rvt, "crossover_bytes", lambda alpha, beta, world_size: float(cross))
+    summary = rvt.summarise(rows_with_rounds([CLEAR_TREE] * 4 + [TIE, TIE]), 4)
+    assert summary["crossover_kind"] == "tree everywhere"
+    assert words in summary["crossover_measured_text"]
+    assert not_words not in summary["crossover_measured_text"]
+
+
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:
     rvt = load("ring_vs_tree")
     ceiling = {"loopback_tcp_GBps": 2.0, "memcpy_GBps": 8.0}

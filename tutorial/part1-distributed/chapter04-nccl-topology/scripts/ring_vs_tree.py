@@ -381,8 +381,13 @@ def summarise(rows: list[dict], world_size: int) -> dict:
                   set(ring_faster)), None)
     backwards = next((i for i in range(1, len(clear)) if set(clear[:i]) == set(ring_faster) and set(clear[i:]) ==
                       set(tree_faster)), None)  # one switch the other way: ring faster below clear[i], tree above
-    where = (f"the model's n* ({size_text(cross)}) lies beyond the largest size" if cross and cross > sizes[-1] else
-             f"even above the model's n* ({size_text(cross)})" if cross else "and the model has no crossover")
+    # "even above n*" only where a clear tree win lies above the model's crossover; wins at or below it agree with it
+    where = (f"the model's crossover n* ({size_text(cross)}) lies beyond the largest size"
+             if cross and cross > sizes[-1] else
+             f"even above the model's crossover n* ({size_text(cross)})"
+             if cross and max(tree_faster, default=0) > cross else
+             f"none of those sizes above the model's crossover n* ({size_text(cross)})"
+             if cross else "and the model has no crossover")
     wherever = "at every size" if not ties else "at every size where the winner was clear"
     crossover_measured_text = (
         "does not show a crossover: the ring and the tree were a tie within the rounds' spread at every size"
@@ -505,7 +510,7 @@ def draw_ceiling(rows: list[dict], ceiling: dict, world_size: int, args: Setting
     ax.axhline(ceiling["memcpy_GBps"], color="0.2", ls="--", label=f"memcpy {ceiling['memcpy_GBps']:.2f} GB/s")
     ax.axhline(ceiling["loopback_tcp_GBps"], color="0.4", ls=":",
                label=f"loopback TCP {ceiling['loopback_tcp_GBps']:.2f} GB/s")
-    ax.set(xlabel="message size (bytes)", ylabel="busbw (GB/s)")
+    ax.set(xlabel="message size (bytes)", ylabel="busbw (GB/s): algbw × 2(p-1)/p for every algorithm")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"busbw under the ceilings of this box, {world_size} ranks", fontsize=10)
     print(f"figure: {plot.save(fig, args, 'ceiling')}")
