@@ -22,7 +22,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py
     python .../chunked_prefill.py --budgets 512 64 16 --long-len 240
 
-Runtime on 2 cores: about 4 s, 4 s with --smoke.
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke; two or three times that on a busy machine.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --budgets 512 16

@@ -28,7 +28,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py
     python .../tp_serving.py --sizes 1 2 --batch-size 32
 
-Runtime on 2 cores: about 10 s, 8 s with --smoke.
+Runtime on 2 idle cores: about 10 s, 8 s with --smoke; two or three times that on a busy machine.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64
@@ -229,7 +229,7 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
 
 def draw_step(spans: list[plot.Span], summary: dict, size: int, args: Settings) -> Path:
     plt = plot.pyplot()
-    fig, ax = plt.subplots(figsize=(12, 3.0))
+    fig, ax = plt.subplots(figsize=(12, 3.4))
     lanes = {"step": "rank 0: the step", "compute": "rank 0: compute", "collective": "rank 0: in a collective",
              "gloo": "gloo's threads: running it"}
     import seaborn as sns
@@ -238,9 +238,18 @@ def draw_step(spans: list[plot.Span], summary: dict, size: int, args: Settings) 
     palette = {"attention": c[0], "MLP": c[2], "other": c[7], "all-reduce": c[3], "broadcast": c[4],
                "gloo runs the collective": c[5],
                "engine": "0.97", "layer 0": "0.82", "layer 1": "0.9"}  # the step lane: greys
-    plot.timeline(ax, [plot.Span(lanes[s.lane], s.start, s.end, s.label, s.kind) for s in spans],
+    # every all-reduce box gets its label ("L0 attn", "L0 MLP", ...): written across a wide box, turned upright in a
+    # narrow one (plot.timeline would leave a narrow box blank)
+    plot.timeline(ax, [plot.Span(lanes[s.lane], s.start, s.end, "" if s.kind == "all-reduce" else s.label, s.kind)
+                       for s in spans],
                   list(lanes.values()), unit="ms since the decode step started (rank 0)", palette=palette,
                   legend=False, fontsize=7)
+    y = len(lanes) - 1 - list(lanes).index("collective")
+    for s in spans:
+        if s.kind == "all-reduce" and s.label:
+            wide = (s.end - s.start) / summary["step_ms"] * 60 >= len(s.label) * 7 / 8
+            ax.text((s.start + s.end) / 2, y, s.label, ha="center", va="center", fontsize=7 if wide else 6,
+                    rotation=0 if wide else 90)
     from matplotlib.patches import Patch
 
     shown = ["attention", "MLP", "other", "all-reduce", "broadcast", "gloo runs the collective"]
