@@ -154,3 +154,111 @@ def test_the_pool_refuses_to_cache_or_evict_a_block_in_the_wrong_state() -> None
     pool.decref(free)
     with pytest.raises(AssertionError):
         pool.mark_cached(free)  # a free block (count 0) cannot be indexed
+
+
+def cached_pool(num_blocks: int, cached_prompts: list[list[int]], block_size: int = 4) -> BlockManager:
+    """A manager whose prefix cache holds each prompt's full blocks, every sequence finished (cached, unused)."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    for tokens in cached_prompts:
+        s = seq(tokens)
+        assert bm.match_prefix(s) == 0 and bm.allocate_slots(s, len(tokens))
+        s.num_computed_tokens = len(tokens)
+        bm.cache_full_blocks(s)
+        bm.free(s)
+    return bm
+
+
+def test_a_shortfall_evicts_exactly_the_blocks_missing() -> None:
+    """6 blocks: four one-block prompts are cached (unused), 2 blocks stay free. A sequence needing 3 blocks takes
+    the 2 free ones and evicts exactly 1 cached block (the cache evicts whole nodes, here one block each)."""
+    bm = cached_pool(6, [list(range(k, k + 4)) for k in (0, 100, 200, 300)])
+    assert bm.pool.num_free == 2 and bm.pool.num_cached_unused == 4
+    s = seq(range(500, 512))
+    assert bm.allocate_slots(s, 12)
+    assert len(s.block_table) == 3 and bm.pool.num_cached_unused == 3 and bm.pool.num_free == 0
+    bm.check_invariants([s])
+
+
+def test_the_pool_evicts_one_cached_block_per_allocation() -> None:
+    bm = cached_pool(2, [list(range(4)), list(range(100, 104))])  # both blocks cached (one node each), none free
+    assert bm.pool.num_free == 0 and bm.pool.num_cached_unused == 2
+    bm.pool.allocate()
+    assert bm.pool.num_cached_unused == 1  # one evicted for the one block asked for
+    with pytest.raises(RuntimeError) as err:
+        BlockPool(0, 4).allocate()
+    assert str(err.value) == "out of KV blocks (the scheduler should have checked)"
+
+
+def test_a_copy_on_write_that_also_grows_gets_both_blocks() -> None:
+    """bs 4, a prompt of 6 (blocks b0 full, b1 half), forked: the child writing 4 more tokens fills b1's last 2
+    slots (a private copy of b1) and 2 slots of a new block: 3 blocks, one of them copied."""
+    bm = BlockManager(8, 4)
+    a = seq(range(6))
+    assert bm.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    child = seq(range(6), 6)
+    bm.fork(a, child)
+    assert bm.allocate_slots(child, 4)
+    assert len(child.block_table) == 3 and child.block_table[0] == a.block_table[0]
+    assert len({*child.block_table, *a.block_table}) == 4 and bm.num_cow_copies == 1
+    bm.check_invariants([a, child])
+
+
+def test_a_prompt_one_token_past_cached_blocks_reuses_them_all() -> None:
+    """9 tokens, bs 4: (9 - 1) // 4 = 2 blocks may be reused (the 9th token is computed): 8 tokens."""
+    bm = cached_pool(6, [list(range(8))])
+    assert bm.match_prefix(seq(range(9))) == 8
+    bm2 = cached_pool(6, [list(range(8))])
+    assert bm2.match_prefix(seq(range(8))) == 4  # all 8 cached, but the last token must be computed
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda pool: pool.free_list.append(pool.free_list[0]), "a block is on the free list twice"),
+    (lambda pool: setattr(pool, "num_cached_unused", pool.num_cached_unused + 1), "evictable count drifted"),
+])
+def test_check_invariants_names_what_drifted(corrupt, message) -> None:
+    bm = cached_pool(4, [list(range(4))])
+    corrupt(bm.pool)
+    with pytest.raises(AssertionError) as err:
+        bm.check_invariants([])
+    assert str(err.value) == message
+
+
+def test_check_invariants_catches_a_free_block_still_counted_as_used() -> None:
+    bm = BlockManager(4, 4)
+    b = bm.pool.free_list[0]
+    holder = seq(range(1))
+    holder.block_table, bm.pool.ref_counts[b] = [b], 1  # a live sequence reads a block still on the free list
+    with pytest.raises(AssertionError) as err:
+        bm.check_invariants([holder])
+    assert str(err.value) == f"free block {b} is in use/cached"
+
+
+def test_a_step_that_completes_no_block_leaves_the_lru_order_alone() -> None:
+    """A's block is cached before B's, so A's is the least recently used. A decode step of A that completes no new
+    block must not count as a use: after both finish, evicting one block takes A's and keeps B's."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a, b = seq(range(5)), seq(range(100, 105))
+    for s in (a, b):
+        assert bm.match_prefix(s) == 0 and bm.allocate_slots(s, 5)
+        s.num_computed_tokens = 5
+        bm.cache_full_blocks(s)  # one full block each: A's first, then B's
+    a.token_ids.append(5)
+    assert bm.allocate_slots(a, 1)
+    a.num_computed_tokens = 6
+    bm.cache_full_blocks(a)  # still one full block: nothing new to index
+    bm.free(a)
+    bm.free(b)
+    assert bm.prefix_cache.evict(1) == 1
+    assert bm.match_prefix(seq([*range(4), 9, 9])) == 0  # A's block went
+    assert bm.match_prefix(seq([*range(100, 104), 9, 9])) == 4  # B's stayed
+
+
+def test_prefix_caching_is_off_unless_asked() -> None:
+    bm = BlockManager(8, 4)
+    a = seq(range(9))
+    assert bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    assert bm.match_prefix(seq(range(9))) == 0 and bm.pool.num_free == 8 and not any(bm.pool.in_cache)

@@ -109,3 +109,55 @@ def test_static_batching_admits_only_into_an_empty_engine() -> None:
     assert [q.request_id for q, _ in s.schedule().scheduled] == ["c"]
     with pytest.raises(ValueError, match="'continuous' or 'static'.*'fifo'"):
         Scheduler(BlockManager(4, 4), 1, 1, scheduling="fifo")
+
+
+def test_the_budget_is_spent_to_its_last_token_and_not_beyond() -> None:
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=3)
+    a, b, c = make("a", 1), make("b", 1), make("c", 1)
+    for q in (a, b, c):
+        s.add(q)
+    run_step(s.schedule())  # three one-token prompts fill the budget of 3 exactly
+    d = make("d", 5)
+    s.add(d)
+    s.finish(c)
+    out = s.schedule()  # a and b decode (2 of 3): the last token of budget goes to d, a chunk of one
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 1), ("b", 1), ("d", 1)]
+    run_step(out)
+    s.add(make("e", 2))
+    out = s.schedule()  # a, b, d take all 3: e is not admitted, and nothing is scheduled with 0 tokens
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 1), ("b", 1), ("d", 1)]
+    assert [q.request_id for q in s.waiting] == ["e"]
+
+
+def test_a_one_token_prompt_chunk_is_prefill_not_decode() -> None:
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=4)
+    a = make("a", 5)
+    s.add(a)
+    run_step(s.schedule())  # 4 of a's 5 prompt tokens
+    out = s.schedule()  # its last prompt token: one token, but prefill (nothing sampled yet)
+    assert out.scheduled == [(a, 1)] and out.num_prefill_tokens == 1
+    run_step(out)
+    assert s.schedule().num_prefill_tokens == 0  # now one token after a sampled one: a decode
+
+
+def test_prefix_lookups_count_every_admitted_prompt_token() -> None:
+    bm = BlockManager(100, 4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    for name, n in (("a", 6), ("b", 3)):
+        s.add(make(name, n))
+    s.schedule()
+    assert bm.prefix_query_tokens == 6 + 3
+
+
+def test_running_sequences_past_the_budget_are_not_scheduled_at_all() -> None:
+    """Static batching admits a whole batch whatever the budget: with a budget of 4 and three prompts of 5, a
+    prefills 4; next step a's last token and 3 of b's exhaust the budget, and c is left out (not scheduled with 0)."""
+    s = Scheduler(BlockManager(100, 4), max_num_seqs=3, max_num_batched_tokens=4, scheduling="static")
+    a, b, c = make("a", 5), make("b", 5), make("c", 5)
+    for q in (a, b, c):
+        s.add(q)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 4)] and s.running == [a, b, c]
+    run_step(out)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 1), ("b", 3)]

@@ -204,3 +204,12 @@ def test_chi_square_rejects_a_count_where_the_probability_is_zero() -> None:
     assert stat == float("inf") and stat > critical
     stat, critical = chi_square([500, 500, 0], [0.5, 0.5, 0.0])  # the same cell empty: a perfect fit
     assert stat == 0.0 < critical
+
+
+def test_a_draft_the_target_never_picks_is_rejected_even_at_u_zero(monkeypatch) -> None:
+    """torch.rand draws from [0, 1): u = 0 can happen. A draft with p(d) = 0 has ratio 0 and must be rejected
+    (u < 0 is false), the next token then coming from the residual, here all on token 1."""
+    p = torch.tensor([[0.0, 1.0], [0.5, 0.5]])  # the target never writes token 0 first
+    q = torch.tensor([[1.0, 0.0]])  # the draft always does
+    monkeypatch.setattr(torch, "rand", lambda k, generator=None: torch.zeros(k))
+    assert verify_sampled(p, q, torch.tensor([0])) == (0, 1)
