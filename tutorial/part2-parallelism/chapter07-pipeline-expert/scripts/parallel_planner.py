@@ -38,9 +38,10 @@ How to run
     ... --model custom --layers 48 --hidden 6144 --heads 48 --kv-heads 8 --ffn 16384 --vocab 50000
     ... --layout 8 8 1 1                                     # cost one layout (dp tp pp ep) and explain it
 
-Runtime on 2 cores: about 2-3 s, the same with --smoke: nearly all of it is Python importing torch (mlsys.kv_memory,
-where the model shapes live, imports the book's GPT config); the arithmetic itself takes under 0.1 s. --plot-dir
-(the book passes it) adds 1-3 s for importing matplotlib and drawing the two figures.
+Runtime on 2 cores: about 2-3 s on an idle machine (about 10 s at load 6 to 9, other programs sharing the cores),
+the same with --smoke: nearly all of it is Python importing torch (mlsys.kv_memory, where the model shapes live,
+imports the book's GPT config); the arithmetic itself takes under 0.1 s. --plot-dir (the book passes it) adds 1-3 s
+on an idle machine for importing matplotlib and drawing the two figures.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/parallel_planner.py \\

@@ -19,7 +19,7 @@ What it shows
 
 How to run (world size 1..8, at most --layers)
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py -w 4 --micro-batches 8
-    torchrun --nproc-per-node 4 \
+    torchrun --nproc-per-node 4 \\
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 8
 
 Runtime on 2 cores: about 8 s with -w 4 --micro-batches 8 (3 s of it drawing) on an idle machine,
@@ -30,7 +30,7 @@ Try next
         -> fewer micro-batches than stages: 1F1B's warm-up is capped at m, both schedules still match one process
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --double
         -> float64: the differences from the one-process reference shrink to float64 rounding (tests ask 1e-12)
-    torchrun --nproc-per-node 2 \
+    torchrun --nproc-per-node 2 \\
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 4
         -> two stages under torchrun; stage 0 holds at most 2 micro-batches under 1F1B, 4 under GPipe
 """

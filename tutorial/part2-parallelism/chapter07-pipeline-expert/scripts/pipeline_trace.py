@@ -228,6 +228,7 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
             f"the first forward was {'shorter' if short[0] else 'longer'} and the last backward "
             f"{'shorter' if short[1] else 'longer'} than the means, so the two ends pulled in opposite directions")
     return {"measured": measured, "idle_ms": [measured["span"] - b for b in measured["busy"]],
+            "longest_op": longest_op(spans, {"forward": fwd, "backward": bwd}, p),
             "blocked_ms": total("blocked in recv"), "sending_ms": total("send posted"),
             "ideal": ideal["mean"], "ideal_per_stage": ideal["per_stage"],
             "formula": bubble_fraction(p, len(actions[0]) // 2),
@@ -235,6 +236,24 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
             # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
             "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
             "measured_vs_ideal": vs}
+
+
+def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
+    """One sentence on the compute box longest against the mean of its kind, and on the wait it caused: F k on
+    stage s sends activation k to stage s + 1 (its green box a k), B k gradient k to stage s - 1 (g k)."""
+    top = max((sp for sp in spans if sp.kind in means), key=lambda sp: (sp.end - sp.start) / means[sp.kind])
+    s, k = int(top.lane.split()[1]), int(top.label[1:])
+    text = (f"the longest box against the mean of its kind was stage {s}'s {top.label}, "
+            f"{(top.end - top.start) / means[top.kind]:.1f}× the mean {top.kind}")
+    waiter, msg = (s + 1, f"a{k}") if top.kind == "forward" else (s - 1, f"g{k}")
+    if not 0 <= waiter < p:
+        return text + "; no other stage waits for a message from it, so it only lengthened its own stage's row"
+    wait = sum(sp.end - sp.start for sp in spans if sp.lane == f"stage {waiter} messages"
+               and sp.kind == "blocked in recv" and sp.label == msg)
+    if wait < 0.5 * means[top.kind]:
+        return text + f"; stage {waiter}, which needed its result, was barely held up by it (its green {msg} box)"
+    return text + (f": stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, covers the wait for that "
+                   "long box")
 
 
 def worker(ctx: RankContext, args: Settings) -> dict | None:
@@ -278,6 +297,7 @@ def main() -> int:
     print(report.table(rows))
     print(f"\nidle share, mean over stages: measured {m['mean']:.3f}, ideal clock {summary['ideal']:.3f} "
           f"= (p-1)/(m+p-1) = {summary['formula']:.3f}")
+    print(f"{summary['longest_op'][0].upper()}{summary['longest_op'][1:]}")
     print(f"load average: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     print(f"figure: {draw(args, spans, p, summary)}")
     if args.json:
