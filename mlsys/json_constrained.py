@@ -102,8 +102,9 @@ def _validator(schema: dict):
 
 
 def estimated_size(schema, depth: int = ANY_DEPTH) -> int:
-    """About how many NFA states plus edges `build` would make for `schema`, by arithmetic on its keywords,
-    without building anything: the server refuses a schema over MAX_NFA_SIZE before spending time on it.
+    """At least as many NFA states plus edges as `build` makes for `schema` (within twice as many, plus a few dozen,
+    except for any-value nodes, which count their depth's worst case), by arithmetic on its keywords, without
+    building anything: the server refuses a schema over MAX_NFA_SIZE before spending time on it.
     Malformed nodes count as small here; `build` reports what is wrong with them."""
     if not isinstance(schema, dict):
         return 8
@@ -116,20 +117,26 @@ def estimated_size(schema, depth: int = ANY_DEPTH) -> int:
         props = schema.get("properties")
         if not isinstance(props, dict):
             return _ANY_SIZE[min(max(depth, 0), ANY_DEPTH)]
-        return sum(2 * len(str(k)) + 8 + estimated_size(sub, depth - 1) for k, sub in props.items()) + 8
-    if kind == "array":
-        copies = max(size("maxItems", 1), size("minItems", 1))
+        # each property: the literal ', "key": ' (2 per character) and its joins, then its value
+        return sum(2 * len(json.dumps(str(k))) + 12 + estimated_size(sub, depth - 1) for k, sub in props.items()) + 8
+    if kind == "array":  # without maxItems, _repeat builds minItems copies and one more inside the loop
+        if type(schema.get("maxItems")) is int and schema["maxItems"] == 0:
+            return 8  # only "[]"
+        copies = max(size("maxItems", 1), size("minItems", 1) + ("maxItems" not in schema))
         return copies * (estimated_size(schema.get("items", {}), depth - 1) + 12) + 12
     if kind == "string":
-        return max(size("maxLength", 1), size("minLength", 1)) * (len(STRING_CHARS) + 8) + 12
+        copies = max(size("maxLength", 1), size("minLength", 1) + ("maxLength" not in schema))
+        return copies * (len(STRING_CHARS) + 8) + 12
     if kind in ("integer", "number"):
         lo, hi = schema.get("minimum", 0), schema.get("maximum")
         if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and math.isfinite(hi - lo) and hi >= lo:
-            return int(hi - lo + 1) * (2 * len(str(int(hi))) + 4)
+            return int(hi - lo + 1) * (2 * len(str(int(hi))) + 4) + 4  # each value a literal, + the alternation
         return 64
     if kind is None and not (set(schema) - {"title", "description"}):
         return _ANY_SIZE[min(max(depth, 0), ANY_DEPTH)]
-    return 16
+    if kind == "null":
+        return 12  # build() makes 9
+    return 32  # boolean (build() makes 26), or a node build() refuses
 
 
 def _count(x) -> int:
