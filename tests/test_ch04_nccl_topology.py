@@ -338,18 +338,41 @@ def test_ties_within_the_rounds_spread_are_not_called_a_win(rounds, kind: str, w
 
 @pytest.mark.parametrize(("cross", "words", "not_words"), [
     (2 * 1024, "even above the model's crossover n* (2.0 KiB)", "none of those sizes above"),
-    (32 * 1024, "none of those sizes above the model's crossover n* (32.0 KiB)", "even above"),
+    # every size above n* (64 and 256 KiB) a tie: the run does not test the crossover, and says so
+    (32 * 1024, "the sizes above the model's crossover n* (32.0 KiB) were ties, so this run does not test the "
+     "model's crossover", "even above"),
 ])
 def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypatch, cross: int, words: str,
                                                                         not_words: str) -> None:
     """Clear tree wins at 256 B to 16 KiB, ties at 64 and 256 KiB: "even above the model's n*" is said only when
-    a clear tree win lies above the model's crossover, not when every clear win is below it."""
+    a clear tree win lies above the model's crossover; when every size above it is a tie, the sentence says the
+    run does not test the crossover (not that the tree won everywhere the model expected it to)."""
     rvt = load("ring_vs_tree")
     monkeypatch.setattr(rvt, "crossover_bytes", lambda alpha, beta, world_size: float(cross))
     summary = rvt.summarise(rows_with_rounds([CLEAR_TREE] * 4 + [TIE, TIE]), 4)
     assert summary["crossover_kind"] == "tree everywhere"
     assert words in summary["crossover_measured_text"]
     assert not_words not in summary["crossover_measured_text"]
+
+
+@pytest.mark.parametrize(("busbw", "pattern", "words"), [
+    ([0.1, 0.5, 1.0, 2.0], "rising", "was still rising at the largest size"),
+    # the lesson's captured run: a dip at 2 MiB, a larger size faster again
+    ([0.15, 0.55, 1.5, 0.466, 0.59, 0.877], "dip that recovers",
+     "dipped to 0.47 GB/s at 2 MiB and rose again to 0.88 GB/s at 32 MiB: a dip that recovers"),
+    ([0.15, 0.55, 1.5, 0.9, 0.8, 0.85], "fall that stays", "ended 43.3% lower, at 0.85 GB/s at the largest size"),
+    ([0.15, 0.55, 1.5, 0.9, 0.8, 0.7], "fall that stays", "a fall that stays to the end"),
+])
+def test_busbw_trend_names_the_pattern_of_this_run(busbw: list[float], pattern: str, words: str) -> None:
+    """The sentence after the bandwidth-bound regime says which way busbw came down in this run: a dip that a
+    larger size recovers from (load), or a fall that stays to the end (a limit such as the caches)."""
+    bc = load("bench_collectives")
+    sizes = [8 * 2**20 // 4 ** (len(busbw) - 1 - k) * 4 for k in range(len(busbw))]  # .. 2, 8, 32 MiB at the end
+    rows = [{"size (B)": s, "time (us)": 1.0, "busbw (GB/s)": b} for s, b in zip(sizes, busbw)]
+    assert sizes[-1] == 32 * 2**20
+    assert bc.busbw_pattern(rows)[0] == pattern
+    assert words in bc.busbw_trend_text(rows)
+    assert bc.reading(rows)["busbw_pattern"] == pattern
 
 
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:

@@ -21,8 +21,10 @@ What it shows
     about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny),
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
-    shows). A fitted time = alpha + size/B line puts the boundary at size = alpha * B, shaded on
-    the figure. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
+    shows: still rising, a dip that recovers at a larger size (load), or a fall that stays to the end). A fitted
+    time = alpha + size/B line puts the boundary at size = alpha * B, shaded on the figure; it is one
+    least-squares line through all the points, which scatter on both sides of it, so its B can be below the
+    peak busbw. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
     at most half the largest size, and the measured time of the largest size must be at least twice the smallest
     measured time (the size term at least as large as the fixed cost); otherwise the line fits noise, and the
     output says the sweep has no bandwidth-bound points. Each size is checked once against a closed-form answer
@@ -222,22 +224,43 @@ def reading(rows: list[dict]) -> dict:
             "last_step_time_ratio": last["time (us)"] / before["time (us)"],
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
             "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
-            "busbw_trend_text": busbw_trend_text(rows)}
+            "busbw_trend_text": busbw_trend_text(rows), "busbw_pattern": busbw_pattern(rows)[0]}
 
 
 def busbw_trend_text(rows: list[dict]) -> str:
     """Where busbw peaked, in words whose direction is computed from the run: still rising at the largest size
-    (the peak is the last row), or peaked earlier and how much lower the largest size ended."""
-    peak = max(rows, key=lambda r: r["busbw (GB/s)"])
+    (the peak is the last row); a dip that recovers (after the peak, a larger size beat the lowest point by at
+    least RECOVERY: one size was slowed, the pattern of load); or a fall that stays to the end (no larger size
+    recovered by that much: the pattern of a limit, such as the caches)."""
+    return busbw_pattern(rows)[1]
+
+
+RECOVERY = 1.2  # a later size at least this many times the lowest busbw after the peak: the dip recovered
+
+
+def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
+    """(pattern, sentence) for busbw_trend_text: pattern is "rising", "dip that recovers" or "fall that stays"."""
+    bw = [r["busbw (GB/s)"] for r in rows]
+    top = int(np.argmax(bw))
     last = rows[-1]
-    if peak is last:
-        return (f"was still rising at the largest size: it peaked there, at {last['busbw (GB/s)']:.2f} GB/s at "
-                f"{size_text(last['size (B)'])}, so this sweep does not show where it stops (larger sizes, "
-                "--max-bytes, would)")
-    drop = 1 - last["busbw (GB/s)"] / peak["busbw (GB/s)"]
-    return (f"peaked at {peak['busbw (GB/s)']:.2f} GB/s at {size_text(peak['size (B)'])} and ended "
-            f"{drop:.1%} lower, at {last['busbw (GB/s)']:.2f} GB/s at the largest size, "
-            f"{size_text(last['size (B)'])}")
+    if top == len(rows) - 1:
+        return "rising", (f"was still rising at the largest size: it peaked there, at {bw[-1]:.2f} GB/s at "
+                          f"{size_text(last['size (B)'])}, so this sweep does not show where it stops (larger "
+                          "sizes, --max-bytes, would)")
+    low = top + 1 + int(np.argmin(bw[top + 1:]))  # the lowest point after the peak
+    later = bw[low + 1:]
+    peak_text = f"peaked at {bw[top]:.2f} GB/s at {size_text(rows[top]['size (B)'])}"
+    if later and max(later) >= RECOVERY * bw[low]:
+        best = low + 1 + int(np.argmax(later))
+        return "dip that recovers", (
+            f"{peak_text}, dipped to {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} and rose again to "
+            f"{bw[best]:.2f} GB/s at {size_text(rows[best]['size (B)'])}: a dip that recovers (a larger size "
+            "was faster again), not a fall that stays to the end")
+    drop = 1 - bw[-1] / bw[top]
+    return "fall that stays", (
+        f"{peak_text} and ended {drop:.1%} lower, at {bw[-1]:.2f} GB/s at the largest size, "
+        f"{size_text(last['size (B)'])}: a fall that stays to the end (no larger size recovered {RECOVERY:g}x "
+        "above the lowest point after the peak), not a dip that recovers")
 
 
 def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,

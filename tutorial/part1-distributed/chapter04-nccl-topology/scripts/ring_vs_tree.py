@@ -381,11 +381,15 @@ def summarise(rows: list[dict], world_size: int) -> dict:
                   set(ring_faster)), None)
     backwards = next((i for i in range(1, len(clear)) if set(clear[:i]) == set(ring_faster) and set(clear[i:]) ==
                       set(tree_faster)), None)  # one switch the other way: ring faster below clear[i], tree above
-    # "even above n*" only where a clear tree win lies above the model's crossover; wins at or below it agree with it
+    # "even above n*" only where a clear tree win lies above the model's crossover; wins at or below it agree with it;
+    # where every size above n* is a tie, the run does not test the crossover at all, and the sentence says so
     where = (f"the model's crossover n* ({size_text(cross)}) lies beyond the largest size"
              if cross and cross > sizes[-1] else
              f"even above the model's crossover n* ({size_text(cross)})"
              if cross and max(tree_faster, default=0) > cross else
+             f"but the sizes above the model's crossover n* ({size_text(cross)}) were ties, so this run does not "
+             "test the model's crossover"
+             if cross and any(s > cross for s in sizes) and all(s in ties for s in sizes if s > cross) else
              f"none of those sizes above the model's crossover n* ({size_text(cross)})"
              if cross else "and the model has no crossover")
     wherever = "at every size" if not ties else "at every size where the winner was clear"
@@ -473,8 +477,11 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
         for i, p in enumerate(held):  # away from the model line, which rises to the right: above the line, up
             above = p["measured/model"] >= 1  # and to the left; below it, down and to the right; every other
             dy = 4 + 9 * (i % 2)  # label further out, so that neighbours at the same height do not collide
-            ax.annotate(f"×{p['measured/model']:.2g}", (p["size (B)"], p["measured (us)"]),
-                        xytext=(-2, dy) if above else (2, -dy), ha="right" if above else "left",
+            # at the panel's left or right end the label turns inwards, so that it stays inside the axes
+            left = (above and p["size (B)"] > lo) or (not above and p["size (B)"] >= hi)
+            ratio = p["measured/model"]  # two digits, without an exponent: x1.2, x43, x104
+            ax.annotate(f"×{ratio:.2g}" if ratio < 100 else f"×{ratio:.0f}", (p["size (B)"], p["measured (us)"]),
+                        xytext=(-2 if left else 2, dy if above else -dy), ha="right" if left else "left",
                         va="bottom" if above else "top", textcoords="offset points", fontsize=7, color="C3",
                         bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
         ax.set_title(f"{name}: {a:g}α + {b:.3g}·nβ", fontsize=10)
@@ -483,7 +490,8 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
                         "points": mine}
     axes[0, 0].set_ylabel("time per all-reduce (us)")
     shown = [p["measured (us)"] for p in points] + [p["model (us)"] for p in points]
-    axes[0, 0].set_ylim(0.5 * min(shown), 2 * max(shown))  # the term lines may run far below: keep the points
+    # the term lines may run far below: keep the points, with room above the highest for its label
+    axes[0, 0].set_ylim(0.5 * min(shown), 3 * max(shown))
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8,
                bbox_to_anchor=(0.5, -0.1))
