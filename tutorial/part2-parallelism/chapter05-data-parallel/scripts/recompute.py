@@ -25,11 +25,11 @@ How to run
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 256
 
-Runtime on 2 cores: about 4-10 s at the defaults (4 s at a load average of 4), most of it importing torch and the
-6 timed rounds of 4 settings; about 3 s with --smoke; longer only if the cores are far oversubscribed. The script
-sets OMP_WAIT_POLICY=PASSIVE (unless you set it): without it, torch's two OpenMP threads spin between ops, and with
-other work on the 2 cores the steps took about ten times as long (a whole run 33 s instead of 7 s at the same load;
-book builds under heavy load took over a minute).
+Runtime on 2 cores: about 4-10 s at the defaults (4 s at a load average of 4), most of it importing torch and the 6
+timed rounds of 4 settings; about 3 s with --smoke; longer under load (13 s in a book build at a load average of
+5). The script sets OMP_WAIT_POLICY=PASSIVE (unless you set it): without it, torch's two OpenMP threads spin
+between ops, and with other work on the 2 cores the steps took about ten times as long (a whole run 33 s instead of
+7 s at the same load; book builds under heavy load took over a minute).
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py --seq 128

@@ -21,7 +21,8 @@ How to run (world sizes 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 2
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py
 
-Runtime on 2 cores: about 6 s at -w 2, 5 s with --smoke.
+Runtime on 2 cores: about 6 s at -w 2 on idle cores, about three times that under heavy load (18 s in a
+book build on loaded cores), 5 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 4
