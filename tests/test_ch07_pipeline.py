@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import chapter_dir, run, scripts_dir
+from conftest import chapter_dir, load_script, run, scripts_dir
 from mlsys.model import GPT, GPTConfig
 from mlsys.pipeline import (
     bubble_fraction,
@@ -359,3 +359,23 @@ def test_trace_bubble_is_counted_from_the_raw_events_and_the_ideal_by_the_tick_c
     busy = [sum(1 if k == "F" else 2 for k, _, _ in started[s]) for s in range(p)]
     assert res["ideal_per_stage"] == pytest.approx([1 - b / end for b in busy])
     assert res["ideal"] == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_longest_op_points_at_a_wait_box_only_when_the_figure_shows_it() -> None:
+    """pipeline_trace.longest_op on made-up spans (ms): stage 0's F1 is 3x the mean forward; stage 1's a1 wait is
+    either 0.05 ms (too short to draw: the sentence quotes the time and points at no box) or 3 ms (a visible green
+    box under half a forward: the sentence points at it)."""
+    trace = load_script(SCRIPTS / "pipeline_trace.py")
+    Span = trace.plot.Span
+
+    def sentence(wait: float) -> str:
+        spans = [Span("stage 0", 0, 10, "F0", "forward"), Span("stage 0", 10, 40, "F1", "forward"),
+                 Span("stage 1", 40, 50, "F1", "forward"), Span("stage 0", 50, 150, "B0", "backward"),
+                 Span("stage 1 messages", 40 - wait, 40, "a1", "blocked in recv")]
+        return trace.longest_op(spans, {"forward": 10.0, "backward": 100.0}, 2)
+
+    short, seen = sentence(0.05), sentence(3.0)
+    assert "stage 0's F1, 3.0× the mean forward" in short
+    assert "its a1 receive waited only 0.05 ms" in short and "green" not in short
+    assert "(its green a1 box, 3.0 ms)" in seen
+

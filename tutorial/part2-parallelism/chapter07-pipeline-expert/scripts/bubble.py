@@ -202,7 +202,7 @@ def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
 def draw(args: Settings, p: int, results: dict) -> None:
     plt = plot.pyplot()
     ms = sorted(args.micro_batches)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     grid = [m / 4 for m in range(4, 4 * max(ms) + 1)]
     ax.plot(grid, [bubble_fraction(p, m) for m in grid], color="gray", label="(p-1)/(m+p-1)")
     for schedule, marker in (("gpipe", "o"), ("1f1b", "x")):
@@ -213,7 +213,8 @@ def draw(args: Settings, p: int, results: dict) -> None:
                    if marker == "o" else None, edgecolors="black" if marker == "o" else None,
                    color=None if marker == "o" else "black", label=f"{schedule}, replayed")
     ax.set(xlabel="micro-batches m", ylabel="bubble (idle fraction)", title=f"Pipeline bubble, p = {p}")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)  # outside: no point hidden
+    fig.tight_layout()
     plot.save(fig, args, "bubble_vs_m")
 
     fig, axes = plt.subplots(2, 1, figsize=(9, 1.0 + 0.55 * p * 2), sharex=True)

@@ -176,19 +176,20 @@ def draw(args: Settings, spans: list[plot.Span], p: int, summary: dict) -> Path:
     for bar in ax.patches:  # a box under 0.3 % of the step: its outline alone would read as a black line
         if bar.get_width() < 0.003 * span_x:
             bar.set_linewidth(0)
+    above = []  # labels drawn above their box or triangle; the ones that would overlap another are dropped below
     for sp in boxes:  # compute and receive boxes too thin for their label (plot.timeline's rule): label above
         visible = sp.end - sp.start >= 0.003 * span_x
         if (sp.kind in ("forward", "backward") or (sp.kind == "blocked in recv" and visible)) \
                 and (sp.end - sp.start) / span_x * 60 < len(sp.label) * 7 / 8:
             y = len(lanes) - 1 - lanes.index(sp.lane)
-            ax.annotate(sp.label, ((sp.start + sp.end) / 2, y + 0.4), xytext=(0, 1), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=6)
+            above.append(ax.annotate(sp.label, ((sp.start + sp.end) / 2, y + 0.4), xytext=(0, 1),
+                                     textcoords="offset points", ha="center", va="bottom", fontsize=6))
     for sp in spans:
         if sp.kind == "send posted":
             y = len(lanes) - 1 - lanes.index(sp.lane)
             ax.plot(sp.start, y + 0.25, marker="v", color=palette["send posted"], markersize=7)
-            ax.annotate(sp.label, (sp.start, y + 0.3), xytext=(0, 3), textcoords="offset points", ha="center",
-                        fontsize=6)
+            above.append(ax.annotate(sp.label, (sp.start, y + 0.3), xytext=(0, 3), textcoords="offset points",
+                                     ha="center", fontsize=6))
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -202,7 +203,21 @@ def draw(args: Settings, spans: list[plot.Span], p: int, summary: dict) -> Path:
                  f"(ideal clock {summary['ideal']:.2f}); a3 / g3: activation / gradient of micro-batch 3",
                  fontsize=9)
     fig.tight_layout()
+    drop_overlapping(fig, [t for t in ax.texts if t not in above], above)
     return plot.save(fig, args, "pipeline_1f1b")
+
+
+def drop_overlapping(fig, fixed: list, labels: list) -> None:
+    """Remove each of labels (left to right) whose text would overlap a fixed text or a label already kept, so
+    crowded labels such as a5 and g4 never print on top of each other."""
+    renderer = fig.canvas.get_renderer()
+    kept = [t.get_window_extent(renderer) for t in fixed]
+    for t in sorted(labels, key=lambda t: t.xy[0]):
+        box = t.get_window_extent(renderer).expanded(1.1, 1.0)
+        if any(box.overlaps(k) for k in kept):
+            t.remove()
+        else:
+            kept.append(box)
 
 
 def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]]]) -> dict:
@@ -250,8 +265,13 @@ def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
         return text + "; no other stage waits for a message from it, so it only lengthened its own stage's row"
     wait = sum(sp.end - sp.start for sp in spans if sp.lane == f"stage {waiter} messages"
                and sp.kind == "blocked in recv" and sp.label == msg)
+    step = max(sp.end for sp in spans) - min(sp.start for sp in spans)
+    if wait < max(0.01 * step, 1.0):  # under 1 % of the step or 1 ms: too short to see in the figure
+        return text + (f"; stage {waiter}, which needed its result, was barely held up by it: its {msg} receive "
+                       f"waited only {wait:.2f} ms")
     if wait < 0.5 * means[top.kind]:
-        return text + f"; stage {waiter}, which needed its result, was barely held up by it (its green {msg} box)"
+        return text + (f"; stage {waiter}, which needed its result, was barely held up by it (its green {msg} box, "
+                       f"{wait:.1f} ms)")
     return text + (f": stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, covers the wait for that "
                    "long box")
 
