@@ -8,7 +8,9 @@ What it shows
     decoding request waits for it: one long gap between two of its tokens. With a smaller budget the
     scheduler gives the decodes their token first and the prompt the rest, one chunk per step.
     Printed per budget: ITL (inter-token latency) p50 and p99 of the short requests, TTFT of the long ones,
-    steps and throughput; the figure (chunked_prefill/itl.png) shows one short request's gaps over time.
+    steps and throughput; the figure (chunked_prefill/itl.png) shows one short request's gaps over time, and
+    a line counts its gaps under the smallest budget that lie above twice the plateau (the median gap of a
+    step carrying a prompt chunk).
     FIGURE flat_batch.png: what the scheduler put in each step's flat batch (its own SchedulerOutput, recorded
     per step) around the first long prompt's arrival, for the largest and the smallest budget: the decodes'
     one token each and the prompt's chunk, stacked against the budget.
@@ -178,6 +180,24 @@ def summary(runs: list[Run]) -> dict:
 # --8<-- [end:clock]
 
 
+def figure_points(runs: list[Run], factor: float = 2.0) -> dict:
+    """The drawn request's (short-0's) gaps under one budget, on the same clock as summary(): the plateau is the
+    median gap of the steps that carried a long prompt's chunk; count the gaps above `factor` times it."""
+    first = runs[0]
+    durations = np.min([r.durations for r in runs], axis=0)
+    clock = np.cumsum(durations) * 1e3
+    steps = [k for k, emitted in enumerate(first.emitted) for rid, n in emitted if rid == "short-0" for _ in range(n)]
+    gaps = np.diff(clock[steps])
+    chunk = {k for k, sched in enumerate(first.schedule)
+             if any(rid.startswith("long") and kind == "prefill" for rid, _, kind in sched)}
+    on_chunk = np.array([g for g, k in zip(gaps, steps[1:]) if k in chunk])
+    plateau = float(np.median(on_chunk)) if len(on_chunk) else float(np.median(gaps))
+    above = int((gaps > factor * plateau).sum())
+    text = ("no point lies" if above == 0 else "1 point lies" if above == 1 else f"{above} points lie")
+    return {"budget": first.budget, "gaps": len(gaps), "plateau_ms": plateau, "factor": factor, "above": above,
+            "above_text": text, "max_ms": float(gaps.max())}
+
+
 def serve_all(model, args: Settings, device: str) -> dict[int, list[Run]]:
     """Every budget `repeats` times, all engines stepping in turn: the same machine load for everyone."""
     short, long = make_workload(args)
@@ -276,12 +296,16 @@ def main() -> int:
           f"(ratio {first['itl_p99_ms'] / last['itl_p99_ms']:.1f}); the long prompts' TTFT goes from "
           f"{first['long_ttft_ms']:.1f} to {last['long_ttft_ms']:.1f} ms.")
     print(f"Every request's tokens are identical under every budget. {bench.load_average()}")
+    points = figure_points(by_budget[args.budgets[-1]])
+    print(f"Figure, budget {points['budget']}: {points['above']} of the drawn request's {points['gaps']} gaps lie "
+          f"above {points['factor']:g}x the plateau ({points['plateau_ms']:.2f} ms, the median gap of a step "
+          f"carrying a prompt chunk); the longest is {points['max_ms']:.2f} ms.")
     drawn = draw_flat_batches([by_budget[args.budgets[0]][0], by_budget[args.budgets[-1]][0]], args)
     draw(rows, args)
     if args.json:
         for r in rows:
             del r["times"]
-        report.write_json(args.json, {"device": device, "runs": rows, "flat_batch": drawn,
+        report.write_json(args.json, {"device": device, "runs": rows, "flat_batch": drawn, "itl_figure": points,
                                       "load_average": bench.load_average()}, args)
     return 0
 
