@@ -197,6 +197,22 @@ def test_decode_timing_measures_pure_decode_steps(pvd, small_model):
     engine.check_invariants()
 
 
+@pytest.mark.parametrize("best, median, expect", [
+    ((10.0, 15.0), (10.5, 16.0), "so tokens per second rose"),  # 1.5x the time for 2x the tokens
+    ((10.0, 25.0), (11.0, 27.0), "so tokens per second fell"),  # 2.5x
+    ((5.1, 3.65), (10.2, 17.0), "within noise"),  # best says shorter, median longer: a load outlier at B=32
+    ((10.0, 12.0), (10.0, 30.0), "within noise"),  # 1.2x vs 3x: the two ratios disagree on the direction
+    ((10.0, 22.0), (10.0, 50.0), "within noise"),  # both above 2x, but 2.2x vs 5x: more than 2x apart
+    ((10.0, 11.0), (10.0, 19.0), "so tokens per second rose"),  # 1.1x vs 1.9x: apart, but both below 2x
+])
+def test_last_doubling_sentence_from_synthetic_timings(pvd, best, median, expect):
+    prev = dict(batch=32, ms=best[0], median_ms=median[0])
+    last = dict(batch=64, ms=best[1], median_ms=median[1])
+    sentence = pvd.doubling_verdict(prev, last)
+    assert expect in sentence and "longer" not in sentence
+    assert f"{best[1] / best[0]:.2f}x the step time" in sentence
+
+
 def test_traced_request_stages_against_the_steps_that_ran(small_model):
     rl = load_script(CH08 / "request_lifecycle.py")
     engine = Engine(small_model)

@@ -24,7 +24,8 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py
     python .../batching_bench.py --request-rate 40 --repeats 2   # Poisson arrivals: a latency view
 
-Runtime on 2 cores: about 10 s (3 runs of each scheduler), 4 s with --smoke.
+Runtime on 2 idle cores: about 10 s (3 runs of each scheduler), 4 s with --smoke (two or three times that on a
+busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --long-fraction 0

@@ -22,7 +22,8 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/detokenize.py
     python .../detokenize.py --text 'ünïcödé 🚀 ok'
 
-Runtime on 2 cores: about 2 s (training the tokenizer takes well under a second), the same with --smoke.
+Runtime on 2 idle cores: about 2 s (training the tokenizer takes well under a second), the same with --smoke
+(two or three times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/detokenize.py --vocab-size 300

@@ -19,7 +19,7 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py
     python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
 
-Runtime on 2 cores: about 5 s, 5 s with --smoke.
+Runtime on 2 idle cores: about 5 s, 5 s with --smoke (two or three times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
@@ -166,6 +166,19 @@ def decode_time(engine: Engine, prompts: list[list[int]], reps: int) -> dict:
 # --8<-- [end:measure]
 
 
+def doubling_verdict(prev: dict, last: dict) -> str:
+    """The step from batch prev to batch last in words: how much step time it took (best and median ratio) and
+    whether tokens per second rose. When the two ratios differ by 2x or more, or disagree on the direction, the
+    timings are too noisy at this load to give a direction, and the sentence says so instead."""
+    k = last["batch"] / prev["batch"]
+    best, median = last["ms"] / prev["ms"], last["median_ms"] / prev["median_ms"]
+    if max(best, median) >= 2 * min(best, median) or (best < k) != (median < k):
+        return (f"took {best:.2f}x the step time of B={prev['batch']} by the fastest repetitions but {median:.2f}x by "
+                "the medians: at this load the step is within noise, and the run shows no direction for it")
+    return (f"took {best:.2f}x the step time of B={prev['batch']} (medians: {median:.2f}x), so tokens per second "
+            f"{'rose' if best < k else 'fell'} at the largest batch")
+
+
 def machine_peaks(n: int = 1024, mib: int = 256) -> tuple[float, float]:
     """(matmul FLOP/s, copy bytes/s) of this CPU in float32, each the best of 3 after a warm-up: the two ends
     of its roofline."""
@@ -254,6 +267,8 @@ def main() -> None:
     print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
           f"({d_last['tokens_per_s'] / d_first['tokens_per_s']:.1f}x from batching); the most at B={peak['batch']} "
           f"({peak['tokens_per_s']:.0f})")
+    if len(decode) > 1:
+        print(f"last step, B={before_last['batch']} to B={d_last['batch']}: {doubling_verdict(before_last, d_last)}")
     if peak is not d_last:
         print(f"from B={peak['batch']} to B={d_last['batch']}: {d_last['batch'] / peak['batch']:g}x the sequences, "
               f"{d_last['ms'] / peak['ms']:.2f}x the step time, {d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
@@ -278,6 +293,9 @@ def main() -> None:
                                       "last_batch_ratio": d_last["batch"] / before_last["batch"],
                                       "last_doubling_tokens_per_s": "fell" if d_last["tokens_per_s"] < before_last[
                                           "tokens_per_s"] else "rose",
+                                      "last_doubling": doubling_verdict(before_last, d_last),
+                                      "decode_range_word": "cheaper" if d_last["tokens_per_s"] > d_first[
+                                          "tokens_per_s"] else "no cheaper",
                                       "load_average": bench.load_average()}, args)
 
 

@@ -25,13 +25,14 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py
     python .../request_lifecycle.py --prompt '{"name": "grace", ' --max-tokens 40 --background 0
 
-Runtime on 2 cores: about 3 s, 2 s with --smoke.
+Runtime on 2 idle cores: about 3 s, 2 s with --smoke (two or three times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 0
         -> the request alone: every decode step computes one token, and the forward pass gets shorter
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 15
-        -> 15 neighbours: the traced request's TPOT grows, because each of its steps now carries 16 sequences
+        -> 15 neighbours: each of the traced request's steps now carries 16 sequences, so the median decode
+           forward (the line below the stage table) grows, and its TPOT usually with it (load noise can hide that)
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --max-tokens 120 --ignore-eos
         -> a longer answer (120 tokens, past its <eos>): in kv_cache.png the request crosses more 16-token block
            boundaries, and holds more blocks at its last step
@@ -267,9 +268,13 @@ def main() -> None:
     out, m = tr["final"], tr["final"].metrics
     print(f"prompt {args.prompt!r} -> {len(tr['ids'])} token ids {tr['ids'][:8]}...  "
           f"({args.background} other requests decoding)\n")
-    rows = tr["steps"][: args.show_steps] + ([tr["steps"][-1]] if len(tr["steps"]) > args.show_steps else [])
-    print(report.table(rows, floatfmt=".2f"))
-    print(f"... {len(tr['steps'])} steps in all\n")
+    cut = len(tr["steps"]) > args.show_steps + 1  # the first steps, then the last one: mark the gap where it is
+    rows = tr["steps"][: args.show_steps] + [tr["steps"][-1]] if cut else tr["steps"]
+    lines = report.table(rows, floatfmt=".2f").splitlines()
+    if cut:
+        lines.insert(-1, f"... ({len(tr['steps']) - args.show_steps - 1} steps not shown)")
+    print("\n".join(lines))
+    print(f"{len(tr['steps'])} steps in all\n")
     stages = stage_table(tr)
     print(report.table(stages, floatfmt=".2f"))
     share = {kind: sum(r["share_%"] for r in stages if r["stage"].endswith(kind)) for kind in STAGES}

@@ -25,7 +25,8 @@ through its body gets a 408 after 30 s, so it cannot hold the shutdown either.
 Exposed: --host 0.0.0.0 lets other machines in and prints a warning; add --api-key KEY so that only clients that
 send `Authorization: Bearer KEY` (the openai client's api_key) get an answer.
 
-Runtime on 2 cores: about 4 s (start-up, four requests, shutdown), 3 s with --smoke.
+Runtime on 2 idle cores: about 4 s (start-up, four requests, shutdown), 3 s with --smoke (two or three times
+that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/serve.py --port 8000 --forever

@@ -29,7 +29,8 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/vs_transformers.py --model llama
     python .../vs_transformers.py --batch-size 32 --max-tokens 128
 
-Runtime on 2 cores: about 8 s for either model, 4 s with --smoke.
+Runtime on 2 idle cores: about 8 s for either model, 4 s with --smoke (two or three times that on a busy
+machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/vs_transformers.py --batch-size 1
