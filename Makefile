@@ -1,6 +1,6 @@
 # One command surface for the book. Every target sets up .venv (pinned) on first use.
-#   make book     build the executed book (runs every script, captures outputs and figures; about 9 minutes) -> book/site/,
-#                 then open it in headless Chromium where installed
+#   make book     build the executed book (runs every script, captures outputs and figures) -> book/site/, then open
+#                 it in headless Chromium where installed (about 10 minutes the first time, up to 15 on a busy machine)
 #   make serve    serve the book that make book built on http://127.0.0.1:8000 (builds nothing)
 #   make test     the test suite (about 8 minutes of pytest on 2 cores)
 #   make sweep    every distributed script at world sizes 1..8, the oracle tests at their extra world sizes, and
