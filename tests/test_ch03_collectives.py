@@ -596,6 +596,36 @@ def test_async_timeline_obeys_the_all_reduce(tmp_path) -> None:
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
+def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, float]) -> dict:
+    """Two ranks' recorded calls with the given compute boxes: sequential all_reduce 0-20 ms, then compute; the
+    overlapped post 0-1 ms, then compute, then a 0.5 ms wait()."""
+    lanes: dict[str, list[dict]] = {"sequential": [], "overlapped": []}
+    for q in range(2):
+        end = 20 + seq_compute[q]
+        lanes["sequential"] += [{"rank": q, "call": "all_reduce", "start_ms": 0.0, "end_ms": 20.0},
+                                {"rank": q, "call": "returned", "start_ms": end, "end_ms": end}]
+        w = 1 + ovl_compute[q]
+        lanes["overlapped"] += [{"rank": q, "call": "all_reduce", "start_ms": 0.0, "end_ms": 1.0, "done_ms": 25.0},
+                                {"rank": q, "call": "wait(all_reduce)", "start_ms": w, "end_ms": w + 0.5},
+                                {"rank": q, "call": "returned", "start_ms": w + 0.6, "end_ms": w + 0.6}]
+    return lanes
+
+
+def test_async_figure_text_follows_the_recorded_spans() -> None:
+    mod = load_script(CH03 / "async_ops.py")
+    slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x
+    assert slowed == {"sequential": {"compute_ms": 50.0, "round_ms": 70.0},
+                      "overlapped": {"compute_ms": 75.0, "round_ms": 76.6}}
+    text = mod.figure_text(slowed)
+    assert "took 1.5x its sequential time" in text and "slowed the matmuls" in text
+    assert "ended no sooner" in text and "nothing was saved" in text
+    hidden = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (52.0, 48.0))))
+    assert "took about its sequential time" in hidden and "ended 16.4 ms sooner" in hidden
+    faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
+    assert "took 0.6x" in faster and "vary that much" in faster
+    assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0))))
+
+
 def groups_worker(ctx, R: int, C: int) -> list[dict]:
     import torch.distributed as dist
 

@@ -17,7 +17,7 @@ How to run
 Contract flags: --smoke runs the same checks (they are already small); --seed changes nothing, as nothing here is
 random; --json PATH writes every check's status.
 
-Runtime on 2 cores: about 5 s.
+Runtime on 2 idle cores: about 5 s; two or three times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/env_check.py -w 4

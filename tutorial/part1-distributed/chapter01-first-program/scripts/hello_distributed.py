@@ -15,7 +15,8 @@ How to run (any world size >= 1)
     python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 4 --verbose
         # trace every collective call on every rank (on stderr)
 
-Runtime on 2 cores: about 5 s (mostly starting the processes and importing torch), 4 s with --smoke.
+Runtime on 2 idle cores: about 5 s (mostly starting the processes and importing torch), 4 s with --smoke; two or
+three times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/hello_distributed.py -w 8 --numel 2

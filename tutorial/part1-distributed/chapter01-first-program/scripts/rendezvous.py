@@ -20,7 +20,7 @@ How to run (any world size >= 1)
 Contract flags: --smoke uses 2 ranks and 1 round; --seed changes nothing, as nothing here is random (the arrival
 tickets differ between runs because the ranks race to the store, which is the point).
 
-Runtime on 2 cores: about 4 s (3 s with --smoke).
+Runtime on 2 idle cores: about 4 s (3 s with --smoke); two or three times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py -w 6

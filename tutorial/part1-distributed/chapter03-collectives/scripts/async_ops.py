@@ -19,7 +19,9 @@ What it shows
        all_reduce call, wait() and the moment the sum was ready (the handle's future completing, on gloo's thread)
        recorded on every rank (mlsys.trace.recording), one lane per rank. The compute is drawn where it ran: in
        `overlapped` between the all_reduce's return and the wait() call, in `sequential` after the all_reduce until
-       the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`.
+       the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. A
+       last line compares the two panels, from the recorded spans: the overlapped compute against the sequential
+       one (slowest rank), and whether the overlapped round ended sooner (`figure_text` in the JSON).
 
 What "completed" means depends on the backend
     gloo (CPU): the collective runs on gloo's own threads; wait() returns once the result is in x.
@@ -31,12 +33,13 @@ How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 2
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py
 
-Runtime on 2 cores: about 7 s at the defaults, 5 s with --smoke.
+Runtime on 2 idle cores: about 7 s at the defaults, 5 s with --smoke; two or three times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py --matmuls 0
         -> nothing to overlap with: "hidden: undefined, no compute to hide behind" (null in the --json), and the
-           verdict says so; overlapped and sequential differ only by noise
+           verdict says so; communication, sequential and overlapped then time the same all-reduce and differ
+           only by run-to-run noise (a quarter or so on a busy machine)
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 4 --mib 32
         -> four ranks on two cores and a 32 MiB all-reduce: every time grows, and the "hidden" line says how much
            of the shorter part the overlap still saved against the two parts timed alone; it varies from run to run,
@@ -181,6 +184,47 @@ def timeline(per_rank: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def compute_spans(lanes: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per order, from the recorded calls: the longest compute box over the ranks (as drawn: after the all_reduce
+    until the function returned, or until wait() was called) and when the last rank returned, in ms."""
+    out = {}
+    for order, calls in lanes.items():
+        boxes, ends = [], []
+        for q in sorted({c["rank"] for c in calls}):
+            call = {c["call"]: c for c in calls if c["rank"] == q}
+            stop = call["wait(all_reduce)"]["start_ms"] if order == "overlapped" else call["returned"]["start_ms"]
+            boxes.append(stop - call["all_reduce"]["end_ms"])
+            ends.append(call["returned"]["end_ms"])
+        out[order] = {"compute_ms": round(max(boxes), 1), "round_ms": round(max(ends), 1)}
+    return out
+
+
+def figure_text(spans: dict[str, dict[str, float]]) -> str:
+    """One sentence on the figure's round, its direction computed from the recorded spans: how the overlapped
+    panel's compute compares with the sequential one's, and whether the overlapped round ended sooner."""
+    seq, ovl = spans["sequential"], spans["overlapped"]
+    ratio = ovl["compute_ms"] / seq["compute_ms"] if min(seq["compute_ms"], ovl["compute_ms"]) > 0 else None
+    if ratio is None:
+        why = (f"was too short to compare ({ovl['compute_ms']:.1f} ms against {seq['compute_ms']:.1f} ms "
+               "sequential)")
+    elif ratio > 1.1:
+        why = (f"took {ratio:.1f}x its sequential time ({ovl['compute_ms']:.1f} ms against {seq['compute_ms']:.1f} "
+               "ms on the slowest rank): the all-reduce's work ran on the same cores and slowed the matmuls down")
+    elif ratio < 0.9:
+        why = (f"took {ratio:.1f}x its sequential time ({ovl['compute_ms']:.1f} ms against {seq['compute_ms']:.1f} "
+               "ms on the slowest rank): the same matmuls vary that much from one round to the next")
+    else:
+        why = (f"took about its sequential time ({ovl['compute_ms']:.1f} ms against {seq['compute_ms']:.1f} ms on "
+               "the slowest rank)")
+    if ovl["round_ms"] < seq["round_ms"]:
+        saved = (f"the overlapped round ended {seq['round_ms'] - ovl['round_ms']:.1f} ms sooner "
+                 f"({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms), in this one sample")
+    else:
+        saved = (f"the overlapped round ended no sooner ({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} "
+                 "ms): even where wait() found the sum ready, nothing was saved")
+    return f"the overlapped compute {why}, and {saved}"
+
+
 def draw(lanes: dict[str, list[dict]], W: int, args: Settings) -> str:
     """One panel per order, one lane per rank: the all_reduce (blocking, or its post), the compute where it ran,
     wait(), and a diamond where the sum was ready; both panels on one time axis."""
@@ -273,6 +317,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     everyone: list = [None] * W
     dist.all_gather_object(everyone, recorded_round(buf, mats, dev))
     results["timeline"] = timeline(everyone)
+    results["figure_spans"] = compute_spans(results["timeline"])
+    results["figure_text"] = figure_text(results["figure_spans"])
     return results
 
 
@@ -284,6 +330,7 @@ def main() -> int:
         return 0
     print(f"OK: async all_reduce sums, .then() means and overlapped results checked on all {args.world_size} ranks")
     print(f"figure: {draw(result['timeline'], args.world_size, args)}")
+    print(f"in the figure's round, {result['figure_text']}")
     if args.json:
         report.write_json(args.json, result, args)
     return 0

@@ -20,7 +20,8 @@ How to run (any world size from 2 to 8)
 
 Contract flags: --seed picks the inputs (small integers, so every sum is exact).
 
-Runtime on 2 cores: about 6 s at -w 4 (mostly starting the ranks and drawing), 5 s with --smoke.
+Runtime on 2 idle cores: about 6 s at -w 4 (mostly starting the ranks and drawing), 5 s with --smoke; two or three
+times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/bytes_on_the_wire.py -w 8

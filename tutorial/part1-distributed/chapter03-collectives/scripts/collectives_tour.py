@@ -19,7 +19,8 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py
     ... --per-rank 3 --root 2     # 3 elements per piece, rank 2 is the root of the rooted collectives
 
-Runtime on 2 cores: about 4 s at -w 4 (process start-up dominates), 3 s with --smoke.
+Runtime on 2 idle cores: about 4 s at -w 4 (process start-up dominates), 3 s with --smoke; two or three times that
+on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 2 --root 1
@@ -110,6 +111,8 @@ def reduce(ctx, x, X, k, root):
 
 def all_reduce(op_name: str, reference: Callable) -> Case:
     def case(ctx, x, X, k, root):
+        # PREMUL_SUM (NCCL only) multiplies every input by a factor, here 2, before summing; torch builds the op
+        # with a private helper, _make_nccl_premul_sum, which may change between releases
         op = dist._make_nccl_premul_sum(2.0) if op_name == "PREMUL_SUM" else getattr(dist.ReduceOp, op_name)
         t = x[:k].clone()
         dist.all_reduce(t, op=op)

@@ -20,7 +20,8 @@ How to run (any world size from 1 to 8)
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 4
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
 
-Runtime on 2 cores: about 5 s (process start-up and drawing dominate), 4 s with --smoke.
+Runtime on 2 idle cores: about 5 s (process start-up and drawing dominate), 4 s with --smoke; two or three times
+that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 1

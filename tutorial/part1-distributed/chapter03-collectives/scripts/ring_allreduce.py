@@ -16,14 +16,16 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py
     ... --mib 16 --repeats 10     # a bigger tensor, more timing runs
 
-Runtime on 2 cores: about 7 s at -w 4 with the default 4 MiB (1 s of it drawing the animation), 5 s with --smoke.
+Runtime on 2 idle cores: about 7 s at -w 4 with the default 4 MiB (1 s of it drawing the animation), 5 s with
+--smoke; two or three times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
         -> a 3-rank trace: 2 reduce-scatter steps, then 2 all-gather steps, every chunk ending at 111
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 8 --mib 1
-        -> 8 ranks: the trace grows to 14 steps, one line per rank and step (112 lines); each rank sends
-           2(8-1)/8 = 1.75 N bytes. About 45 s on 2 cores: eight processes start and share them
+        -> 8 ranks: the trace grows to 14 steps, one line per rank and step (112 step lines, plus one start line
+           per rank); each rank sends 2(8-1)/8 = 1.75 N bytes. About 45 s on 2 idle cores, longer on a busy
+           machine: eight processes start and share them
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py --mib 16 --repeats 10
         -> a bigger tensor and more timing runs for the comparison with dist.all_reduce
 """

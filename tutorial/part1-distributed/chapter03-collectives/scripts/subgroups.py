@@ -21,7 +21,8 @@ How to run (any world size from 1 to 8; --rows 0 picks the most square grid)
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 8 --rows 4
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py
 
-Runtime on 2 cores: about 6 s (process start-up, group creation and drawing dominate).
+Runtime on 2 idle cores: about 6 s (process start-up, group creation and drawing dominate); two or three times
+that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/subgroups.py -w 6 --rows 3 --all-ranks
