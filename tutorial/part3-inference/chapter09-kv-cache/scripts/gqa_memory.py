@@ -16,7 +16,7 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py --kv-heads 1 --json out.json
 
-Runtime on 2 cores: about 2 s, 2 s with --smoke.
+Runtime on 2 idle cores: about 2 s, 2 s with --smoke (several times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/gqa_memory.py --kv-heads 1

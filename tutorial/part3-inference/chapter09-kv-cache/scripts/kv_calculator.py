@@ -12,15 +12,16 @@ What it shows
 
 How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-70b --gpu h200 \
+    python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --model llama-3-70b --gpu h200 \\
         --prompt-len 4000 --max-new-tokens 1000
 
-    python -c "from transformers import LlamaConfig; LlamaConfig(hidden_size=4096, intermediate_size=14336, \
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256\
+    python -c "from transformers import LlamaConfig; LlamaConfig(hidden_size=4096, intermediate_size=14336, \\
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256\\
         ).save_pretrained('/tmp/llama3-8b')"
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config /tmp/llama3-8b/config.json
 
-Runtime on 2 cores: about 2 s (importing torch dominates), the same with --smoke.
+Runtime on 2 idle cores: about 2 s (importing torch dominates), the same with --smoke
+(several times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/kv_calculator.py --config /tmp/llama3-8b/config.json

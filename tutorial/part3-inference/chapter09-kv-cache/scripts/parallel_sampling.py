@@ -22,7 +22,7 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py --n 8 --json out.json
 
-Runtime on 2 cores: about 3 s, 2 s with --smoke.
+Runtime on 2 idle cores: about 3 s, 2 s with --smoke (several times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/parallel_sampling.py --prompt-len 100 --max-tokens 150

@@ -4,9 +4,10 @@ What it shows
     1. A workload where every request starts with the same few-shot "system prompt" (--shots records of the
        training format) and ends with its own question (the first characters of a new record). Requests arrive
        one per engine step. Two engines serve it, one with enable_prefix_caching, and their steps are
-       interleaved so both run under the same machine load. Reported side by side: prefix hit rate, prompt
-       tokens actually prefilled (the engine's own num_prefill_tokens counter), and time to first token (TTFT)
-       counted in each engine's own step time from the request's arrival to its first token. Timing: one
+       interleaved so both run under the same machine load. Reported side by side: prefix hit rate (the share of
+       prompt tokens served from the cache), prompt tokens actually prefilled (the engine's own
+       num_prefill_tokens counter), and time to first token (TTFT) counted in each engine's own step time from
+       the request's arrival to its first token. Timing: one
        untimed warm-up pass, then --repeats passes with the garbage collector frozen (mlsys.bench.steady_timing);
        the p50 TTFT of each pass, best and median over the passes, with the machine's load average.
     2. Every request's tokens are the same with and without the cache (greedy), and a repeat of the first prompt
@@ -24,7 +25,7 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32 --shots 3
 
-Runtime on 2 cores: about 4 s, 4 s with --smoke.
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke (several times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --shots 1
