@@ -60,6 +60,23 @@ def test_breakdown_sums_to_step_total(tiny: GPT) -> None:
     assert 0 <= mean["median_other"] < 0.05 * mean["total"] + 1e-4
 
 
+def test_token_cost_words_follow_the_rows() -> None:
+    mod = load_script(CH10 / "step_breakdown.py")
+
+    def rows(per_token):  # (B, ms per token) -> rows as the script keeps them (seconds per step)
+        return [{"batch_size": b, "total": t * b, "forward": t * b} for b, t in per_token]
+
+    assert mod.token_cost_words(rows([(8, 0.160), (16, 0.161), (32, 0.175), (64, 0.114)])) == (
+        "was lowest at B = 64, but it did not fall steadily: it rose from B = 8 to 32 in this run")
+    assert mod.token_cost_words(rows([(1, 1.0), (2, 0.5), (4, 0.3)])) == (
+        "was lowest at B = 4, falling from each batch size to the next from B = 1 up to it")
+    assert mod.token_cost_words(rows([(1, 1.0), (2, 0.5), (4, 0.6), (8, 0.4), (16, 0.5)])) == (
+        "was lowest at B = 8, but it did not fall steadily: it rose from B = 2 to 4 in this run, "
+        "and every larger batch paid more per token than that")
+    assert mod.token_cost_words(rows([(1, 1.0), (2, 1.5)])) == (
+        "was lowest at B = 1, and every larger batch paid more per token than that")
+
+
 def test_op_count_does_not_depend_on_batch_size(tiny: GPT) -> None:
     counts = []
     for B in (1, 6):
@@ -365,6 +382,15 @@ def test_itl_percentiles() -> None:
     got = mod.itl_percentiles(times)
     assert got["itl_p99_ms"] == pytest.approx(np.percentile(gaps, 99))
     assert got["itl_p50_ms"] == pytest.approx(15.0) and got["itl_max_ms"] == pytest.approx(470.0)
+
+
+def test_throughput_words() -> None:
+    mod = load_script(CH10 / "chunked_prefill.py")
+    rows = [{"budget": 512, "tok_per_s": 100.0}, {"budget": 64, "tok_per_s": 95.0}, {"budget": 32, "tok_per_s": 104.0}]
+    assert mod.throughput_words(rows) == ("was highest with budget 32 and lowest with budget 64, 9% apart "
+                                          "(under 10%, a difference the machine's load alone can make)")
+    rows[1]["tok_per_s"] = 50.0
+    assert mod.throughput_words(rows) == "was highest with budget 32 and lowest with budget 64, 108% apart"
 
 
 # ------------------------------------------------------------------------------------------ graphs: padding

@@ -272,6 +272,14 @@ def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[
     return drawn
 
 
+def throughput_words(rows: list[dict]) -> str:
+    """Where throughput was highest and lowest across the budgets, and how far apart, in words from this run."""
+    hi, lo = max(rows, key=lambda r: r["tok_per_s"]), min(rows, key=lambda r: r["tok_per_s"])
+    spread = hi["tok_per_s"] / lo["tok_per_s"] - 1
+    text = f"was highest with budget {hi['budget']} and lowest with budget {lo['budget']}, {spread:.0%} apart"
+    return text + (" (under 10%, a difference the machine's load alone can make)" if spread < 0.1 else "")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"budgets": [256, 32], "num_short": 4, "short_tokens": 24,
                                                 "num_long": 2, "long_len": 96, "long_every": 8, "repeats": 1})
@@ -295,6 +303,8 @@ def main() -> int:
           f"(whole prompts in one step), {last['itl_p99_ms']:.1f} ms with budget {last['budget']} "
           f"(ratio {first['itl_p99_ms'] / last['itl_p99_ms']:.1f}); the long prompts' TTFT goes from "
           f"{first['long_ttft_ms']:.1f} to {last['long_ttft_ms']:.1f} ms.")
+    throughput = throughput_words(rows)
+    print(f"Throughput (tok_per_s) {throughput}.")
     print(f"Every request's tokens are identical under every budget. {bench.load_average()}")
     points = figure_points(by_budget[args.budgets[-1]])
     print(f"Figure, budget {points['budget']}: {points['above']} of the drawn request's {points['gaps']} gaps lie "
@@ -306,7 +316,7 @@ def main() -> int:
         for r in rows:
             del r["times"]
         report.write_json(args.json, {"device": device, "runs": rows, "flat_batch": drawn, "itl_figure": points,
-                                      "load_average": bench.load_average()}, args)
+                                      "throughput_text": throughput, "load_average": bench.load_average()}, args)
     return 0
 
 

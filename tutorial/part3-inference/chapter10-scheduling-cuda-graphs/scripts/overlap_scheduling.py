@@ -30,7 +30,7 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
     python .../overlap_scheduling.py --batch-sizes 1 16 64 --steps 40 --device cuda
 
-Runtime on 2 idle cores: about 4 s, 4 s with --smoke; timings move with the machine's load (two or three
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke; timings move with the machine's load (three or four
 times that on a busy machine). Needs two free cores to show any gain on a CPU.
 
 Try next

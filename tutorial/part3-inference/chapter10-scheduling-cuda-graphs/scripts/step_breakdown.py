@@ -16,8 +16,8 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
     python .../step_breakdown.py --batch-sizes 1 8 64 --steps 30 --device cuda
 
-Runtime on 2 cores: about 5 s, 3 s with --smoke. Timings move with the machine's load: compare shares,
-not absolute milliseconds, across runs.
+Runtime on 2 idle cores: about 5 s, 3 s with --smoke; two or three times that on a busy machine. Timings move
+with the machine's load: compare shares, not absolute milliseconds, across runs.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --prompt-len 200
@@ -123,15 +123,30 @@ def top_growth(rows: list[dict]) -> dict:
         text = "about in proportion to the batch"
     else:
         text = "more slowly than the batch"
-    per_token = [r["total"] / r["batch_size"] for r in rows]
-    best = min(range(len(rows)), key=per_token.__getitem__)
-    if best == len(rows) - 1:
-        token_cost_text = f"fell all the way to B = {b['batch_size']}"
-    else:
-        token_cost_text = (f"was lowest at B = {rows[best]['batch_size']}, and every larger batch paid more per "
-                           "token than that")
     return {"from": a["batch_size"], "to": b["batch_size"], "batch_ratio": batch_ratio,
-            "forward_ratio": forward_ratio, "text": text, "token_cost_text": token_cost_text}
+            "forward_ratio": forward_ratio, "text": text, "token_cost_text": token_cost_words(rows)}
+
+
+def token_cost_words(rows: list[dict]) -> str:
+    """Where ms/token was lowest, and whether it fell at every step up to there, in words from this run."""
+    per_token = [r["total"] / r["batch_size"] for r in rows]
+    sizes = [r["batch_size"] for r in rows]
+    best = min(range(len(rows)), key=per_token.__getitem__)
+    later = ", and every larger batch paid more per token than that" if best < len(rows) - 1 else ""
+    rises, i = [], 0  # stretches of rows before the lowest one where ms/token went up
+    while i < best:
+        j = i
+        while j < best and per_token[j + 1] > per_token[j]:
+            j += 1
+        if j > i:
+            rises.append(f"from B = {sizes[i]} to {sizes[j]}")
+        i = max(j, i + 1)
+    text = f"was lowest at B = {sizes[best]}"
+    if best > 0 and rises:
+        text += ", but it did not fall steadily: it rose " + " and ".join(rises) + " in this run"
+    elif best > 0:
+        text += f", falling from each batch size to the next from B = {sizes[0]} up to it"
+    return text + later
 
 
 def draw(rows: list[dict], args: Settings) -> None:
