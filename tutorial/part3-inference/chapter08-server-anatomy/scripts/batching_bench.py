@@ -369,6 +369,7 @@ def main() -> None:
         out.update(rows=rows, better={r["metric"]: r["better"] for r in rows},
                    continuous_wins=sum(r["better"] == "continuous" for r in rows),
                    static_wins=sum(r["better"] == "static" for r in rows),
+                   static_won=", ".join(r["label"] for r in rows if r["better"] == "static") or "none",
                    compared_rows=sum(better is not None for *_, better in ROWS),
                    throughput_ratio=ratio, steps_ratio=steps_ratio,
                    fewer_steps="continuous" if c["num_steps"] < s["num_steps"] else "static",

@@ -198,9 +198,15 @@ def _timed(fn) -> float:
 def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
-    axes[0].plot([r["prompt_len"] for r in prefill], [r["ms"] for r in prefill], "o-")
+    axes[0].plot([r["prompt_len"] for r in prefill], [r["ms"] for r in prefill], "o-", label="fastest")
     axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time (ms)", title="prefill: one request")
-    axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1")
+    axes[0].plot([r["prompt_len"] for r in prefill], [r["median_ms"] for r in prefill], "s--", color="C0", alpha=0.4,
+                 label="median")
+    axes[0].legend(fontsize=8)
+    axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1", label="fastest")
+    axes[1].plot([r["batch"] for r in decode], [r["median_ms"] for r in decode], "s--", color="C1", alpha=0.4,
+                 label="median")
+    axes[1].legend(fontsize=8)
     axes[1].set(xlabel="sequences in the step", ylabel="forward time (ms)", title=f"decode: context {args.context}",
                 xscale="log")
     axes[2].loglog([r["prompt_len"] for r in prefill], [r["intensity"] for r in prefill], "o-", label="prefill")
@@ -255,13 +261,18 @@ def main() -> None:
     p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
     peak = max(decode, key=lambda r: r["tokens_per_s"])
     p_peak = max(prefill, key=lambda r: r["tokens_per_s"])
+    p_peak_med = max(prefill, key=lambda r: r["prompt_len"] / r["median_ms"])  # the same, read from the medians
+    medians_agree = ("the medians peak at the same length" if p_peak_med is p_peak else
+                     f"the medians peak at L = {p_peak_med['prompt_len']} instead: at this load the shape is "
+                     "within noise")
     before_last = decode[-2] if len(decode) > 1 else d_last
     bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"
     print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
           f"{bound(p_last['intensity'])}")
     print(f"prefill tokens/s: the most at L={p_peak['prompt_len']} ({p_peak['tokens_per_s']:.0f}); "
           f"L={p_last['prompt_len']} {p_last['tokens_per_s']:.0f} "
-          f"({p_last['tokens_per_s'] / p_peak['tokens_per_s']:.2f}x the most)")
+          f"({p_last['tokens_per_s'] / p_peak['tokens_per_s']:.2f}x the most), by the fastest repetitions; "
+          f"{medians_agree}")
     print(f"decode at B=1: {d_first['intensity']:.2f} FLOPs/byte, {bound(d_first['intensity'])}; "
           f"B={d_last['batch']}: {d_last['intensity']:.1f}, {bound(d_last['intensity'])}")
     print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
@@ -271,7 +282,9 @@ def main() -> None:
         print(f"last step, B={before_last['batch']} to B={d_last['batch']}: {doubling_verdict(before_last, d_last)}")
     if peak is not d_last:
         print(f"from B={peak['batch']} to B={d_last['batch']}: {d_last['batch'] / peak['batch']:g}x the sequences, "
-              f"{d_last['ms'] / peak['ms']:.2f}x the step time, {d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
+              f"{d_last['ms'] / peak['ms']:.2f}x the step time by the fastest repetitions "
+              f"({d_last['median_ms'] / peak['median_ms']:.2f}x by the medians), "
+              f"{d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
               f"moved ({peak['kv_mib']:.1f} -> {d_last['kv_mib']:.1f} MiB; the weights stay "
               f"{n_params * 4 / 2**20:.1f} MiB)")
     print("note: this model's weights (3 MiB) fit in the CPU's caches and each step is dozens of small kernel calls,"
@@ -284,6 +297,8 @@ def main() -> None:
                                       "ridge_flops_per_byte": ridge, "prefill": prefill, "decode": decode,
                                       "prefill_peak_len": p_peak["prompt_len"],
                                       "prefill_peak_tokens_per_s": p_peak["tokens_per_s"],
+                                      "prefill_median_peak_len": p_peak_med["prompt_len"],
+                                      "prefill_medians_agree": medians_agree,
                                       "prefill_last_vs_peak": p_last["tokens_per_s"] / p_peak["tokens_per_s"],
                                       "decode_peak_batch": peak["batch"],
                                       "decode_peak_tokens_per_s": peak["tokens_per_s"],

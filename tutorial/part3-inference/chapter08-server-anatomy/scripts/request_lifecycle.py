@@ -282,7 +282,7 @@ def main() -> None:
     others = sum(decode_median.values()) - decode_median["forward"] - decode_median["prepare"]
     print(f"a decode step (median): forward {decode_median['forward']:.2f} ms, prepare {decode_median['prepare']:.2f} "
           f"ms, the other engine stages {others:.2f} ms; over the request's life, forward passes took "
-          f"{share['forward']:.0f}% of the time; "
+          f"{share['forward']:.0f}% of the time spent in the stages above; "
           f"{bench.load_average()}\n")
     lat = request_latencies(m.arrival_time, m.token_times)
     print(f"streamed text ({len(tr['chunks'])} SSE events, '|' between them):")

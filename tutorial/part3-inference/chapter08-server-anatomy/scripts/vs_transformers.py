@@ -201,7 +201,7 @@ def main() -> None:
     verdict, hf_verdict = compare(vs_plain, spread), compare(vs_hf, spread)
     goal = "met" if vs_hf >= 1 else "not met"  # the goal: at least transformers' tokens/s
     print(f"\nmedians sit up to {spread:.0%} above the best runs")
-    print(f"engine / transformers tokens/s: {vs_hf:.2f}x: {hf_verdict}; speed goal (>= 1x, not a check) {goal} "
+    print(f"engine / transformers tokens/s: {vs_hf:.3f}x: {hf_verdict}; speed goal (>= 1x, not a check) {goal} "
           "in this run")
     print(f"engine / mlsys.model.generate tokens/s: {vs_plain:.2f}x: {verdict}")
     engine.check_invariants()
