@@ -341,3 +341,24 @@ def test_ddp_recipe_without_set_epoch_fails_its_self_check() -> None:
     proc = run([CH05 / "ddp_recipe.py", "--smoke", "--no-set-epoch"], timeout=110)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "set_epoch" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------- bench_ddp's headline
+bench = load_script(CH05 / "bench_ddp.py")
+
+
+def test_bench_headline_names_only_the_variant_whose_rows_fell_below_local() -> None:
+    """The read run: torch's rows (129/158/150 ms) below local (162 ms), overlapped's above: name torch alone."""
+    med = {("local", 0.0): 0.162} | {("overlapped", mb): t for mb, t in ((1, .177), (4, .169), (16, .182))} \
+        | {("torch", mb): t for mb, t in ((1, .129), (4, .158), (16, .150))}
+    text = bench._headline(med, {"overlapped": 4, "torch": None}, 0.162)
+    assert text.startswith("no headline ratio: every torch row came out below local's median (162 ms")
+    assert "torch 129/158/150" in text and "overlapped row" not in text and "overlapped 1" not in text
+    both = bench._headline(med, {"overlapped": None, "torch": None}, 0.162)
+    assert "every overlapped and every torch row came out below local" in both
+
+
+def test_bench_headline_gives_the_ratio_when_both_have_a_row_above_local() -> None:
+    med = {("local", 0.0): 0.1, ("overlapped", 4.0): 0.12, ("torch", 1.0): 0.11}
+    text = bench._headline(med, {"overlapped": 4.0, "torch": 1.0}, 0.1)
+    assert "overlapped / torch = 1.09x" in text and "no headline" not in text

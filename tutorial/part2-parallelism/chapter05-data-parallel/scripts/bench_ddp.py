@@ -13,10 +13,11 @@ What it shows
     barrier before each), so a noisy neighbour slows them all alike. A version's time is the slowest rank's, and
     the table reports the median over --repeats, with the garbage collector frozen and the load average printed.
     A version whose median comes out below 'local' (no communication at all) is flagged: no version can really
-    beat its own floor, so the gap is noise, and that row is left out of the last line. The last line is
-    overlapped / torch, each at its best bucket size among the remaining rows (the book's target: at most 1.25
-    times, the constant GOAL, reported as goal_met in --json), or says there is no ratio when every row of one of
-    them fell below local; it is reported, not enforced, because timings on a shared CPU are noisy.
+    beat its own floor, so the gap is noise, and that row is left out of the headline. The headline, the line
+    starting "at the best bucket size among the rows not below local", is overlapped / torch, each at its best
+    bucket size among the remaining rows (the book's target: at most 1.25 times, the constant GOAL, reported as
+    goal_met in --json), or, when every row of overlapped or of torch fell below local, names which one and says
+    there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
     one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A line
     gives bucketed minus overlapped at each size, next to the spread of local's own rounds. The line
@@ -164,13 +165,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     if below_floor:
         ctx.print(f"note: {below_text} came out below 'local' (no communication), which no version can "
                   "really beat: the difference is noise between rounds, not a gain; left out of the headline")
-    if ratio is None:
-        headline = ("no headline ratio: every row of overlapped or of torch came out below local, so this run "
-                    "cannot rank them")
-    else:
-        headline = (f"overlapped DDP took {1e3 * med[('overlapped', best['overlapped'])]:.1f} ms "
-                    f"({best['overlapped']:g} MiB buckets), torch's DDP {1e3 * med[('torch', best['torch'])]:.1f} ms "
-                    f"({best['torch']:g} MiB) and local {1e3 * floor:.1f} ms: overlapped / torch = {ratio:.2f}x")
+    headline = _headline(med, best, floor)
     ctx.print(f"at the best bucket size among the rows not below local: {headline}  ({load_average()})")
     local_ms = [1e3 * t for t in times[("local", 0.0)]]
     ctx.print(f"local's own {len(local_ms)} rounds ranged from {min(local_ms):.1f} to {max(local_ms):.1f} ms: "
@@ -204,6 +199,19 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
             "world_size": ctx.world_size, "backend": ctx.backend}
+
+
+def _headline(med: dict, best: dict, floor: float) -> str:
+    """The headline: overlapped / torch at each one's best trusted size, or which variant had no row above local."""
+    if best["overlapped"] is not None and best["torch"] is not None:
+        ratio = med[("overlapped", best["overlapped"])] / med[("torch", best["torch"])]
+        return (f"overlapped DDP took {1e3 * med[('overlapped', best['overlapped'])]:.1f} ms "
+                f"({best['overlapped']:g} MiB buckets), torch's DDP {1e3 * med[('torch', best['torch'])]:.1f} ms "
+                f"({best['torch']:g} MiB) and local {1e3 * floor:.1f} ms: overlapped / torch = {ratio:.2f}x")
+    gone = [k for k in ("overlapped", "torch") if best[k] is None]  # every row of these came out below local
+    rows = ", ".join(f"{k} " + "/".join(f"{1e3 * t:.0f}" for (kk, _), t in med.items() if kk == k) for k in gone)
+    return (f"no headline ratio: every {' and every '.join(gone)} row came out below local's median "
+            f"({1e3 * floor:.0f} ms; {rows} ms), so this run cannot rank overlapped against torch")
 
 
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:

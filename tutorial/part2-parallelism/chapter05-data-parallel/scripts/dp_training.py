@@ -178,8 +178,9 @@ def draw(args: Settings, out: dict, world_size: int) -> None:
         own = [row[r] for row in out["rank_loss"]]
         ax.plot(steps, own, lw=1.0, alpha=0.8, label=f"rank {r} (own shard)", zorder=2)
         gap.plot(steps, [v - m for v, m in zip(own, out["mean_loss"])], lw=1.0, alpha=0.8, label=f"rank {r}")
-    # the mean dashed and thin, behind the ranks' lines, so that it hides none of them
-    ax.plot(steps, out["mean_loss"], color="black", lw=0.8, ls="--", label="mean over ranks", zorder=1)
+    # the mean dashed and thin, drawn over the ranks' lines (behind them it vanished where they agree); the gaps in
+    # the dashes leave the ranks' lines visible
+    ax.plot(steps, out["mean_loss"], color="black", lw=0.8, ls="--", label="mean over ranks", zorder=2.5)
     val_steps, vals = zip(*out["val"])
     ax.plot(val_steps, vals, "o-", color="crimson", label="validation (the shared model)", zorder=3)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"Data-parallel training on {world_size} ranks")
