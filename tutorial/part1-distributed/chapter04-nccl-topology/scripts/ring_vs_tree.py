@@ -35,7 +35,7 @@ How to run (any world size >= 2: one rank has nothing to reduce; halving-doublin
 
 Contract flags: --smoke uses 2 ranks and sizes up to 64 KiB; --seed sets the random data of the correctness check.
 
-Runtime on 2 cores: about 20-40 s (4 ranks, 256 B .. 8 MiB; 37 s at load 9.5), longer under heavier load;
+Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load near 9.5), longer under heavier load;
 --smoke about 10 s.
 
 Try next
@@ -456,7 +456,7 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
     fig, axes = plt.subplots(1, len(names), figsize=(4.3 * len(names), 4.0), sharey=True, squeeze=False)
     lo, hi = min(p["size (B)"] for p in points), max(p["size (B)"] for p in points)
     grid = np.geomspace(lo, hi, 64)
-    panels = {}
+    panels, ratios = {}, []
     for ax, name in zip(axes[0], names):
         a, b = cost_terms(name, world_size)
         knee = a * alpha / (b * beta) if beta > 0 else math.inf  # latency term == byte term
@@ -480,10 +480,12 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
             # at the panel's left or right end the label turns inwards, so that it stays inside the axes
             left = (above and p["size (B)"] > lo) or (not above and p["size (B)"] >= hi)
             ratio = p["measured/model"]  # two digits, without an exponent: x1.2, x43, x104
-            ax.annotate(f"×{ratio:.2g}" if ratio < 100 else f"×{ratio:.0f}", (p["size (B)"], p["measured (us)"]),
-                        xytext=(-2 if left else 2, dy if above else -dy), ha="right" if left else "left",
-                        va="bottom" if above else "top", textcoords="offset points", fontsize=7, color="C3",
-                        bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
+            text = f"×{ratio:.2g}" if ratio < 100 else f"×{ratio:.0f}"  # overlaps are moved apart at the end
+            ratios.append(ax.annotate(text, (p["size (B)"], p["measured (us)"]),
+                                      xytext=(-2 if left else 2, dy if above else -dy), ha="right" if left else "left",
+                                      va="bottom" if above else "top", textcoords="offset points", fontsize=7,
+                                      color="C3", bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
+                                                        "alpha": 0.7}))
         ax.set_title(f"{name}: {a:g}α + {b:.3g}·nβ", fontsize=10)
         ax.set_xlabel("message size n (bytes)")
         panels[name] = {"steps": a, "bytes_factor": b, "knee_bytes": knee if math.isfinite(knee) else None,
@@ -500,10 +502,27 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
                  f"{len(summary['fit_sizes']) + len(summary['held_out_sizes'])} sizes: α = {alpha * 1e6:.0f} us "
                  f"per step, {bandwidth} ({world_size} ranks)", fontsize=10)
     fig.tight_layout()
+    _separate_labels(fig, ratios)
     print(f"figure: {plot.save(fig, args, 'alpha_beta')}")
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "fit_sizes": summary["fit_sizes"],
             "held_out_sizes": summary["held_out_sizes"], "panels": panels}
 # --8<-- [end:draw_model]
+
+
+def _separate_labels(fig, labels: list) -> None:
+    """Move each label that would overlap an earlier one of its panel further out (away from its point), in steps."""
+    renderer = fig.canvas.get_renderer()
+    placed: dict = {}
+    for label in labels:
+        earlier = placed.setdefault(label.axes, [])
+        dx, dy = label.xyann
+        for _ in range(4):  # 10 points further out per try; after that, it stays where the last try put it
+            box = label.get_window_extent(renderer).expanded(1.05, 1.2)
+            if not any(box.overlaps(e) for e in earlier):
+                break
+            dy += 10 if dy > 0 else -10
+            label.xyann = (dx, dy)
+        earlier.append(label.get_window_extent(renderer).expanded(1.05, 1.2))
 
 
 def draw_ceiling(rows: list[dict], ceiling: dict, world_size: int, args: Settings) -> dict:
