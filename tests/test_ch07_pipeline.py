@@ -371,6 +371,7 @@ def test_longest_op_points_at_a_wait_box_only_when_the_figure_shows_it() -> None
     def sentence(wait: float) -> str:
         spans = [Span("stage 0", 0, 10, "F0", "forward"), Span("stage 0", 10, 40, "F1", "forward"),
                  Span("stage 1", 40, 50, "F1", "forward"), Span("stage 0", 50, 150, "B0", "backward"),
+                 Span("stage 0 messages", 40, 40.01, "a1", "send posted"),
                  Span("stage 1 messages", 40 - wait, 40, "a1", "blocked in recv")]
         return trace.longest_op(spans, {"forward": 10.0, "backward": 100.0}, 2)
 
@@ -378,4 +379,25 @@ def test_longest_op_points_at_a_wait_box_only_when_the_figure_shows_it() -> None
     assert "stage 0's F1, 3.0× the mean forward" in short
     assert "its a1 receive waited only 0.05 ms" in short and "green" not in short
     assert "(its green a1 box, 3.0 ms)" in seen
+
+
+def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
+    """1F1B with p = 2: the last stage's long F0 sends nothing itself, but it delays the B0 right after it, which
+    sends g0, and stage 0 sits in its g0 receive for exactly that. The sentence must point at that wait; only a
+    stage that sends nothing after the long op may be said to hold nobody up."""
+    trace = load_script(SCRIPTS / "pipeline_trace.py")
+    Span = trace.plot.Span
+    spans = [Span("stage 0", 0, 10, "F0", "forward"), Span("stage 0 messages", 10, 10.01, "a0", "send posted"),
+             Span("stage 0", 10, 20, "F1", "forward"), Span("stage 0 messages", 20, 20.01, "a1", "send posted"),
+             Span("stage 1 messages", 0, 10, "a0", "blocked in recv"),
+             Span("stage 1", 10, 40, "F0", "forward"), Span("stage 1", 40, 60, "B0", "backward"),
+             Span("stage 1 messages", 60, 60.01, "g0", "send posted"),
+             Span("stage 0 messages", 20, 60, "g0", "blocked in recv"), Span("stage 0", 60, 80, "B0", "backward")]
+    text = trace.longest_op(spans, {"forward": 10.0, "backward": 20.0}, 2)
+    assert "stage 1's F0, 3.0× the mean forward" in text
+    assert "no other stage" not in text
+    assert "delayed stage 1's next message, g0 (sent after its B0)" in text
+    assert "stage 0's green g0 box, 40.0 ms" in text
+    last = [sp for sp in spans if not (sp.lane == "stage 1 messages" and sp.kind == "send posted")]
+    assert "stage 1 sent no message after it" in trace.longest_op(last, {"forward": 10.0, "backward": 20.0}, 2)
 

@@ -231,6 +231,7 @@ def draw(args: Settings, p: int, results: dict) -> None:
                title=f"{run['schedule']}: m={run['m']}, bubble measured {run['measured']:.2f}, "
                      f"predicted {run['predicted']:.2f}")
     axes[-1].set_xlabel("time since the step started (ms)")
+    fig.tight_layout(h_pad=1.5)  # room for the lower panel's title above it, clear of the upper panel's axis
     plot.save(fig, args, "timeline")
 
 

@@ -254,24 +254,41 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
 
 
 def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
-    """One sentence on the compute box longest against the mean of its kind, and on the wait it caused: F k on
-    stage s sends activation k to stage s + 1 (its green box a k), B k gradient k to stage s - 1 (g k)."""
+    """One sentence on the compute box longest against the mean of its kind, and on the wait it caused. A long op
+    on stage s delays the next message stage s sends after it ends, whichever op sends it (with 1F1B a forward is
+    often followed by a backward, which sends a gradient to stage s - 1): a k goes to stage s + 1, g k to stage
+    s - 1, whose green receive box of that message holds the wait. Only when stage s sends nothing after the op
+    does nobody wait for it."""
     top = max((sp for sp in spans if sp.kind in means), key=lambda sp: (sp.end - sp.start) / means[sp.kind])
-    s, k = int(top.lane.split()[1]), int(top.label[1:])
+    s = int(top.lane.split()[1])
     text = (f"the longest box against the mean of its kind was stage {s}'s {top.label}, "
             f"{(top.end - top.start) / means[top.kind]:.1f}× the mean {top.kind}")
-    waiter, msg = (s + 1, f"a{k}") if top.kind == "forward" else (s - 1, f"g{k}")
-    if not 0 <= waiter < p:
-        return text + "; no other stage waits for a message from it, so it only lengthened its own stage's row"
+    sends = sorted((sp for sp in spans if sp.lane == f"stage {s} messages" and sp.kind == "send posted"
+                    and sp.start >= top.end - 1e-6), key=lambda sp: sp.start)
+    if not sends:
+        return text + f"; stage {s} sent no message after it, so no other stage waited for it"
+    msg = sends[0].label
+    waiter = s + 1 if msg.startswith("a") else s - 1
+    sender = max((sp for sp in spans if sp.lane == f"stage {s}" and sp.end <= sends[0].start + 1e-6),
+                 key=lambda sp: sp.end)  # the op that sent it: the last compute box to end before the send
+    via = "" if sender is top else f" (sent after its {sender.label})"
     wait = sum(sp.end - sp.start for sp in spans if sp.lane == f"stage {waiter} messages"
                and sp.kind == "blocked in recv" and sp.label == msg)
     step = max(sp.end for sp in spans) - min(sp.start for sp in spans)
+    held = f"stage {s}'s next message, {msg}{via}" if via else f"stage {waiter}, which needed its result"
     if wait < max(0.01 * step, 1.0):  # under 1 % of the step or 1 ms: too short to see in the figure
-        return text + (f"; stage {waiter}, which needed its result, was barely held up by it: its {msg} receive "
-                       f"waited only {wait:.2f} ms")
+        if via:
+            return text + (f"; it delayed {held}, but stage {waiter} was barely held up: its {msg} receive waited "
+                           f"only {wait:.2f} ms")
+        return text + (f"; {held}, was barely held up by it: its {msg} receive waited only {wait:.2f} ms")
     if wait < 0.5 * means[top.kind]:
-        return text + (f"; stage {waiter}, which needed its result, was barely held up by it (its green {msg} box, "
-                       f"{wait:.1f} ms)")
+        if via:
+            return text + (f"; it delayed {held}, but stage {waiter} was barely held up (its green {msg} box, "
+                           f"{wait:.1f} ms)")
+        return text + f"; {held}, was barely held up by it (its green {msg} box, {wait:.1f} ms)"
+    if via:
+        return text + (f"; it delayed {held}: stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, "
+                       "covers that wait")
     return text + (f": stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, covers the wait for that "
                    "long box")
 
