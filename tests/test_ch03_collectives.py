@@ -596,9 +596,9 @@ def test_async_timeline_obeys_the_all_reduce(tmp_path) -> None:
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
-def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, float]) -> dict:
+def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, float], wait: float = 0.5) -> dict:
     """Two ranks' recorded calls with the given compute boxes: sequential all_reduce 0-20 ms, then compute; the
-    overlapped post 0-1 ms, then compute, then a 0.5 ms wait()."""
+    overlapped post 0-1 ms, then compute, then a wait() of `wait` ms (0.5 by default)."""
     lanes: dict[str, list[dict]] = {"sequential": [], "overlapped": []}
     for q in range(2):
         end = 20 + seq_compute[q]
@@ -606,19 +606,26 @@ def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, 
                                 {"rank": q, "call": "returned", "start_ms": end, "end_ms": end}]
         w = 1 + ovl_compute[q]
         lanes["overlapped"] += [{"rank": q, "call": "all_reduce", "start_ms": 0.0, "end_ms": 1.0, "done_ms": 25.0},
-                                {"rank": q, "call": "wait(all_reduce)", "start_ms": w, "end_ms": w + 0.5},
-                                {"rank": q, "call": "returned", "start_ms": w + 0.6, "end_ms": w + 0.6}]
+                                {"rank": q, "call": "wait(all_reduce)", "start_ms": w, "end_ms": w + wait},
+                                {"rank": q, "call": "returned", "start_ms": w + wait + 0.1,
+                                 "end_ms": w + wait + 0.1}]
     return lanes
 
 
 def test_async_figure_text_follows_the_recorded_spans() -> None:
     mod = load_script(CH03 / "async_ops.py")
     slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x
-    assert slowed == {"sequential": {"compute_ms": 50.0, "round_ms": 70.0},
-                      "overlapped": {"compute_ms": 75.0, "round_ms": 76.6}}
+    assert slowed == {"sequential": {"compute_ms": 50.0, "round_ms": 70.0, "comm_ms": 20.0},
+                      "overlapped": {"compute_ms": 75.0, "round_ms": 76.6, "wait_ms": 0.5}}
     text = mod.figure_text(slowed)
     assert "took 1.5x its sequential time" in text and "slowed the matmuls" in text
-    assert "ended no sooner" in text and "nothing was saved" in text
+    assert "ended no sooner" in text and "even where wait() found the sum ready, nothing was saved" in text
+    # a long wait() (--matmuls 0: about the whole all-reduce) never found the sum ready: the clause is left out
+    waited = mod.compute_spans(synthetic_lanes((0.5, 0.5), (0.0, 0.0), wait=32.0))
+    assert waited["overlapped"]["wait_ms"] == 32.0
+    long_wait = mod.figure_text(waited)
+    assert "ended no sooner" in long_wait and "nothing was saved" in long_wait
+    assert "found the sum ready" not in long_wait
     hidden = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (52.0, 48.0))))
     assert "took about its sequential time" in hidden and "ended 16.4 ms sooner" in hidden
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))

@@ -19,8 +19,8 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py
     ... --per-rank 3 --root 2     # 3 elements per piece, rank 2 is the root of the rooted collectives
 
-Runtime on 2 idle cores: about 4 s at -w 4 (process start-up dominates), 3 s with --smoke; two or three times that
-on a busy machine.
+Runtime on 2 idle cores: about 4 s at -w 4 (process start-up dominates), 3 s with --smoke; several times that on a
+busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/collectives_tour.py -w 2 --root 1

@@ -17,7 +17,7 @@ How to run (any world size from 1 to 8)
     ... --mib 16 --repeats 10     # a bigger tensor, more timing runs
 
 Runtime on 2 idle cores: about 7 s at -w 4 with the default 4 MiB (1 s of it drawing the animation), 5 s with
---smoke; two or three times that on a busy machine.
+--smoke; several times that on a busy machine.
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
