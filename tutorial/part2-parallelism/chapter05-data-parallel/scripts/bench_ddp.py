@@ -32,8 +32,8 @@ How to run (2 to 8 ranks)
     ... --n-embd 512 --bucket-mb 1 4 16 64     # a 4x bigger model, other bucket sizes
 
 On gloo the all-reduce runs on the same CPU cores as the backward pass, so overlap gains less than on GPUs,
-where NCCL runs on its own stream. Runtime on 2 cores: about 20 s at -w 2 on idle cores, about twice that under
-load (40 s at a load average of 8), 4 s with --smoke.
+where NCCL runs on its own stream. Runtime on 2 cores: about 20 s at -w 2 on idle cores, two to five times that on a
+busy machine (40 s at a load average of 8), 4 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/bench_ddp.py --bucket-mb 0.01 0.1 1 10
@@ -166,7 +166,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         ctx.print(f"note: {below_text} came out below 'local' (no communication), which no version can "
                   "really beat: the difference is noise between rounds, not a gain; left out of the headline")
     headline = _headline(med, best, floor)
-    ctx.print(f"at the best bucket size among the rows not below local: {headline}  ({load_average()})")
+    load = load_average()  # read once: the printed line and the JSON must show the same value
+    ctx.print(f"at the best bucket size among the rows not below local: {headline}  ({load})")
     local_ms = [1e3 * t for t in times[("local", 0.0)]]
     ctx.print(f"local's own {len(local_ms)} rounds ranged from {min(local_ms):.1f} to {max(local_ms):.1f} ms: "
               "the spread that noise alone gives a row here")
@@ -186,7 +187,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "samples_ms": {f"{k}@{mb:g}": [1e3 * s for s in t] for (k, mb), t in times.items()},
             "best_bucket_mb": best, "overlapped_over_torch": ratio, "overlapped_over_torch_per_size": per_size,
             "goal": GOAL, "goal_met": ratio is not None and ratio <= GOAL, "allreduce_sent_bytes_per_rank": volume,
-            "below_floor": [f"{k}@{mb:g}" for k, mb in below_floor], "load_average": load_average(),
+            "below_floor": [f"{k}@{mb:g}" for k, mb in below_floor], "load_average": load,
             "headline_text": headline, "above_noise": [f"{k}@{mb:g}" for k, mb in above],
             "above_noise_text": above_text, "above_noise_rows": above_rows,
             "below_floor_text": (f"{below_text} came out below local" if below_floor

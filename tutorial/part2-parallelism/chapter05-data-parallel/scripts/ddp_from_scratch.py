@@ -25,8 +25,8 @@ How to run (any world size from 1 to 8)
     ... --bucket-mb 0.01 --steps 10       # more, smaller buckets; more steps
 
 The self-check fails (exit 1) if any version's parameters differ from the global-batch reference by more than
---atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2 on idle cores, about twice
-that under load (14 s at a load average of 6.5), 5 s with --smoke.
+--atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2 on idle cores, two to five
+times that on a busy machine (14 s at a load average of 6.5), 5 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3

@@ -17,7 +17,7 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/dp_training.py
     ... -w 4 --ddp overlapped --steps 400      # the hand-written overlapped DDP on four ranks
 
-Runtime on 2 cores: about 12 s at -w 2 on idle cores, about twice that under load (23 s in a book build on
+Runtime on 2 cores: about 12 s at -w 2 on idle cores, two to five times that on a busy machine (23 s in a book build on
 loaded cores), 4 s with --smoke.
 
 Try next

@@ -19,8 +19,8 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py
     ... --param h.1.mlp.c_fc.weight        # look at another parameter
 
-Runtime on 2 cores: about 5 s at -w 2 on idle cores, about twice that under load (10 s on heavily loaded cores),
-4 s with --smoke.
+Runtime on 2 cores: about 5 s at -w 2 on idle cores, two to five times that on a busy machine (10 s on heavily
+loaded cores), 4 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py -w 4 --param wte.weight

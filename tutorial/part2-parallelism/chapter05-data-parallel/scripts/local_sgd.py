@@ -18,7 +18,7 @@ How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/local_sgd.py
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/local_sgd.py
 
-Runtime on 2 cores: about 5 s at the defaults on idle cores, about twice that under load (11 s on heavily
+Runtime on 2 cores: about 5 s at the defaults on idle cores, two to five times that on a busy machine (11 s on heavily
 loaded cores), 5 s with --smoke.
 
 Try next

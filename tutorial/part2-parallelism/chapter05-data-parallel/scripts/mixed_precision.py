@@ -22,7 +22,7 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/mixed_precision.py
 
 On a GPU (--backend nccl) the same runs use CUDA autocast; fp16 there is where loss scaling matters in practice.
-Runtime on 2 cores: about 8 s at the defaults on idle cores, about twice that under load (15 s on heavily
+Runtime on 2 cores: about 8 s at the defaults on idle cores, two to five times that on a busy machine (15 s on heavily
 loaded cores), 5 s with --smoke.
 
 Try next

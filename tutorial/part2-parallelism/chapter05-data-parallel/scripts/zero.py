@@ -32,7 +32,7 @@ How to run (world sizes 1 to 8)
     add --stages 3 --precisions fp32 to run one variant
 
 Runtime on 2 cores: about 10 s at -w 4 (process start-up and the single-process reference included) on idle cores,
-about twice that under load (23 s on heavily loaded cores), 4-5 s --smoke.
+two to five times that on a busy machine (23 s on heavily loaded cores), 4-5 s --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py -w 8 --precisions mixed
