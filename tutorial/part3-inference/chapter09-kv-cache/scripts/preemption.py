@@ -24,7 +24,8 @@ Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 12
         -> exactly one full-length sequence fits: fewer sequences run at once, more steps, the same tokens
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 11
-        -> too small for one 96-token sequence: the engine refuses at start-up with a one-line error (exit 2)
+        -> too small for one 96-token sequence: the script refuses at start-up with a one-line error (exit 2;
+           the engine makes the same check)
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --mfu 0.2 --pcie-gbps 25
         -> a slower prefill and a slower bus: the recompute/swap ratio moves, read it in the cost table
 """
