@@ -310,6 +310,22 @@ def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
     assert mod.timeline_summary(tl)["overlap_handback_ms"] == pytest.approx(late[1])
 
 
+def test_window_text_flags_a_step_slow_against_its_own_window() -> None:
+    """The drawn window is clean only if no step is over 2x its own window's median, even when the recording's
+    median is itself slow (a hand-made window: plain steps 1.19, 5.73, 1.28, 1.10 ms, recorded median 3.7 ms)."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+
+    def rows(totals, median):
+        return [{"start": 10.0 * i, "stages": {"total": t / 1e3, "launch": 0.0, "overlapped": 0.0, "forward": 0.0},
+                 "forward": [10.0 * i, 10.0 * i + 0.5], "recorded_median_ms": median, "recorded": 24}
+                for i, t in enumerate(totals)]
+    even = rows([1.0, 1.1, 1.2, 1.0], 1.1)
+    bad = mod.timeline_summary({"plain": rows([1.19, 5.73, 1.28, 1.10], 3.7), "overlap": even})
+    assert not bad["window_clean"] and "plain step 1 took 4.8x the others in its window" in bad["window_text"]
+    good = mod.timeline_summary({"plain": even, "overlap": even})
+    assert good["window_clean"] and good["window_text"].startswith("both drawn windows are clean")
+
+
 # ------------------------------------------------------------------------------------------ chunked prefill
 def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
     long_prompts = [(LINES[i] + LINES[i + 1])[:110] for i in range(3)] + PROMPTS[:4]
