@@ -77,10 +77,8 @@ def adjoint_worker(ctx) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=8))
     tp = shard_gpt(model, group)
-    w = model.h[0].attn.c_attn.weight  # (3C, C): q rows, k rows, v rows
-    C, rows = 16, 16 // t
-    want = torch.cat([w[j * C + r * rows: j * C + (r + 1) * rows] for j in range(3)])
-    out["qkv_layout_ok"] = bool(torch.equal(tp.h[0].attn.c_attn.weight, want))
+    out["qkv_full"] = model.h[0].attn.c_attn.weight.tolist()  # (3C, C): q rows, k rows, v rows (unsharded)
+    out["qkv_shard"] = tp.h[0].attn.c_attn.weight.tolist()  # what this rank holds; compared in the test
     out["vocab_rows"] = [tp.wte.start, tp.wte.per_rank, tp.wte.padded_vocab]
     gathered = [None] * t
     dist.all_gather_object(gathered, out)
@@ -96,7 +94,10 @@ def test_sp_pair_is_adjoint_and_layouts() -> None:
         for name in ("gather_from_sp", "reduce_scatter_to_sp"):
             lhs, rhs = out[name]
             assert lhs == pytest.approx(rhs, rel=1e-6), f"{name} backward is not its adjoint on rank {r}"
-        assert out["qkv_layout_ok"], f"rank {r}: fused qkv rows are not q, k, v of its own heads"
+        w, C = torch.tensor(out["qkv_full"]), 16
+        rows = C // len(per_rank)
+        want = torch.cat([w[j * C + r * rows: j * C + (r + 1) * rows] for j in range(3)])
+        assert torch.equal(torch.tensor(out["qkv_shard"]), want), f"rank {r}: qkv rows not its heads"
         assert out["vocab_rows"] == [12 * r, 12, 48]  # V=47 padded to 48, 12 rows per rank
 
 
