@@ -362,3 +362,18 @@ def test_bench_headline_gives_the_ratio_when_both_have_a_row_above_local() -> No
     med = {("local", 0.0): 0.1, ("overlapped", 4.0): 0.12, ("torch", 1.0): 0.11}
     text = bench._headline(med, {"overlapped": 4.0, "torch": 1.0}, 0.1)
     assert "overlapped / torch = 1.09x" in text and "no headline" not in text
+
+
+def test_overlapped_vs_bucketed_sentence_follows_the_medians() -> None:
+    """Medians in seconds by (variant, bucket MiB); the sentence's direction and counts, worked by hand."""
+    med = {("bucketed", 0.25): 0.177, ("overlapped", 0.25): 0.189, ("bucketed", 2): 0.178, ("overlapped", 2): 0.170,
+           ("bucketed", 16): 0.193, ("overlapped", 16): 0.214}
+    text = bench._overlapped_vs_bucketed(med, [0.25, 2, 16], 10.0)
+    assert "below bucketed's only at 2 MiB" in text  # 178 - 170 > 0 there, negative at 0.25 and 16
+    assert "0.25 MiB -12.0 ms, 2 MiB +8.0 ms, 16 MiB -21.0 ms" in text
+    assert "2 of the 3 gaps are larger than that range" in text  # |-12|, |-21| > 10; 8 is not
+    every = {k: v - (0.02 if k[0] == "overlapped" else 0) for k, v in med.items() if k[0] == "bucketed"}
+    every.update({("overlapped", mb): med["bucketed", mb] - 0.005 for mb in (0.25, 2, 16)})
+    text = bench._overlapped_vs_bucketed(every, [0.25, 2, 16], 7.0)
+    assert "at every bucket size" in text and "no gap is larger than that range" in text
+

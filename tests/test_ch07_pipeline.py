@@ -286,6 +286,12 @@ def test_measured_bubble_agrees_with_the_formula_where_the_lesson_says(tmp_path)
     for schedule in ("gpipe", "1f1b"):
         assert runs[schedule, 1] == pytest.approx(0.5, abs=0.1), runs
         assert bubble_fraction(2, 4) - 0.03 <= runs[schedule, 4] < runs[schedule, 1], runs
+    # the lesson quotes wall_trend: its direction for each schedule must be what the runs table shows
+    trend = json.loads(out.read_text())["results"]["wall_trend"]
+    for name, schedule in (("GPipe", "gpipe"), ("1F1B", "1f1b")):
+        x, y = runs[schedule, 1], runs[schedule, 4]
+        word = "rose" if round(y, 3) > round(x, 3) else "fell" if round(y, 3) < round(x, 3) else "stayed"
+        assert f"{word} under {name}" in trend, (trend, runs)
 
 
 # ----------------------------------------------------------------------------------------------- the profiler trace
