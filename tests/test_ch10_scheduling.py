@@ -7,7 +7,9 @@ Fast tests use the `tiny` preset with random weights (no training); the GPU ones
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from conftest import load_script, scripts_dir
+from conftest import load_script, scripts_dir, smoke_run
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.engine.cuda_graphs import CUDAGraphRunner, default_capture_sizes, gumbel_sample, pick_graph_size
@@ -407,6 +409,71 @@ def test_throughput_words() -> None:
                                           "(under 10%, a difference the machine's load alone can make)")
     rows[1]["tok_per_s"] = 50.0
     assert mod.throughput_words(rows) == "was highest with budget 32 and lowest with budget 64, 108% apart"
+
+
+
+def test_figure_points_counts_the_gaps_above_the_plateau_by_hand() -> None:
+    """chunked_prefill.figure_points on two made-up repeats of 8 steps (ms): each step counts with its faster repeat,
+    so the steps take 1 1 3 3 1 1 9 1 ms; short-0 gets a token every step, so its gaps are steps 1-7's times; steps
+    2, 3 and 6 carry a long prompt's chunk, so the plateau is the median of 3, 3 and 9 = 3 ms, and only the 9 ms gap
+    is above twice it. Without any chunk step the plateau is the median of all seven gaps (1 ms)."""
+    mod = load_script(CH10 / "chunked_prefill.py")
+    fast = [1, 1, 3, 3, 1, 1, 9, 1]
+    slow = [2, 1, 3, 4, 1, 1, 9, 2]
+    emitted = [[("short-0", 1), ("short-1", 1)] for _ in fast]
+    chunk = [("long-0", 10, "prefill"), ("short-0", 1, "decode")]
+    plain = [("short-0", 1, "decode")]
+    schedule = [chunk if k in (2, 3, 6) else plain for k in range(len(fast))]
+
+    def run(ms, sched):
+        return SimpleNamespace(budget=32, durations=[t / 1e3 for t in ms], emitted=emitted, schedule=sched)
+
+    got = mod.figure_points([run(slow, schedule), run(fast, schedule)])
+    assert (got["gaps"], got["above"], got["above_text"]) == (7, 1, "1 point lies")
+    assert got["plateau_ms"] == pytest.approx(3.0) and got["max_ms"] == pytest.approx(9.0)
+    none = mod.figure_points([run(fast, [plain] * len(fast))])
+    assert none["plateau_ms"] == pytest.approx(1.0)
+    assert (none["above"], none["above_text"]) == (3, "3 points lie")  # the 3, 3 and 9 ms gaps: 3 > 2 too
+
+
+def _printed_table(stdout: str, header: str) -> list[list[str]]:
+    """The rows of the first plain-text table after the line that starts with `header`, as printed."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rule = next(i for i in range(start, len(lines)) if set(lines[i].replace(" ", "")) == {"-"})
+    rows = []
+    for line in lines[rule + 1:]:
+        if not line.strip() or not line.strip()[0].isdigit():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_overlap_speedup_range_is_the_printed_table_s(smoke_cache) -> None:
+    """The lesson quotes speedup_range (lowest and highest speed-up, with their B): it must be what Table 2 printed,
+    read back here from the printed table."""
+    proc = smoke_run(smoke_cache, CH10 / "overlap_scheduling.py")
+    assert proc["code"] == 0, proc["stderr"]
+    table = _printed_table(proc["stdout"], "2. Decode steps")
+    printed = [(float(r[3]), int(r[0])) for r in table]  # columns: B, plain ms, overlap ms, speed-up, ...
+    got = proc["json"]["results"]["speedup_range"]
+    assert len(printed) >= 2
+    assert f"{got['min']:.2f}" == f"{min(printed)[0]:.2f}" and f"{got['max']:.2f}" == f"{max(printed)[0]:.2f}"
+    assert got["min_b"] in [b for v, b in printed if f"{v:.2f}" == f"{got['min']:.2f}"]
+    assert got["max_b"] in [b for v, b in printed if f"{v:.2f}" == f"{got['max']:.2f}"]
+
+
+def test_cuda_graphs_direction_text_follows_the_printed_tokens_per_second(smoke_cache) -> None:
+    """The lesson quotes direction_text ("faster than" / "slower than" the eager engine): it must agree with the two
+    tokens-per-second figures the last line printed."""
+    proc = smoke_run(smoke_cache, CH10 / "cuda_graphs.py")
+    assert proc["code"] == 0, proc["stderr"]
+    match = re.search(r"\(\d+ tokens\); (\d+) vs (\d+) tokens/s", proc["stdout"])
+    assert match, proc["stdout"][-600:]
+    graphs, eager = (int(g) for g in match.groups())
+    text = proc["json"]["results"]["engine"]["direction_text"]
+    if graphs != eager:  # rounded to whole tokens/s: equal ones are a tie the print cannot order
+        assert text.startswith("faster than" if graphs > eager else "slower than"), (graphs, eager, text)
 
 
 # ------------------------------------------------------------------------------------------ graphs: padding
