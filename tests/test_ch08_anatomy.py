@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script, scripts_dir
+from conftest import load_script, scripts_dir, smoke_run
 from mlsys.engine import Engine, EngineConfig, SamplingParams
 from mlsys.model import GPT, GPTConfig
 from mlsys.serving_metrics import format_summary, request_latencies, serving_summary
@@ -356,3 +356,37 @@ def test_seats_animation_against_a_plain_scheduler(small_model):
         prefill = sum(c["tokens"] for c in cells if c["kind"] == "prefill")
         assert prefill == sum(p for p, _ in work)
     assert len(bb.seat_demo(small_model, "continuous")) < len(bb.seat_demo(small_model, "static")) <= 16
+
+
+def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
+    """The lesson quotes prefill_medians_agree (does the prefill peak sit at the same prompt length by the median
+    times as by the best ones?) and decode_range_word (is a token at the largest batch cheaper than at B = 1?):
+    both recomputed here from the rows' lengths, batches and times (tokens per second = tokens / time)."""
+    proc = smoke_run(smoke_cache, CH08 / "prefill_vs_decode.py")
+    assert proc["code"] == 0, proc["stderr"]
+    res = proc["json"]["results"]
+    prefill, decode = res["prefill"], res["decode"]
+    best = max(prefill, key=lambda r: r["prompt_len"] / r["ms"])["prompt_len"]
+    by_median = max(prefill, key=lambda r: r["prompt_len"] / r["median_ms"])["prompt_len"]
+    text = res["prefill_medians_agree"]
+    if best == by_median:
+        assert text == "the medians peak at the same length"
+    else:
+        assert text.startswith(f"the medians peak at L = {by_median} instead")
+    cheaper = decode[-1]["batch"] / decode[-1]["ms"] > decode[0]["batch"] / decode[0]["ms"]
+    assert res["decode_range_word"] == ("cheaper" if cheaper else "no cheaper")
+
+
+def test_static_won_names_the_rows_where_static_batching_did_better(smoke_cache):
+    """The lesson quotes static_won, the metrics static batching won: recomputed from the printed comparison's
+    values, with the direction of each metric written here (throughputs higher, latencies lower is better)."""
+    proc = smoke_run(smoke_cache, CH08 / "batching_bench.py")
+    assert proc["code"] == 0, proc["stderr"]
+    res = proc["json"]["results"]
+    higher = {"request throughput (req/s)", "output throughput (tok/s)"}
+    lower = {"median TTFT (ms)", "p99 TTFT (ms)", "mean TPOT (ms)", "median ITL (ms)", "p99 ITL (ms)"}
+    rows = {r["label"]: (r["static"], r["continuous"]) for r in res["rows"]}
+    assert higher | lower <= set(rows)
+    won = [label for label, (s, c) in rows.items()
+           if (label in higher and s > c) or (label in lower and s < c)]
+    assert res["static_won"] == (", ".join(won) or "none")
