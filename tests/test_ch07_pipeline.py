@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -407,3 +408,27 @@ def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
     last = [sp for sp in spans if not (sp.lane == "stage 1 messages" and sp.kind == "send posted")]
     assert "stage 1 sent no message after it" in trace.longest_op(last, {"forward": 10.0, "backward": 20.0}, 2)
 
+
+
+@pytest.mark.timeout(120)
+def test_ends_vs_mean_sentence_follows_the_raw_events(trace_run) -> None:
+    """The lesson quotes ends_vs_mean: whether stage 0's first forward and last backward (the ramp's two ends) were
+    shorter or longer than the mean forward and backward. Decided here from the raw trace events."""
+    p, res, raw = trace_run
+    stage_of = {e["pid"]: int(e["args"]["name"].split()[1]) for e in raw
+                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    ops = [e for e in raw if e.get("ph") == "X" and e.get("pid") in stage_of and e["name"][0] in "FB"
+           and e["name"][1:].isdigit()]
+    mean = {k: np.mean([e["dur"] for e in ops if e["name"][0] == k]) for k in "FB"}
+    stage0 = sorted((e for e in ops if stage_of[e["pid"]] == 0), key=lambda e: e["ts"])
+    first, last = stage0[0], stage0[-1]
+    assert first["name"][0] == "F" and last["name"][0] == "B"
+    short = [first["dur"] < mean["F"], last["dur"] < mean["B"]]
+    text = res["ends_vs_mean"]
+    if all(short):
+        assert text.startswith("both ends were shorter"), text
+    elif not any(short):
+        assert text.startswith("both ends were longer"), text
+    else:
+        assert text.startswith(f"the first forward was {'shorter' if short[0] else 'longer'} and the last backward "
+                               f"{'shorter' if short[1] else 'longer'}"), text
