@@ -200,7 +200,8 @@ def main() -> int:
     if result is None:
         return 0
     print(f"pipeline vs one process: max |output diff| = {result['max_abs_diff_output']:.2e}, "
-          f"max |grad diff| = {result['max_abs_diff_grad']:.2e} over {result['num_params_checked']} parameters")
+          f"max |grad diff| = {result['max_abs_diff_grad']:.2e} over {result['num_params_checked']} "
+          "parameter tensors (a weight and a bias per Linear)")
     print(f"figure: {draw(result.pop('timeline'), args)}")
     print("OK: the pipelined forward and backward match the single-process model")
     if args.json:
