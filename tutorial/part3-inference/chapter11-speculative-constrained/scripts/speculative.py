@@ -26,15 +26,17 @@ How to run
 Runtime on 2 cores: about 10 s, 4 s with --smoke (the first run trains the two models once, a few minutes).
 
 Try next
-    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8
-        -> a longer guess in the traced step (the first with a rejection, so it may accept no more than at k = 4):
+    python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --k 8 --plot-dir /tmp/k8
+        -> figures into /tmp/k8/ (by default they go to .cache/figures/speculative/, overwritten by each run);
+           a longer guess in the traced step (the first with a rejection, so it may accept no more than at k = 4):
            more grey (never judged) drafts after the pink miss, all thrown away, in rollback.png and steps.png;
            steps.png also runs past <eos> into the <bos> of a new record (the figure's run does not stop there)
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --ks 1 16
         -> k = 16: still exactly the target's tokens; tokens per target forward still rise from k = 8 to 16, but
            stay far below k + 1, because a late draft survives only if every draft before it did
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/speculative.py --num-samples 200000
-        -> ten times the draws of the acceptance rule: the empirical distribution sits even closer to p
+        -> ten times the draws of the acceptance rule: the empirical distribution sits even closer to p; the run
+           takes about twice as long as the default run, more on a busy machine
 """
 
 from __future__ import annotations
@@ -246,9 +248,9 @@ def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
               + [Patch(facecolor="#ffffff", edgecolor="#555555", hatch="//",
                        label="stale (past len): overwritten\nby the next forward")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_title(f"one step, k = {step['k']}: {j} of {len(drafts)} drafts accepted; the target's token "
-                 f"{tok.decode([step['new'][-1]], skip_special=False)!r} becomes the new pending token",
-                 fontsize=9)
+    ax.set_title(f"one step, k = {step['k']}: {j} of {len(drafts)} drafts accepted\nthe target's own token "
+                 f"{tok.decode([step['new'][-1]], skip_special=False)!r} becomes the new pending token "
+                 "(in neither cache yet, so not drawn)", fontsize=9)
     fig.tight_layout()
     path = plot.save(fig, args, "rollback")
     print(f"figure: {path}")
