@@ -39,11 +39,13 @@ Try next
         -> no KL penalty: the reward still rises, the KL grows to many nats, and section 3 shows the hacking: rule
            score and well-formed share of the trained policy far below the SFT model's
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
-        -> no critic, group baseline, KL in the loss; no token table at the end (no per-token values)
+        -> no critic, group baseline, KL in the loss; no token table and no section 4 or iteration.png (no
+           per-token values)
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --k-beta 2
         -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column and beta
            with the default run's, and section 3's rule score and well-formed share: a KL nearer its target need
-           not mean less hacking (the penalty limits how far the policy moves, not where)
+           not mean less hacking (the penalty limits how far the policy moves, not where); section 3 measures the
+           policy after its last update, so its well-formed share can lie far below the last batches' valid column
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
 
     plt = plot.pyplot()
     x, mask = batch.extra, batch.mask.bool()
-    grid = {"1. generate: engine log pi_old": batch.engine_logprobs, "2. score: actor log pi": x["logprobs"],
+    grid = {"1. generate: engine log-prob (checked vs actor)": batch.engine_logprobs,
+            "2. score: actor log pi (= log pi_old)": x["logprobs"],
             "2. score: reference log pi_ref": x["ref_logprobs"], "2. score: critic V": x["values"],
             "3. KL: k1 = log pi - log pi_ref": x["kl"]["k1"], "3. shaped reward r_t": x["rewards"],
             "4. GAE: advantage, whitened": x["advantages"], "4. GAE: return G_t": x["returns"]}  # (B, L) each
@@ -205,7 +208,7 @@ def draw_iteration(batch: RolloutBatch, stats: dict, iteration: int, args: Setti
               ("2. score: reward model R", x["scores"]), *list(grid.items())[4:]]
     fig, axes = plt.subplots(4, 3, figsize=(14, 14))  # three panels a row: each wide enough to read a cell
     for ax, (title, t) in zip(axes.flat, panels):
-        signed = "k1" in title or "log pi" not in title and t is not ids
+        signed = "k1" in title or "log" not in title and t is not ids
         cmap = "RdBu_r" if signed else "viridis"  # red/blue: signed quantities, centred on 0
         a = (t.float().masked_fill(~mask, torch.nan) if t.shape == mask.shape else t.reshape(len(t), -1)).numpy()
         # a few outliers saturate; the shaped rewards saturate at half their largest value, so the score on the
