@@ -31,7 +31,8 @@ Try next
         (about as long as the default run) -> at W = 2 ring attention's forward sends exactly what Ulysses' does
            (two shards per rank), its backward three times as much
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 3
-        -> 3 does not divide 8 heads: ring attention runs, Ulysses is skipped and the script says why
+        (about as long as the default run, most of it the memory measurement) -> 3 does not divide 8 heads:
+           ring attention runs, Ulysses is skipped and the script says why
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py --lengths 8192 16384
         (slower than the default run: the 16k measurement is its longest) -> 16k tokens: the one-process peak
            doubles again, and each rank's stays the same fraction of it
