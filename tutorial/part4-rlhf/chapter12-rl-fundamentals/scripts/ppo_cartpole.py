@@ -37,8 +37,10 @@ What it prints
     clipped objective against the ratio for A = +1 and A = -1, from mlsys.rl.ppo_policy_loss) and clip_batch.png
     (that real minibatch, each sample at its ratio and advantage, marked by whether the loss gave it a gradient).
 
-Runtime on 2 cores: about 15 s of CPU to solve with the default seed (a tqdm bar on a terminal); --seeds 0 1 2
-about three times that; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
+Runtime on 2 cores: about 8 s for the whole default run (a tqdm bar on a terminal); about half of that is the
+training loop itself, the wall-clock `seconds` the evaluation and result tables print (rollouts, updates and
+evaluations; start-up, the rollout picture and the figures are not in it). --seeds 0 1 2 about three times the
+default run; --smoke about 3 s. One torch thread: these nets are too small to gain from more.
 The machinery (actor-critic, rollouts, the PPO update, the loop) is in _ppo.py, which the chapter's other two
 scripts share; this file is the run sheet, the figure and the solve check.
 

@@ -158,17 +158,15 @@ def plot_curves(runs: dict[str, dict], rows: list[dict], args: Settings) -> None
     ax.set(xlabel="env steps", ylabel="training episode return", title="REINFORCE vs PPO on CartPole-v1")
     ax.legend(fontsize=8)
     print(f"figure: {plot.save(fig, args, 'return_curves')}")
-    from matplotlib.ticker import LogLocator, NullFormatter
-
-    fig, ax = plt.subplots(figsize=(6.5, 3))
+    fig, ax = plt.subplots(figsize=(7, 3))
     values = [r["total variance"] for r in rows]
     ax.barh([r["advantage"] for r in rows], values)
-    for y, v in enumerate(values):     # the value at the end of each bar: no need to read it off the log axis
-        ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
-    ax.set(xscale="log", xlim=(min(values) / 3, max(values) * 6),
+    ax.invert_yaxis()                  # top to bottom in the order of the printed table
+    for y, v in enumerate(values):     # each bar's value, and how much smaller it is than the bar above
+        cut = f"  ({values[y - 1] / v:.1f}x smaller than the bar above)" if y else ""
+        ax.text(v, y, f" {v:.3g}{cut}", va="center", fontsize=9)
+    ax.set(xlim=(0, max(values) * 1.25),   # linear axis from 0: bar lengths are in the ratio of the variances
            xlabel="total variance of the actor-gradient estimate (sum over parameters)")
-    ax.xaxis.set_major_locator(LogLocator(base=10))
-    ax.xaxis.set_minor_formatter(NullFormatter())   # labels on powers of ten only: none run into each other
     print(f"figure: {plot.save(fig, args, 'grad_variance')}")
 
 
