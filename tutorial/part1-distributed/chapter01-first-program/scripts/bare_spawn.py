@@ -26,7 +26,8 @@ Try next
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 3 --crash-rank 2
         -> rank 2 raises after joining; spawn terminates the others and reports the first failure it
            noticed, and the line above the traceback says whose: the culprit's own error or a victim's
-           "Connection closed by peer" or "reset by peer" (it changes from run to run); exit 1
+           "Connection closed by peer" or "reset by peer" (usually the culprit's on a lightly loaded machine,
+           a victim's mostly under load); exit 1
     python tutorial/part1-distributed/chapter01-first-program/scripts/bare_spawn.py -w 8 --numel 1000000
         -> eight ranks, a million numbers each: the same sum, still checked with no communication
 """
