@@ -26,7 +26,9 @@ loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
-        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; more buckets, more calls
+        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; more buckets, more calls:
+           compare the sweep's 1 MB and 4 MB rows of the same run, not two runs (load changes between them);
+           three processes on 2 cores: about 35-45 s at a load average of 5-8
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py --bucket-mb 64
         -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank; on the bigger models
            the extra packing copy can make bucketing slower than per-tensor sends
