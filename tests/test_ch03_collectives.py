@@ -615,10 +615,11 @@ def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, 
 def test_async_figure_text_follows_the_recorded_spans() -> None:
     mod = load_script(CH03 / "async_ops.py")
     slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x
-    assert slowed == {"sequential": {"compute_ms": 50.0, "round_ms": 70.0, "comm_ms": 20.0},
-                      "overlapped": {"compute_ms": 75.0, "round_ms": 76.6, "wait_ms": 0.5}}
+    assert slowed == {"sequential": {"compute_ms": 50.0, "compute_rank": 0, "round_ms": 70.0, "comm_ms": 20.0},
+                      "overlapped": {"compute_ms": 75.0, "compute_rank": 0, "round_ms": 76.6, "wait_ms": 0.5}}
     text = mod.figure_text(slowed)
     assert "took 1.5x its sequential time" in text and "slowed the matmuls" in text
+    assert "75.0 ms on rank 0 against 50.0 ms on rank 0" in text
     assert "ended no sooner" in text and "even where wait() found the sum ready, nothing was saved" in text
     # a long wait() (--matmuls 0: about the whole all-reduce) never found the sum ready: the clause is left out
     waited = mod.compute_spans(synthetic_lanes((0.5, 0.5), (0.0, 0.0), wait=32.0))
@@ -626,8 +627,16 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     long_wait = mod.figure_text(waited)
     assert "ended no sooner" in long_wait and "nothing was saved" in long_wait
     assert "found the sum ready" not in long_wait
-    hidden = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (52.0, 48.0))))
+    spans = mod.compute_spans(synthetic_lanes((40.0, 50.0), (52.0, 48.0)))
+    hidden = mod.figure_text(spans)
     assert "took about its sequential time" in hidden and "ended 16.4 ms sooner" in hidden
+    assert "52.0 ms on rank 0 against 50.0 ms on rank 1" in hidden  # each panel's longest box, named by its rank
+    # the drawn round beside the table's medians: a direction only when all three agree
+    medians = {"compute": 30.0, "communication": 20.0, "sequential": 50.0, "overlapped": 40.0}
+    assert "single sample, slower than the table's medians" in mod.figure_note(spans, medians)
+    assert "50.0 ms (rank 1) against the compute median of 30.0 ms" in mod.figure_note(spans, medians)
+    assert "faster than" in mod.figure_note(spans, {k: 3 * v for k, v in medians.items()})
+    assert "single sample, not the table's medians" in mod.figure_note(spans, {**medians, "sequential": 90.0})
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
     assert "took 0.6x" in faster and "vary that much" in faster
     assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0))))
