@@ -358,14 +358,28 @@ def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypa
 @pytest.mark.parametrize(("busbw", "pattern", "words"), [
     ([0.1, 0.5, 1.0, 2.0], "rising", "was still rising at the largest size"),
     # the lesson's captured run: a dip at 2 MiB, a larger size faster again
+    # 0.877 / 0.466 = 1.88, at least 1.2
     ([0.15, 0.55, 1.5, 0.466, 0.59, 0.877], "dip that recovers",
-     "dipped to 0.47 GB/s at 2 MiB and rose again to 0.88 GB/s at 32 MiB: a dip that recovers"),
+     "dipped to 0.47 GB/s at 2 MiB and rose again to 0.88 GB/s at 32 MiB, 1.88x the low point (at least 1.2x): "
+     "a dip that recovers"),
+    # 0.85 / 0.8 = 1.0625: a rise, named with its factor, too small to count; 1 - 0.85 / 1.5 = 43.3%
     ([0.15, 0.55, 1.5, 0.9, 0.8, 0.85], "fall that stays", "ended 43.3% lower, at 0.85 GB/s at the largest size"),
-    ([0.15, 0.55, 1.5, 0.9, 0.8, 0.7], "fall that stays", "a fall that stays to the end"),
+    ([0.15, 0.55, 1.5, 0.9, 0.8, 0.85], "fall that stays",
+     "it rose from 0.80 GB/s at 8 MiB to 0.85 GB/s at 32 MiB, but only 1.06x, under the 1.2x"),
+    # a reader's run: 8 MiB lower than both 2 and 32 MiB, yet 2.149 / 1.816 = 1.18 < 1.2, so the sentence must
+    # show that rise and why it is not a recovery, not only say "a fall that stays"
+    ([0.2, 0.9, 2.80, 1.816, 2.149], "fall that stays",
+     "it rose from 1.82 GB/s at 8 MiB to 2.15 GB/s at 32 MiB, but only 1.18x, under the 1.2x that counts as a "
+     "recovery: a fall that stays to the end"),
+    # 1.25 / 1.0 = 1.25: just past the threshold
+    ([0.2, 0.9, 2.0, 1.0, 1.25], "dip that recovers", "1.25x the low point (at least 1.2x)"),
+    ([0.15, 0.55, 1.5, 0.9, 0.8, 0.7], "fall that stays",
+     "ended 53.3% lower, at 0.70 GB/s at the largest size, 32 MiB: a fall that stays to the end"),
 ])
 def test_busbw_trend_names_the_pattern_of_this_run(busbw: list[float], pattern: str, words: str) -> None:
     """The sentence after the bandwidth-bound regime says which way busbw came down in this run: a dip that a
-    larger size recovers from (load), or a fall that stays to the end (a limit such as the caches)."""
+    larger size recovers from by at least RECOVERY (1.2x) (load), or a fall that stays to the end (a limit such as
+    the caches); a smaller rise after the low point is named with its factor, so the sentence never hides it."""
     bc = load("bench_collectives")
     sizes = [8 * 2**20 // 4 ** (len(busbw) - 1 - k) * 4 for k in range(len(busbw))]  # .. 2, 8, 32 MiB at the end
     rows = [{"size (B)": s, "time (us)": 1.0, "busbw (GB/s)": b} for s, b in zip(sizes, busbw)]

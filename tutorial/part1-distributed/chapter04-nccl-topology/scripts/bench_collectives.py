@@ -21,8 +21,10 @@ What it shows
     about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny),
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
-    shows: still rising, a dip that recovers at a larger size (load), or a fall that stays to the end). A fitted
-    time = alpha + size/B line puts the boundary at size = alpha * B, shaded on the figure; it is one
+    shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
+    the lowest busbw after the peak (load); or a fall that stays to the end, where none does: a smaller rise is
+    named with its factor but not counted as a recovery). A fitted time = alpha + size/B line
+    puts the boundary at size = alpha * B, shaded on the figure; it is one
     least-squares line through all the points, which scatter on both sides of it, so its B can be below the
     peak busbw. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
     at most half the largest size, and the measured time of the largest size must be at least twice the smallest
@@ -224,14 +226,16 @@ def reading(rows: list[dict]) -> dict:
             "last_step_time_ratio": last["time (us)"] / before["time (us)"],
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
             "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
-            "busbw_trend_text": busbw_trend_text(rows), "busbw_pattern": busbw_pattern(rows)[0]}
+            "busbw_trend_text": busbw_trend_text(rows), "busbw_pattern": busbw_pattern(rows)[0],
+            "busbw_recovery_factor": RECOVERY}
 
 
 def busbw_trend_text(rows: list[dict]) -> str:
     """Where busbw peaked, in words whose direction is computed from the run: still rising at the largest size
-    (the peak is the last row); a dip that recovers (after the peak, a larger size beat the lowest point by at
-    least RECOVERY: one size was slowed, the pattern of load); or a fall that stays to the end (no larger size
-    recovered by that much: the pattern of a limit, such as the caches)."""
+    (the peak is the last row); a dip that recovers (after the peak, a larger size reached at least RECOVERY times
+    the lowest point after the peak: one size was slowed, the pattern of load); or a fall that stays to the end (no
+    larger size rose that far above the lowest point: the pattern of a limit, such as the caches). A smaller rise
+    after the lowest point is named in the sentence, with its factor, so the reader sees why it did not count."""
     return busbw_pattern(rows)[1]
 
 
@@ -250,16 +254,20 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
     low = top + 1 + int(np.argmin(bw[top + 1:]))  # the lowest point after the peak
     later = bw[low + 1:]
     peak_text = f"peaked at {bw[top]:.2f} GB/s at {size_text(rows[top]['size (B)'])}"
-    if later and max(later) >= RECOVERY * bw[low]:
-        best = low + 1 + int(np.argmax(later))
+    best = low + 1 + int(np.argmax(later)) if later else low  # the highest point after the lowest one
+    rise = bw[best] / bw[low]
+    if rise >= RECOVERY:
         return "dip that recovers", (
             f"{peak_text}, dipped to {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} and rose again to "
-            f"{bw[best]:.2f} GB/s at {size_text(rows[best]['size (B)'])}: a dip that recovers (a larger size "
-            "was faster again), not a fall that stays to the end")
+            f"{bw[best]:.2f} GB/s at {size_text(rows[best]['size (B)'])}, {rise:.2f}x the low point (at least "
+            f"{RECOVERY:g}x): a dip that recovers, not a fall that stays to the end")
     drop = 1 - bw[-1] / bw[top]
+    partial = (f"; it rose from {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} to {bw[best]:.2f} GB/s "
+               f"at {size_text(rows[best]['size (B)'])}, but only {rise:.2f}x, under the {RECOVERY:g}x that counts "
+               "as a recovery" if best != low else "")
     return "fall that stays", (
         f"{peak_text} and ended {drop:.1%} lower, at {bw[-1]:.2f} GB/s at the largest size, "
-        f"{size_text(last['size (B)'])}: a fall that stays to the end (no larger size recovered {RECOVERY:g}x "
+        f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end (no larger size rose {RECOVERY:g}x "
         "above the lowest point after the peak), not a dip that recovers")
 
 

@@ -13,8 +13,8 @@ What it shows
       1. correctness: each algorithm's largest difference from dist.all_reduce;
       2. the median time per all-reduce of every algorithm and gloo's own at each size (they take turns, so a
          burst of load hits all of them) and the fastest of them all, gloo's included; which of ring and tree was
-         faster where (a tie where their ranges over the rounds overlap: no winner is claimed there), ring busbw
-         over gloo's;
+         faster where (a tie where their ranges over the rounds overlap: no winner is claimed there; the table
+         prints both ranges and the verdict per size), ring busbw over gloo's;
       3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) fitted by least squares to the
          ring's and the tree's times at every other size, then compared with the points it did not see (the
          sizes in between, and every halving-doubling point): measured/model per size, the median and worst
@@ -608,12 +608,18 @@ def main() -> int:
           + ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     time_of = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
-    print(f"\n2. time per all-reduce (us), the median of {args.rounds} round(s), the algorithms taking turns; "
-          f"{load_average()}")
-    print(report.table([{"size (B)": s, **{n: time_of[n, s] for n in names},
-                         "fastest": min(names, key=lambda n: time_of[n, s])}
-                        for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     summary = summarise(rows, w)
+    spread = {(r["algorithm"], r["size (B)"]): (f"{min(r['rounds (us)']):.0f}-{max(r['rounds (us)']):.0f}"
+                                                if r.get("rounds (us)") else "-") for r in rows}
+    print(f"\n2. time per all-reduce (us), the median of {args.rounds} round(s), the algorithms taking turns; "
+          f"{load_average()}\n   ring / tree range: fastest-slowest round; ring vs tree: the faster median, or tie "
+          "where the two ranges overlap")
+    print(report.table([{"size (B)": s, **{n: time_of[n, s] for n in names},
+                         "fastest": min(names, key=lambda n: time_of[n, s]),
+                         "ring range": spread["ring", s], "tree range": spread["tree", s],
+                         "ring vs tree": ("tie" if s in summary["tied_sizes"] else
+                                          "ring" if time_of["ring", s] < time_of["tree", s] else "tree")}
+                        for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     print(f"measured, ring against tree (a tie where the two's ranges over the {args.rounds} round(s) overlap): "
           f"{summary['measured_text']}")
     ratio = summary["ring_over_gloo_busbw"]
