@@ -29,7 +29,7 @@ Try next
         (about twice the default run) -> more micro-batches: the formula's bubble (p-1)/(m+p-1) falls toward 0;
            compare the measured points
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py -w 4
-        (longer than the default run: it runs four ranks on two cores) -> four stages on two cores:
+        (half a minute or more on two cores, over a minute under load) -> four stages on two cores:
            ranks wait for a core, not only for each other, so expect the measured bubble to sit above the formula
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/bubble.py --timeline-m 8
         (as long as the default run) -> the timeline figure drawn at m = 8: GPipe's long run of forwards, 1F1B's
