@@ -257,6 +257,9 @@ def test_prefix_cache_script(prefix: dict) -> None:
     tree = prefix["tree"]
     common = min(full_block_prefix(prompts[0], p, 1) for p in prompts[1:])  # tokens every prompt shares
     assert tree["shared_prompt_tokens"] == common and tree["first_edge_tokens"] >= common // bs * bs
+    # the lesson's three pieces of the shared prefix: system prompt | rest of the first edge | the tokens after it
+    assert tree["system_tokens"] + tree["question_in_first_edge"] == tree["first_edge_tokens"]
+    assert tree["first_edge_tokens"] + tree["question_after_first_edge"] == tree["shared_prompt_tokens"]
     assert prefix["freed_on_reset"] == tree["cached_blocks"] > 0
     # radix_tree.png against plain Python: each finished sequence leaves its computed tokens (all but the last
     # sampled one) in whole blocks; the leaves drawn are the cuts no other cut extends, and the nodes where the

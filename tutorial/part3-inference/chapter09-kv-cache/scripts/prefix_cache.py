@@ -268,7 +268,10 @@ def show_tree(runs: dict, system, prompts, tok: Tokenizer, args: Settings) -> tu
     top = list(cache.root.children.values())
     tree = {"cached_blocks": len(cache.cached_blocks()), "shared_prompt_tokens": shared,
             "system_tokens": len(system), "top_edges": len(top), "first_edge_tokens": len(top[0].key),
-            "first_edge_children": len(top[0].children), "num_requests": len(prompts)}
+            "first_edge_children": len(top[0].children), "num_requests": len(prompts),
+            # the shared prefix in three pieces: system prompt | question tokens in the first edge | after it
+            "question_in_first_edge": len(top[0].key) - len(system),
+            "question_after_first_edge": shared - len(top[0].key)}
     print(f"\n3. The radix tree ({tree['cached_blocks']} cached blocks; ^ = <bos>, $ = <eos>):")
     lines = tree_lines(cache, tok)
     print("\n".join(lines[:12]))
