@@ -27,7 +27,6 @@ https://arxiv.org/abs/2006.15704 (sections 3.2.3 and 3.2.4: bucketing and overla
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 import torch
@@ -201,7 +200,6 @@ class OverlappedDDP(BucketedDDP):
 
     def _reset(self) -> None:
         self.missing = [len(b) for b in self.buckets]  # gradients each bucket still waits for
-        self.launch_times: list[float] = []  # perf_counter() when each bucket's all-reduce was launched
         self.next_bucket = 0  # buckets are launched strictly in index order, identical on every rank
         self.handles: list[dist.Work] = []
 
@@ -215,7 +213,6 @@ class OverlappedDDP(BucketedDDP):
         # ranks must issue their collectives in the same order, whatever order the gradients arrived in.
         while self.next_bucket < len(self.buckets) and self.missing[self.next_bucket] == 0:
             self.handles.append(self._all_reduce(self.buffers[self.next_bucket], async_op=True))
-            self.launch_times.append(time.perf_counter())
             self.next_bucket += 1
 
     def finish_gradient_synchronization(self) -> None:
@@ -228,7 +225,6 @@ class OverlappedDDP(BucketedDDP):
         for i, handle in enumerate(self.handles):
             handle.wait()  # the all-reduce of bucket i is done: its buffer holds the average
             self._unpack(i)
-        self.last_launch_times = self.launch_times  # kept for the chapter's overlap timeline
         self._reset()
 
     @contextlib.contextmanager

@@ -7,7 +7,8 @@
   AND against torch.nn.parallel.DistributedDataParallel, after several SGD steps, with and without no_sync
   gradient accumulation; their all-reduce counts and bytes; the comm-volume formula 2(W-1)/W x bytes;
 - the profiled overlapped step (ddp_from_scratch.profile_overlap, in one process): torch's bucket assignment, one
-  gloo all-reduce per bucket in the raw trace, each launch inside the backward of the block that completes it;
+  gloo all-reduce per bucket in the raw trace, each launch inside the backward of the block that completes it, and
+  the printed launch table's fractions equal to the raw trace's launch-call events over its backward;
 - the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof;
 - the plain PyTorch recipe (ddp_recipe.py): DistributedSampler gives every rank an equal share with the padding
   counted, and forgetting set_epoch is caught.
@@ -116,7 +117,8 @@ def _segment_of(name: str, num_blocks: int) -> str:
 def test_overlap_trace_launches_each_torch_bucket_inside_the_backward_that_fills_it(one_rank_group, tmp_path) -> None:
     """The profiled overlapped step, in one process: its buckets are torch's own assignment, every bucket has one
     gloo all-reduce in the raw trace file, and each launch falls inside the backward segment of the block whose
-    gradients complete the bucket (autograd runs head, last block ... first block, embeddings)."""
+    gradients complete the bucket (autograd runs head, last block ... first block, embeddings); the launch table
+    (launch_timeline) gives each launch call's start and end as a share of the trace's own "backward" event."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -151,6 +153,19 @@ def test_overlap_trace_launches_each_torch_bucket_inside_the_backward_that_fills
         last = max((_segment_of(p, n) for p in bucket), key=order.index)  # the last part of backward it needs
         seg = segments[last]
         assert seg.start - 0.05 <= launch.start <= seg.end + 0.05, (bucket, last, launch, seg)
+
+    # the printed "bucket launches" table comes from this same step: read it off the raw events, not the spans
+    backward = next(e for e in events if e["name"] == "backward")
+    calls = sorted((e for e in events if e["name"] == "c10d::allreduce_" and e["tid"] == backward["tid"]),
+                   key=lambda e: e["ts"])
+    table = dfs.launch_timeline(spans)
+    assert len(table) == len(calls) == len(want)
+    for row, call in zip(table, calls):
+        began = 100 * (call["ts"] - backward["ts"]) / backward["dur"]
+        returned = 100 * (call["ts"] + call["dur"] - backward["ts"]) / backward["dur"]
+        assert row["launch began (% of backward)"] == pytest.approx(began, abs=1e-3), (row, began)
+        assert row["returned (%)"] == pytest.approx(returned, abs=1e-3), (row, returned)
+        assert 0 <= began <= returned <= 100.5
 
 
 # ----------------------------------------------------------------------------------------------- DDP on real ranks
@@ -369,11 +384,25 @@ def test_overlapped_vs_bucketed_sentence_follows_the_medians() -> None:
     med = {("bucketed", 0.25): 0.177, ("overlapped", 0.25): 0.189, ("bucketed", 2): 0.178, ("overlapped", 2): 0.170,
            ("bucketed", 16): 0.193, ("overlapped", 16): 0.214}
     text = bench._overlapped_vs_bucketed(med, [0.25, 2, 16], 10.0)
-    assert "below bucketed's only at 2 MiB" in text  # 178 - 170 > 0 there, negative at 0.25 and 16
+    assert text.startswith("overlapped's median was lower than bucketed's at 2 MiB only.")  # 178 - 170 > 0 there
     assert "0.25 MiB -12.0 ms, 2 MiB +8.0 ms, 16 MiB -21.0 ms" in text
-    assert "2 of the 3 gaps are larger than that range" in text  # |-12|, |-21| > 10; 8 is not
+    assert "2 of the 3 gaps are larger than that spread" in text  # |-12|, |-21| > 10; 8 is not
     every = {k: v - (0.02 if k[0] == "overlapped" else 0) for k, v in med.items() if k[0] == "bucketed"}
     every.update({("overlapped", mb): med["bucketed", mb] - 0.005 for mb in (0.25, 2, 16)})
     text = bench._overlapped_vs_bucketed(every, [0.25, 2, 16], 7.0)
-    assert "at every bucket size" in text and "no gap is larger than that range" in text
+    assert "at every bucket size" in text and "no gap is larger than that spread" in text
+    never = {k: v + (0.02 if k[0] == "overlapped" else 0) for k, v in med.items()}
+    assert bench._overlapped_vs_bucketed(never, [0.25, 2, 16], 7.0).startswith(
+        "overlapped's median was never lower than bucketed's.")
+
+
+def test_above_noise_says_every_row_when_every_row_is_above_local() -> None:
+    """Medians in seconds; local's slowest round in ms. All above: "every row", not the list; some: the list."""
+    med = {("local", 0.0): 0.100, ("naive", 0.0): 0.150, ("bucketed", 1.0): 0.130, ("overlapped", 1.0): 0.125}
+    above, rows, text = bench._above_noise(med, 120.0)
+    assert len(above) == 3 and rows == "every row (the fastest at 125 ms)" and "naive" not in text
+    above, rows, _ = bench._above_noise(med, 127.0)
+    assert rows == "naive (150 ms), bucketed at 1 MiB (130 ms)" and len(above) == 2
+    above, rows, text = bench._above_noise(med, 200.0)
+    assert above == [] and rows == "none" and text.startswith("no median lies above")
 

@@ -172,11 +172,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"local's own {len(local_ms)} rounds ranged from {min(local_ms):.1f} to {max(local_ms):.1f} ms: "
               "the spread that noise alone gives a row here")
     # the rows this run separates from local: a median above local's slowest round is a cost noise alone did not give
-    above = [(k, mb) for (k, mb), t in med.items() if k != "local" and 1e3 * t > max(local_ms)]
-    above_rows = ", ".join(f"{k} ({1e3 * med[(k, mb)]:.0f} ms)" if k == "naive"
-                           else f"{k} at {mb:g} MiB ({1e3 * med[(k, mb)]:.0f} ms)" for k, mb in above) or "none"
-    above_text = (f"medians above local's slowest round, outside the noise: {above_rows}" if above else
-                  "no median lies above local's slowest round: this run separates no version from local")
+    above, above_rows, above_text = _above_noise(med, max(local_ms))
     ctx.print(above_text)
     vs_bucketed = _overlapped_vs_bucketed(med, sorted(set(args.bucket_mb)), max(local_ms) - min(local_ms))
     ctx.print(vs_bucketed)
@@ -215,23 +211,40 @@ def _headline(med: dict, best: dict, floor: float) -> str:
             f"({1e3 * floor:.0f} ms; {rows} ms), so this run cannot rank overlapped against torch")
 
 
+def _above_noise(med: dict, local_max_ms: float) -> tuple[list, str, str]:
+    """The rows whose median lies above local's slowest round (a cost noise alone did not give), as (keys, the
+    rows for the lesson's sentence, the printed line); "every row" when that is all of them."""
+    others = [v for v in med if v[0] != "local"]
+    above = [(k, mb) for k, mb in others if 1e3 * med[(k, mb)] > local_max_ms]
+    if above and len(above) == len(others):
+        rows = f"every row (the fastest at {min(1e3 * med[v] for v in above):.0f} ms)"
+    else:
+        rows = ", ".join(f"{k} ({1e3 * med[(k, mb)]:.0f} ms)" if k == "naive"
+                         else f"{k} at {mb:g} MiB ({1e3 * med[(k, mb)]:.0f} ms)" for k, mb in above) or "none"
+    text = (f"medians above local's slowest round, outside the noise: {rows}" if above else
+            "no median lies above local's slowest round: this run separates no version from local")
+    return above, rows, text
+
+
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:
     """One sentence: at which bucket sizes overlapped's median beat bucketed's, by how much, against local's range."""
     gaps = {mb: 1e3 * (med[("bucketed", mb)] - med[("overlapped", mb)]) for mb in sizes}  # > 0: overlapped faster
     faster = [mb for mb in sizes if gaps[mb] > 0]
     if len(faster) == len(sizes):
-        where = "at every bucket size"
+        where = "overlapped's median was lower than bucketed's at every bucket size"
     elif not faster:
-        where = "at no bucket size"
+        where = "overlapped's median was never lower than bucketed's"
     else:
-        where = "only at " + ", ".join(f"{mb:g}" for mb in faster) + " MiB"
+        where = ("overlapped's median was lower than bucketed's at " + ", ".join(f"{mb:g}" for mb in faster)
+                 + " MiB only")
     larger = sum(round(abs(g), 1) > round(spread_ms, 1) for g in gaps.values())  # as printed: 7.0 is not > 7.0
-    against = ("every gap is larger than that range" if larger == len(gaps) else
-               "no gap is larger than that range" if not larger else
-               f"{larger} of the {len(gaps)} gaps {'is' if larger == 1 else 'are'} larger than that range")
-    return (f"overlapped's median was below bucketed's {where} (bucketed minus overlapped: "
+    against = ("every gap is larger than that spread" if larger == len(gaps) else
+               "no gap is larger than that spread" if not larger else
+               f"{larger} of the {len(gaps)} gaps {'is' if larger == 1 else 'are'} larger than that spread")
+    return (f"{where}. Bucketed minus overlapped, per bucket size: "
             + ", ".join(f"{mb:g} MiB {g:+.1f} ms" for mb, g in gaps.items())
-            + f"); local's own rounds spread over {spread_ms:.1f} ms, and {against}")
+            + f" (positive where overlapped was faster); local's own rounds spread over {spread_ms:.1f} ms, and "
+            + against)
 
 
 def _calls(wrapped, args: Settings) -> str:

@@ -8,15 +8,17 @@ What it shows
        single-process copy on the GLOBAL batch (all ranks' batches concatenated). The table gives, per version,
        the all-reduce calls and bytes per step and the largest parameter difference from both references.
     3. Gradient accumulation: --accum micro-batches per step, communicating only on the last one (no_sync()).
-    4. When the overlapped version launched each bucket's all-reduce, as a fraction of the backward pass.
-       Then one more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
+    4. One more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
        (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
        of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
        is held in the call, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows
-       of gloo's worker threads. The launch calls are also timed from the training thread: wall clock, the
-       thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap share counts
-       only all-reduce time during which the training thread was computing the backward (its segments minus the
-       launch calls).
+       of gloo's worker threads. A table gives, from the same trace, when each launch call began and returned
+       as a share of that step's backward (the figure's dotted lines and the ends of the pink boxes). The launch
+       calls are also timed from the training thread, around the whole Python call (a longer stretch than the
+       trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the clock's own readings): wall
+       clock, the thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap
+       share counts only all-reduce time during which the training thread was computing the backward (its
+       segments minus the launch calls).
     5. The all-reduce volume of one step from mlsys.collectives.comm_volume: 2(W-1)/W x gradient bytes per rank.
 
 How to run (any world size from 1 to 8)
@@ -128,7 +130,6 @@ def train_data_parallel(ctx: RankContext, args: Settings, tokens: torch.Tensor, 
     opt = sgd(model, args)
     batches = rank_batches(tokens, ctx.rank, ctx.world_size, args.batch_size, model.config.block_size,
                            args.seed, args.steps * accum)
-    backward_spans, launches = [], []
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
         for m in range(accum):
@@ -136,15 +137,10 @@ def train_data_parallel(ctx: RankContext, args: Settings, tokens: torch.Tensor, 
             last = m == accum - 1
             with contextlib.nullcontext() if last or kind in ("naive", "bucketed") else ddp.no_sync():
                 _, loss = ddp(x, y)
-                start = time.perf_counter()
                 (loss / accum).backward()  # 1/accum: the step's gradient is the mean over its micro-batches
-                backward_spans.append((start, time.perf_counter()))
         ddp.finish_gradient_synchronization()  # hand-written: wait (or run) the all-reduces; torch: no-op
-        if isinstance(ddp, OverlappedDDP):
-            launches.append(ddp.last_launch_times)
         opt.step()
-    return {"params": [p.detach().clone() for p in model.parameters()], "ddp": ddp,
-            "backward": backward_spans[-1], "launches": launches[-1] if launches else []}
+    return {"params": [p.detach().clone() for p in model.parameters()], "ddp": ddp}
 
 
 def _run_queue_ns() -> int | None:
@@ -299,6 +295,17 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
             "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
 
 
+def launch_timeline(spans: list[plot.Span]) -> list[dict]:
+    """When, in the profiled step, each bucket's launch call (c10d::allreduce_ on the training thread) began and
+    returned, in percent of that step's backward (the "backward" range): the figure's dotted lines and the ends of
+    its pink boxes, read from the same trace."""
+    backward = [s for s in spans if s.kind == "backward"]
+    start, end = min(s.start for s in backward), max(s.end for s in backward)
+    launches = sorted((s for s in spans if s.lane == "launch"), key=lambda s: s.start)
+    return [{"bucket": k, "launch began (% of backward)": 100 * (s.start - start) / (end - start),
+             "returned (%)": 100 * (s.end - start) / (end - start)} for k, s in enumerate(launches)]
+
+
 GAP = "training thread in no named range"
 
 
@@ -411,19 +418,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\nafter {args.steps} SGD steps, max |parameter difference| on rank 0 (W={ctx.world_size}):")
     ctx.print(report.table(rows, ".2g"))
 
-    # The overlap, seen from the clock: when did each bucket's all-reduce start, relative to the backward pass?
-    over = results[1]["overlapped"]
-    b0, b1 = over["backward"]
-    timeline = [{"bucket": i, "launched at (% of backward)": 100 * (t - b0) / (b1 - b0)}
-                for i, t in enumerate(over["launches"])]
-    ctx.print(f"\noverlapped DDP, last training step (not the profiled one below): backward took "
-              f"{1e3 * (b1 - b0):.1f} ms on rank 0; bucket launches:")
-    ctx.print(report.table(timeline, ".0f"))
-
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main else None
     clock: list[dict] = []
     bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock)
-    spans, clocked = [], {}
+    spans, clocked, timeline = [], {}, []
     if ctx.is_main:
         spans = overlap_spans(trace_path)
         queued = [c["run_queue_ms"] for c in clock]
@@ -432,15 +430,18 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(
             0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
         o = overlap_summary(spans) | clocked
-        ctx.print(f"\nprofiled one more overlapped step on rank 0: trace {trace_path}")
+        timeline = launch_timeline(spans)
+        ctx.print(f"\nprofiled one more overlapped step on rank 0 (the figure): trace {trace_path}")
+        ctx.print("bucket launches in that step, when the hook's launch call began and returned (the figure's dotted "
+                  "line and the end of its pink box), as a share of the backward:")
+        ctx.print(report.table(timeline, ".0f"))
         ctx.print(f"backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy {o['allreduce_ms']:.1f} ms "
                   f"in all, {o['hidden_share']:.0%} of it while the training thread computed the backward; the "
                   f"hooks' launch calls held it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
                   f"final wait {o['wait_ms']:.1f} ms; gloo started a launched bucket up to "
                   f"{o['max_start_delay_ms']:.2f} ms late")
-        ctx.print(f"the same launch calls timed from the training thread around the whole Python call (a longer "
-                  f"stretch than the trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the "
-                  f"clock's own readings): {o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
+        ctx.print(f"the same launch calls timed from the training thread around the whole Python call: "
+                  f"{o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
                   f"{o['launch_cpu_ms']:.2f} ms on a core"
                   + ("" if o["launch_run_queue_ms"] is None else
                      f", was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms and was asleep "

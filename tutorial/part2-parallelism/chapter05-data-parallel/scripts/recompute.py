@@ -20,6 +20,8 @@ What it shows
        steps last a fraction of a second and the ratio is noise-dominated: it has come out anywhere from below 1
        to several times the prediction; the load average is printed with it. Gradients are checked equal to the plain
        run's for every setting.
+    Figure recompute.png: per setting, the bytes one layer kept for its backward (measured, in bytes per s*b*h),
+    one bar each, with the count's value marked on it; written to --plot-dir (default .cache/figures/recompute).
 
 How to run
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/recompute.py
@@ -55,12 +57,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from mlsys import bench, cli, memory, report
+from mlsys import bench, cli, memory, plot, report
 from mlsys.model import GPT, GPTConfig, causal_attention
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     batch: int = 2
     """Sequences per step (b)."""
     seq: int = 256
@@ -145,6 +147,24 @@ def one_step(model: GPT, setting: str, idx, targets) -> tuple[float, dict]:
     return seconds, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def draw(args: Settings, rows: list[dict], label: str) -> None:
+    """One bar per setting: the bytes per sbh one layer kept for backward, measured; a tick at the count."""
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    names = [r["setting"] for r in rows]
+    kept = [r["kept / sbh"] for r in rows]
+    bars = ax.bar(names, kept, color=plot.colours(["measured"])["measured"], label="measured (saved tensors)")
+    ax.scatter(names, [r["formula / sbh"] for r in rows], marker="_", s=900, color="black", zorder=3,
+               label="the count (Korthikanti et al., 4-byte values)")
+    for bar, value in zip(bars, kept):
+        ax.text(bar.get_x() + bar.get_width() / 2, value + 0.02 * max(kept), f"{value:.1f}", ha="center",
+                va="bottom", fontsize=9)
+    ax.set(ylabel="bytes kept per s*b*h, one layer", xlabel="setting", ylim=(0, 1.3 * max(kept)),
+           title=f"What one layer keeps for backward ({label})")
+    ax.legend(loc="upper right", fontsize=8)
+    print(f"figure: {plot.save(fig, args, 'recompute')}")
+
+
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"batch": 2, "seq": 64, "layers": 2, "repeats": 2})
     torch.manual_seed(args.seed)
@@ -192,6 +212,7 @@ def main() -> int:
           f"{flops_ratio:.2f}x (one more forward: 8ND instead of 6ND); on a shared CPU this ratio is "
           f"noise-dominated ({bench.load_average()})")
     print("OK: gradients equal with every setting")
+    draw(args, rows, f"s={s}, b={b}, h={h}")
     kept = {r["setting"]: r["kept / sbh"] for r in rows}
     kept_bytes = {r["setting"]: round(r["kept per layer (MiB)"] * 2**20) for r in rows}
     if args.json:
