@@ -390,3 +390,21 @@ def test_static_won_names_the_rows_where_static_batching_did_better(smoke_cache)
     won = [label for label, (s, c) in rows.items()
            if (label in higher and s > c) or (label in lower and s < c)]
     assert res["static_won"] == (", ".join(won) or "none")
+
+
+def test_each_verdict_weighs_only_its_own_pair():
+    """The engine against the plain loop is judged by the spread of those two implementations' runs alone:
+    transformers' noisy runs (a median 37% above its best) must not turn a clear 0.70x into "about equal".
+    Hand-made timings from a reader's run: engine best 0.504 s, median 0.59 s (17% spread); plain loop 0.353 s,
+    0.36 s (2%)."""
+    vt = load_script(CH08 / "vs_transformers.py")
+    times = {"transformers generate": {"best_s": 0.40, "median_s": 0.548},
+             "mlsys.model.generate": {"best_s": 0.353, "median_s": 0.36},
+             "mlsys.engine": {"best_s": 0.504, "median_s": 0.59}}
+    ratio, spread, verdict = vt.pair_verdict(times, "mlsys.model.generate")
+    assert verdict == "the engine is slower by more than the spread of the runs"
+    assert ratio == pytest.approx(0.353 / 0.504) and spread == pytest.approx(0.59 / 0.504 - 1)
+    # against transformers the 37% spread is part of the pair: 0.79x is within it
+    ratio, spread, verdict = vt.pair_verdict(times, "transformers generate")
+    assert spread == pytest.approx(0.548 / 0.40 - 1)
+    assert verdict.startswith("about equal")

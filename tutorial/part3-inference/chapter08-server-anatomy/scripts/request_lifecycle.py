@@ -32,7 +32,9 @@ Try next
         -> the request alone: every decode step computes one token, and the forward pass gets shorter
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 15
         -> 15 neighbours: each of the traced request's steps now carries 16 sequences, so the median decode
-           forward (the line below the stage table) grows, and its TPOT usually with it (load noise can hide that)
+           forward (the line below the stage table) grows against a default run made just before on the same
+           machine (compare the two runs, not a number from another machine or hour), and its TPOT usually with
+           it (load noise can hide that); the default pool doubles to room for 16 full-length sequences
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --max-tokens 120 --ignore-eos
         -> a longer answer (120 tokens, past its <eos>): in kv_cache.png the request crosses more 16-token block
            boundaries, and holds more blocks at its last step
@@ -174,12 +176,14 @@ def draw_flat_batch(batch: dict, traced: str, block_size: int, args: Settings) -
 
 
 def seq_colours(plt, n: int) -> list:
-    """n distinct colours: tab10, tab20, then evenly spaced hues (no colour is reused)."""
+    """n distinct colours, the first (the traced request's) always tab10's blue: tab10, then tab20 without its
+    light blue (too close to the traced blue), then evenly spaced hues away from blue (no colour is reused)."""
     if n <= 10:
         return [plt.cm.tab10(k) for k in range(n)]
-    if n <= 20:
-        return [plt.cm.tab20(k) for k in range(n)]
-    return [plt.cm.hsv(k / n) for k in range(n)]
+    if n <= 19:
+        return [plt.cm.tab20(0)] + [plt.cm.tab20(k) for k in range(2, n + 1)]
+    hues = [0.75 * k / (n - 1) for k in range(n - 1)]  # 3/4 of the colour wheel, skipping 0.5 - 0.75 (blues)
+    return [plt.cm.tab10(0)] + [plt.cm.hsv(h if h < 0.5 else h + 0.25) for h in hues]
 
 
 def kv_snapshot(engine: Engine) -> dict[str, tuple[int, list[int]]]:
@@ -308,7 +312,8 @@ def main() -> None:
                                       "steps": tr["steps"], "stages": stages, "share_%": share,
                                       "forward_share": share["forward"] / 100,
                                       "decode_median_ms": decode_median,
-                                      "num_steps": len(tr["steps"]), "block_size": engine.config.block_size,
+                                      "num_steps": len(tr["steps"]), "prompt_tokens": len(tr["ids"]),
+                                      "block_size": engine.config.block_size,
                                       "num_blocks": engine.config.num_blocks, "traced_request_id": tr["rid"],
                                       "flat_batch": {**first_batch, "cells": cells},
                                       "background_decodes": len(first_batch["request_ids"]) - 1,
