@@ -32,7 +32,7 @@ Try next
            (whether it shrinks further than at the default smallest budget depends on the run)
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --long-len 60
         -> short "long" prompts: a whole prefill costs little more than a decode step, and chunking has
-           little left to smooth
+           little left to smooth (on a quiet machine: under load one interrupted step can still set the p99)
 """
 
 from __future__ import annotations
