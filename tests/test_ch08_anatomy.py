@@ -375,6 +375,15 @@ def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
         assert text.startswith(f"the medians peak at L = {by_median} instead")
     cheaper = decode[-1]["batch"] / decode[-1]["ms"] > decode[0]["batch"] / decode[0]["ms"]
     assert res["decode_range_word"] == ("cheaper" if cheaper else "no cheaper")
+    # the recap's "a long prefill is compute-bound from L = ... on": every length from there on is above the ridge
+    ridge, lengths = res["ridge_flops_per_byte"], [r["prompt_len"] for r in prefill]
+    above = [r["intensity"] > ridge for r in prefill]
+    if any(above):
+        first = above.index(True)
+        assert all(above[first:]), above
+        assert res["prefill_compute_bound_from"] == f"from L = {lengths[first]} tokens on"
+    else:
+        assert res["prefill_compute_bound_from"].startswith("at none of the lengths measured")
 
 
 def test_static_won_names_the_rows_where_static_batching_did_better(smoke_cache):

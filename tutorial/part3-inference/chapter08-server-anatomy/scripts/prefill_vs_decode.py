@@ -198,9 +198,11 @@ def _timed(fn) -> float:
 def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
-    axes[0].plot([r["prompt_len"] for r in prefill], [r["ms"] for r in prefill], "o-", label="fastest")
-    axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time (ms)", title="prefill: one request")
-    axes[0].plot([r["prompt_len"] for r in prefill], [r["median_ms"] for r in prefill], "s--", color="C0", alpha=0.4,
+    lens = [r["prompt_len"] for r in prefill]  # per-token time: its lowest point is the tokens/s peak
+    axes[0].plot(lens, [1e3 * r["ms"] / r["prompt_len"] for r in prefill], "o-", label="fastest")
+    axes[0].set(xlabel="prompt length (tokens)", ylabel="forward time per token (µs)", title="prefill: one request",
+                xscale="log")
+    axes[0].plot(lens, [1e3 * r["median_ms"] / r["prompt_len"] for r in prefill], "s--", color="C0", alpha=0.4,
                  label="median")
     axes[0].legend(fontsize=8)
     axes[1].plot([r["batch"] for r in decode], [r["ms"] for r in decode], "o-", color="C1", label="fastest")
@@ -267,8 +269,11 @@ def main() -> None:
                      "within noise")
     before_last = decode[-2] if len(decode) > 1 else d_last
     bound = lambda ai: "above the ridge: compute-bound" if ai > ridge else "below the ridge: memory-bound"
+    above = [r["prompt_len"] for r in prefill if r["intensity"] > ridge]
+    compute_bound_from = (f"from L = {above[0]} tokens on" if above else
+                          f"at none of the lengths measured, up to L = {p_last['prompt_len']}")
     print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
-          f"{bound(p_last['intensity'])}")
+          f"{bound(p_last['intensity'])}; prefills are compute-bound {compute_bound_from}")
     print(f"prefill tokens/s: the most at L={p_peak['prompt_len']} ({p_peak['tokens_per_s']:.0f}); "
           f"L={p_last['prompt_len']} {p_last['tokens_per_s']:.0f} "
           f"({p_last['tokens_per_s'] / p_peak['tokens_per_s']:.2f}x the most), by the fastest repetitions; "
@@ -296,6 +301,7 @@ def main() -> None:
                                       "peak_gflop_per_s": flops_peak / 1e9, "copy_gb_per_s": bw_peak / 1e9,
                                       "ridge_flops_per_byte": ridge, "prefill": prefill, "decode": decode,
                                       "prefill_peak_len": p_peak["prompt_len"],
+                                      "prefill_compute_bound_from": compute_bound_from,
                                       "prefill_peak_tokens_per_s": p_peak["tokens_per_s"],
                                       "prefill_median_peak_len": p_peak_med["prompt_len"],
                                       "prefill_medians_agree": medians_agree,

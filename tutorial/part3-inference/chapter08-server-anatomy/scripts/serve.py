@@ -35,6 +35,7 @@ Try next
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "mlsys-small", "prompt": "{", "max_tokens": 999}'
         -> (server running) a 400 in OpenAI's error format: prompt + max_tokens exceed the 256 positions
+           (the message counts the prompt "{" as 2 tokens: <bos> is one of them)
     curl http://127.0.0.1:8000/health
         -> (server running) the engine's counters: running and waiting requests, free KV blocks
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
