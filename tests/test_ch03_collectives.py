@@ -614,12 +614,14 @@ def synthetic_lanes(seq_compute: tuple[float, float], ovl_compute: tuple[float, 
 
 def test_async_figure_text_follows_the_recorded_spans() -> None:
     mod = load_script(CH03 / "async_ops.py")
-    slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x
-    assert slowed == {"sequential": {"compute_ms": 50.0, "compute_rank": 0, "round_ms": 70.0, "comm_ms": 20.0},
-                      "overlapped": {"compute_ms": 75.0, "compute_rank": 0, "round_ms": 76.6, "wait_ms": 0.5}}
+    slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x+
+    assert slowed == {"sequential": {"compute_ms": 50.0, "compute_rank": 0, "compute_by_rank": [50.0, 40.0],
+                                     "round_ms": 70.0, "comm_ms": 20.0},
+                      "overlapped": {"compute_ms": 75.0, "compute_rank": 0, "compute_by_rank": [75.0, 70.0],
+                                     "round_ms": 76.6, "wait_ms": 0.5}}
     text = mod.figure_text(slowed)
-    assert "took 1.5x its sequential time" in text and "slowed the matmuls" in text
-    assert "75.0 ms on rank 0 against 50.0 ms on rank 0" in text
+    assert "took 1.5x to 1.8x the same rank's sequential compute" in text and "slowed the matmuls" in text
+    assert "rank 0: 75.0 ms overlapped against 50.0 ms sequential; rank 1: 70.0 ms overlapped against 40.0" in text
     assert "ended no sooner" in text and "even where wait() found the sum ready, nothing was saved" in text
     # a long wait() (--matmuls 0: about the whole all-reduce) never found the sum ready: the clause is left out
     waited = mod.compute_spans(synthetic_lanes((0.5, 0.5), (0.0, 0.0), wait=32.0))
@@ -627,10 +629,18 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     long_wait = mod.figure_text(waited)
     assert "ended no sooner" in long_wait and "nothing was saved" in long_wait
     assert "found the sum ready" not in long_wait
+    # boxes are compared rank by rank, never across ranks: each panel's longest box (52 ms on rank 0 against 50 ms
+    # on rank 1) would read "about its sequential time", but rank 0 took 1.3x and rank 1 about 1.0x
     spans = mod.compute_spans(synthetic_lanes((40.0, 50.0), (52.0, 48.0)))
-    hidden = mod.figure_text(spans)
-    assert "took about its sequential time" in hidden and "ended 16.4 ms sooner" in hidden
-    assert "52.0 ms on rank 0 against 50.0 ms on rank 1" in hidden  # each panel's longest box, named by its rank
+    mixed = mod.figure_text(spans)
+    assert "took 1.0x to 1.3x the same rank's sequential compute" in mixed and "ranks disagree" in mixed
+    assert "rank 0: 52.0 ms overlapped against 40.0 ms sequential" in mixed
+    assert "about" not in mixed and "ended 16.4 ms sooner" in mixed
+    # rank 0 doubled, rank 1 barely moved: the longest boxes (20.1 on rank 0 against 11.2 on rank 1) would say 1.8x
+    crossed = mod.figure_text(mod.compute_spans(synthetic_lanes((10.0, 11.2), (20.1, 11.5))))
+    assert "1.8x" not in crossed and "ranks disagree" in crossed and "slowed" not in crossed
+    same = mod.figure_text(mod.compute_spans(synthetic_lanes((40.0, 50.0), (42.0, 49.0))))
+    assert "took about the same rank's sequential compute time" in same
     # the drawn round beside the table's medians: a direction only when all three agree
     medians = {"compute": 30.0, "communication": 20.0, "sequential": 50.0, "overlapped": 40.0}
     assert "single sample, slower than the table's medians" in mod.figure_note(spans, medians)
@@ -638,7 +648,7 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     assert "faster than" in mod.figure_note(spans, {k: 3 * v for k, v in medians.items()})
     assert "single sample, not the table's medians" in mod.figure_note(spans, {**medians, "sequential": 90.0})
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
-    assert "took 0.6x" in faster and "vary that much" in faster
+    assert "took 0.4x to 0.6x" in faster and "vary that much" in faster
     assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0))))
 
 

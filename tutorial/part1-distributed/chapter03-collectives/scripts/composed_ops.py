@@ -29,7 +29,8 @@ Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py -w 8 --extra-rows 0
         -> even shards (the header says so): averaging the per-rank means would now be right too (still checked)
     torchrun --nproc-per-node 3 tutorial/part1-distributed/chapter03-collectives/scripts/composed_ops.py
-        -> the same checks under torchrun
+        -> the same checks under torchrun, after a warning block of torchrun's own (that it set OMP_NUM_THREADS
+           to 1), which is harmless
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ Runtime on 2 idle cores: about 7 s at -w 4 with the default 4 MiB (1 s of it dra
 
 Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 3
-        -> a 3-rank trace: 2 reduce-scatter steps, then 2 all-gather steps, every chunk ending at 111
+        -> a 3-rank trace: 2 reduce-scatter steps, then 2 all-gather steps, every chunk ending at 111; W = 3
+           divides no length but the last, so formula_bytes_sent (4/3 N) is fractional per rank, and
+           only its total over the ranks is whole
     python tutorial/part1-distributed/chapter03-collectives/scripts/ring_allreduce.py -w 8 --mib 1
         -> 8 ranks: the trace grows to 14 steps, one line per rank and step (112 step lines, plus one start line
            per rank); each rank sends 2(8-1)/8 = 1.75 N bytes. About 45 s on 2 idle cores, longer on a busy
