@@ -112,6 +112,30 @@ def test_hand_built_groups_from_tcp_and_file_stores(tmp_path) -> None:
         mine = [r for r in rows if r["store"] == kind]
         assert sorted(r["ticket"] for r in mine) == [1, 2, 3]  # the atomic counter: one ticket per rank
         assert all(r["peers_seen"] == 3 and r["all_reduce"] == 6.0 for r in mine)
+    assert "drew the FileStore's last ticket (3)" in json.loads(out.read_text())["results"]["file_store_text"]
+
+
+def test_file_store_text_follows_the_rows() -> None:
+    mod = load_script(CH01 / "rendezvous.py")
+
+    def rows(*bars: tuple[int, float, float]) -> list[dict]:  # (ticket, blue, orange) for ranks 0, 1, ...
+        tcp = [{"store": "tcp", "rank": r, "ticket": 1, "rendezvous_ms": 0.0, "build_group_ms": 99.0}
+               for r in range(len(bars))]  # the TCP store's rows are never read
+        return tcp + [{"store": "file", "rank": r, "ticket": t, "rendezvous_ms": b, "build_group_ms": o}
+                      for r, (t, b, o) in enumerate(bars)]
+
+    usual = mod.file_store_text(rows((4, 1.7, 20.9), (1, 11.3, 10.8), (3, 12.4, 10.8), (2, 11.5, 11.2)))
+    assert usual.startswith("In this run rank 0 drew the FileStore's last ticket (4) and had the shortest blue bar")
+    assert "(1.7 ms, the others 11.3 to 12.4 ms)" in usual
+    assert "orange bar was the longest (20.9 ms, the others 10.8 to 11.2 ms): it waited in gloo's" in usual
+    # the round-1 reading: the last ticket short in blue, but the others waited as long in gloo's exchange
+    flat = mod.file_store_text(rows((1, 12.0, 10.5), (2, 11.0, 10.5), (4, 2.0, 10.5), (3, 11.5, 10.5)))
+    assert "rank 2 drew" in flat and "had the shortest blue bar" in flat
+    assert "orange bar was not the longest (10.5 ms, the others 10.5 ms)." in flat and "waited in gloo" not in flat
+    late = mod.file_store_text(rows((2, 3.0, 12.0), (1, 4.0, 11.0), (3, 9.0, 10.0)))
+    assert "rank 2 drew the FileStore's last ticket (3) but not the shortest blue bar (9.0 ms" in late
+    assert "did not wait in `store.wait`" in late
+    assert "With a single rank" in mod.file_store_text(rows((1, 1.0, 1.0)))
 
 
 @pytest.mark.timeout(120)

@@ -10,8 +10,10 @@ What it shows
     (its arrival order), waits until every rank's key exists, reads all the addresses; then hands the store to
     gloo, which runs its own exchange through it to build a new process group. An all_reduce over that new group
     is checked against W(W+1)/2 (rank r contributes r + 1). Rank 0 prints what each rank saw and how long each
-    step took, draws the steps as one bar per rank and store, and prints the `stores:` line: where the job's own
-    store (the launcher's, or torchrun's) and the hand-built TCPStore listened.
+    step took, draws the steps as one bar per rank and store, prints the `stores:` line (where the job's own
+    store, the launcher's or torchrun's, and the hand-built TCPStore listened) and one sentence on the FileStore's
+    last ticket: whether its blue bar was the shortest and its orange bar the longest (`file_store_text` in the
+    JSON).
 
 How to run (any world size >= 1)
     python tutorial/part1-distributed/chapter01-first-program/scripts/rendezvous.py -w 4
@@ -136,6 +138,33 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"world_size": ctx.world_size, "rows": rows, "stores": stores}
 
 
+def file_store_text(rows: list[dict]) -> str:
+    """One sentence on the FileStore's last ticket in this run, its directions computed from the rows: whether the
+    rank that drew ticket W had the shortest blue bar (rendezvous_ms) and the longest orange one (build_group_ms)."""
+    mine = [r for r in rows if r["store"] == "file"]
+    last = max(mine, key=lambda r: r["ticket"])
+    if len(mine) == 1:
+        return f"With a single rank there is no one to wait for: rank {last['rank']} drew ticket 1."
+    others = [r for r in mine if r is not last]
+
+    def span(key: str) -> str:
+        lo, hi = min(r[key] for r in others), max(r[key] for r in others)
+        return f"{lo:.1f} ms" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f} to {hi:.1f} ms"
+
+    blue, orange = last["rendezvous_ms"], last["build_group_ms"]
+    text = f"In this run rank {last['rank']} drew the FileStore's last ticket ({last['ticket']})"
+    if blue < min(r["rendezvous_ms"] for r in others):
+        text += f" and had the shortest blue bar ({blue:.1f} ms, the others {span('rendezvous_ms')})"
+    else:
+        text += (f" but not the shortest blue bar ({blue:.1f} ms, the others {span('rendezvous_ms')}): it did not "
+                 "wait in `store.wait`, but that step also holds getting the store's path and the scheduling of the "
+                 "processes")
+    if orange > max(r["build_group_ms"] for r in others):
+        return (text + f"; its orange bar was the longest ({orange:.1f} ms, the others {span('build_group_ms')}): "
+                "it waited in gloo's exchange for the others, still asleep in their poll.")
+    return text + f"; its orange bar was not the longest ({orange:.1f} ms, the others {span('build_group_ms')})."
+
+
 def draw(rows: list[dict], args: Settings) -> str:
     """Per store, one bar per rank: the time of each step of the protocol, labelled with the rank's ticket."""
     plt = plot.pyplot()
@@ -174,6 +203,8 @@ def main() -> int:
         raise cli.SelfCheckFailed(f"arrival tickets {tickets} are not 1..{w} once each")
     print(f"figure: {draw(rows, args)}")
     print("stores: " + ", ".join(f"{name} at {where}" for name, where in result["stores"].items()))
+    result["file_store_text"] = file_store_text(rows)
+    print(result["file_store_text"])
     print(f"\nOK: on both stores, {w} ranks took tickets 1..{w} (one each), saw all {w} addresses, "
           f"and an all_reduce over the group built from the store gave {w * (w + 1) // 2} on every rank.")
     if args.json:
