@@ -28,6 +28,7 @@ Try next
         -> forget sampler.set_epoch: every epoch reads the same order, and the self-check says so (exit 1)
     torchrun --nproc-per-node 3 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_recipe.py
         -> the same program under torchrun: each rank reads a third of the windows per epoch
+           (torchrun's opening warning that it set OMP_NUM_THREADS to 1 is harmless)
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ What it shows
        (its error is printed). The fix that works with an unmodified DDP wrapper (which always divides by W):
        each rank sums its per-token losses and divides by N/W (mlsys.ddp.global_token_mean), then BucketedDDP
        averages as usual; the result is the global-batch gradient again (self-check).
-    Figure grad_sync.png: some gradient entries per rank before and after the sync, and per parameter tensor
-    the largest distance of the synchronised gradient from the single-process one (equal, then unequal batches).
+    Figure synced_gradient_vs_one_process_gradient.png: some gradient entries per rank before and after the sync,
+    and per parameter tensor the largest distance of the synchronised gradient from the single-process one (equal,
+    then unequal batches).
 
 How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py -w 2
@@ -30,6 +31,7 @@ Try next
            per-token loss divided by N/W only by rounding
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/grad_sync.py
         -> the same checks under torchrun
+           (torchrun's opening warning that it set OMP_NUM_THREADS to 1 is harmless)
 """
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ def draw(args: Settings, per_rank, after, reference, avg_all, plain_u, weighted_
     right.set(yscale="log", xlabel="parameter tensor (model order)", ylabel="max |synced - full batch|",
               title="Distance from the one-process gradient")
     right.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    print(f"figure: {plot.save(fig, args, 'grad_sync')}")
+    # the file's name is the figure's caption on the script page (the lesson shows it from a -w 3 run)
+    print(f"figure: {plot.save(fig, args, 'synced_gradient_vs_one_process_gradient')}")
 
 
 def main() -> int:

@@ -44,6 +44,7 @@ Try next
            them to one decimal: 104.3, 35.9, 24.4, 13.0)
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero.py --stages 3
         -> stage 3 alone under torchrun; the same self-checks
+           (torchrun's opening warning that it set OMP_NUM_THREADS to 1 is harmless)
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ Try next
            sizes (whole tensors for ZeroRedundancyOptimizer, torch.chunk rows for fully_shard)
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py
         -> the same two runs and checks under torchrun
+           (torchrun's opening warning that it set OMP_NUM_THREADS to 1 is harmless)
 """
 
 from __future__ import annotations
