@@ -332,6 +332,9 @@ def test_ties_within_the_rounds_spread_are_not_called_a_win(rounds, kind: str, w
     if ties and kind != "all ties":
         tie_words = "a tie within the rounds' spread at " + ", ".join(map(rvt.size_text, ties))
         assert tie_words in summary["crossover_measured_text"] and tie_words in summary["measured_text"]
+        # the ties are a sentence of their own, not a clause glued on with "; " (a reader's complaint)
+        assert ". The ring and the tree were " + tie_words in summary["crossover_measured_text"]
+        assert "; a tie within" not in summary["crossover_measured_text"]
     if not ties:
         assert "tie" not in summary["crossover_measured_text"]
 
@@ -353,6 +356,29 @@ def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypa
     assert summary["crossover_kind"] == "tree everywhere"
     assert words in summary["crossover_measured_text"]
     assert not_words not in summary["crossover_measured_text"]
+    # the old text ran "..., so this run does not test the model's crossover; a tie within the rounds' spread at
+    # 64.0 KiB, 256.0 KiB": two sentences, not one string joined to another
+    assert "crossover; a tie" not in summary["crossover_measured_text"]
+    assert summary["crossover_measured_text"].count(". ") == 1
+
+
+def test_widest_gap_names_the_size_and_the_two_algorithms() -> None:
+    """The reading guide names this run's most outlying size: the largest fastest-to-slowest ratio at one size."""
+    rvt = load("ring_vs_tree")
+    rows = rows_with_rounds([CLEAR_TREE] * 3)
+    for r in rows:
+        if r["algorithm"] == "tree" and r["size (B)"] == 4096:
+            r["time (us)"] = 10.0  # at 4 KiB: the ring's median 125 us, gloo's 1250 us, the tree now 10 us
+    text = rvt.summarise(rows, 4)["widest_gap_text"]
+    assert text == "at 4.0 KiB, the tree took 1/125.0 of the gloo all_reduce's median time"
+
+
+def test_split_fits_every_other_size_plus_the_largest() -> None:
+    """The lesson's words for the split: every other size from the smallest, plus the largest; with an even number
+    of sizes the two largest are both fitted (a reader's -w 8 --max-bytes 2097152 run fitted 1 MiB and 2 MiB)."""
+    rvt = load("ring_vs_tree")
+    assert rvt.split_sizes([1, 2, 3, 4, 5]) == ([1, 3, 5], [2, 4])
+    assert rvt.split_sizes([1, 2, 3, 4]) == ([1, 3, 4], [2])
 
 
 @pytest.mark.parametrize(("busbw", "pattern", "words"), [
@@ -387,6 +413,39 @@ def test_busbw_trend_names_the_pattern_of_this_run(busbw: list[float], pattern: 
     assert bc.busbw_pattern(rows)[0] == pattern
     assert words in bc.busbw_trend_text(rows)
     assert bc.reading(rows)["busbw_pattern"] == pattern
+
+
+def test_smallest_all_reduce_is_read_apart_from_the_other_small_sizes() -> None:
+    """8 B at 2 ranks is two float32 values, fewer than the 2p = 4 segments of gloo's ring, so gloo skips half the
+    messages and the row is reproducibly the fastest (a reader's runs: 113-142 us against 190-210 us). The lesson
+    used to fold it into "the small sizes go up and down with the noise"; now it is read on its own, with a
+    direction computed from the run, and the small-size range starts after it."""
+    bc = load("bench_collectives")
+    times = [120.0, 200.0, 190.0, 210.0, 205.0, 198.0, 400.0]
+    rows = [{"size (B)": 8 * 4**k, "count": 2 * 4**k, "time (us)": t, "busbw (GB/s)": 1.0 + k}
+            for k, t in enumerate(times)]
+    read = bc.reading(rows, few_values_below=4)
+    assert read["small_sizes_text"] == "32 B to 8 KiB" and read["small_size_growth"] == 256
+    assert read["small_time_ratio"] == pytest.approx(210 / 190)
+    assert read["few_values_text"] == "the 8 B row took 0.60x the median time of the rows from 32 B to 8 KiB, faster"
+    rows[0]["time (us)"] = 250.0
+    assert bc.reading(rows, 4)["few_values_text"].endswith("1.25x the median time of the rows from 32 B to 8 KiB, "
+                                                              "no faster")
+    assert bc.reading(rows)["small_sizes_text"] == "8 B to 8 KiB"  # other collectives and backends: no exception
+    assert bc.reading(rows)["few_values_text"].startswith("no row")
+
+
+def test_latency_bound_fit_prints_no_bandwidth() -> None:
+    """A reader's --max-bytes 1024 run printed "size / 0.015 GB/s": a slope fitted through noise, read as a
+    bandwidth. A sweep without bandwidth-bound points gets the fixed cost only."""
+    bc = load("bench_collectives")
+    size = np.array([8.0, 32, 128, 512, 1024])
+    times = np.array([120e-6, 200e-6, 190e-6, 205e-6, 210e-6])
+    alpha, bandwidth = bc.fit_latency_bandwidth(size, times)
+    line = bc.fit_line(size, times, alpha, bandwidth)
+    assert "GB/s" not in line and "latency-bound" in line
+    big = np.array([2.0**k for k in range(3, 26, 2)])
+    assert "GB/s" in bc.fit_line(big, 300e-6 + big / 1.5e9, 300e-6, 1.5e9)  # a real bandwidth-bound sweep
 
 
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:

@@ -18,12 +18,14 @@ What it shows
       busbw       algbw * factor(collective, world size): the factors published in nccl-tests'
                   doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)
     and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (on a quiet machine the time is
-    about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny),
+    about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny), apart from an
+    all-reduce over gloo of fewer than 2p float32 values (8 B at 2 ranks): gloo's ring cuts the buffer into at least
+    2p segments and skips the empty ones, so it sends fewer messages and is usually the fastest row;
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
     shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
-    the lowest busbw after the peak (load); or a fall that stays to the end, where none does: a smaller rise is
-    named with its factor but not counted as a recovery). A fitted time = alpha + size/B line
+    the lowest busbw after the peak (load); or a fall that stays to the end, where none does; a smaller rise, if
+    any, is named with its factor). A fitted time = alpha + size/B line
     puts the boundary at size = alpha * B, shaded on the figure; it is one
     least-squares line through all the points, which scatter on both sides of it, so its B can be below the
     peak busbw. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
@@ -46,9 +48,10 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
         -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
-        -> only the latency-bound end: the time stays roughly flat (noisy on a busy machine), and the
-           "# fit" line says the sweep has no bandwidth-bound points (or, when noise hides the size term, why no
-           fit is shown)
+        -> only the latency-bound end: the time stays roughly flat apart from the faster 8 B row (noisy on a busy
+           machine), and the "# fit" line gives the fixed cost per call and says the sweep is all latency-bound,
+           with no bandwidth: inside this range the fitted slope is noise (or, when noise hides the size term
+           entirely, it says why no fit is shown)
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
@@ -212,22 +215,47 @@ def size_text(num_bytes: float) -> str:
     return f"{num_bytes:g} B"
 
 
-def reading(rows: list[dict]) -> dict:
+def few_value_rows(rows: list[dict], below: int) -> list[dict]:
+    """The rows whose buffer holds fewer float32 values than `below`: for gloo's all-reduce, 2p, the fewest
+    segments its ring cuts a buffer into (gloo/allreduce.cc), so some segments are empty and their messages are
+    skipped (at 2 ranks, 8 B: two values, four segments, half the ring's messages). 0 for any other case."""
+    return [r for r in rows if r.get("count", r["size (B)"] // ELEMENT_BYTES) < below]
+
+
+def reading(rows: list[dict], few_values_below: int = 0) -> dict:
     """The numbers the lesson's reading of the table quotes, whatever the run: how much the time changed over the
-    small sizes (up to 8 KiB), how it grew from the second-largest size to the largest, where busbw peaked."""
-    small = [r for r in rows if r["size (B)"] <= 8 * 2**10]
+    small sizes (up to 8 KiB, apart from the rows too small to fill gloo's ring, which take fewer messages), how
+    those rows compare with the others, how the time grew from the second-largest size to the largest, where
+    busbw peaked."""
+    few = few_value_rows(rows, few_values_below)
+    small = [r for r in rows if r["size (B)"] <= 8 * 2**10 and r not in few]
     small_t = [r["time (us)"] for r in small]
     last, before = rows[-1], rows[-2] if len(rows) > 1 else rows[-1]
     peak = max(rows, key=lambda r: r["busbw (GB/s)"])
-    return {"small_sizes_text": f"{size_text(small[0]['size (B)'])} to {size_text(small[-1]['size (B)'])}"
-            if small else "none", "small_size_growth": small[-1]["size (B)"] / small[0]["size (B)"] if small else 1,
+    small_text = f"{size_text(small[0]['size (B)'])} to {size_text(small[-1]['size (B)'])}" if small else "none"
+    return {"small_sizes_text": small_text,
+            "small_size_growth": small[-1]["size (B)"] / small[0]["size (B)"] if small else 1,
             "small_time_ratio": max(small_t) / min(small_t) if small else 1.0,
+            "few_values_text": few_values_text(few, small_t, small_text),
             "last_step_size_ratio": last["size (B)"] / before["size (B)"],
             "last_step_time_ratio": last["time (us)"] / before["time (us)"],
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
             "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
             "busbw_trend_text": busbw_trend_text(rows), "busbw_pattern": busbw_pattern(rows)[0],
             "busbw_recovery_factor": RECOVERY}
+
+
+def few_values_text(few: list[dict], small_t: list[float], small_text: str) -> str:
+    """The too-small rows against the median of the other small rows, the direction computed from the run."""
+    if not few:
+        return "no row of this sweep is smaller than gloo's ring has segments"
+    if not small_t:
+        return f"{' and '.join(size_text(r['size (B)']) for r in few)}: no larger small size to compare with"
+    ratio = max(r["time (us)"] for r in few) / float(np.median(small_t))
+    label = (f"the {size_text(few[0]['size (B)'])} row" if len(few) == 1 else
+             f"the slowest of the {' and '.join(size_text(r['size (B)']) for r in few)} rows")
+    way = "faster" if ratio < 1 else "no faster"
+    return f"{label} took {ratio:.2f}x the median time of the rows from {small_text}, {way}"
 
 
 def busbw_trend_text(rows: list[dict]) -> str:
@@ -271,14 +299,38 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
         "above the lowest point after the peak), not a dip that recovers")
 
 
+def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float) -> str:
+    """The '# fit' line. A bandwidth is printed only when the sweep has bandwidth-bound points: in a latency-bound
+    sweep the fitted size term is smaller than the noise, and its slope (size / some GB/s) is no bandwidth."""
+    knee = alpha * bandwidth  # where the fixed cost and the size term are equal
+    if not math.isfinite(bandwidth):
+        return f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound"
+    if alpha <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
+        return ("# no fit shown: the fitted fixed cost is not positive, so the line says nothing about where the "
+                "regimes meet; the time does not grow clearly with size here (a latency-bound sweep, noisy when "
+                "the machine is loaded)")
+    if knee > size.max():
+        return (f"# fit: time = {alpha * 1e6:.1f} us per call, the whole sweep latency-bound: the fitted size term "
+                f"would equal that only at about {knee:,.0f} B, beyond the largest size, so within the sweep it is "
+                "smaller than the noise and its slope gives no bandwidth")
+    if not bandwidth_bound_points(size, times, alpha, bandwidth):
+        return (f"# fit: no bandwidth-bound points in this sweep: all latency-bound. The fitted line (fixed cost "
+                f"{alpha * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
+                f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), and its largest "
+                f"size takes at least 2x the smallest time ({times[np.argmax(size)] / times.min():.1f}x here)")
+    return (f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
+            f"{knee / 1024:.0f} KiB, bandwidth-bound above")
+
+
 def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,
          has_bandwidth_bound: bool = True) -> None:
     plt = plot.pyplot()
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
-    ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=f"fit: {alpha * 1e6:.0f} us + size / "
-                f"{bandwidth / 1e9:.2f} GB/s")  # bandwidth may be inf: the line is then flat at alpha
+    label = (f"fit: {alpha * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
+             f"fit: {alpha * 1e6:.0f} us (latency-bound: its slope is noise, no bandwidth)")
+    ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat at alpha
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
     for ax in (ax_t, ax_b):
         knee = alpha * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
@@ -311,30 +363,14 @@ def main() -> int:
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     times = np.array([r["time (us)"] for r in rows]) * 1e-6
     alpha, bandwidth = fit_latency_bandwidth(size, times)
-    knee = alpha * bandwidth  # where the fixed cost and the size term are equal
-    if not math.isfinite(bandwidth):
-        print(f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound")
-    elif alpha <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
-        print("# no fit shown: the fitted fixed cost is not positive, so the line says nothing about where the "
-              "regimes meet; the time does not grow clearly with size here (a latency-bound sweep, noisy when the "
-              "machine is loaded)")
-    elif knee > size.max():
-        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s: the two terms would meet "
-              f"at about {knee:,.0f} B, beyond the largest size, so the whole sweep is latency-bound")
-    elif not bandwidth_bound_points(size, times, alpha, bandwidth):
-        print(f"# fit: no bandwidth-bound points in this sweep: all latency-bound. The fitted line (fixed cost "
-              f"{alpha * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
-              f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), and its largest size "
-              f"takes at least 2x the smallest time ({times[np.argmax(size)] / times.min():.1f}x here)")
-    else:
-        print(f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
-              f"{knee / 1024:.0f} KiB, bandwidth-bound above")
+    few_values_below = 2 * args.world_size if args.collective == "all_reduce" and args.backend == "gloo" else 0
+    print(fit_line(size, times, alpha, bandwidth))
     draw(rows, alpha, bandwidth, args, args.world_size, bandwidth_bound_points(size, times, alpha, bandwidth))
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
                                       "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,
                                       "rounds": args.rounds, "round_times_us": result["round_times_us"],
-                                      "median_time_us": result["median_time_us"], **reading(rows),
+                                      "median_time_us": result["median_time_us"], **reading(rows, few_values_below),
                                       "fit_alpha_s": alpha,
                                       "fit_bandwidth_Bps": bandwidth if math.isfinite(bandwidth) else None}, args)
     return 0

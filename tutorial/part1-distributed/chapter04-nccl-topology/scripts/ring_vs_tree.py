@@ -16,9 +16,10 @@ What it shows
          faster where (a tie where their ranges over the rounds overlap: no winner is claimed there; the table
          prints both ranges and the verdict per size), ring busbw over gloo's;
       3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) fitted by least squares to the
-         ring's and the tree's times at every other size, then compared with the points it did not see (the
-         sizes in between, and every halving-doubling point): measured/model per size, the median and worst
-         factor on the held-out points, and the model's ring-vs-tree crossover beside the measured one;
+         ring's and the tree's times at every other size from the smallest, plus the largest, then compared
+         with the points it did not see (the sizes in between, and every halving-doubling point):
+         measured/model per size, the median and worst factor on the held-out points, and the model's
+         ring-vs-tree crossover beside the measured one;
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -44,7 +45,8 @@ Try next
            still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
            and scheduling overhead, which the model does not see
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
-        -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
+        -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
+           Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 3
         -> halving-doubling is skipped with a message: it needs a power of two
 """
@@ -242,8 +244,9 @@ def fit_alpha_beta(steps: np.ndarray, bytes_moved: np.ndarray, time_s: np.ndarra
 
 
 def split_sizes(sizes: list[int]) -> tuple[list[int], list[int]]:
-    """(sizes the model is fitted on, sizes held out to test it): every other size of the sweep, with the smallest
-    and the largest always fitted, so that every held-out size lies between two fitted ones."""
+    """(sizes the model is fitted on, sizes held out to test it): every other size of the sweep counting from the
+    smallest, plus the largest, so that every held-out size lies between two fitted ones. With an even number of
+    sizes the two largest are both fitted (e.g. 1 MiB and 2 MiB of -w 8 --max-bytes 2097152)."""
     fit = sizes[::2] + ([sizes[-1]] if len(sizes) % 2 == 0 else [])
     return fit, [s for s in sizes if s not in fit]
 
@@ -361,7 +364,8 @@ def summarise(rows: list[dict], world_size: int) -> dict:
     tree_faster = [s for s in sizes if s not in ties and s not in ring_faster]
     clear = [s for s in sizes if s not in ties]  # the sizes with a clear winner, in order
     every = f"every size, {size_text(sizes[0])} to {size_text(sizes[-1])}"
-    tie_note = (f"; a tie within the rounds' spread at {', '.join(map(size_text, ties))}" if ties else "")
+    tie_note = (f". The ring and the tree were a tie within the rounds' spread at {', '.join(map(size_text, ties))}"
+                if ties else "")  # a sentence of its own, after the verdict
     measured_text = (f"the ring and the tree were a tie within the rounds' spread at {every}" if not clear else
                      f"the tree was faster than the ring at {every}" if not ring_faster and not ties else
                      f"the ring was faster than the tree at {every}" if not tree_faster and not ties else
@@ -407,6 +411,10 @@ def summarise(rows: list[dict], world_size: int) -> dict:
         "does not show a clean crossover: which of the two was faster flips back and forth between "
         f"neighbouring sizes{tie_note}")
     gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
+    names = list(dict.fromkeys(r["algorithm"] for r in rows))
+    gap = lambda s: max(time_of[n, s] for n in names) / min(time_of[n, s] for n in names)
+    widest = max(sizes, key=gap)  # the size where the fastest and the slowest algorithm are furthest apart
+    fast, slow = (sorted(names, key=lambda n: time_of[n, widest])[i] for i in (0, -1))
     crossover_kind = ("all ties" if not clear else "tree everywhere" if not ring_faster else
                       "ring everywhere" if not tree_faster else "as the model" if split else
                       "opposite to the model" if backwards else "back and forth")
@@ -415,6 +423,8 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "tree_faster_than_gloo_count": len(gloo_beaten),
             "tree_faster_than_gloo_text": ", ".join(map(size_text, gloo_beaten)) or "no size",
             "largest_size": sizes[-1], "measured_text": measured_text,
+            "widest_gap_text": f"at {size_text(widest)}, the {fast} took 1/{gap(widest):.1f} of the {slow}'s "
+                               "median time",
             "tied_sizes": ties,
             "faster_at_largest": "ring" if sizes[-1] in ring_faster else "tree" if sizes[-1] in tree_faster else
             "tie",
