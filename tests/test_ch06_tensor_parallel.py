@@ -222,12 +222,12 @@ def test_sequence_parallel_equals_tp_and_saves_memory(seqpar: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_block_picture_is_the_order_the_collectives_ran(seqpar: dict) -> None:
-    """block_tp.png / block_sp.png draw, left to right, the regions of one block and the collectives at each linear
-    layer. Read left to right, the drawn forward collectives must be those a separate real forward of the same
-    block logged, in that order (res["counted"], recorded by block_memory, not by the drawing code); read right to
-    left, the backward ones. The regions' shapes are the paper's: (B, T, C) or (B, T/t, C) outside the linear
-    pairs, the whole sequence inside: attention's output C/t (this rank's heads, what the row layer reads), GELU's
-    4C/t."""
+    """one_block_tensor_parallel.png / one_block_tensor_plus_sequence_parallel.png draw, left to right, the regions of
+    one block and the collectives at each linear layer. Read left to right, the drawn forward collectives must be those
+    a separate real forward of the same block logged, in that order (res["counted"], recorded by block_memory, not by
+    the drawing code); read right to left, the backward ones. The regions' shapes are the paper's: (B, T, C) or
+    (B, T/t, C) outside the linear pairs, the whole sequence inside: attention's output C/t (this rank's heads,
+    what the row layer reads), GELU's 4C/t."""
     b, s, h = 2, 32, 64
     for t in (2, 4):
         res = seqpar["tp"][str(t)]
@@ -277,14 +277,20 @@ def test_layers_count_one_all_reduce_each_way(tmp_path_factory) -> None:
 @pytest.mark.timeout(120)
 def test_layers_figure_blocks_tile_a_in_rank_order(tmp_path_factory) -> None:
     """The split tp_layers.py draws is read from the real shards: rank r owns the r-th block of A's columns
-    (column-parallel) and of A's rows (row-parallel), and the blocks tile A."""
+    (column-parallel) and of A's rows (row-parallel), and the blocks tile A. The f and g it marks are the
+    collectives each layer logged: f, the column layer's backward all-reduce of dX (its forward all-gather only
+    gathers Y for the check); g, the row layer's forward all-reduce of Y, with nothing in its backward."""
     plots = tmp_path_factory.mktemp("tp_split")
     res = run_json(tmp_path_factory, CH06 / "tp_layers.py", "-w", "2", "--hidden", "16", "--seq", "4",
                    "--plot-dir", plots)
     # the shapes drawn are the real tensors': X (batch 4, seq 4, 16 features) -> Y (4, 4, 32), and back
-    assert res["split"]["column"] == {"X": [4, 4, 16], "A": [16, 32], "Y": [4, 4, 32], "blocks": [[0, 16], [16, 32]]}
-    assert res["split"]["row"] == {"X": [4, 4, 32], "A": [32, 16], "Y": [4, 4, 16], "blocks": [[0, 16], [16, 32]]}
-    assert (plots / "tp_split.png").is_file()
+    x_bytes, y_bytes = 4 * 4 * 16 * 4, 4 * 4 * 32 * 4  # float32 (B, T, C) and (B, T, 2C)
+    assert res["split"]["column"] == {"X": [4, 4, 16], "A": [16, 32], "Y": [4, 4, 32], "blocks": [[0, 16], [16, 32]],
+                                      "logged": {"forward": [["all_gather", y_bytes]],
+                                                 "backward": [["all_reduce", x_bytes]]}}
+    assert res["split"]["row"] == {"X": [4, 4, 32], "A": [32, 16], "Y": [4, 4, 16], "blocks": [[0, 16], [16, 32]],
+                                   "logged": {"forward": [["all_reduce", x_bytes]], "backward": []}}
+    assert (plots / "column_and_row_parallel_linear.png").is_file()
 
 
 # ----------------------------------------------------------------------------------------------- the three pictures
@@ -309,9 +315,9 @@ def test_heads_figure_gives_rank_r_heads_r_times_h_over_t(which: str, request) -
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("which", ["shards_t2", "shards_t5"])
 def test_vocab_figure_owner_of_each_token_is_id_over_rows_per_rank(which: str, request) -> None:
-    """vocab.png: rank r holds rows r*ceil(V/t) .. of the table padded to t*ceil(V/t) (the padding on the last
-    rank), and in its masked lookup of the batch exactly the token ids in its rows come out non-zero: each token
-    of the batch is looked up by one rank, id // ceil(V/t)."""
+    """vocab_parallel_embedding_lookup.png: rank r holds rows r*ceil(V/t) .. of the table padded to t*ceil(V/t) (the
+    padding on the last rank), and in its masked lookup of the batch exactly the token ids in its rows come out
+    non-zero: each token of the batch is looked up by one rank, id // ceil(V/t)."""
     import math
 
     drawn = request.getfixturevalue(which)
@@ -326,8 +332,9 @@ def test_vocab_figure_owner_of_each_token_is_id_over_rows_per_rank(which: str, r
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("which", ["shards_t2", "shards_t5"])
 def test_comm_figure_is_the_collectives_of_the_model_definition(which: str, request) -> None:
-    """comm.png draws, per layer and direction, the collectives comm_log recorded in one training step. They must
-    be those the dense model's definition implies (collectives_from_definition), with their bytes."""
+    """collectives_per_layer_one_step.png draws, per layer and direction, the collectives comm_log recorded in one
+    training step. They must be those the dense model's definition implies (collectives_from_definition), with their
+    bytes."""
     from mlsys.model import GPT
 
     drawn = request.getfixturevalue(which)

@@ -9,9 +9,10 @@ What it shows
        dense block, TP and TP+SP, against the formula of mlsys.tensor_parallel.block_activation_bytes;
     3. the collectives of one block under SP against layer_comm_volume: the forward pass sends exactly as many
        bytes per rank as TP's two all-reduces.
-    Figures block_tp.png and block_sp.png (largest t): one block walked in the order it ran, from hooks on its four
-    linear layers and the collectives comm_log recorded inside each, forward and backward, with the real shapes
-    of the tensors between them: where f and g sit (TP), where the all-gathers and reduce-scatters sit (TP+SP).
+    Figures one_block_tensor_parallel.png and one_block_tensor_plus_sequence_parallel.png (largest t): one block walked
+    in the order it ran, from hooks on its four linear layers and the collectives comm_log recorded inside each, forward
+    and backward, with the real shapes of the tensors between them: where f and g sit (TP), where the all-gathers and
+    reduce-scatters sit (TP+SP).
 
 How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/sequence_parallel.py -w 4 --tp-sizes 1 2 4
@@ -242,7 +243,8 @@ def draw_block(args: Settings, seq: list[dict], t: int, sequence_parallel: bool)
                   "row layer" if sequence_parallel else
                   f"one block under TP, t={t}: f before each column layer, g after each row layer"))
     ax.axis("off")
-    return str(plot.save(fig, args, "block_sp" if sequence_parallel else "block_tp"))
+    name = "one_block_tensor_plus_sequence_parallel" if sequence_parallel else "one_block_tensor_parallel"
+    return str(plot.save(fig, args, name))  # the name is its caption on the script page
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:

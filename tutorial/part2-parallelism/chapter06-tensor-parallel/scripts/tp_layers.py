@@ -1,16 +1,18 @@
 """Column- and row-parallel linear layers, and the Megatron MLP built from them, checked against the dense layers.
 
 What it shows
-    1. ColumnParallelLinear: rank r holds rows r of the weight (out/t of them); its output is split along the
-       features. Gathered, it equals nn.Linear; the input gradient needs f's all-reduce in backward.
-    2. RowParallelLinear: rank r holds columns r of the weight and reads only its slice of the input features;
-       g's all-reduce in forward sums the partial products.
+    1. ColumnParallelLinear: rank r holds block r of W's rows (= A's columns, out/t of them); its output is split
+       along the features. Gathered, it equals nn.Linear; the input gradient needs f's all-reduce in backward.
+    2. RowParallelLinear: rank r holds block r of W's columns (= A's rows) and reads only its slice of the input
+       features; g's all-reduce in forward sums the partial products.
     3. The Megatron MLP (column, GELU, row) against mlsys.model.MLP: output, input gradient and every weight
        gradient equal, with exactly ONE all-reduce forward and ONE backward, each of batch*seq*hidden*4 bytes.
     Every rank rebuilds the dense layers from the seed and compares; t = world size (any divisor of the sizes).
-    Figure tp_split.png: Y = XA (A = W transposed, shape (in, out); X and Y with their real (B, T, features)
-    shapes, the B sequences stacked) split both ways, drawn from the shards the ranks
+    Figure column_and_row_parallel_linear.png: Y = XA (A = W transposed, shape (in, out); X and Y with their real
+    (B, T, features) shapes, the B sequences stacked) split both ways, drawn from the shards the ranks
     really held: each rank's block of A is located in the dense A (and checked to be that slice) before drawing.
+    It marks f (before the column layer) and g (after the row layer) with the collectives each layer's forward
+    and backward logged.
 
 How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_layers.py -w 2
@@ -39,6 +41,11 @@ from mlsys import cli, plot, report
 from mlsys.launch import RankContext, launch
 from mlsys.model import MLP, GPTConfig
 from mlsys.tensor_parallel import TPMLP, ColumnParallelLinear, RowParallelLinear, comm_log
+
+
+def logged(log: list) -> dict:
+    """The collectives a comm_log recorded, per direction, as [op, bytes] pairs."""
+    return {phase: [[e.op, e.nbytes] for e in log if e.phase == phase] for phase in ("forward", "backward")}
 
 
 @dataclass
@@ -85,7 +92,8 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
     # column-parallel: output features split; gather_output=True all-gathers them for the comparison
     col = ColumnParallelLinear.from_dense(dense, group, gather_output=True)  # weight (2C/t, C)
     x_col = x.clone().requires_grad_(True)
-    col(x_col).square().sum().backward()
+    with comm_log() as col_log:  # f's all-reduce runs in backward (and gather_output's all-gather in forward)
+        col(x_col).square().sum().backward()
     x_ref = x.clone().requires_grad_(True)
     y_ref = dense(x_ref)
     y_ref.square().sum().backward()
@@ -98,8 +106,9 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
     row = RowParallelLinear.from_dense(ref, group)  # weight (C, 2C/t), bias (C,) replicated
     h = torch.randn(args.batch, args.seq, 2 * args.hidden).to(device)
     h_mine = h.chunk(t, -1)[r].clone().requires_grad_(True)  # (B, T, 2C/t)
-    out = row(h_mine)
-    out.square().sum().backward()
+    with comm_log() as row_log:  # g's all-reduce runs in forward
+        out = row(h_mine)
+        out.square().sum().backward()
     h_ref = h.clone().requires_grad_(True)
     out_ref = ref(h_ref)
     out_ref.square().sum().backward()
@@ -114,9 +123,9 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
     dist.all_gather_object(every, mine)
     # the shapes drawn are those of the real tensors: X and Y keep their (B, T, features) shape
     return {"column": {"X": list(x.shape), "A": list(dense.weight.T.shape), "Y": list(y_ref.shape),
-                       "blocks": [e["column"] for e in every]},
+                       "blocks": [e["column"] for e in every], "logged": logged(col_log)},
             "row": {"X": list(h.shape), "A": list(ref.weight.T.shape), "Y": list(out_ref.shape),
-                    "blocks": [e["row"] for e in every]}}
+                    "blocks": [e["row"] for e in every], "logged": logged(row_log)}}
 
 
 # ----------------------------------------------------------------------------------------------- the MLP
@@ -151,9 +160,8 @@ def megatron_mlp(args: Settings, rows: list[dict], device: torch.device) -> dict
         if events:
             report.expect_equal(f"MLP {phase} all-reduce op", events[0].op, "all_reduce")
             report.expect_equal(f"MLP {phase} all-reduce bytes", events[0].nbytes, n_bytes)
-    logged = {phase: [[e.op, e.nbytes] for e in events] for phase, events in counted.items()}  # what ran, as logged
     return {"forward_all_reduces": len(counted["forward"]), "backward_all_reduces": len(counted["backward"]),
-            "all_reduce_bytes": counted["forward"][0].nbytes if counted["forward"] else 0, "logged": logged,
+            "all_reduce_bytes": counted["forward"][0].nbytes if counted["forward"] else 0, "logged": logged(log),
             "observed": {"output": y.tolist(), "input_grad": x_tp.grad.tolist()}}  # for a test's own dense run
 # --8<-- [end:mlp_check]
 
@@ -187,7 +195,8 @@ def draw(args: Settings, split: dict, t: int) -> None:
         (b, s, n_in), (_, n_out), blocks = split[kind]["X"], split[kind]["A"], split[kind]["blocks"]
         h = b * s  # X and Y: one row per token, sequences stacked
         gap = (0.9 if kind == "column" else 1.5) * max(n_in, n_out)  # room for the row blocks' labels
-        boxes = {"X": (0, n_in, h), "A": (n_in + gap, n_out, n_in), "Y": (n_in + n_out + 2 * gap, n_out, h)}
+        y_at = n_in + n_out + (2 if kind == "column" else 2.15) * gap  # the row panel leaves room for g's note
+        boxes = {"X": (0, n_in, h), "A": (n_in + gap, n_out, n_in), "Y": (y_at, n_out, h)}
         top = max(h, n_in)
         for x0, width, height in boxes.values():
             ax.add_patch(Rectangle((x0, top - height), width, height, fill=False, lw=1.5, edgecolor="black",
@@ -202,6 +211,12 @@ def draw(args: Settings, split: dict, t: int) -> None:
         ax.text(n_in + gap / 2, top / 2, "x", ha="center", va="center", fontsize=16)
         eq_x = n_in + n_out + (1.5 if kind == "column" else 1.8) * gap  # right of the row blocks' labels
         ax.text(eq_x, top / 2, "=", ha="center", va="center", fontsize=16)
+        # f sits on X's way into the column layer, g on Y's way out of the row layer; what each ran, as logged
+        mark_x, mark = (n_in + gap / 2, "f") if kind == "column" else (eq_x, "g")
+        ax.text(mark_x, top / 2 + 0.35 * top, mark, ha="center", va="center", fontsize=14, weight="bold",
+                bbox={"boxstyle": "circle", "facecolor": "white", "edgecolor": "black"})
+        ax.text(mark_x, top / 2 - 0.12 * top, mark_note(mark, split[kind]["logged"]), ha="center", va="top",
+                fontsize=8)
         ax_a = boxes["A"][0]
         for r, (lo, hi) in enumerate(blocks):
             c = colors[r % len(colors)]
@@ -216,7 +231,7 @@ def draw(args: Settings, split: dict, t: int) -> None:
                 ax.text(ax_a + n_out + 2, top - (lo + hi) / 2, f"rank {r}: A[{lo}:{hi}, :]", ha="left",
                         va="center", fontsize=8)
         x_note = "whole on every rank" if kind == "column" else "split by its last dim"
-        y_note = "split by its last dim:\nY_r = X A_r" if kind == "column" else "sum over r of X_r A_r\n(all-reduce, g)"
+        y_note = "split by its last dim:\nY_r = X A_r" if kind == "column" else "sum of the X_r A_r\n(g's all-reduce)"
         notes = {"X": (f"X {tuple(split[kind]['X'])}", x_note),
                  "A": (f"A = W^T {tuple(split[kind]['A'])}", f"{len(blocks)} blocks of {blocks[0][1] - blocks[0][0]} "
                        + ("columns (A[:, lo:hi])" if kind == "column" else "rows")),
@@ -231,7 +246,15 @@ def draw(args: Settings, split: dict, t: int) -> None:
                title=f"{kind}-parallel, t={t}: " + ("A split by columns (output features)" if kind == "column"
                                                     else "A split by rows (input features)"))
         ax.axis("off")
-    print(f"figure: {plot.save(fig, args, 'tp_split')}")
+    print(f"figure: {plot.save(fig, args, 'column_and_row_parallel_linear')}")  # its name is its caption
+
+
+def mark_note(mark: str, log: dict) -> str:
+    """What f (column layer) or g (row layer) ran, from the layer's logged collectives: f is its backward
+    all-reduce, g its forward one. (The column layer's forward all-gather only gathers Y for the check.)"""
+    phase, other = ("backward", "forward") if mark == "f" else ("forward", "backward")
+    ran = [f"{nbytes:,} B" for op, nbytes in log[phase] if op == "all_reduce"]
+    return (f"{mark}: {phase} all-reduce\n" + ("; ".join(ran) if ran else "(none at t=1)") + f"\n{other}: identity")
 
 
 def main() -> int:

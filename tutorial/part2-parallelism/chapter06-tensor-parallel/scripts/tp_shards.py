@@ -7,9 +7,11 @@ What it shows
     Rank 0 prints and draws what the ranks reported:
     heads.png   which heads each rank computes: the rows of the fused c_attn (q, k, v) and the columns of c_proj
                 it holds, located in the dense weights; below, for contrast, a plain contiguous cut of c_attn;
-    vocab.png   which rows of the (padded) token table each rank holds, the batch's token ids each rank looked up
+    vocab_parallel_embedding_lookup.png
+                which rows of the (padded) token table each rank holds, the batch's token ids each rank looked up
                 (a zero vector for all others), and their sum, the all-reduce g, equal to the dense lookup;
-    comm.png    the bytes of every collective of the training step, per layer and direction, from comm_log.
+    collectives_per_layer_one_step.png
+                the bytes of every collective of the training step, per layer and direction, from comm_log.
     Self-checks: each shard is a slice of the dense weight; the summed lookup equals the dense embedding; the
     step's loss equals the dense GPT's.
 
@@ -297,7 +299,7 @@ def draw_vocab(args: Settings, d: dict):
         ax.title.set_fontsize(9)
         ax.axis("off")
     fig.tight_layout()
-    return plot.save(fig, args, "vocab")
+    return plot.save(fig, args, "vocab_parallel_embedding_lookup")  # the name is its caption on the script page
 
 
 def draw_comm(args: Settings, d: dict):
@@ -332,7 +334,7 @@ def draw_comm(args: Settings, d: dict):
         ax.legend(by_label.values(), by_label.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   frameon=False)
     fig.tight_layout()
-    return plot.save(fig, args, "comm")
+    return plot.save(fig, args, "collectives_per_layer_one_step")
 
 
 def main() -> int:
