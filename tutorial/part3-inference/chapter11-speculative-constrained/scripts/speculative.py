@@ -183,7 +183,7 @@ def rollback_step(target, draft, prompt: list[int], k: int, max_new: int) -> dic
     verified = [n for op, n in tgt.log if op == "feed"][-1]
     return {"seq": seq, "n": len(seq), "drafts": drafts, "accepted": j, "new": new, "k": k, "phases": [
         {"phase": "before the step", "target": before[0], "draft": before[1]},
-        {"phase": f"draft fed {k} tokens", "target": before[0], "draft": drafted},
+        {"phase": f"draft fed pending + first {k - 1} guesses", "target": before[0], "draft": drafted},
         {"phase": "target verified k + 1", "target": verified, "draft": drafted},
         {"phase": "both rolled back", "target": tgt.cache_len, "draft": drf.cache_len}]}
 
