@@ -382,16 +382,21 @@ def test_longest_op_points_at_a_wait_box_only_when_the_figure_shows_it() -> None
                  Span("stage 1 messages", 40 - wait, 40, "a1", "blocked in recv")]
         return trace.longest_op(spans, {"forward": 10.0, "backward": 100.0}, 2)
 
-    short, seen = sentence(0.05), sentence(3.0)
+    short, seen, long = sentence(0.05), sentence(3.0), sentence(15.0)
     assert "stage 0's F1, 3.0× the mean forward" in short
     assert "its a1 receive waited only 0.05 ms" in short and "green" not in short
     assert "(its green a1 box, 3.0 ms)" in seen
+    # a 15 ms wait is shorter than F1's 20 ms excess over the mean forward: the long box caused all of it
+    assert "stage 1 was blocked 15.0 ms in its green a1 box, all of it within F1's excess over the mean forward " \
+           "(20.0 ms)" in long
 
 
 def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
     """1F1B with p = 2: the last stage's long F0 sends nothing itself, but it delays the B0 right after it, which
-    sends g0, and stage 0 sits in its g0 receive for exactly that. The sentence must point at that wait; only a
-    stage that sends nothing after the long op may be said to hold nobody up."""
+    sends g0, and stage 0 sits in its g0 receive for that. The sentence must point at that wait and split it: of
+    stage 0's 40 ms, F0's 20 ms excess over the mean forward is the long box's doing, the other 20 ms (a mean F0 and
+    B0 on stage 1) stage 0 waits under 1F1B anyway. Only a stage that sends nothing after the long op may be said to
+    hold nobody up."""
     trace = load_script(SCRIPTS / "pipeline_trace.py")
     Span = trace.plot.Span
     spans = [Span("stage 0", 0, 10, "F0", "forward"), Span("stage 0 messages", 10, 10.01, "a0", "send posted"),
@@ -404,7 +409,9 @@ def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
     assert "stage 1's F0, 3.0× the mean forward" in text
     assert "no other stage" not in text
     assert "delayed stage 1's next message, g0 (sent after its B0)" in text
-    assert "stage 0's green g0 box, 40.0 ms" in text
+    assert "stage 0 was blocked 40.0 ms in its green g0 box, of which about 20.0 ms is F0's excess over the mean " \
+           "forward; the other 20.0 ms it would have waited with a forward of mean length too" in text
+    assert "covers" not in text
     last = [sp for sp in spans if not (sp.lane == "stage 1 messages" and sp.kind == "send posted")]
     assert "stage 1 sent no message after it" in trace.longest_op(last, {"forward": 10.0, "backward": 20.0}, 2)
 

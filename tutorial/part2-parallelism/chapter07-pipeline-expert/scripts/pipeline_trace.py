@@ -257,8 +257,9 @@ def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
     """One sentence on the compute box longest against the mean of its kind, and on the wait it caused. A long op
     on stage s delays the next message stage s sends after it ends, whichever op sends it (with 1F1B a forward is
     often followed by a backward, which sends a gradient to stage s - 1): a k goes to stage s + 1, g k to stage
-    s - 1, whose green receive box of that message holds the wait. Only when stage s sends nothing after the op
-    does nobody wait for it."""
+    s - 1, whose green receive box of that message holds the wait. Only the op's excess over the mean of its kind
+    is the long box's doing; the rest of that wait the schedule has anyway, so the sentence splits the two. Only
+    when stage s sends nothing after the op does nobody wait for it."""
     top = max((sp for sp in spans if sp.kind in means), key=lambda sp: (sp.end - sp.start) / means[sp.kind])
     s = int(top.lane.split()[1])
     text = (f"the longest box against the mean of its kind was stage {s}'s {top.label}, "
@@ -286,11 +287,21 @@ def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
             return text + (f"; it delayed {held}, but stage {waiter} was barely held up (its green {msg} box, "
                            f"{wait:.1f} ms)")
         return text + f"; {held}, was barely held up by it (its green {msg} box, {wait:.1f} ms)"
+    # Most of a long wait is usually the wait the schedule has anyway (with 1F1B stage 0 always waits for the next
+    # stage's F0 and B0 before its g0 arrives); only the op's excess over the mean of its kind is the long box's doing:
+    # an op of mean length would have sent the message that much earlier, shortening the wait by at most as much.
+    excess = (top.end - top.start) - means[top.kind]
+    extra = min(excess, wait)
+    blocked = f"stage {waiter} was blocked {wait:.1f} ms in its green {msg} box"
+    if extra >= wait - 0.05:
+        share = (f", all of it within {top.label}'s excess over the mean {top.kind} ({excess:.1f} ms): "
+                 f"a {top.kind} of mean length would have left no wait")
+    else:
+        share = (f", of which about {extra:.1f} ms is {top.label}'s excess over the mean {top.kind}; the other "
+                 f"{wait - extra:.1f} ms it would have waited with a {top.kind} of mean length too")
     if via:
-        return text + (f"; it delayed {held}: stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, "
-                       "covers that wait")
-    return text + (f": stage {waiter}'s green {msg} box, {wait:.1f} ms blocked in a receive, covers the wait for that "
-                   "long box")
+        return text + f"; it delayed {held}: {blocked}{share}"
+    return text + f"; {blocked}{share}"
 
 
 def worker(ctx: RankContext, args: Settings) -> dict | None:
