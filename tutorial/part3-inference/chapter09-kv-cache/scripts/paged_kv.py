@@ -19,7 +19,8 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --num-requests 24 --block-size 8
 
-Runtime on 2 idle cores: about 3 s (the two engine runs), 4 s with --smoke (several times that on a busy machine).
+Runtime on 2 idle cores: about 3 s, the same with --smoke (start-up dominates both; several times that on
+a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/paged_kv.py --block-size 16

@@ -18,7 +18,8 @@ How to run
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 14 --device cuda
 
-Runtime on 2 idle cores: about 2 s, 3 s with --smoke (several times that on a busy machine).
+Runtime on 2 idle cores: about 2 s, the same with --smoke (start-up dominates both; several times that on
+a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 12

@@ -34,7 +34,8 @@ Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --block-size 4
         -> smaller blocks: the first edge holds the same tokens in four times as many blocks, and below it each
            request's own tokens become a chain of small edges, so the tree gets deeper (the printout and the
-           figure say how many edges they leave out)
+           figure say how many edges they leave out;
+           the printout marks the chain it cuts)
     python tutorial/part3-inference/chapter09-kv-cache/scripts/prefix_cache.py --num-requests 32
         -> more requests: the same first edge, more children below it
 """
@@ -123,6 +124,8 @@ def serve_side_by_side(model, prompts, args: Settings, num_blocks: int | None = 
             "prompt_tokens": sum(map(len, prompts)),
             "prefilled_tokens": stats["num_prefill_tokens"],  # counted by the engine, step by step
             "cached_per_request": [final[name][r].metrics.num_cached_prompt_tokens for r in rids],
+            "prefilled_per_request": [len(p) - final[name][r].metrics.num_cached_prompt_tokens
+                                      for p, r in zip(prompts, rids)],
             "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
             "total_s": clock[name]}
     return results
@@ -274,7 +277,10 @@ def show_tree(runs: dict, system, prompts, tok: Tokenizer, args: Settings) -> tu
             "question_after_first_edge": shared - len(top[0].key)}
     print(f"\n3. The radix tree ({tree['cached_blocks']} cached blocks; ^ = <bos>, $ = <eos>):")
     lines = tree_lines(cache, tok)
-    print("\n".join(lines[:12]))
+    shown = lines[:12]
+    if len(lines) > 12 and len(lines[12]) - len(lines[12].lstrip()) > len(shown[-1]) - len(shown[-1].lstrip()):
+        shown[-1] += "  ... (its chain goes on below)"  # the cut falls inside a chain: say so
+    print("\n".join(shown))
     if len(lines) > 12:
         print(f"   ... {len(lines) - 12} more edges not shown ({len(lines)} in all)")
     print(f"   every prompt starts with the same {shared} tokens ({len(system)} of system prompt + "
