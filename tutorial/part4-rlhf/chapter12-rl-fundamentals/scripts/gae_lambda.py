@@ -198,8 +198,10 @@ def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     lam = [r["lambda"] for r in rows]
-    for key, style in (("bias^2", "o-"), ("variance", "s-"), ("MSE", "^-")):
-        ax.plot(lam, [max(r[key], 1e-6) for r in rows], style, label=key)
+    # bias^2 last, in front, with large hollow markers: at small lambda it equals the MSE and would hide under it
+    for key, style, color, extra in (("variance", "s-", "C1", {}), ("MSE", "^-", "C2", {}),
+                                     ("bias^2", "o--", "C0", {"ms": 9, "mfc": "none", "mew": 1.5, "zorder": 3})):
+        ax.plot(lam, [max(r[key], 1e-6) for r in rows], style, color=color, label=key, **extra)
     ax.axhline(rows[0]["truth noise"], ls=":", color="gray", label="noise of the MC ground truth")
     ax.set(yscale="log", xlabel="GAE lambda", ylabel="squared error of the advantage at (s, a)",
            title=f"bias and variance, log scale ({args.num_states} states x {args.rollouts} rollouts)")
