@@ -562,3 +562,5 @@ def test_grpo_vs_ppo_beta_paths_and_extremes_against_numpy_on_the_history(smoke_
         assert (e["beta_up"], e["beta_down"]) == (int((ratio > 1 + 1e-9).sum()), int((ratio < 1 - 1e-9).sum()))
         assert e["valid_min"] == min(h["valid"] for h in res[algo]["history"])
         assert b[-1] == pytest.approx(b[0] * np.prod(np.sort(ratio)))  # the order of the steps does not matter
+    same_end = bool(np.isclose(betas["ppo"][-1], betas["grpo"][-1], rtol=0, atol=1e-9))
+    assert res["beta_end_text"].startswith("yet both end at the same" if same_end else "and they end at different")

@@ -151,6 +151,9 @@ def main() -> int:
     results["beta_paths"] = "different" if differ else "identical"
     results["beta_differ_iterations"] = len(differ)
     results["beta_first_differ"] = differ[0] if differ else None
+    ends = results["ppo"]["extremes"]["beta_final"], results["grpo"]["extremes"]["beta_final"]
+    results["beta_end_text"] = ("yet both end at the same β" if abs(ends[0] - ends[1]) < 1e-9 else
+                                f"and they end at different β ({ends[0]:.3f} for PPO, {ends[1]:.3f} for GRPO)")
     clip = (f"; the KL was 20% or more from the target (the controller's step at its clip) in "
             f"{results['ppo']['extremes']['at_clip']} of PPO's and {results['grpo']['extremes']['at_clip']} of GRPO's "
             f"{args.iterations} iterations") if args.kl_target else " (--kl-target 0: no controller, beta stays fixed)"

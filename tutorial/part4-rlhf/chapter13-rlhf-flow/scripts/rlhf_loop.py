@@ -1,7 +1,8 @@
 """RLHF with PPO on the tiny GPT: one iteration taken apart, then the loop, with reward, KL and length per iteration.
 
 What it shows
-    1. One iteration, phase by phase, on --num-rollouts prompts '{"name": "<name>", ':
+    1. One iteration, phase by phase, on --num-rollouts responses: --num-rollouts / --group-size prompts
+       '{"name": "<name>", ', each sampled --group-size times (GRPO's groups; PPO gets the same batches):
        generate (mlsys.engine, temperature 1, paged KV cache, continuous batching) -> score (four forward passes,
        one per model: actor and reference log-probs, critic values, the reward model's score at the last token)
        -> per-token KL penalty and shaped rewards -> GAE over the response tokens -> PPO epochs on actor and
@@ -179,7 +180,8 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
         ax.annotate("", (a + half, bottom), (b - half, bottom), arrowprops=arrow)
     ax.annotate("", (cols[2], bottom + 0.75), (cols[2], top - 0.75), arrowprops=arrow)
     ax.annotate("", (cols[0], top - 0.75), (cols[0], bottom + 0.75), arrowprops=arrow)
-    ax.annotate(f"{B} prompts\n'{{\"name\": ...'", (cols[0] - half, top), (-1.4, top), ha="center",
+    ax.annotate(f"{B // args.group_size} prompts\nx {args.group_size} responses\n'{{\"name\": ...'",
+                (cols[0] - half, top), (-1.4, top), ha="center",
                 va="center", fontsize=8.5, arrowprops=arrow)
     ax.text(cols[1], (top + bottom) / 2, f"one {args.algo.upper()} iteration of this run (iteration 1)",
             ha="center", va="center", fontsize=10, style="italic")
@@ -286,7 +288,7 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     data["raw_negative"] = sum(a < 0 for a in data["advantages_raw"])
     data["whitened_negative"] = sum(a < 0 for a in data["advantages"])
     t = range(n)
-    fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.16 * n + 2), 6.4), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.16 * n + 2), 7.2), sharex=True)
     kl_part = [-beta * k for k in data["k1"]]
     returns = [a + v for a, v in zip(data["advantages_raw"], data["values"])]  # G_t = A_t + V_t (lambda-return)
     axes[0].bar(t, kl_part, color="#9e9ac8", label="-beta k1_t: the KL penalty, on every token")
@@ -299,18 +301,29 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     axes[1].plot(t, returns, "-", color="#e6550d",
                  label="lambda-return G_t = A_t + V_t\n(rewards mixed with later V; not their plain sum)")
     axes[1].set(ylabel="value")
+    # raw advantages span a few hundredths to tenths: a symlog axis of their own keeps the small ones (and their
+    # sign) visible; the whitened ones get a linear axis on the right, both symmetric so that their 0 lines meet
+    raw_max = max(abs(a) for a in data["advantages_raw"]) or 1.0
     axes[2].bar(t, data["advantages_raw"], color=["#31a354" if a >= 0 else "#de2d26" for a in data["advantages_raw"]])
     for colour, sign in (("#31a354", ">= 0"), ("#de2d26", "< 0")):   # legend entries for both bar colours
-        axes[2].bar([0], [0], width=0, color=colour, label=f"GAE advantage A_t (raw) {sign}")
-    axes[2].plot(t, data["advantages"], "k.", ms=4, label="after whitening over the batch")
+        axes[2].bar([0], [0], width=0, color=colour, label=f"GAE advantage A_t (raw) {sign}, left axis")
+    axes[2].set_yscale("symlog", linthresh=0.03 * raw_max)
+    axes[2].set_ylim(-1.3 * raw_max, 1.3 * raw_max)
     axes[2].axhline(0, color="black", lw=0.6)
-    axes[2].set(ylabel="advantage A_t", xlabel="response token")
+    axes[2].set(ylabel="raw A_t (symlog)", xlabel="response token")
+    white_ax = axes[2].twinx()
+    white_max = max(abs(a) for a in data["advantages"]) or 1.0
+    white_ax.plot(t, data["advantages"], "k.", ms=4, label="after whitening over the batch, right axis")
+    white_ax.set(ylim=(-1.3 * white_max, 1.3 * white_max), ylabel="whitened A_t")
+    white_ax.grid(False)
     axes[2].set_xticks(list(t), [tok.replace(" ", "\u2423") for tok in tokens], fontsize=7, family="monospace")
     for label in axes[2].get_xticklabels():
         if len(label.get_text()) > 1:  # '<eos>' would run into its neighbour: stand it upright
             label.set_rotation(90)
-    for ax in axes:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for ax in axes[:2]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.12, 1.0))  # lined up with the bottom one
+    handles = [h for a in (axes[2], white_ax) for h in a.get_legend_handles_labels()[0]]
+    axes[2].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.12, 1.0))  # past the right axis
     for ax in axes:
         ax.grid(axis="x", visible=False)
     fig.tight_layout()
