@@ -26,7 +26,8 @@ How to run
     ... --actor llama-3-70b --critic llama-3-8b --gpu h100-80gb
     ... --rollout-batch 1024 --prompt-len 2048 --response-len 2048 --recompute selective
 
-Runtime: under a second of arithmetic (about 2 s with the imports); the same with --smoke.
+Runtime: under a second of arithmetic (about 2 s with the imports, several times that on a loaded machine);
+the same with --smoke.
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py \\
@@ -363,8 +364,14 @@ def main() -> int:
     print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}{reason}.")
     draw(result, args)
     if args.json:
+        # GiB copies of the rollout sizing, for the lesson's arithmetic (each engine GPU: weights, the room left
+        # beside them, and the KV cache each engine holds)
+        pool_gib = None if pool is None else {
+            "weights": pool["weights"] / GIB, "free": (result["budget_bytes"] - pool["weights"]) / GIB,
+            "kv": pool["KV cache"] / GIB}
         report.write_json(args.json, {**result, "models": model_rows(args), "roles": roles, "kv_total_bytes": kv_total,
-                                      "budget_gib": result["budget_bytes"] / GIB},
+                                      "budget_gib": result["budget_bytes"] / GIB, "kv_total_gib": kv_total / GIB,
+                                      "rollout_gib": pool_gib},
                           args)
     return 0
 
