@@ -242,6 +242,9 @@ def test_prefix_cache_script(prefix: dict) -> None:
     _, prompts = mod.make_prompts(4, 1, seed=0)  # the --smoke workload: 4 requests, 1 shot
     off, on = prefix["no cache"], prefix["prefix cache"]
     assert on["prompt_tokens"] == off["prompt_tokens"] == sum(map(len, prompts))
+    # the lesson's per-request prefill (prompt minus its cached tokens) adds up to the engine's own step counter
+    for run in (off, on):
+        assert sum(run["prefilled_per_request"]) == run["prefilled_tokens"]
     assert off["stats"]["prefix_hit_rate"] == 0 and off["prefilled_tokens"] == off["prompt_tokens"]
     # the engine's num_prefill_tokens (counted in Engine.step from what was scheduled) against the requests'
     # own record of their cached tokens (set at admission): two counts that must agree
