@@ -45,9 +45,10 @@ for the dead rank) and the parent raises `JobFailed`, which `cli.run` turns into
 Nothing is left behind (`_terminate`): when the job ends, failed or not, the parent signals each rank's process
 group, so the processes a rank started (and did not move to a session of their own) end with it: SIGTERM, then
 SIGKILL for what is left after TERMINATE_GRACE_S. Being in groups of their own, the ranks no longer receive a
-terminal's Ctrl-C themselves; the parent, which does, passes the SIGINT on to each rank's group before it stops
-them. Ranks ask the kernel to kill them if their parent dies, and a lifeline thread kills the rank's group when
-the launcher's end of its pipe closes, so no rank outlives its launcher, even one SIGKILLed. (What a rank started
+terminal's Ctrl-C themselves; the parent, which does, passes the SIGINT on to each rank's group and gives them
+TERMINATE_GRACE_S to end on it (as torchrun forwards the signal it got and waits) before it stops what is left.
+Ranks ask the kernel to kill them if their parent dies, and a lifeline thread kills the rank's group when the
+launcher's end of its pipe closes, so no rank outlives its launcher, even one SIGKILLed. (What a rank started
 goes with it then only if the thread gets there first: it does under the fork server, the default; with
 MLSYS_START_METHOD=spawn the launcher is the rank's parent and the kernel's signal, which kills the rank alone,
 usually wins.)
@@ -428,6 +429,7 @@ def _spawn(worker: Callable[..., Any], worker_args: tuple, opts: LaunchOptions) 
         ranks, stragglers = _watch(procs, conns, opts.timeout)
     except KeyboardInterrupt:  # the ranks sit in process groups of their own, out of the terminal's reach
         _signal_ranks(procs, signal.SIGINT)  # so they, and what they started, get the Ctrl-C as from it
+        _wait_for_groups(procs, TERMINATE_GRACE_S)  # and have time to act on it before _terminate's SIGTERM
         raise
     finally:
         _terminate(procs)
@@ -744,16 +746,22 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _wait_for_groups(procs: list, seconds: float) -> None:
+    """Wait until every started rank and its process group have ended, or `seconds` have passed."""
+    procs = [proc for proc in procs if proc.pid is not None]
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and any(_group_alive(proc.pid) for proc in procs):
+        time.sleep(0.05)
+
+
 def _terminate(procs: list) -> None:
     """SIGTERM every rank's process group (each rank and whatever it started, exited rank or not), then SIGKILL
     whatever is still there after a short grace period."""
     procs = [proc for proc in procs if proc.pid is not None]  # an interrupted start() may leave one unstarted
     _signal_ranks(procs, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    while time.monotonic() < deadline and any(_group_alive(proc.pid) for proc in procs):
-        time.sleep(0.05)
+    _wait_for_groups(procs, TERMINATE_GRACE_S)
     left = [proc for proc in procs if proc.exitcode is None or _group_alive(proc.pid)]
     _signal_ranks(left, signal.SIGKILL)
     for proc in left:
