@@ -515,6 +515,23 @@ def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp
     assert (tmp_path / f"{collective}_sweep.png").exists()
 
 
+@pytest.mark.timeout(120)
+def test_one_size_on_four_ranks_shows_the_factor_without_a_fit(tmp_path) -> None:
+    """The run chapter 4 shows beside "algbw and busbw": one 4 MiB all-reduce on four ranks. busbw is algbw times
+    2*3/4 (nccl-tests' all-reduce factor, written here), and with one size there is no line to fit: the script says
+    so instead of fitting one point (which drew a figure with singular axes and matplotlib warnings)."""
+    out = tmp_path / "b.json"
+    proc = run([CH04 / "bench_collectives.py", "-w", 4, "--min-bytes", 4 * 2**20, "--max-bytes", 4 * 2**20,
+                "--rounds", 2, "--json", out, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["results"]["rows"]
+    assert row["size (B)"] == 4 * 2**20
+    assert row["busbw (GB/s)"] == pytest.approx(row["algbw (GB/s)"] * 1.5)
+    assert "busbw factor 1.500" in proc.stdout and "# no fit: a line needs at least two sizes" in proc.stdout
+    assert (tmp_path / "all_reduce_sweep.png").exists()
+
+
 def timing_worker(ctx) -> list[tuple[float, int]]:
     """time_collective on a call that sleeps 1 ms on rank 0 and 20 ms on rank 1, counting its calls; every rank's
     (seconds per call, calls made)."""

@@ -303,6 +303,8 @@ def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float
     """The '# fit' line. A bandwidth is printed only when the sweep has bandwidth-bound points: in a latency-bound
     sweep the fitted size term is smaller than the noise, and its slope (size / some GB/s) is no bandwidth."""
     knee = alpha * bandwidth  # where the fixed cost and the size term are equal
+    if len(np.unique(size)) < 2:
+        return "# no fit: a line needs at least two sizes (see --min-bytes and --max-bytes)"
     if not math.isfinite(bandwidth):
         return f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound"
     if alpha <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
@@ -330,17 +332,22 @@ def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world
     ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
     label = (f"fit: {alpha * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
              f"fit: {alpha * 1e6:.0f} us (latency-bound: its slope is noise, no bandwidth)")
-    ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat at alpha
+    if size.min() < size.max():  # one size: no line to fit
+        ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
     for ax in (ax_t, ax_b):
         knee = alpha * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
-        ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
-        ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
+        if size.min() < size.max():  # one size has no regimes to shade
+            ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
+            ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
+        else:
+            ax.set_xlim(size.min() / 2, size.max() * 2)
         ax.set_xlabel("message size (bytes)")
     ax_t.set_ylabel("time per call (us)")
     ax_b.set_ylabel("busbw (GB/s)")
     ax_t.legend(fontsize=8)
-    ax_b.legend(fontsize=8)
+    if ax_b.get_legend_handles_labels()[0]:
+        ax_b.legend(fontsize=8)
     fig.suptitle(f"{args.collective}, {world_size} ranks, {args.backend}")
     print(f"figure: {plot.save(fig, args, f'{args.collective}_sweep')}")
 
