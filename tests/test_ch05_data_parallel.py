@@ -253,6 +253,25 @@ def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -
     assert abs(ring - 2 * (world_size - 1) / world_size * 4 * n) <= 4 * messages
 
 
+PROFILER_LINES = ("profiled one more overlapped step", "bucket launches in that step", "launch calls held it",
+                  "timed from the training thread", "figure:")
+
+
+@pytest.mark.timeout(120)
+def test_no_profile_prints_the_tables_without_the_profiled_step() -> None:
+    """The lesson's opening run (--no-profile) shows only the tables, bytes and self-check; the default run adds
+    the profiled step's lines."""
+    quiet = run([CH05 / "ddp_from_scratch.py", "--smoke", "--no-profile"], timeout=110)
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert "vs global batch" in quiet.stdout and "self-check passed" in quiet.stdout
+    assert not [line for line in PROFILER_LINES if line in quiet.stdout], quiet.stdout
+    full = run([CH05 / "ddp_from_scratch.py", "--smoke"], timeout=110)
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert all(line in full.stdout for line in PROFILER_LINES), full.stdout
+    bad = run([CH05 / "ddp_from_scratch.py", "--no-profile=yes"], timeout=60)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+
+
 # ----------------------------------------------------------------------------------------------- unequal token counts
 gs = load_script(CH05 / "grad_sync.py")
 UNEQUAL = [2, 3, 5]  # sequences per rank

@@ -8,7 +8,7 @@ What it shows
        single-process copy on the GLOBAL batch (all ranks' batches concatenated). The table gives, per version,
        the all-reduce calls and bytes per step and the largest parameter difference from both references.
     3. Gradient accumulation: --accum micro-batches per step, communicating only on the last one (no_sync()).
-    4. One more overlapped step runs under torch.profiler: rank 0 writes it as a Chrome trace
+    4. One more overlapped step runs under torch.profiler (unless --no-profile): rank 0 writes it as a Chrome trace
        (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
        of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
        is held in the call, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows
@@ -25,6 +25,7 @@ How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 2
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py
     ... --bucket-mb 0.01 --steps 10       # more, smaller buckets; more steps
+    ... --no-profile                       # only the tables, bytes and self-check: no profiled step, no figure
 
 The self-check fails (exit 1) if any version's parameters differ from the global-batch reference by more than
 --atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2 on idle cores, two to five
@@ -78,6 +79,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Largest allowed parameter difference from the references."""
     num_records: int = 2000
     """Records of the synthetic corpus to generate (the token stream the ranks shard)."""
+    profile: bool = True
+    """Profile one more overlapped step (trace, figure, launch table and timings); --no-profile prints only the
+    bucket and comparison tables, the bytes per step and the self-check."""
 
     def validate(self) -> None:
         from mlsys.model import PRESETS
@@ -418,11 +422,11 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\nafter {args.steps} SGD steps, max |parameter difference| on rank 0 (W={ctx.world_size}):")
     ctx.print(report.table(rows, ".2g"))
 
-    trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main else None
+    trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main and args.profile else None
     clock: list[dict] = []
-    bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock)
+    bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock) if args.profile else []
     spans, clocked, timeline = [], {}, []
-    if ctx.is_main:
+    if ctx.is_main and args.profile:
         spans = overlap_spans(trace_path)
         queued = [c["run_queue_ms"] for c in clock]
         clocked = {"launch_wall_ms": sum(c["wall_ms"] for c in clock), "launch_cpu_ms": sum(c["cpu_ms"] for c in clock),
@@ -458,9 +462,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "buckets": buckets, "comparison": rows,
             "overlap_timeline": timeline, "allreduce_sent_bytes_per_rank": volume["sent"],
             "max_diff_overlapped_vs_torch_all_ranks": same.item(),
-            "overlap_trace": {"path": str(trace_path), "bucket_params": bucket_names,
-                              "spans": [vars(s) for s in spans]} | (overlap_summary(spans) if spans else {})
-                             | clocked}
+            "overlap_trace": {} if not args.profile else (
+                {"path": str(trace_path), "bucket_params": bucket_names, "spans": [vars(s) for s in spans]}
+                | (overlap_summary(spans) if spans else {}) | clocked)}
 
 
 def main() -> int:

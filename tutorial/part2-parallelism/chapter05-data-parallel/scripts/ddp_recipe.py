@@ -134,8 +134,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     report.expect_equal("max |params - rank 0's params|", (flat - ref).abs().max().item(), 0.0)
     if args.epochs > 1 and not losses[-1] < losses[0]:
         raise cli.SelfCheckFailed(f"the training loss did not fall: {losses}")
-    ctx.print(f"OK: in every epoch the {ctx.world_size} ranks together read all {len(dataset)} windows, "
-              f"{-len(dataset) % ctx.world_size} of them twice (the sampler's padding)"
+    pad = -len(dataset) % ctx.world_size  # DistributedSampler repeats windows up to a multiple of W
+    ctx.print(f"OK: in every epoch the {ctx.world_size} ranks together read all {len(dataset)} windows"
+              + (f", {pad} of them twice (the sampler pads to a multiple of {ctx.world_size})" if pad else
+                 f", none twice ({ctx.world_size} divides them, so the sampler adds no padding)")
               + ("; each epoch in a new order; the loss fell" if args.epochs > 1 else "")
               + "; every rank holds the same parameters")
     return {"num_windows": len(dataset), "epoch_losses": losses, "rows": rows}
