@@ -618,7 +618,7 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     assert slowed == {"sequential": {"compute_ms": 50.0, "compute_rank": 0, "compute_by_rank": [50.0, 40.0],
                                      "round_ms": 70.0, "comm_ms": 20.0},
                       "overlapped": {"compute_ms": 75.0, "compute_rank": 0, "compute_by_rank": [75.0, 70.0],
-                                     "round_ms": 76.6, "wait_ms": 0.5}}
+                                     "round_ms": 76.6, "wait_ms": 0.5, "wait_max_ms": 0.5}}
     text = mod.figure_text(slowed)
     assert "took 1.5x to 1.8x the same rank's sequential compute" in text and "slowed the matmuls" in text
     assert "rank 0: 75.0 ms overlapped against 50.0 ms sequential; rank 1: 70.0 ms overlapped against 40.0" in text
@@ -650,6 +650,26 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
     assert "took 0.4x to 0.6x" in faster and "vary that much" in faster
     assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0))))
+
+
+def test_async_wait_reading_judges_the_wait_against_the_blocking_all_reduce() -> None:
+    mod = load_script(CH03 / "async_ops.py")
+
+    def reading(wait: float) -> str:  # both ranks wait `wait` ms; the blocking all_reduce took 20 ms
+        return mod.wait_reading(mod.compute_spans(synthetic_lanes((10.0, 10.0), (10.0, 10.0), wait=wait)))
+
+    assert reading(0.5) == ("wait() took 0.5 ms on the ranks, against 20.0 ms for the blocking all_reduce above: much "
+                            "shorter, so most of the bytes moved during the compute")
+    # the drawn round the lesson discusses: waits of 4.2 and 7.0 ms against about 20 ms are still the short case
+    spans = {"sequential": {"comm_ms": 20.7}, "overlapped": {"wait_ms": 4.2, "wait_max_ms": 7.0}}
+    assert mod.wait_reading(spans).startswith("wait() took 4.2 to 7.0 ms on the ranks, against 20.7 ms")
+    assert "most of the bytes moved" in mod.wait_reading(spans)
+    assert "part of the bytes moved during the compute, the rest after it" in reading(12.0)
+    assert "about as long, so almost none of the bytes moved" in reading(18.0)
+    mixed = {"sequential": {"comm_ms": 20.0}, "overlapped": {"wait_ms": 2.0, "wait_max_ms": 19.0}}
+    assert "different cases, so this round names none" in mod.wait_reading(mixed)
+    assert "too short to compare" in mod.wait_reading({"sequential": {"comm_ms": 0.4},
+                                                        "overlapped": {"wait_ms": 0.3, "wait_max_ms": 0.3}})
 
 
 def groups_worker(ctx, R: int, C: int) -> list[dict]:

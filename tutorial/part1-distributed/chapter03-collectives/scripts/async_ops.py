@@ -21,9 +21,11 @@ What it shows
        `overlapped` between the all_reduce's return and the wait() call, in `sequential` after the all_reduce until
        the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. A
        line compares the two panels, from the recorded spans: each rank's overlapped compute box against the same
-       rank's sequential one, and whether the overlapped round ended sooner (`figure_text` in the JSON). A last
-       line sets that single round beside the table's medians (`figure_note`): one sample, its gain or loss need
-       not match the verdict.
+       rank's sequential one, and whether the overlapped round ended sooner (`figure_text` in the JSON). The next
+       reads the diamonds: every rank's wait() against the blocking all_reduce, much shorter (most bytes moved
+       during the compute), about as long (almost none did) or in between (`figure_wait`). A last line sets that
+       single round beside the table's medians (`figure_note`): one sample, its gain or loss need not match the
+       verdict.
 
 What "completed" means depends on the backend
     gloo (CPU): the collective runs on gloo's own threads; wait() returns once the result is in x.
@@ -190,8 +192,8 @@ def compute_spans(lanes: dict[str, list[dict]]) -> dict[str, dict]:
     """Per order, from the recorded calls: every rank's compute box (as drawn: after the all_reduce until the
     function returned, or until wait() was called; `compute_by_rank`, in rank order), the longest of them
     (compute_ms, on rank compute_rank, the first such rank on a tie) and when the last rank returned, in ms; for the
-    sequential order also the longest blocking all_reduce (comm_ms), for the overlapped one the shortest wait()
-    (wait_ms)."""
+    sequential order also the longest blocking all_reduce (comm_ms), for the overlapped one the shortest and the
+    longest wait() (wait_ms, wait_max_ms)."""
     out: dict[str, dict] = {}
     for order, calls in lanes.items():
         boxes, ends, comms, waits = [], [], [], []
@@ -207,6 +209,7 @@ def compute_spans(lanes: dict[str, list[dict]]) -> dict[str, dict]:
                       "compute_by_rank": boxes, "round_ms": round(max(ends), 1)}
         if order == "overlapped":
             out[order]["wait_ms"] = round(min(waits), 1)
+            out[order]["wait_max_ms"] = round(max(waits), 1)
         else:
             out[order]["comm_ms"] = round(max(comms), 1)
     return out
@@ -253,6 +256,27 @@ def figure_text(spans: dict[str, dict]) -> str:
         saved = (f"the overlapped round ended no sooner ({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} "
                  "ms): " + ("even where wait() found the sum ready, " if ready else "") + "nothing was saved")
     return f"the overlapped compute {why}, and {saved}"
+
+
+def wait_reading(spans: dict[str, dict]) -> str:
+    """One sentence reading the diamonds of the figure's overlapped round: every rank's wait() against the top
+    panel's longest blocking all_reduce. A wait under half the blocking call means most of the bytes moved during
+    the compute; one above 80% of it, that almost none did; in between, part did. A case is named only when every
+    rank's wait() falls in it."""
+    comm, lo, hi = spans["sequential"]["comm_ms"], spans["overlapped"]["wait_ms"], spans["overlapped"]["wait_max_ms"]
+    waits = f"{lo:.1f} ms" if lo == hi else f"{lo:.1f} to {hi:.1f} ms"
+    head = f"wait() took {waits} on the ranks, against {comm:.1f} ms for the blocking all_reduce above"
+    if comm < 1.0:
+        return f"{head}: the blocking call was too short to compare with"
+
+    def case(wait: float) -> str:
+        return "most" if wait < 0.5 * comm else "none" if wait > 0.8 * comm else "part"
+
+    if case(lo) != case(hi):
+        return f"{head}: the ranks fall in different cases, so this round names none"
+    return head + {"most": ": much shorter, so most of the bytes moved during the compute",
+                   "part": ": part of the bytes moved during the compute, the rest after it",
+                   "none": ": about as long, so almost none of the bytes moved during the compute"}[case(lo)]
 
 
 def figure_note(spans: dict[str, dict[str, float]], times: dict[str, float]) -> str:
@@ -365,6 +389,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     results["timeline"] = timeline(everyone)
     results["figure_spans"] = compute_spans(results["timeline"])
     results["figure_text"] = figure_text(results["figure_spans"])
+    results["figure_wait"] = wait_reading(results["figure_spans"])
     results["figure_note"] = figure_note(results["figure_spans"], times)
     return results
 
@@ -378,6 +403,7 @@ def main() -> int:
     print(f"OK: async all_reduce sums, .then() means and overlapped results checked on all {args.world_size} ranks")
     print(f"figure: {draw(result['timeline'], args.world_size, args)}")
     print(f"in the figure's round, {result['figure_text']}")
+    print(f"its diamonds: {result['figure_wait']}")
     print(result["figure_note"])
     if args.json:
         report.write_json(args.json, result, args)

@@ -275,7 +275,7 @@ def draw(held: dict[str, list], args: Settings) -> str:
                  f"starts as {base}r+e, coloured by r; \u03a3e = element e summed over the ranks (root = rank "
                  f"{args.root}; blank = not defined)", fontsize=9)
     fig.tight_layout()
-    return str(plot.save(fig, args, "before_after"))
+    return str(plot.save(fig, args, "each_collective_before_and_after"))
 
 
 def worker(ctx: RankContext, args: Settings) -> list[dict]:
