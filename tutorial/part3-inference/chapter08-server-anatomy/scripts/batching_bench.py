@@ -14,7 +14,8 @@ What it shows
     collector held off while they run); the summary of each scheduler's fastest run (the least disturbed by
     other processes) is printed side by side: vLLM benchmark_serving's throughput, TTFT, TPOT and ITL numbers,
     the number of engine steps and how many sequences each held, with the better scheduler named in each row
-    (--vllm-layout prints the full blocks in vLLM's layout). A figure shows how many sequences each step ran.
+    (--vllm-layout prints the full blocks in vLLM's layout). A figure shows how many sequences each step ran,
+    with a dotted line at the number of long answers in the workload.
     Every request must complete with exactly its max_tokens tokens, the greedy tokens must not depend on the
     scheduler, and every KV block must be free afterwards (self-checks, exit 1 otherwise).
     The loop is real: between arrivals with nothing to compute it waits for the next arrival; it never sleeps
@@ -209,12 +210,14 @@ def check_run(engine: Engine, workload: list[WorkItem], finals: dict, scheduling
     engine.check_invariants()
 
 
-def draw(results: dict, args: Settings) -> None:
+def draw(results: dict, args: Settings, n_long: int) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for mode, res in results.items():
         t = [s[0] for s in res["steps"]]
         ax.step(t, [s[1] for s in res["steps"]], where="post", label=f"{mode} ({res['duration']:.1f} s)", lw=1.2)
+    # once the queue is empty and the short answers are done, only the long answers are left in the batch
+    ax.axhline(n_long, color="0.5", ls=":", lw=1, label=f"the workload's {n_long} long answers")
     ax.set_xlabel("time since the first arrival (s)")
     ax.set_ylabel("sequences in the step")
     arrivals = f"{args.request_rate:g} req/s Poisson" if math.isfinite(args.request_rate) else "all at t = 0"
@@ -360,7 +363,7 @@ def main() -> None:
     print(f"continuous / static output throughput: {ratio:.2f}x; static / continuous engine steps: {steps_ratio:.2f}x")
     print(f"first step: static ran {s['first_step_seqs']} sequences, continuous {c['first_step_seqs']} "
           f"(token budget {args.max_num_batched_tokens} per step, {args.max_num_seqs} seats)")
-    draw(results, args)
+    draw(results, args, n_long)
     if args.json:
         out = {mode: {**r["summary"], "num_steps": r["num_steps"], "mean_seqs_per_step": r["mean_seqs_per_step"],
                       "first_step_seqs": r["first_step_seqs"], "durations_s": durations[mode]}

@@ -98,7 +98,9 @@ def step_flops(cfg: GPTConfig, q_lens: list[int], kv_lens: list[int], num_logits
 def step_bytes(num_params: int, cfg: GPTConfig, q_lens: list[int], kv_lens: list[int], dtype_bytes: int = 4) -> int:
     """Bytes a step must move at least: every weight read once (shared by all tokens of the step), each
     sequence's K and V read for all its kv_lens positions, and K, V written for the new tokens.
-    Activations are left out: for these shapes they are small next to the weights and the cache."""
+    Activations are left out: they are small next to the weights and the cache in decode steps and short
+    prefills, but grow with the tokens of the step (about 18 * n_embd values per token and layer), so a
+    prefill of more than about a hundred tokens moves more activation bytes than weight bytes on this model."""
     per_position = 2 * cfg.n_layer * cfg.n_embd * dtype_bytes  # K and V, every layer
     return num_params * dtype_bytes + per_position * (sum(kv_lens) + sum(q_lens))
 # --8<-- [end:flops]

@@ -5,15 +5,18 @@ What it shows
     The script then drives the engine step by step, exactly as a server's engine loop does, and for the traced
     request records every stage of its life:
       tokenize     text -> <bos> + character ids (the server does this before the engine sees the request)
-      queue        add_request until the scheduler first picks it (here: the next step)
+      queue        from the end of tokenize (add_request) to the start of the step that first schedules it
+                   (here: the next step)
       schedule / prepare / forward / sample / detokenize
                    the engine's own timing of each step the request took part in (engine.last_step_timing);
                    the first of those steps is its prefill, the rest are decode steps shared with the others
       stream       turning each step's new text into a Server-Sent Event, as mlsys.server sends it
     It prints the step-by-step trace, the time per stage (total, median per call, share; the garbage
     collector held off during the trace, the load average printed beside), and TTFT / TPOT / end-to-end
-    latency from the engine's request metrics. Self-check: the traced request's tokens equal
-    mlsys.model.generate's greedy output for the same prompt, computed alone with a contiguous cache.
+    latency from the engine's request metrics. TTFT is tokenize + queue + the prefill step's schedule, prepare,
+    forward and sample (the first token is stamped after sample; its detokenize and stream come after), plus a
+    little untimed bookkeeping inside the step; the script prints that split. Self-check: the traced request's
+    tokens equal mlsys.model.generate's greedy output for the same prompt, computed alone with a contiguous cache.
     FIGURE  flat_batch.png (into --plot-dir): the one flat batch the engine ran in the traced request's first
     step, recorded from the engine's own ModelRunner.prepare call: the traced request's prefill chunk beside
     one decode token of every other sequence, with each token's sequence, position and KV slot.
@@ -95,8 +98,9 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
     ids = encode_prompt(engine.tokenizer, prompt)  # 1. tokenize
     t_tok = time.perf_counter() - t0
     rid = engine.add_request(ids, params, arrival_time=t0)  # 2. queue (WAITING)
-    steps, chunks, stream_s, kv, final = [], [], [], [], None
+    steps, chunks, stream_s, kv, starts, final = [], [], [], [], [], None
     while final is None:
+        starts.append(time.perf_counter())  # when each step starts: the queue ends at the one that admits us
         outputs = engine.step()  # 3-6. schedule, prepare, forward, sample, detokenize (one iteration)
         timing = dict(engine.last_step_timing)
         kv.append(kv_snapshot(engine))  # who holds how much KV cache after this step (for the figure)
@@ -114,7 +118,7 @@ def trace_request(engine: Engine, prompt: str, params: SamplingParams) -> dict:
         chunks.append(event)
         final = out if out.finished else None
     return {"ids": ids, "final": final, "steps": steps, "chunks": chunks, "tokenize_s": t_tok, "stream_s": stream_s,
-            "rid": rid, "kv": kv}
+            "rid": rid, "kv": kv, "step_starts": starts}
 # --8<-- [end:trace]
 
 
@@ -228,11 +232,13 @@ def draw_kv(tr: dict, block_size: int, num_blocks: int, args: Settings) -> None:
 
 
 def stage_table(tr: dict) -> list[dict]:
-    """Per stage: calls, total ms, median ms per call, share of the total. Stages: tokenize, queue, the engine's
-    stages split into prefill and decode, stream."""
+    """Per stage: calls, total ms, median ms per call, share of the total. Stages: tokenize, queue (from the end
+    of tokenize to the start of the step that first schedules the request), the engine's stages split into
+    prefill and decode, stream. The stages do not overlap."""
     m = tr["final"].metrics
+    admitted = max(t for t in tr["step_starts"] if t <= m.first_scheduled_time)  # start of the step that admits it
     per_call = {"tokenize": [tr["tokenize_s"] * 1e3],
-                "queue (arrival -> scheduled)": [(m.first_scheduled_time - m.arrival_time) * 1e3]}
+                "queue (added -> its first step)": [(admitted - m.arrival_time - tr["tokenize_s"]) * 1e3]}
     for kind in ("prefill", "decode"):
         for stage in STAGES:
             per_call[f"{kind}: {stage}"] = [s[stage] for s in tr["steps"] if s["kind"] == kind]
@@ -289,11 +295,17 @@ def main() -> None:
           f"{share['forward']:.0f}% of the time spent in the stages above; "
           f"{bench.load_average()}\n")
     lat = request_latencies(m.arrival_time, m.token_times)
+    by_stage = {r["stage"]: r["ms"] for r in stages}
+    ttft_rows = ["tokenize", "queue (added -> its first step)"] + [f"prefill: {k}" for k in STAGES[:-1]]
+    ttft_sum = sum(by_stage[k] for k in ttft_rows)
     print(f"streamed text ({len(tr['chunks'])} SSE events, '|' between them):")
     print("  " + "|".join(s["new_text"] for s in tr["steps"]))
     print(f"first event on the wire: {tr['chunks'][0].decode().strip()}\n")
     print(f"finish_reason={out.finish_reason}, {len(out.token_ids)} tokens;  TTFT {lat['ttft'] * 1e3:.2f} ms, "
           f"TPOT {(lat['tpot'] or 0) * 1e3:.2f} ms, end-to-end {lat['e2e'] * 1e3:.1f} ms")
+    print(f"TTFT {lat['ttft'] * 1e3:.2f} ms = tokenize + queue + prefill schedule, prepare, forward and sample "
+          f"({ttft_sum:.2f} ms) + the step's untimed bookkeeping ({lat['ttft'] * 1e3 - ttft_sum:.2f} ms); the first "
+          f"token is stamped after sample, so the prefill's detokenize and stream come after it")
 
     eos = None if args.ignore_eos else engine.tokenizer.eos_id
     ref = generate(model, torch.tensor([tr["ids"]]), args.max_tokens, eos_id=eos)
@@ -308,6 +320,7 @@ def main() -> None:
     if args.json:
         report.write_json(args.json, {"prompt_ids": tr["ids"], "token_ids": out.token_ids, "text": out.text,
                                       "finish_reason": out.finish_reason, "ttft_ms": lat["ttft"] * 1e3,
+                                      "ttft_rows_ms": ttft_sum,
                                       "tpot_ms": (lat["tpot"] or 0) * 1e3, "e2e_ms": lat["e2e"] * 1e3,
                                       "steps": tr["steps"], "stages": stages, "share_%": share,
                                       "forward_share": share["forward"] / 100,
