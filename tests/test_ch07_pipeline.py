@@ -269,6 +269,9 @@ def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
             assert r["replayed"] == pytest.approx(0.5)  # share is 1 - 1/p whatever the measured times are
         ms = r["median_ms"]
         assert 0.0 < r["replayed"] < 1.0 and all(len(ms[k]) == 2 and min(ms[k]) > 0 for k in "FB")
+    # the lesson quotes replay_below: it must name a row only when the rel. error column shows one under the formula
+    below = [r for r in res["runs"] if round(100 * r["rel_error"], 1) < 0]
+    assert res["replay_below"].startswith("the replay came out below" if below else "no replayed bubble"), res
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()
 
 

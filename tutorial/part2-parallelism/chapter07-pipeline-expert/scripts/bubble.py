@@ -167,6 +167,15 @@ def print_report(args: Settings, p: int, rows: list, results: dict) -> None:
     results.update(replayed_met=met, wall_met=wall, runs_total=len(results["runs"]))
     print(f"\nwithin {GOAL:.0%} of the formula: replayed {met} of {len(results['runs'])}, "
           f"wall clock {wall} of {len(results['runs'])}")
+    below = [r for r in results["runs"] if round(100 * r["rel_error"], 1) < 0]  # as the rel. error column shows it
+    if below:  # the lesson names the row where the replay came out under the formula, if any
+        low = min(below, key=lambda r: r["rel_error"])
+        results["replay_below"] = (f"the replay came out below the formula in {len(below)} of "
+                                   f"{len(results['runs'])} rows, furthest under {low['schedule']} at m = "
+                                   f"{low['m']} ({100 * low['rel_error']:+.1f}%)")
+    else:
+        results["replay_below"] = "no replayed bubble came out below the formula (by 0.1 % or more)"
+    print(results["replay_below"])
     ms = sorted(set(args.micro_batches))
     if len(ms) >= 2:  # the formula's bubble always falls from one m to the next; say what the wall clock did
         a, b = ms[-2], ms[-1]

@@ -22,8 +22,9 @@ How to run (world size 1..8, at most --layers)
     torchrun --nproc-per-node 4 \\
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 8
 
-Runtime on 2 cores: about 8 s with -w 4 --micro-batches 8 (3 s of it drawing) on an idle machine,
-about 25 s at load 6 to 9 (other programs sharing the cores), 6 s with --smoke.
+Runtime on 2 cores: about 8 s with the defaults (-w 4 --micro-batches 8, 3 s of it drawing) on a quiet machine
+(7.5 s in a book build), about 19 s at load 5 to 6 (other programs sharing the cores) and more under heavier
+load; 6 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 2
