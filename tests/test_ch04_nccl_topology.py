@@ -117,6 +117,36 @@ def test_alpha_beta_fit_stays_non_negative() -> None:
     assert rvt.crossover_bytes(alpha, beta, 4) is None
 
 
+def model_rows(time_of) -> list[dict]:
+    """Synthetic ring, tree and gloo rows at 256 B .. 4 MiB on 4 ranks, each time time_of(steps, bytes moved)."""
+    rvt = load("ring_vs_tree")
+    rows = []
+    for k in range(8):
+        size = 256 * 4**k
+        for name in ("ring", "tree", "gloo all_reduce"):
+            a, b = rvt.cost_terms("tree" if name == "tree" else "ring", 4)
+            rows.append({"algorithm": name, "size (B)": size, "time (us)": 1e6 * time_of(a, b * size),
+                         "busbw (GB/s)": 1.0})
+    return rows
+
+
+def test_fit_that_pins_alpha_at_zero_prints_a_note(capsys) -> None:
+    """A reader's -w 2 run under load (12.9) got alpha = 0.0 us per step and held-out factors up to 75379x, with
+    nothing saying why. Timings whose best alpha is negative (the ring's extra steps cost less than nothing) must
+    pin alpha at 0 and print a note that the small sizes' factors are meaningless; a sound fit prints none."""
+    rvt = load("ring_vs_tree")
+    summary = rvt.summarise(model_rows(lambda steps, moved: 1e-7 * moved - 1e-6 * steps), 4)
+    assert summary["alpha_s"] == 0.0 and summary["beta_s_per_byte"] > 0 and summary["alpha_pinned_at_zero"]
+    rvt.print_model(summary, 4)
+    out = capsys.readouterr().out
+    assert "note: the fit pinned alpha at 0" in out and "meaningless" in out
+    assert summary["predicted_crossover_bytes"] is None and "no per-byte cost" not in out  # beta is not 0
+    sound = rvt.summarise(model_rows(lambda steps, moved: 40e-6 * steps + 2.5e-9 * moved), 4)
+    assert sound["alpha_s"] > 0 and not sound["alpha_pinned_at_zero"]
+    rvt.print_model(sound, 4)
+    assert "note:" not in capsys.readouterr().out
+
+
 def critical_path_of_built_tree(p: int) -> tuple[int, int]:
     """(steps, bytes in units of n) on the tree's critical path, read off the parent links the script builds: walk
     each rank up to the root for its depth; at every depth the busiest parent takes one n per child (up) and

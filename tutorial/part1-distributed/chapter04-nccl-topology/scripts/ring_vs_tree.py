@@ -19,7 +19,8 @@ What it shows
          ring's and the tree's times at every other size from the smallest, plus the largest, then compared
          with the points it did not see (the sizes in between, and every halving-doubling point):
          measured/model per size, the median and worst factor on the held-out points, and the model's
-         ring-vs-tree crossover beside the measured one;
+         ring-vs-tree crossover beside the measured one; a `note:` line when the fit pins alpha at 0 (then the
+         factors at the small sizes are meaningless);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -43,7 +44,8 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
         -> two ranks: ring and tree take the same two steps, so the model has no crossover; the measurement can
            still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
-           and scheduling overhead, which the model does not see
+           and scheduling overhead, which the model does not see. Under load the fit can pin alpha at 0; a
+           `note:` line then says the factors at the small sizes mean nothing
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
@@ -280,8 +282,8 @@ def model_vs_measured(rows: list[dict], world_size: int, fit_sizes: list[int], a
 def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
     """Size where the model's ring and tree times are equal (tree faster below it); None if there is none."""
     (a_ring, b_ring), (a_tree, b_tree) = cost_terms("ring", world_size), cost_terms("tree", world_size)
-    if a_ring <= a_tree or b_tree <= b_ring or beta <= 0:
-        return None  # the ring has no more steps than the tree (p = 2), or the fit found no per-byte cost
+    if a_ring <= a_tree or b_tree <= b_ring or beta <= 0 or alpha <= 0:
+        return None  # the ring has no more steps than the tree (p = 2), or the fit pinned alpha or beta at 0
     return alpha * (a_ring - a_tree) / (beta * (b_tree - b_ring))
 # --8<-- [end:model]
 
@@ -432,6 +434,7 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "ring_over_gloo_busbw": busbw_of["ring", sizes[-1]] / busbw_of["gloo all_reduce", sizes[-1]],
             "fit_sizes": fit_sizes, "held_out_sizes": held_sizes, "alpha_s": alpha, "beta_s_per_byte": beta,
             "fit_bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else None, "model_points": points,
+            "alpha_pinned_at_zero": alpha == 0 and beta > 0,
             "held_out_points": len(held), "held_out_worst_factor": max(map(off, held), default=None),
             "held_out_median_factor": float(np.median([off(p) for p in held])) if held else None,
             "held_out_off_by_2x": sum(off(p) > 2 for p in held),
@@ -573,6 +576,18 @@ def fit_vs_ceilings(fit_GBps: float | None, ceiling: dict, best_busbw_GBps: floa
             f"algorithm reached at the largest size ({best_busbw_GBps:.3f} GB/s)")
 
 
+def alpha_pinned_note(summary: dict) -> str | None:
+    """The `note:` line for a fit that pinned alpha at 0 (the unconstrained least-squares alpha was negative, so
+    fit_alpha_beta kept beta alone): the model then gives a small size little more than its few bytes' time, and
+    measured/model there runs into the hundreds or thousands. None for a fit with a positive alpha."""
+    if summary["alpha_s"] > 0 or not summary["beta_s_per_byte"]:
+        return None
+    return ("note: the fit pinned alpha at 0 us per step (the best least-squares alpha was negative): the small "
+            "sizes' fixed cost could not be separated from the noise and the size term, so the model gives a small "
+            "size only its bytes' time, and the measured/model factors at the small sizes are meaningless (only "
+            "the large sizes test the model). This happens under load or with 2 ranks; rerun on a quieter machine")
+
+
 def print_model(summary: dict, w: int) -> None:
     """Section 3 of the output: the fit, measured/model at every size, and the model's crossover."""
     fit, held = summary["fit_sizes"], summary["held_out_sizes"]
@@ -593,6 +608,9 @@ def print_model(summary: dict, w: int) -> None:
               f"{summary['held_out_median_factor']:.2f} (median) and {summary['held_out_worst_factor']:.2f} at worst;"
               f" {summary['held_out_off_by_2x']} of them more than 2x off (on the fitted points themselves: "
               f"{summary['fit_worst_factor']:.2f} at worst)")
+    note = alpha_pinned_note(summary)
+    if note:
+        print(note)
     print("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"
                                                                   for n in names))
     (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
@@ -601,6 +619,8 @@ def print_model(summary: dict, w: int) -> None:
         f"{size_text(cross)} (tree faster below, ring above); measured: {summary['measured_text']}" if cross else
         f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves fewer bytes, so "
         "in the model (not necessarily in the measurement) the ring is never slower" if a_ring <= a_tree else
+        "none: the fit pinned alpha at 0 (see the note above), so in the model the ring, with fewer bytes, is faster "
+        "at every size" if summary["alpha_s"] <= 0 else
         "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
 
 
