@@ -41,6 +41,7 @@ Try next
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from dataclasses import dataclass
 
@@ -148,12 +149,22 @@ def nonblocking_swap(ctx: RankContext, mine: torch.Tensor, ring: bool = False) -
 # The lanes figure records every call each rank made with mlsys.trace.recording (see the lesson's Under the hood).
 
 
+def trace_failure(ctx: RankContext, attempt: dict) -> None:
+    """Under --verbose, end a naive attempt that failed the way the trace ends a call that returned: the send
+    raised (naive_swap caught the error, so the tracer never saw it return)."""
+    if ctx.verbose and attempt["outcome"] != "completed":
+        sys.stderr.write(f"[rank {ctx.rank}] <- send raised: {attempt['outcome']} after {attempt['seconds']:.2f} s "
+                         "(it never reached its recv)\n")
+
+
 def worker(ctx: RankContext, args: Settings) -> dict:
     calls: dict[str, list] = {}
     naive = [naive_swap(ctx, 1, args.deadlock_timeout, args.ring)]
+    trace_failure(ctx, naive[-1])
     naive_name = "naive: every rank sends first (ring)" if args.ring else "naive: send first on both"
     with recording(calls.setdefault(naive_name, [])):
         naive.append(naive_swap(ctx, args.numel, args.deadlock_timeout, args.ring))
+    trace_failure(ctx, naive[-1])
     mine = payload(ctx.rank, args.numel, ctx.device)
     want = payload(peers(ctx, args.ring)[1], args.numel, ctx.device)
     fixed = {}

@@ -185,8 +185,9 @@ def draw(lanes: dict[str, list[dict]], world_size: int, args: Settings) -> str:
             ax.axvline(x, color="0.25", lw=1, ls="--", zorder=0)  # across every lane: what came before, what after
             ax.plot(x, y, marker="*", ms=15, color=c10[8], mec="black", zorder=5)
             value = ",".join(f"{v:g}" for v in c["value"])
-            ax.annotate(f"{c['call']}: [{value}]", (x, y), xytext=(4, 9), textcoords="offset points", fontsize=8,
-                        color="black", weight="bold", zorder=6,
+            # the label sits just above the lane's boxes (the space between lanes), clear of the names inside them
+            ax.annotate(f"{c['call']}: [{value}]", (x, y + 0.4), xytext=(4, 1), textcoords="offset points",
+                        fontsize=8, va="bottom", color="black", weight="bold", zorder=6,
                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
         ax.set_xlim(-0.4, len(at) + 1.5)
         ax.set_xticks([])
