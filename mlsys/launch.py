@@ -130,7 +130,11 @@ class RankContext:
 
 # ----------------------------------------------------------------------------------------------- choosing a backend
 def threads_per_rank(local_world_size: int) -> int:
-    """Split this machine's cores between the ranks on it: 2 ranks on 2 cores get 1 thread each, not 2 and 2."""
+    """Split this machine's cores between the ranks on it: 2 ranks on 2 cores get 1 thread each, not 2 and 2.
+    An OMP_NUM_THREADS you set wins (a positive integer), as it does for torch itself and under torchrun."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
 

@@ -58,8 +58,9 @@ def kill_leftovers(pid_list: list[int]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ok_job_returns_rank0_result(tmp_path) -> None:
+def test_ok_job_returns_rank0_result(tmp_path, monkeypatch) -> None:
     out = tmp_path / "r.json"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher's own share of the cores
     proc = run([JOB, "-w", "3", "--json", out, "--all-ranks"])
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())["results"]
@@ -480,3 +481,15 @@ def test_the_launchers_store_listens_on_loopback_only() -> None:
                 listening.append(addr)
     assert listening == ["0100007F"], listening           # 127.0.0.1 in the kernel's little-endian hex
     del store
+
+
+
+@pytest.mark.timeout(120)
+def test_an_omp_num_threads_you_set_wins_over_the_share_of_the_cores(tmp_path) -> None:
+    """Each rank gets cores // W threads (test_ok_job_returns_rank0_result) unless you set OMP_NUM_THREADS, which
+    wins as it does for torch itself and under torchrun (the launcher used to override it, so
+    `OMP_NUM_THREADS=1 python x.py -w 1` still ran two threads on two cores)."""
+    out = tmp_path / "r.json"
+    proc = run([JOB, "-w", "2", "--json", out], env={"OMP_NUM_THREADS": "3"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["results"]["threads"] == 3
