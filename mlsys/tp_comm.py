@@ -191,9 +191,11 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return GatherLastDim.apply(x, group)
 
 
+# --8<-- [start:replicated_param]
 def replicated_param(p: torch.Tensor | None, group, sequence_parallel: bool) -> torch.Tensor | None:
     """A replicated parameter as used inside a block: under sequence parallelism each rank sees only part of the
     sequence, so the parameter's gradient is partial and f all-reduces it in backward."""
     if p is None or not sequence_parallel:
         return p
     return copy_to_tp(p, group, "param_grad")
+# --8<-- [end:replicated_param]

@@ -352,7 +352,8 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     tokens = [r["tokens"] for r in rows]
     ax.plot(tokens, [r["ring_one_MB"] for r in rows], "o-", label="one process (the same ring kernel)")
-    ax.plot(tokens, [r["ring_one_MB"] / world for r in rows], ":", color="grey", label=f"1/{world} of one process")
+    ax.plot(tokens, [r["ring_one_MB"] / world for r in rows], ":", color="grey",
+            label=f"one process (ring) / {world}: a perfect split")
     ax.plot(tokens, [r["ring_rank_max_MB"] for r in rows], "s-", label=f"ring attention, largest of {world} ranks")
     if "ulysses_rank_max_MB" in rows[0]:
         ax.plot(tokens, [r["ulysses_one_MB"] for r in rows], "o--", label="one process (SDPA)")

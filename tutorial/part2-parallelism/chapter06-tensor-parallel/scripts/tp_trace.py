@@ -26,7 +26,11 @@ Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 4
         -> four ranks on two cores: the collectives wait longer for the slowest rank
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py -w 1
-        -> one rank: no collective at all, and the same layers in a fraction of the time
+        -> one rank: no collective at all. On an idle machine the same layers take a fraction of the 2-rank
+           step's time. Under load they may take longer: the launcher gives each rank cores / W intra-op threads,
+           so the lone rank runs 2 threads on 2 cores (each rank of -w 2 runs 1), and when other processes hold
+           the cores those 2 threads wait for each other at every operator (OMP_NUM_THREADS=1 before the command
+           gives the lone rank one thread)
 """
 
 from __future__ import annotations
