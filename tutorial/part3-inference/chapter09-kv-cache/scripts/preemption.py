@@ -23,10 +23,8 @@ a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 12
-        -> exactly one full-length sequence fits: fewer sequences run at once, more steps, the same tokens
-    python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 11
-        -> too small for one 96-token sequence: the script refuses at start-up with a one-line error (exit 2;
-           the engine makes the same check)
+        -> the smallest pool accepted, exactly one full-length (96-token) sequence; one block fewer is refused at
+           start-up. The six prompts fill it on their own: more steps than with 14 blocks, the same tokens
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --mfu 0.2 --pcie-gbps 25
         -> a slower prefill and a slower bus: the recompute/swap ratio moves, read it in the cost table
 """
