@@ -468,7 +468,7 @@ def test_cuda_graphs_direction_text_follows_the_printed_tokens_per_second(smoke_
     tokens-per-second figures the last line printed."""
     proc = smoke_run(smoke_cache, CH10 / "cuda_graphs.py")
     assert proc["code"] == 0, proc["stderr"]
-    match = re.search(r"\(\d+ tokens\); (\d+) vs (\d+) tokens/s", proc["stdout"])
+    match = re.search(r"\(\d+ tokens\); graphs (\d+) vs eager (\d+) tokens/s", proc["stdout"])
     assert match, proc["stdout"][-600:]
     graphs, eager = (int(g) for g in match.groups())
     text = proc["json"]["results"]["engine"]["direction_text"]

@@ -394,7 +394,7 @@ def main() -> int:
     e["direction_text"] = ("slower than" if r < 1 else "faster than" if r > 1 else "as fast as") + " the eager engine"
     results["load_average"] = bench.load_average()
     print(f"\nEngine with graphs == eager engine, token for token ({e['tokens']} tokens); "
-          f"{e['graphs_tok_s']:.0f} vs {e['eager_tok_s']:.0f} tokens/s ({e['graphs_over_eager']:.2f}x"
+          f"graphs {e['graphs_tok_s']:.0f} vs eager {e['eager_tok_s']:.0f} tokens/s ({e['graphs_over_eager']:.2f}x"
           f"{', the static step run uncaptured' if device == 'cpu' else ''}); {results['load_average']}")
     if args.json:
         report.write_json(args.json, results, args)

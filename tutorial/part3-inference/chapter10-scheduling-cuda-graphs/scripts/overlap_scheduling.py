@@ -38,12 +38,13 @@ Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5
         -> more alternating rounds: the medians move less from run to run; how far from 1 they sit depends on
            the machine's load, which the table's load average shows
-    python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --threads 2
-        -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores: compare the
-           speed-ups with a default run made just before, and read the load average first, since on a busy
-           machine the load, not the thread count, decides both. The main thread and the worker thread each
-           have their own OpenMP pool, and two pools spinning while idle would fill the 2 cores, so the script
-           sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle OpenMP threads sleep instead
+    python .../overlap_scheduling.py --threads 2 --plot-dir /tmp/threads2
+        -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores (--plot-dir
+           keeps the default run's timeline.png): compare the speed-ups with a default run made just before, and
+           read the load average first, since on a busy machine the load, not the thread count, decides both.
+           The main thread and the worker thread each have their own OpenMP pool, and two pools spinning while
+           idle would fill the 2 cores, so the script sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle
+           OpenMP threads sleep instead
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ Runtime on 2 idle cores: about 10 s, 8 s with --smoke; two or three times that o
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64
-        -> more tokens per all-reduce: the bytes grow with the batch, the number of all-reduces does not
+        -> more tokens per all-reduce: the bytes grow with the batch, the number of all-reduces does not; the KV
+           bytes per rank grow with the batch too (the pool is sized for max_num_seqs)
 """
 
 from __future__ import annotations
