@@ -240,7 +240,7 @@ def draw_rollback(step: dict, args: Settings, context: int = 6) -> dict:
                   fontsize=8)
     ax.set_xticks([p + 0.46 for p in range(first, n + len(drafts))], [str(p) for p in range(first, n + len(drafts))],
                   fontsize=7)
-    ax.set_xlabel("cache position (earlier positions committed, not drawn)")
+    ax.set_xlabel("cache position (earlier positions committed, not drawn)", fontsize=9)
     ax.grid(False)
     labels = {"draft, not judged yet": "draft, not judged (yet, or never)"}  # one grey entry for both greys
     ax.legend(handles=[Patch(facecolor=c, edgecolor="#555555", label=labels.get(s, s))
