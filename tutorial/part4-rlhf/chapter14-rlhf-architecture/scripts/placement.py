@@ -33,7 +33,7 @@ Runtime on 2 cores: about 10-15 s at a load average of 5 (other jobs on the core
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
         -> one trainer and two rollout ranks (co-located: the table shows which phases each of the three ranks got;
-           an uneven split can leave one with training only): the same equality checks; on 2 cores three processes
+           the default two shards leave rank 2 with training only): the same equality checks; on 2 cores three processes
            share the CPUs, so read the idle % column before the throughput
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py --iterations 12
         -> a longer run: the async off-policy gap per iteration, and whether the reward curves separate
