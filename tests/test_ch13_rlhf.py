@@ -564,3 +564,20 @@ def test_grpo_vs_ppo_beta_paths_and_extremes_against_numpy_on_the_history(smoke_
         assert b[-1] == pytest.approx(b[0] * np.prod(np.sort(ratio)))  # the order of the steps does not matter
     same_end = bool(np.isclose(betas["ppo"][-1], betas["grpo"][-1], rtol=0, atol=1e-9))
     assert res["beta_end_text"].startswith("yet both end at the same" if same_end else "and they end at different")
+
+
+def test_grpo_vs_ppo_first_group_advantages_against_numpy(smoke_cache) -> None:
+    """grpo_vs_ppo.py --smoke: the worked group the lesson quotes before GRPO's formula. The advantages its update
+    used, as printed and in the JSON, equal (R_i - mean) / (std + 1e-6) of the printed scores computed with numpy
+    (sample std, n - 1), and sum to zero within the group."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "grpo_vs_ppo.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    group = proc["json"]["results"]["grpo_group"]
+    scores = np.array(group["scores"])
+    want = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(group["advantages"], want, atol=1e-5)
+    assert (group["mean"], group["std"]) == (pytest.approx(scores.mean()), pytest.approx(scores.std(ddof=1)))
+    assert abs(sum(group["advantages"])) < 1e-4 and len(group["tokens"]) == len(scores) and min(group["tokens"]) > 0
+    line = next(ln for ln in proc["stdout"].splitlines() if ln.startswith("GRPO's first group"))
+    printed = [float(v) for v in line.split("(std + 1e-6) ")[1].split(", on all")[0].split()]
+    np.testing.assert_allclose(printed, want, atol=0.006)  # the printed line, rounded to 2 decimals

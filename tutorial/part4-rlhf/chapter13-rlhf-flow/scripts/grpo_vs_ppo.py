@@ -10,7 +10,9 @@ What it shows
     Both runs start from the same models, see the same prompts and sampling seeds, and their iterations are
     interleaved (PPO i, GRPO i, PPO i+1, ...) so that both meet the same machine load. Printed: reward, rule score,
     share of well-formed records and KL averaged over the last iterations; median seconds per iteration by
-    phase (generate, score, train); the models each one keeps in memory. A figure of reward and KL per iteration.
+    phase (generate, score, train); the models each one keeps in memory; GRPO's first group of iteration 1 worked
+    through (scores -> mean and std -> the advantage on every token of each response). A figure of reward and KL
+    per iteration (into --plot-dir, or .cache/figures/grpo_vs_ppo/).
 
 How to run
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py
@@ -25,7 +27,8 @@ Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --beta 0.04 --kl-target 0
         -> DeepSeekMath's fixed beta instead of the controller: compare the kl column and the largest KL
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --group-size 8
-        -> 4 prompts x 8 responses per iteration: GRPO's baseline is a bigger group, PPO sees fewer prompts
+        -> 4 prompts x 8 responses per iteration: GRPO's baseline is a bigger group, PPO sees fewer prompts;
+           compare reward and kl with the default run's, and whether the two still end at the same beta
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40
         -> twice as long: do the KL spikes settle as beta grows? the extremes lines say
 """
@@ -88,8 +91,9 @@ def plot_runs(histories: dict[str, list[dict]], args: Settings) -> None:
 
 
 # --8<-- [start:interleave]
-def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict]]:
-    """Both algorithms from identical starting models, iterations interleaved; returns histories and models."""
+def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict], dict]:
+    """Both algorithms from identical starting models, iterations interleaved; returns histories, models and
+    GRPO's first group of iteration 1 (see `first_group`)."""
     from tqdm import tqdm
 
     runs = {}
@@ -102,17 +106,32 @@ def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     histories: dict[str, list[dict]] = {"ppo": [], "grpo": []}
     for i in tqdm(range(args.iterations), desc="ppo + grpo", unit="it", leave=False, disable=None):  # on a tty
         for algo, (models, opts, kl_ctl, engine, cfg) in runs.items():
-            stats, _ = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
-                                      seed=args.seed * 10_000 + i, algo=algo)  # same prompts and seeds
+            stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
+                                          seed=args.seed * 10_000 + i, algo=algo)  # same prompts and seeds
             histories[algo].append(stats)
-    return histories, {algo: run[0] for algo, run in runs.items()}
+            if algo == "grpo" and i == 0:
+                group = first_group(batch, args.group_size)
+    return histories, {algo: run[0] for algo, run in runs.items()}, group
 # --8<-- [end:interleave]
+
+
+def first_group(batch, group_size: int) -> dict:
+    """The first prompt's group of GRPO's iteration 1, as its update used it: the G reward-model scores, their
+    mean and std (torch's default, n - 1 in the denominator), and the advantage on each response's tokens."""
+    scores = batch.extra["scores"][:group_size].tolist()
+    adv, mask = batch.extra["advantages"][:group_size], batch.mask[:group_size].bool()
+    per_token = [adv[j][mask[j]] for j in range(group_size)]
+    for j, a in enumerate(per_token):  # one number per response: every token carries the same advantage
+        report.expect_equal(f"response {j + 1} of the group has one advantage on all its tokens",
+                            a.unique().numel(), 1)
+    return {"scores": scores, "mean": statistics.mean(scores), "std": statistics.stdev(scores),
+            "advantages": [float(a[0]) for a in per_token], "tokens": [len(a) for a in per_token]}
 
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48})
     torch.set_num_threads(1)
-    histories, models = run_both(args)
+    histories, models, group = run_both(args)
     keys = ["reward", "rule_score", "valid", "kl", "response_len"]
     rows, results = [], {}
     for algo, history in histories.items():
@@ -138,6 +157,14 @@ def main() -> int:
           f"prompts x {args.group_size}), interleaved; quality averaged over the last {len(tail)} iterations, "
           f"time per iteration as medians:")
     print(report.table(rows, floatfmt=".3f"))
+    def fmt(values: list[float]) -> str:
+        return " ".join(f"{v:+.2f}" for v in values)
+
+    print(f"\nGRPO's first group (iteration 1, first prompt, {args.group_size} responses): scores R_i "
+          f"{fmt(group['scores'])} -> mean {group['mean']:+.2f}, std {group['std']:.2f} -> advantages "
+          f"A_i = (R_i - mean) / (std + 1e-6) {fmt(group['advantages'])}, on all {'/'.join(map(str, group['tokens']))} "
+          f"tokens of each response")
+    results["grpo_group"] = group
     print(f"\nat the start (iteration 1, same for both): reward {histories['ppo'][0]['reward']:+.3f}, rule score "
           f"{histories['ppo'][0]['rule_score']:.2f}")
     for algo in histories:
