@@ -183,6 +183,40 @@ def part_title(part: Path) -> str:
     return PART_TITLES.get(number(part), f"Part {number(part)} — " + part.name.split("-", 1)[-1])
 
 
+def glossary_with_chapters(text: str, intros: dict[str, dict[str, tuple[Path, str]]],
+                           chapter_of: dict[Path, Chapter]) -> str:
+    """The glossary page, with a line under every entry that links no chapter yet: where a lesson explains the
+    term (first in bold) and, when an earlier chapter already names it, where it first comes up
+    (check_lessons.term_introductions finds both)."""
+    def link(where: tuple[Path, str]) -> str:
+        ch = chapter_of[where[0]]
+        return f"[Chapter {number(ch.path)}]({ch.slug}/index.md" + (f"#{where[1]})" if where[1] else ")")
+
+    out, head, body = [], None, []
+
+    def flush() -> None:
+        found = intros.get(head or "", {})
+        if head and found and not any("](chapter" in line for line in body):
+            explained, mentioned = found.get("explained"), found.get("mentioned")
+            early = mentioned and (not explained or number(mentioned[0].parent) < number(explained[0].parent))
+            words = (f"Explained in {link(explained)}" if explained else "") + (
+                ("; first mentioned in " if explained else "First comes up in ") + link(mentioned) if early else "")
+            while body and not body[-1].strip():
+                body.pop()
+            body.extend(["", f"*{words}.*", ""])
+        out.extend(body)
+
+    for line in text.splitlines():
+        if line.startswith("#"):
+            flush()
+            out.append(line)
+            head, body = (line[4:].strip() if line.startswith("### ") else None), []
+        else:
+            body.append(line)
+    flush()
+    return "\n".join(out) + "\n"
+
+
 SELECT_RE = re.compile(r"^([^\[\]]*)\[([^=\]]+)=([^\]]*)\]$")
 
 
@@ -548,6 +582,12 @@ class Builder:
     def static_pages(self, parts: list[tuple[Path, list[Chapter]]]) -> list[str]:
         pages = {p.name: p.read_text(encoding="utf-8") for p in sorted((self.root / "book/pages").glob("*.md"))}
         pages.setdefault("index.md", "# The book\n\n<!-- contents -->\n")
+        chapters = [ch for _, chs in parts for ch in chs]
+        if "glossary.md" in pages:  # each entry points at the lesson that teaches it
+            check_lessons = self.check_lessons()
+            readmes = {ch.path / "README.md": ch for ch in chapters if (ch.path / "README.md").is_file()}
+            intros = check_lessons.term_introductions(self.root, list(readmes))
+            pages["glossary.md"] = glossary_with_chapters(pages["glossary.md"], intros, readmes)
         for name, text in pages.items():
             self.write(name, CONTENTS_RE.sub(lambda _: self.contents(parts), text))
         for asset in sorted((self.root / "book/pages").glob("*.css")):  # the book's stylesheet(s)
@@ -590,14 +630,18 @@ class Builder:
               f"total {time.perf_counter() - start:.1f} s")
         print(f"Book built: {site}  (serve with: make serve)")
 
-    def term_warnings(self, chapters: list[Chapter]) -> None:
-        """Glossary terms a lesson uses before it defines them (scripts/check_lessons.py --terms): warnings only."""
+    @staticmethod
+    def check_lessons():
         sys.path.insert(0, str(REPO / "scripts"))
         try:
             import check_lessons
         finally:
             sys.path.remove(str(REPO / "scripts"))
-        warned = check_lessons.term_warnings(self.root, [ch.path / "README.md" for ch in chapters
+        return check_lessons
+
+    def term_warnings(self, chapters: list[Chapter]) -> None:
+        """Glossary terms a lesson uses before it defines them (scripts/check_lessons.py --terms): warnings only."""
+        warned = self.check_lessons().term_warnings(self.root, [ch.path / "README.md" for ch in chapters
                                                          if (ch.path / "README.md").is_file()])
         if warned:
             print(f"[book] warning: {len(warned)} glossary term(s) used before they are defined "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import unicodedata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,6 +173,65 @@ def term_warnings(root: Path, lessons: list[Path]) -> list[str]:
                                 f"defined ({where}): bold it where it is explained, or link it to the glossary")
         introduced |= here
     return warnings
+
+
+HEADING_RE = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
+NOT_TEACHING = {"exercises", "try-next", "recap", "further-reading"}
+
+
+def heading_anchor(title: str) -> str:
+    """The id mkdocs (Python-Markdown's toc) gives a heading: its text without markup, lower case, hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)  # a link keeps its text
+    text = re.sub(r"[`*_]", "", text)
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def term_introductions(root: Path, lessons: list[Path]) -> dict[str, dict[str, tuple[Path, str]]]:
+    """Glossary heading -> {"explained": (the first lesson, in chapter order, that writes the term in bold, the id
+    of the heading above that line), "mentioned": the same for its first bold or glossary link}; either may be
+    missing. Exercises, recaps and reading lists name terms without teaching them and are skipped. A glossary entry
+    can then point at the section that teaches the term."""
+    bold, any_intro = _first_spans(root, lessons, bold_only=True), _first_spans(root, lessons, bold_only=False)
+    out: dict[str, dict[str, tuple[Path, str]]] = {}
+    for head in glossary_terms(root):
+        found = {k: v[head] for k, v in (("explained", bold), ("mentioned", any_intro)) if head in v}
+        if found:
+            out[head] = found
+    return out
+
+
+def _first_spans(root: Path, lessons: list[Path], bold_only: bool) -> dict[str, tuple[Path, str]]:
+    terms = glossary_terms(root)
+    found: dict[str, tuple[Path, str]] = {}
+    for lesson in sorted(lessons, key=lambda q: q.parent.name.split("-")[0]):
+        text = lesson.read_text(encoding="utf-8")
+        raw_lines = text.splitlines()
+        headings, fence = {}, None  # line number -> anchor of the last heading at or above it
+        current = ""
+        for number, line in enumerate(raw_lines, 1):
+            stripped = line.strip()
+            if stripped.startswith(("```", "~~~")):
+                fence = None if fence and stripped.startswith(fence) else (fence or stripped[:3])
+            m = HEADING_RE.match(line) if fence is None else None
+            if m and len(m.group(1)) >= 2:
+                current = heading_anchor(m.group(2))
+            headings[number] = current
+        lines = prose_lines(text)
+        for head, names in terms.items():
+            if head in found:
+                continue
+            patterns = [_term_re(n) for n in names]
+            for number, line, raw in lines:
+                links = () if bold_only else GLOSSARY_LINK_RE.finditer(raw)
+                spans = [m.group(1) for m in (*BOLD_RE.finditer(line), *links)]
+                if headings.get(number, "") in NOT_TEACHING:  # a recap or an exercise names a term, not teaches it
+                    continue
+                if not line.lstrip().startswith("#") and any(p.search(span) for p in patterns for span in spans):
+                    found[head] = (lesson, headings.get(number, ""))
+                    break
+    return found
 
 
 def orphan_sections(root: Path) -> list[str]:

@@ -435,3 +435,39 @@ def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
     warned = check_lessons.term_warnings(tmp_path, [lesson, later])
     assert [(w.split(":")[0].split("/")[-2], w.split(":")[1], w.split("`")[1]) for w in warned] == [
         ("chapter01-x", "2", "KV cache"), ("chapter01-x", "4", "TTFT / ITL")], warned
+
+
+def test_glossary_entries_point_at_the_section_that_explains_them(tmp_path):
+    """Each glossary entry without a chapter link gets one: where a lesson first writes the term in bold, under the
+    id mkdocs gives that section's heading, and where an earlier chapter first names it (bold or a glossary link);
+    exercises and Try next name terms without teaching them and do not count."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import build_book
+        import check_lessons
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    (tmp_path / "book/pages").mkdir(parents=True)
+    glossary = ("# Glossary\n\n## Serving\n\n### KV cache\n\nKeys.\n\n### TTFT / ITL\n\nTime.\n\n"
+                "### Prefill\n\nFirst pass, [Chapter 1](chapter01-x/index.md#a).\n\n### Nat\n\nUnit.\n")
+    (tmp_path / "book/pages/glossary.md").write_text(glossary)
+    one = tmp_path / "tutorial/part1-x/chapter01-x/README.md"
+    two = tmp_path / "tutorial/part1-x/chapter02-y/README.md"
+    for lesson in (one, two):
+        lesson.parent.mkdir(parents=True)
+    one.write_text("# One\n\nThe [KV cache](../../book/pages/glossary.md#kv-cache) comes later.\n\n"
+                   "## Exercises\n\nCompute the **TTFT**.\n")
+    two.write_text("# Two\n\nIntro.\n\n## The `KV cache`, in one page\n\n```text\n## not a heading\n```\n\n"
+                   "A **KV cache** holds keys. The **TTFT** is ...\n\n## Try next\n\nIn **nats**.\n")
+    intros = check_lessons.term_introductions(tmp_path, [one, two])
+    assert intros["KV cache"] == {"explained": (two, "the-kv-cache-in-one-page"), "mentioned": (one, "")}
+    assert intros["TTFT / ITL"] == {"explained": (two, "the-kv-cache-in-one-page"),
+                                    "mentioned": (two, "the-kv-cache-in-one-page")}
+    assert "Nat" not in intros  # only in Try next
+    chapters = {one: build_book.load_chapter(one.parent), two: build_book.load_chapter(two.parent)}
+    page = build_book.glossary_with_chapters(glossary, intros, chapters)
+    entries = {e.split("\n", 1)[0]: e for e in page.split("### ")[1:]}
+    assert ("*Explained in [Chapter 2](chapter02-y/index.md#the-kv-cache-in-one-page); first mentioned in "
+            "[Chapter 1](chapter01-x/index.md).*") in entries["KV cache"]
+    assert "*Explained in [Chapter 2](chapter02-y/index.md#the-kv-cache-in-one-page).*" in entries["TTFT / ITL"]
+    assert "Explained" not in entries["Prefill"] and "Explained" not in entries["Nat"]  # linked already / untaught
