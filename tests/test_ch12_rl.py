@@ -276,6 +276,34 @@ def test_discounted_return_and_crossing() -> None:
     assert rv.running_mean_drop(curve, window=20)["drop"] == 0.0  # a steady climb never falls
 
 
+def test_gae_error_split_is_exact_and_matches_numpy(smoke_cache) -> None:
+    """gae_lambda.error_split (the table's bias^2, variance and MSE columns) against numpy on a hand-made (K, M)
+    array of estimates: the variance is over the M rollouts dividing by M (ddof=0), so that
+    MSE = bias^2 + variance holds exactly; a variance dividing by M - 1 would make the sum exceed the MSE. Then the
+    script's own rows (the --smoke run) obey the identity, and crossing() names the first pair of lambdas where
+    the variance overtakes bias^2."""
+    gl = load_script(CH12 / "gae_lambda.py")
+    rng = np.random.default_rng(0)
+    a0 = rng.normal(size=(5, 4)) * np.array([[1.0], [2.0], [3.0], [0.5], [4.0]]) + 3.0  # (K, M), M small on purpose
+    truth = rng.normal(size=5)
+    got = gl.error_split(torch.tensor(a0), torch.tensor(truth))
+    bias2 = float(((a0.mean(1) - truth) ** 2).mean())
+    var = float(a0.var(1, ddof=0).mean())
+    mse = float(((a0 - truth[:, None]) ** 2).mean())
+    assert got == pytest.approx({"bias^2": bias2, "variance": var, "MSE": mse}, rel=1e-9)
+    assert mse == pytest.approx(bias2 + var, rel=1e-12)
+    assert bias2 + float(a0.var(1, ddof=1).mean()) > mse * 1.05  # what dividing by M - 1 would print
+    proc = smoke_run(smoke_cache, CH12 / "gae_lambda.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    rows = proc["json"]["results"]["rows"]
+    for r in rows:
+        assert r["MSE"] == pytest.approx(r["bias^2"] + r["variance"], rel=1e-4, abs=1e-6), r
+    assert tuple(proc["json"]["results"]["crossing"]) == gl.crossing(rows)
+    table = [{"lambda": lam, "bias^2": b, "variance": v} for lam, b, v in
+             [(0.0, 9.0, 0.0), (0.5, 8.0, 1.0), (0.9, 5.0, 6.0), (1.0, 1.0, 9.0)]]
+    assert gl.crossing(table) == (0.5, 0.9) and gl.crossing(table[:2]) is None
+
+
 def test_gae_episode_picture_equals_a_direct_sum_of_td_errors(smoke_cache) -> None:
     """gae_advantages.png (gae_lambda.py's "episode" in --json): one real rollout's rewards, values and dones as
     drawn, and the TD errors and advantages drawn beside them. Here delta_t is computed from the drawn rewards and

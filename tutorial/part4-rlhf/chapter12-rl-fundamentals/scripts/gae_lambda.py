@@ -10,10 +10,12 @@ What it shows
        lambda = 1 (GAE paper, https://arxiv.org/abs/1506.02438, section 3).
     3. Estimates: --rollouts fresh rollouts from each (s, a) give --rollouts samples of the GAE advantage at the
        first step, for each lambda in --lambdas (mlsys.rl.compute_gae). Per lambda: bias^2 (squared error of
-       their mean, averaged over states), variance (their spread, averaged over states), and mean squared error.
+       their mean, averaged over states), variance (their spread over the rollouts, dividing by --rollouts, averaged
+       over states), and mean squared error; with the variance divided by n, MSE = bias^2 + variance exactly.
        Small lambda: low variance, biased by the critic's errors; lambda = 1: unbiased, high variance. The
        estimates stop at --horizon without bootstrapping, as the ground truth does, so both target the same
-       truncated return; at lambda = 1 the bias^2 left is sampling noise (variance / --rollouts + the truth's).
+       truncated return; at lambda = 1 the bias^2 left is sampling noise (variance / (--rollouts - 1) + the
+       truth's: this variance divides by --rollouts, so dividing it by one less gives the variance of the mean).
     4. One real rollout, step by step: rewards, V, TD errors and advantages for lambda in {0, 0.95, 1}, with an
        episode end where the estimates restart (gae_advantages.png, and the numbers around that end).
     All rollouts step gymnasium's own vectorized CartPole (CartPoleVectorEnv): thousands of copies in numpy.
@@ -24,9 +26,10 @@ How to run
 
 What it prints
     The policy's return, then one row per lambda: bias^2, variance, MSE of the first-step advantage estimate, and
-    the noise floor of the ground truth itself; the lambda with the lowest MSE; at lambda = 1, bias^2 beside what
-    noise alone would give. Then the steps around the first episode end of one real rollout: r_t, V(s_t), done,
-    delta_t and the advantage for each lambda. Figures: gae_bias_variance.png, gae_advantages.png.
+    the noise floor of the ground truth itself; the lambda with the lowest MSE; the two lambdas between which the
+    variance overtakes bias^2; at lambda = 1, bias^2 beside what noise alone would give. Then the steps around the
+    first episode end of one real rollout: r_t, V(s_t), done, delta_t and the advantage for each lambda.
+    Figures: gae_bias_variance.png, gae_advantages.png.
 
 Runtime on 2 cores: about 10 s (training the policy, refitting the critic, 2 x 8,192 rollouts); --smoke 4 s.
 
@@ -37,8 +40,9 @@ Try next
            over runs, and one run's value is a mean over only --num-states noisy squared errors; with policy and
            critic frozen and the same truncated return on both sides, only finite sampling separates them
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --rollouts 16
-        -> fewer rollouts per state: the variance column is the same in expectation, but the bias^2 left at
-           lambda = 1 grows, because its sampling-noise part is variance / --rollouts
+        -> fewer rollouts per state: the variance column estimates the same spread (15/16 of it in expectation,
+           as it divides by --rollouts), but the bias^2 left at lambda = 1 is expected to grow, because its
+           sampling-noise part is variance / (--rollouts - 1); one run can still land anywhere around it
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --horizon 100
         -> shorter rollouts sum fewer random rewards: expect less variance at lambda = 1; which lambda is best can
            change (it can even be 0)
@@ -160,6 +164,14 @@ def discounted_return(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 # --8<-- [start:measure]
+def error_split(a0: torch.Tensor, a_true: torch.Tensor) -> dict:
+    """bias^2, variance and MSE of (K, M) estimates (M per state) against the truth (K,), averaged over the K
+    states. The variance divides by M, not M - 1, so that MSE = bias^2 + variance holds exactly, state by state."""
+    return {"bias^2": float(((a0.mean(1) - a_true) ** 2).mean()),
+            "variance": float(a0.var(1, correction=0).mean()),       # over the rollouts, dividing by M
+            "MSE": float(((a0 - a_true[:, None]) ** 2).mean())}
+
+
 @torch.no_grad()
 def measure(agent: ppo.ActorCritic, states: np.ndarray, actions: np.ndarray, args: Settings) -> list[dict]:
     """Bias^2, variance and MSE of the first-step GAE advantage, per lambda, against A_true = Q_MC(s, a) - V(s)."""
@@ -177,11 +189,10 @@ def measure(agent: ppo.ActorCritic, states: np.ndarray, actions: np.ndarray, arg
     for lam in args.lambdas:
         adv, _ = rl.compute_gae(est["rewards"], values[:H], est["dones"], last_value, args.gamma, lam)
         a0 = adv[0].view(K, M)                                                               # (K, M) estimates
-        rows.append({"lambda": lam, "bias^2": float(((a0.mean(1) - a_true) ** 2).mean()),
-                     "variance": float(a0.var(1).mean()), "MSE": float(((a0 - a_true[:, None]) ** 2).mean())})
+        rows.append({"lambda": lam, **error_split(a0, a_true)})
     for r in rows:
         r["truth noise"] = noise_floor
-    return rows  # at lambda = 1, E[bias^2] = variance / M + truth noise: sampling noise, no bias
+    return rows  # at lambda = 1, E[bias^2] = E[variance] / (M - 1) + truth noise: sampling noise, no bias
 # --8<-- [end:measure]
 
 
@@ -194,26 +205,40 @@ def one_episode(agent: ppo.ActorCritic, seed: int, steps: int = 300) -> dict:
     return buf
 
 
+def crossing(rows: list[dict]) -> tuple[float, float] | None:
+    """The first two neighbouring lambdas where bias^2 is above the variance at the first and not at the second."""
+    for a, b in zip(rows, rows[1:]):
+        if a["bias^2"] > a["variance"] and b["bias^2"] <= b["variance"]:
+            return a["lambda"], b["lambda"]
+    return None
+
+
 def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    lam = [r["lambda"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # the lambdas evenly spaced, not to scale: on a linear lambda axis 0.95 ... 1, where the curves cross, would
+    # be squeezed into the last twentieth of the width
+    x, ticks = range(len(rows)), [f"{r['lambda']:g}" for r in rows]
+    xlabel = "GAE lambda (the values measured, evenly spaced)"
     # bias^2 last, in front, with large hollow markers: at small lambda it equals the MSE and would hide under it
     for key, style, color, extra in (("variance", "s-", "C1", {}), ("MSE", "^-", "C2", {}),
                                      ("bias^2", "o--", "C0", {"ms": 9, "mfc": "none", "mew": 1.5, "zorder": 3})):
-        ax.plot(lam, [max(r[key], 1e-6) for r in rows], style, color=color, label=key, **extra)
+        ax.plot(x, [max(r[key], 1e-6) for r in rows], style, color=color, label=key, **extra)
     ax.axhline(rows[0]["truth noise"], ls=":", color="gray", label="noise of the MC ground truth")
-    ax.set(yscale="log", xlabel="GAE lambda", ylabel="squared error of the advantage at (s, a)",
+    ax.set(yscale="log", xlabel=xlabel, ylabel="squared error of the advantage at (s, a)",
            title=f"bias and variance, log scale ({args.num_states} states x {args.rollouts} rollouts)")
+    ax.set_xticks(x, ticks)
     ax.text(0.02, 0.02, "a variance of exactly 0 is drawn at 1e-6", transform=ax.transAxes, fontsize=7)
     ax.legend(fontsize=8)
     # the same MSE on a linear axis: the log axis spans orders of magnitude and flattens the minimum
-    best = min(rows, key=lambda r: r["MSE"])
-    ax2.plot(lam, [r["MSE"] for r in rows], "^-", color="C2", label="MSE = bias^2 + variance")
-    ax2.plot([best["lambda"]], [best["MSE"]], "o", ms=12, mfc="none", mec="black", label=f"lowest: lambda = "
+    best_i = min(x, key=lambda i: rows[i]["MSE"])
+    best = rows[best_i]
+    ax2.plot(x, [r["MSE"] for r in rows], "^-", color="C2", label="MSE = bias^2 + variance")
+    ax2.plot([best_i], [best["MSE"]], "o", ms=12, mfc="none", mec="black", label=f"lowest: lambda = "
              f"{best['lambda']:g}")
-    ax2.set(ylim=(0, 3 * best["MSE"]), xlabel="GAE lambda", ylabel="MSE (linear scale)",
+    ax2.set(ylim=(0, 3 * best["MSE"]), xlabel=xlabel, ylabel="MSE (linear scale)",
             title="where the mean squared error is lowest")
+    ax2.set_xticks(x, ticks)
     ax2.legend(fontsize=8)
     print(f"figure: {plot.save(fig, args, 'gae_bias_variance')}")
 
@@ -293,10 +318,13 @@ def main() -> int:
     print(report.table(rows, floatfmt=".4g"))
     best = min(rows, key=lambda r: r["MSE"])
     one = rows[-1] if rows[-1]["lambda"] == 1.0 else None
-    noise_only = one["variance"] / args.rollouts + one["truth noise"] if one else None  # E[bias^2] if unbiased
+    noise_only = one["variance"] / (args.rollouts - 1) + one["truth noise"] if one else None  # E[bias^2], unbiased
+    cross = crossing(rows)
+    if cross:
+        print(f"the variance overtakes bias^2 between lambda = {cross[0]:g} and lambda = {cross[1]:g}")
     if one:
         print(f"lambda = 1: bias^2 {one['bias^2']:.3g}; an unbiased estimate would show {noise_only:.3g} on average, "
-              f"from sampling noise alone (variance / {args.rollouts} rollouts + the truth's noise)")
+              f"from sampling noise alone (variance / ({args.rollouts} - 1) + the truth's noise)")
     print(f"\nlowest MSE at lambda = {best['lambda']:g}: variance {best['variance']:.3g}, bias^2 {best['bias^2']:.3g}; "
           f"lambda = {rows[0]['lambda']:g}: bias^2 {rows[0]['bias^2']:.3g}; lambda = {rows[-1]['lambda']:g}: "
           f"variance {rows[-1]['variance']:.3g}")
@@ -311,7 +339,7 @@ def main() -> int:
     plot_episode(episode, args)
     if args.json:
         report.write_json(args.json, {"policy_return": run["eval_return"], "rows": rows, "best_lambda": best["lambda"],
-                                      "lambda1_noise_only": noise_only, "episode": episode}, args)
+                                      "crossing": cross, "lambda1_noise_only": noise_only, "episode": episode}, args)
     return 0
 
 

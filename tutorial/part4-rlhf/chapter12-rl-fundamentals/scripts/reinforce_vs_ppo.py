@@ -31,10 +31,14 @@ Try next
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py --reinforce-lr 0.003
         -> a smaller REINFORCE step: on seed 0 it barely moves within the budget (the reason 1e-2 is the default)
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py --total-steps 100000
-        -> twice the budget: does REINFORCE win back its fall and reach 475? the table's last columns say
+        -> twice the budget, with PPO's learning rate annealed over all of it: the table's last columns say whether
+           each method wins back its falls and reaches 475 in this run. Either can end higher: one seed is one
+           sample, not a ranking of the methods (repeat with --seed 1 and --seed 2 before reading much into it)
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/reinforce_vs_ppo.py \\
         --snapshot-steps 20480 --num-batches 32
-        -> the variance measured at a better policy, over more batches: compare the three rows' ratios
+        -> the variance measured at a better policy, over more batches: compare the three rows' total and relative
+           variances with the default run's; the order of the rows by total variance and their order by relative
+           variance need not agree, and either can change with the policy and the batches
 """
 
 from __future__ import annotations
@@ -204,6 +208,7 @@ def main() -> int:
         summary = {"reinforce_fall": running_mean_drop(runs["REINFORCE + baseline"]["curve"]),
                    "ppo_fall": running_mean_drop(runs["PPO"]["curve"]),
                    "reinforce_last20": table[0]["last-20 mean return"], "ppo_last20": table[1]["last-20 mean return"],
+                   "ppo_steps_to_475": table[1]["steps to 475"],     # an env step, or "never", as in the table
                    "baseline_relative_variance": rows[1]["relative variance"], "baseline_variance_cut": ratio}
         report.write_json(args.json, {"summary": summary, "training": table, "gradient_variance": rows}, args)
     return 0
