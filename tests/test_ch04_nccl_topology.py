@@ -445,6 +445,25 @@ def test_busbw_trend_names_the_pattern_of_this_run(busbw: list[float], pattern: 
     assert bc.reading(rows)["busbw_pattern"] == pattern
 
 
+@pytest.mark.parametrize("busbw", [
+    [0.15, 0.55, 1.5, 0.9],  # a reader's run: only the 32 MiB row follows the 8 MiB peak
+    [0.15, 0.55, 1.5, 0.9, 0.8, 0.7],  # a steady fall: the lowest point is the largest size
+])
+def test_fall_sentence_states_no_recovery_check_when_no_size_follows_the_low_point(busbw: list[float]) -> None:
+    """"(no larger size rose 1.2x above the lowest point after the peak)" checks the sizes after the lowest
+    point. A reader's run had one size after the peak, so the parenthesis claimed a test with nothing to test;
+    when the lowest point is the largest size the sentence leaves the check out, and keeps it otherwise."""
+    bc = load("bench_collectives")
+    sizes = [8 * 2**20 // 4 ** (len(busbw) - 1 - k) * 4 for k in range(len(busbw))]
+    rows = [{"size (B)": s, "time (us)": 1.0, "busbw (GB/s)": b} for s, b in zip(sizes, busbw)]
+    text = bc.busbw_trend_text(rows)
+    assert bc.busbw_pattern(rows)[0] == "fall that stays"
+    assert text.endswith("32 MiB: a fall that stays to the end, not a dip that recovers"), text
+    assert "no larger size rose" not in text
+    rows.append({"size (B)": 4 * sizes[-1], "time (us)": 1.0, "busbw (GB/s)": busbw[-1] * 1.1})  # a size follows
+    assert "(no larger size rose 1.2x above the lowest point after the peak)" in bc.busbw_trend_text(rows)
+
+
 def test_smallest_all_reduce_is_read_apart_from_the_other_small_sizes() -> None:
     """8 B at 2 ranks is two float32 values, fewer than the 2p = 4 segments of gloo's ring, so gloo skips half the
     messages and the row is reproducibly the fastest (a reader's runs: 113-142 us against 190-210 us). The lesson

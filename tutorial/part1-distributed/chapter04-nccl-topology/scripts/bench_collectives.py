@@ -24,8 +24,9 @@ What it shows
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
     shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
-    the lowest busbw after the peak (load); or a fall that stays to the end, where none does; a smaller rise, if
-    any, is named with its factor). A fitted time = alpha + size/B line
+    the lowest busbw after the peak (load); or a fall that stays to the end, where none does (a check the
+    sentence states only when some size follows the lowest point); a smaller rise, if any, is named with its
+    factor). A fitted time = alpha + size/B line
     puts the boundary at size = alpha * B, shaded on the figure; it is one
     least-squares line through all the points, which scatter on both sides of it, so its B can be below the
     peak busbw. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
@@ -46,7 +47,8 @@ Runtime on 2 cores: about 6-20 s (2 ranks, 8 B .. 32 MiB, 8 rounds), the longer 
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
-        -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks
+        -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks; four ranks on two cores take
+           longer than the default two: up to about a minute under load
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
         -> only the latency-bound end: the time stays roughly flat apart from the faster 8 B row (noisy on a busy
            machine), and the "# fit" line gives the fixed cost per call and says the sweep is all latency-bound,
@@ -262,8 +264,10 @@ def busbw_trend_text(rows: list[dict]) -> str:
     """Where busbw peaked, in words whose direction is computed from the run: still rising at the largest size
     (the peak is the last row); a dip that recovers (after the peak, a larger size reached at least RECOVERY times
     the lowest point after the peak: one size was slowed, the pattern of load); or a fall that stays to the end (no
-    larger size rose that far above the lowest point: the pattern of a limit, such as the caches). A smaller rise
-    after the lowest point is named in the sentence, with its factor, so the reader sees why it did not count."""
+    larger size rose that far above the lowest point: the pattern of a limit, such as the caches; when the lowest
+    point is the largest size, as when only one size follows the peak, there is nothing to check and the sentence
+    leaves that check out). A smaller rise after the lowest point is named in the sentence, with its
+    factor, so the reader sees why it did not count."""
     return busbw_pattern(rows)[1]
 
 
@@ -293,10 +297,12 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
     partial = (f"; it rose from {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} to {bw[best]:.2f} GB/s "
                f"at {size_text(rows[best]['size (B)'])}, but only {rise:.2f}x, under the {RECOVERY:g}x that counts "
                "as a recovery" if best != low else "")
+    # the parenthesis checks the sizes after the lowest point; when the lowest point is the largest size (as
+    # when only one size follows the peak) there are none, so it would state a test that tested nothing
+    check = (f" (no larger size rose {RECOVERY:g}x above the lowest point after the peak)" if later else "")
     return "fall that stays", (
         f"{peak_text} and ended {drop:.1%} lower, at {bw[-1]:.2f} GB/s at the largest size, "
-        f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end (no larger size rose {RECOVERY:g}x "
-        "above the lowest point after the peak), not a dip that recovers")
+        f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end{check}, not a dip that recovers")
 
 
 def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float) -> str:

@@ -45,12 +45,13 @@ Try next
         -> two ranks: ring and tree take the same two steps, so the model has no crossover; the measurement can
            still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
            and scheduling overhead, which the model does not see. Under load the fit can pin alpha at 0; a
-           `note:` line then says the factors at the small sizes mean nothing
+           `note:` line then says the factors at the small sizes mean nothing. Up to about a minute under load,
+           like the 4-rank sweep
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 3
-        -> halving-doubling is skipped with a message: it needs a power of two
+        -> halving-doubling is skipped with a message: it needs a power of two; up to about a minute under load
 """
 
 from __future__ import annotations
