@@ -156,7 +156,7 @@ def test_both_schedulers_serve_the_workload_and_continuous_needs_fewer_steps(sma
     rows = {r["metric"]: r for r in bb.comparison(runs)}
     for key, _, better in bb.ROWS:  # the "better" column against the numbers themselves
         s, c = rows[key]["static"], rows[key]["continuous"]
-        if better == "lower" and s != c:
+        if better == "lower" and f"{s:.{bb.DECIMALS}f}" != f"{c:.{bb.DECIMALS}f}":
             assert rows[key]["better"] == ("continuous" if c < s else "static")
     poisson = bb.make_workload(bb.Settings(num_requests=2000, request_rate=50.0))
     gaps = np.diff([0.0] + [w.arrival for w in poisson])
@@ -396,9 +396,56 @@ def test_static_won_names_the_rows_where_static_batching_did_better(smoke_cache)
     lower = {"median TTFT (ms)", "p99 TTFT (ms)", "mean TPOT (ms)", "median ITL (ms)", "p99 ITL (ms)"}
     rows = {r["label"]: (r["static"], r["continuous"]) for r in res["rows"]}
     assert higher | lower <= set(rows)
-    won = [label for label, (s, c) in rows.items()
-           if (label in higher and s > c) or (label in lower and s < c)]
+    printed = {label: (f"{s:.2f}", f"{c:.2f}") for label, (s, c) in rows.items()}  # the table's 2 decimals
+    won = [label for label, (s, c) in rows.items() if printed[label][0] != printed[label][1]
+           and ((label in higher and s > c) or (label in lower and s < c))]
     assert res["static_won"] == (", ".join(won) or "none")
+
+
+def _bench_results(static: dict, continuous: dict, durations=(2.89, 2.81)) -> dict:
+    """Hand-made results of the two schedulers: every scored metric at 10.0 unless given, plus the run durations."""
+    keys = [key for key, _, better in load_script(CH08 / "batching_bench.py").ROWS if better]
+    return {mode: {"summary": {**dict.fromkeys(keys, 10.0), **given}, "duration": d, "num_steps": 100,
+                   "mean_seqs_per_step": 2.0}
+            for mode, given, d in (("static", static, durations[0]), ("continuous", continuous, durations[1]))}
+
+
+def test_rows_equal_as_printed_are_ties_not_wins():
+    """A reader's run printed "mean TPOT (ms) 1.1 1.1 continuous": values that print the same are a tie, and a
+    tie is nobody's win (static_won, continuous_wins). Hand-made rows, one of each kind."""
+    bb = load_script(CH08 / "batching_bench.py")
+    results = _bench_results({"mean_tpot_ms": 1.1317, "median_itl_ms": 0.947, "p99_ttft_ms": 218.8,
+                              "output_throughput": 1432.3},
+                             {"mean_tpot_ms": 1.1291, "median_itl_ms": 0.968, "p99_ttft_ms": 5.19,
+                              "output_throughput": 1473.9})
+    rows = {r["metric"]: r for r in bb.comparison(results)}
+    assert rows["mean_tpot_ms"]["better"] == "tie"  # 1.13 and 1.13 as printed
+    assert rows["median_itl_ms"]["better"] == "static"  # 0.95 < 0.97
+    assert rows["p99_ttft_ms"]["better"] == "continuous"
+    assert rows["output_throughput"]["better"] == "continuous"  # higher is better
+    assert rows["num_steps"]["better"] == "-"  # listed, not scored
+    ties = [r["label"] for r in rows.values() if r["better"] == "tie"]  # the untouched 10.0 rows and TPOT
+    counts = bb.win_counts(list(rows.values()))
+    assert counts == {"continuous_wins": 2, "static_wins": 1, "static_won": "median ITL (ms)",
+                      "ties": ", ".join(ties)}
+    assert "mean TPOT (ms)" in counts["ties"]
+
+
+def test_wait_verdict_follows_the_p99_ttft_row_and_the_durations():
+    """The lesson's sentence on the Poisson run: a static p99 TTFT far above the continuous one with durations
+    within 10% (the captured run: 219 vs 5 ms, 2.89 vs 2.81 s) must not claim a growing queue; a static run that
+    lasts much longer does fall behind; a flipped TTFT row says so."""
+    bb = load_script(CH08 / "batching_bench.py")
+    close = bb.wait_verdict(_bench_results({"p99_ttft_ms": 218.8}, {"p99_ttft_ms": 5.19}))
+    assert close.startswith("the p99 TTFT row shows static batching making arrivals wait (42.2×")
+    assert "within 3% of each other" in close and "neither server fell far behind" in close
+    behind = bb.wait_verdict(_bench_results({"p99_ttft_ms": 900.0}, {"p99_ttft_ms": 5.0}, durations=(4.2, 2.8)))
+    assert "lasted 1.50× as long as the continuous one: it fell behind" in behind
+    flipped = bb.wait_verdict(_bench_results({"p99_ttft_ms": 4.0}, {"p99_ttft_ms": 5.0}))
+    assert flipped.startswith("the p99 TTFT row is lower under static batching")
+    assert "making arrivals wait" not in flipped
+    tie = bb.wait_verdict(_bench_results({"p99_ttft_ms": 5.001}, {"p99_ttft_ms": 5.0}))
+    assert tie.startswith("the p99 TTFT row is a tie")
 
 
 def test_each_verdict_weighs_only_its_own_pair():

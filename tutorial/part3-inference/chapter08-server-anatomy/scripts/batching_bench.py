@@ -14,8 +14,9 @@ What it shows
     collector held off while they run); the summary of each scheduler's fastest run (the least disturbed by
     other processes) is printed side by side: vLLM benchmark_serving's throughput, TTFT, TPOT and ITL numbers,
     the number of engine steps and how many sequences each held, with the better scheduler named in each row
-    (--vllm-layout prints the full blocks in vLLM's layout). A figure shows how many sequences each step ran,
-    with a dotted line at the number of long answers in the workload.
+    ("tie" where the two values print the same; --vllm-layout prints the full blocks in vLLM's layout). A
+    figure shows how many sequences each step ran (static dashed, drawn over continuous), with a dotted line at
+    the number of long answers in the workload.
     Every request must complete with exactly its max_tokens tokens, the greedy tokens must not depend on the
     scheduler, and every KV block must be free afterwards (self-checks, exit 1 otherwise).
     The loop is real: between arrivals with nothing to compute it waits for the next arrival; it never sleeps
@@ -189,13 +190,57 @@ ROWS = [("request_throughput", "request throughput (req/s)", "higher"),
         ("mean_seqs_per_step", "mean sequences per step", None)]
 
 
+DECIMALS = 2  # the table prints every value with this many decimals, and judges the rows at that precision
+
+
 def comparison(results: dict) -> list[dict]:
+    """One row per metric; "better" names the scheduler that did better, "tie" when the two values print the
+    same, "-" for the rows that are listed but not scored."""
     rows = []
     for key, label, better in ROWS:
         s, c = (results[m]["summary"].get(key, results[m].get(key)) for m in ("static", "continuous"))
-        winner = "" if better is None or s == c else ("continuous" if (c > s) == (better == "higher") else "static")
-        rows.append({"metric": key, "label": label, "static": s, "continuous": c, "better": winner or "-"})
+        if better is None:
+            winner = "-"
+        elif f"{s:.{DECIMALS}f}" == f"{c:.{DECIMALS}f}":  # equal as printed: naming a winner would be noise
+            winner = "tie"
+        else:
+            winner = "continuous" if (c > s) == (better == "higher") else "static"
+        rows.append({"metric": key, "label": label, "static": s, "continuous": c, "better": winner})
     return rows
+
+
+def win_counts(rows: list[dict]) -> dict:
+    """The scored rows each scheduler won, and the ties (the lesson quotes static_won)."""
+    def names(who: str) -> str:
+        return ", ".join(r["label"] for r in rows if r["better"] == who) or "none"
+    return {"continuous_wins": sum(r["better"] == "continuous" for r in rows),
+            "static_wins": sum(r["better"] == "static" for r in rows),
+            "static_won": names("static"), "ties": names("tie")}
+
+
+def wait_verdict(results: dict) -> str:
+    """The lesson's sentence on the Poisson run, from the p99 TTFT row and the two runs' durations: did static
+    batching make arrivals wait, and did it fall behind the arrivals (a run that lasts longer)?"""
+    s, c = results["static"], results["continuous"]
+    ts, tc = s["summary"]["p99_ttft_ms"], c["summary"]["p99_ttft_ms"]
+    if f"{ts:.{DECIMALS}f}" == f"{tc:.{DECIMALS}f}":
+        ttft = "the p99 TTFT row is a tie"
+    elif ts > tc:
+        ttft = (f"the p99 TTFT row shows static batching making arrivals wait ({ts / tc:.1f}× the continuous "
+                "p99): a request that arrives while a static batch runs waits for it to drain")
+    else:
+        ttft = "the p99 TTFT row is lower under static batching, for once"
+    ds, dc = s["duration"], c["duration"]
+    if abs(ds / dc - 1) < 0.1:
+        run = (f"yet the two runs lasted within {abs(ds / dc - 1):.0%} of each other (the durations above), so "
+               "neither server fell far behind the arrivals: the wait comes from requests caught behind a "
+               "running batch, not from a queue that keeps growing")
+    elif ds > dc:
+        run = (f"and the static run lasted {ds / dc:.2f}× as long as the continuous one: it fell behind the "
+               "arrivals and had a backlog to work off")
+    else:
+        run = f"and the continuous run lasted {dc / ds:.2f}× as long as the static one"
+    return f"{ttft}; {run}"
 
 
 def check_run(engine: Engine, workload: list[WorkItem], finals: dict, scheduling: str) -> None:
@@ -215,7 +260,9 @@ def draw(results: dict, args: Settings, n_long: int) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for mode, res in results.items():
         t = [s[0] for s in res["steps"]]
-        ax.step(t, [s[1] for s in res["steps"]], where="post", label=f"{mode} ({res['duration']:.1f} s)", lw=1.2)
+        # static dashed and on top: where the two lines coincide (the first steps), both stay visible
+        style = {"ls": "--", "lw": 1.4, "zorder": 3} if mode == "static" else {"lw": 1.2, "zorder": 2}
+        ax.step(t, [s[1] for s in res["steps"]], where="post", label=f"{mode} ({res['duration']:.1f} s)", **style)
     # once the queue is empty and the short answers are done, only the long answers are left in the batch
     ax.axhline(n_long, color="0.5", ls=":", lw=1, label=f"the workload's {n_long} long answers")
     ax.set_xlabel("time since the first arrival (s)")
@@ -352,7 +399,7 @@ def main() -> None:
           + "; ".join(f"{m} " + ", ".join(f"{d:.2f}" for d in ds) + " s" for m, ds in durations.items())
           + f"), {bench.load_average()}")
     print(report.table([{"": r["label"], "static": r["static"], "continuous": r["continuous"], "better": r["better"]}
-                        for r in rows], floatfmt=".1f"))
+                        for r in rows], floatfmt=f".{DECIMALS}f"))
     same = sum(results["static"]["finals"][w.request_id].token_ids == results["continuous"]["finals"][
         w.request_id].token_ids for w in workload)
     report.expect_equal("greedy outputs identical under both schedulers", same, len(workload))
@@ -369,10 +416,8 @@ def main() -> None:
                       "first_step_seqs": r["first_step_seqs"], "durations_s": durations[mode]}
                for mode, r in results.items()}
         span = workload[-1].arrival
-        out.update(rows=rows, better={r["metric"]: r["better"] for r in rows},
-                   continuous_wins=sum(r["better"] == "continuous" for r in rows),
-                   static_wins=sum(r["better"] == "static" for r in rows),
-                   static_won=", ".join(r["label"] for r in rows if r["better"] == "static") or "none",
+        out.update(rows=rows, better={r["metric"]: r["better"] for r in rows}, **win_counts(rows),
+                   wait_verdict=wait_verdict(results),
                    compared_rows=sum(better is not None for *_, better in ROWS),
                    throughput_ratio=ratio, steps_ratio=steps_ratio,
                    fewer_steps="continuous" if c["num_steps"] < s["num_steps"] else "static",
