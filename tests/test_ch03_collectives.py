@@ -616,15 +616,16 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     mod = load_script(CH03 / "async_ops.py")
     slowed = mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0)))  # overlap slowed the compute by 1.5x+
     assert slowed == {"sequential": {"compute_ms": 50.0, "compute_rank": 0, "compute_by_rank": [50.0, 40.0],
-                                     "round_ms": 70.0, "comm_ms": 20.0},
+                                     "round_ms": 70.0, "comm_by_rank": [20.0, 20.0], "comm_ms": 20.0},
                       "overlapped": {"compute_ms": 75.0, "compute_rank": 0, "compute_by_rank": [75.0, 70.0],
-                                     "round_ms": 76.6, "wait_ms": 0.5, "wait_max_ms": 0.5}}
+                                     "round_ms": 76.6, "wait_by_rank": [0.5, 0.5], "wait_ms": 0.5,
+                                     "wait_max_ms": 0.5}}
     text = mod.figure_text(slowed)
     assert "took 1.5x to 1.8x the same rank's sequential compute" in text and "slowed the matmuls" in text
     assert "rank 0: 75.0 ms overlapped against 50.0 ms sequential; rank 1: 70.0 ms overlapped against 40.0" in text
     assert "ended no sooner" in text and "even where wait() found the sum ready, nothing was saved" in text
-    # a long wait() (--matmuls 0: about the whole all-reduce) never found the sum ready: the clause is left out
-    waited = mod.compute_spans(synthetic_lanes((0.5, 0.5), (0.0, 0.0), wait=32.0))
+    # a long wait() (about the whole all-reduce) never found the sum ready: the clause is left out
+    waited = mod.compute_spans(synthetic_lanes((10.0, 10.0), (10.0, 10.0), wait=32.0))
     assert waited["overlapped"]["wait_ms"] == 32.0
     long_wait = mod.figure_text(waited)
     assert "ended no sooner" in long_wait and "nothing was saved" in long_wait
@@ -649,7 +650,33 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     assert "single sample, not the table's medians" in mod.figure_note(spans, {**medians, "sequential": 90.0})
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
     assert "took 0.4x to 0.6x" in faster and "vary that much" in faster
-    assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0))))
+    assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.5, 0.5), (2.0, 2.0))))
+
+
+def test_async_figure_lines_claim_no_overlap_without_compute() -> None:
+    """--matmuls 0: no compute between post and wait(). A wait() shorter than the blocking all_reduce, or an
+    overlapped round that ended sooner, is then no sign that bytes moved during a compute: both lines say so."""
+    mod = load_script(CH03 / "async_ops.py")
+    # the run the reader saw: waits of 11.8 and 14.0 ms against a 20 ms blocking all_reduce, no compute at all
+    lanes = synthetic_lanes((0.0, 0.0), (0.0, 0.0), wait=11.8)
+    lanes["overlapped"][4:] = synthetic_lanes((0.0, 0.0), (0.0, 0.0), wait=14.0)["overlapped"][3:]
+    spans = mod.compute_spans(lanes)
+    wait, text = mod.wait_reading(spans), mod.figure_text(spans)
+    assert "much shorter" not in wait and "moved during the compute" not in wait, wait
+    assert "no compute" in text and "not a gain from overlap" in text, text
+    assert spans["overlapped"]["wait_by_rank"] == [11.8, 14.0] and mod.no_compute(spans)
+    assert wait.startswith("wait() against the same rank's blocking all_reduce above: rank 0 11.8 ms against "
+                           "20.0 ms; rank 1 14.0 ms against 20.0 ms: no compute ran"), wait
+    assert "only measured the all-reduce itself" in wait
+    # both rounds ended: sequential at 20 ms, overlapped at 1 + 14.0 + 0.1 = 15.1 ms, "sooner" but not by overlap
+    assert text.startswith("there was no compute to overlap (at most 0.0 ms between post and wait() on any rank)")
+    assert "ended 4.9 ms sooner" in text and "not a gain from overlap" in text
+    assert "slowed" not in text and "too short to compare" not in text
+    later = mod.figure_text(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0), wait=32.0)))
+    assert "no compute to overlap" in later and "ended no sooner" in later and "found the sum ready" not in later
+    # a compute box that is negligible against the all-reduce (0.8 ms against 20 ms) counts as none
+    assert mod.no_compute(mod.compute_spans(synthetic_lanes((0.8, 0.8), (0.8, 0.8), wait=5.0)))
+    assert not mod.no_compute(mod.compute_spans(synthetic_lanes((2.0, 2.0), (2.0, 2.0), wait=5.0)))
 
 
 def test_async_wait_reading_judges_the_wait_against_the_blocking_all_reduce() -> None:
@@ -658,18 +685,26 @@ def test_async_wait_reading_judges_the_wait_against_the_blocking_all_reduce() ->
     def reading(wait: float) -> str:  # both ranks wait `wait` ms; the blocking all_reduce took 20 ms
         return mod.wait_reading(mod.compute_spans(synthetic_lanes((10.0, 10.0), (10.0, 10.0), wait=wait)))
 
-    assert reading(0.5) == ("wait() took 0.5 ms on the ranks, against 20.0 ms for the blocking all_reduce above: much "
-                            "shorter, so most of the bytes moved during the compute")
-    # the drawn round the lesson discusses: waits of 4.2 and 7.0 ms against about 20 ms are still the short case
-    spans = {"sequential": {"comm_ms": 20.7}, "overlapped": {"wait_ms": 4.2, "wait_max_ms": 7.0}}
-    assert mod.wait_reading(spans).startswith("wait() took 4.2 to 7.0 ms on the ranks, against 20.7 ms")
-    assert "most of the bytes moved" in mod.wait_reading(spans)
+    def spans(comms: list[float], waits: list[float], boxes: list[float] | None = None) -> dict:
+        return {"sequential": {"comm_by_rank": comms, "comm_ms": max(comms)},
+                "overlapped": {"wait_by_rank": waits, "compute_by_rank": boxes or [10.0] * len(waits)}}
+
+    assert reading(0.5) == ("wait() against the same rank's blocking all_reduce above: rank 0 0.5 ms against 20.0 ms; "
+                            "rank 1 0.5 ms against 20.0 ms: "
+                            "much shorter, so most of the bytes moved during the compute")
+    # rank by rank: rank 1's 7.0 ms wait is judged against rank 1's 23.8 ms blocking call, not rank 0's 12.0 ms
+    drawn = mod.wait_reading(spans([12.0, 23.8], [4.2, 7.0]))
+    assert drawn.startswith("wait() against the same rank's blocking all_reduce above: rank 0 4.2 ms against 12.0 ms; "
+                            "rank 1 7.0 ms against 23.8 ms: much shorter"), drawn
     assert "part of the bytes moved during the compute, the rest after it" in reading(12.0)
     assert "about as long, so almost none of the bytes moved" in reading(18.0)
-    mixed = {"sequential": {"comm_ms": 20.0}, "overlapped": {"wait_ms": 2.0, "wait_max_ms": 19.0}}
-    assert "different cases, so this round names none" in mod.wait_reading(mixed)
-    assert "too short to compare" in mod.wait_reading({"sequential": {"comm_ms": 0.4},
-                                                        "overlapped": {"wait_ms": 0.3, "wait_max_ms": 0.3}})
+    assert "different cases, so this round names none" in mod.wait_reading(spans([20.0, 20.0], [2.0, 19.0]))
+    # against the longest blocking call (20 ms) rank 1's 9 ms wait would be "part"; against its own 10 ms, "none"
+    assert "different cases" in mod.wait_reading(spans([20.0, 10.0], [2.0, 9.0]))
+    # four ranks: only the two extremes are named, and the line says so
+    four = mod.wait_reading(spans([20.0] * 4, [2.0, 3.0, 1.0, 4.0]))
+    assert "rank 2 1.0 ms against 20.0 ms; rank 3 4.0 ms against 20.0 ms (the extremes of the 4 ranks)" in four
+    assert "too short to compare" in mod.wait_reading(spans([0.4, 0.4], [0.3, 0.3], [2.0, 2.0]))
 
 
 def groups_worker(ctx, R: int, C: int) -> list[dict]:

@@ -22,10 +22,11 @@ What it shows
        the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. A
        line compares the two panels, from the recorded spans: each rank's overlapped compute box against the same
        rank's sequential one, and whether the overlapped round ended sooner (`figure_text` in the JSON). The next
-       reads the diamonds: every rank's wait() against the blocking all_reduce, much shorter (most bytes moved
-       during the compute), about as long (almost none did) or in between (`figure_wait`). A last line sets that
-       single round beside the table's medians (`figure_note`): one sample, its gain or loss need not match the
-       verdict.
+       reads the diamonds: each rank's wait() against the same rank's blocking all_reduce, much shorter (most bytes
+       moved during the compute), about as long (almost none did) or in between (`figure_wait`). With no compute
+       between post and wait() (--matmuls 0) both lines say so instead: each round is then a single all-reduce,
+       and neither the wait nor the rounds' ends say anything about overlap. A last line sets that single round
+       beside the table's medians (`figure_note`): one sample, its gain or loss need not match the verdict.
 
 What "completed" means depends on the backend
     gloo (CPU): the collective runs on gloo's own threads; wait() returns once the result is in x.
@@ -43,7 +44,8 @@ Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py --matmuls 0
         -> nothing to overlap with: "hidden: undefined, no compute to hide behind" (null in the --json), and the
            verdict says so; communication, sequential and overlapped then time the same all-reduce, so any
-           difference is noise, but under load the three times can differ by a third or more
+           difference is noise, but under load the three times can differ by a third or more. The figure's lines
+           say "there was no compute to overlap" and that wait() only measured the all-reduce itself
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 4 --mib 32
         -> four ranks on two cores and a 32 MiB all-reduce: every time grows, and the "hidden" line says how much
            of the shorter part the overlap still saved against the two parts timed alone; it varies from run to run,
@@ -192,8 +194,8 @@ def compute_spans(lanes: dict[str, list[dict]]) -> dict[str, dict]:
     """Per order, from the recorded calls: every rank's compute box (as drawn: after the all_reduce until the
     function returned, or until wait() was called; `compute_by_rank`, in rank order), the longest of them
     (compute_ms, on rank compute_rank, the first such rank on a tie) and when the last rank returned, in ms; for the
-    sequential order also the longest blocking all_reduce (comm_ms), for the overlapped one the shortest and the
-    longest wait() (wait_ms, wait_max_ms)."""
+    sequential order also every rank's blocking all_reduce (comm_by_rank) and the longest (comm_ms), for the
+    overlapped one every rank's wait() (wait_by_rank), the shortest and the longest (wait_ms, wait_max_ms)."""
     out: dict[str, dict] = {}
     for order, calls in lanes.items():
         boxes, ends, comms, waits = [], [], [], []
@@ -202,24 +204,42 @@ def compute_spans(lanes: dict[str, list[dict]]) -> dict[str, dict]:
             stop = call["wait(all_reduce)"]["start_ms"] if order == "overlapped" else call["returned"]["start_ms"]
             boxes.append(round(stop - call["all_reduce"]["end_ms"], 1))
             ends.append(call["returned"]["end_ms"])
-            comms.append(call["all_reduce"]["end_ms"] - call["all_reduce"]["start_ms"])
+            comms.append(round(call["all_reduce"]["end_ms"] - call["all_reduce"]["start_ms"], 1))
             if order == "overlapped":
-                waits.append(call["wait(all_reduce)"]["end_ms"] - call["wait(all_reduce)"]["start_ms"])
+                waits.append(round(call["wait(all_reduce)"]["end_ms"] - call["wait(all_reduce)"]["start_ms"], 1))
         out[order] = {"compute_ms": max(boxes), "compute_rank": boxes.index(max(boxes)),
                       "compute_by_rank": boxes, "round_ms": round(max(ends), 1)}
         if order == "overlapped":
-            out[order]["wait_ms"] = round(min(waits), 1)
-            out[order]["wait_max_ms"] = round(max(waits), 1)
+            out[order].update(wait_by_rank=waits, wait_ms=min(waits), wait_max_ms=max(waits))
         else:
-            out[order]["comm_ms"] = round(max(comms), 1)
+            out[order].update(comm_by_rank=comms, comm_ms=max(comms))
     return out
+
+
+def no_compute(spans: dict[str, dict]) -> bool:
+    """True when no rank computed between its post and its wait() for long enough to hide anything: every overlapped
+    compute box under 1 ms or under 5% of the longest blocking all_reduce (--matmuls 0 leaves only the empty loop).
+    Then the overlapped round is the all-reduce alone, and neither its wait() nor its end says anything about
+    overlap."""
+    limit = max(1.0, 0.05 * spans["sequential"].get("comm_ms", 0.0))
+    return max(spans["overlapped"]["compute_by_rank"]) < limit
 
 
 def figure_text(spans: dict[str, dict]) -> str:
     """One sentence on the figure's round, its direction computed from the recorded spans: each rank's overlapped
     compute box against the same rank's sequential one (boxes on different ranks are never compared), and whether
-    the overlapped round ended sooner. A direction is stated only when every rank agrees."""
+    the overlapped round ended sooner. A direction is stated only when every rank agrees. With no compute between
+    post and wait() (no_compute) both rounds are one all-reduce, and the sentence says so instead."""
     seq, ovl = spans["sequential"], spans["overlapped"]
+    if no_compute(spans):  # both rounds are one all-reduce each: a difference between them is not overlap
+        head = (f"there was no compute to overlap (at most {max(ovl['compute_by_rank']):.1f} ms between post and "
+                "wait() on any rank), so each round is a single all-reduce")
+        if ovl["round_ms"] < seq["round_ms"]:
+            return (f"{head}: the overlapped round ended {seq['round_ms'] - ovl['round_ms']:.1f} ms sooner "
+                    f"({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms), a difference between two single "
+                    "all-reduces, not a gain from overlap")
+        return (f"{head}: the overlapped round ended no sooner ({ovl['round_ms']:.1f} ms against "
+                f"{seq['round_ms']:.1f} ms), as nothing could be overlapped")
     pairs = list(zip(ovl["compute_by_rank"], seq["compute_by_rank"]))  # (overlapped, sequential) box, rank by rank
     # under a millisecond (--matmuls 0: no matmuls, only the loop around them) a ratio of two tiny times says nothing
     if min(min(pair) for pair in pairs) < 1.0:
@@ -259,24 +279,36 @@ def figure_text(spans: dict[str, dict]) -> str:
 
 
 def wait_reading(spans: dict[str, dict]) -> str:
-    """One sentence reading the diamonds of the figure's overlapped round: every rank's wait() against the top
-    panel's longest blocking all_reduce. A wait under half the blocking call means most of the bytes moved during
-    the compute; one above 80% of it, that almost none did; in between, part did. A case is named only when every
-    rank's wait() falls in it."""
-    comm, lo, hi = spans["sequential"]["comm_ms"], spans["overlapped"]["wait_ms"], spans["overlapped"]["wait_max_ms"]
-    waits = f"{lo:.1f} ms" if lo == hi else f"{lo:.1f} to {hi:.1f} ms"
-    head = f"wait() took {waits} on the ranks, against {comm:.1f} ms for the blocking all_reduce above"
-    if comm < 1.0:
+    """One sentence reading the diamonds of the figure's overlapped round: each rank's wait() against the same
+    rank's blocking all_reduce in the top panel. A wait under half the blocking call means most of the bytes moved
+    during the compute; one above 80% of it, that almost none did; in between, part did. With no compute between
+    post and wait() (no_compute) nothing can have moved during a compute, and the sentence says that wait() only
+    measured the all-reduce. A case is named only when every rank falls in it."""
+    comms, waits = spans["sequential"]["comm_by_rank"], spans["overlapped"]["wait_by_rank"]
+    ratios = [w / c if c > 0 else float("inf") for w, c in zip(waits, comms)]
+    lo, hi = min(range(len(ratios)), key=ratios.__getitem__), max(range(len(ratios)), key=ratios.__getitem__)
+    W = len(waits)
+    shown = list(range(W)) if W <= 2 else sorted({lo, hi})  # more than two ranks: the lowest and highest ratio
+    extremes = ("" if len(shown) == W else f" (the extremes of the {W} ranks)" if len(shown) > 1 else
+                f" (the same ratio on all {W} ranks)")
+    head = ("wait() against the same rank's blocking all_reduce above: " +
+            "; ".join(f"rank {q} {waits[q]:.1f} ms against {comms[q]:.1f} ms" for q in shown) + extremes)
+    if no_compute(spans):
+        return (f"{head}: no compute ran between the post and wait() (at most "
+                f"{max(spans['overlapped']['compute_by_rank']):.1f} ms on any rank), so wait() only measured the "
+                "all-reduce itself, and no bytes can have moved during a compute")
+    if min(comms) < 1.0:
         return f"{head}: the blocking call was too short to compare with"
 
-    def case(wait: float) -> str:
+    def case(wait: float, comm: float) -> str:
         return "most" if wait < 0.5 * comm else "none" if wait > 0.8 * comm else "part"
 
-    if case(lo) != case(hi):
+    cases = {case(w, c) for w, c in zip(waits, comms)}
+    if len(cases) > 1:
         return f"{head}: the ranks fall in different cases, so this round names none"
     return head + {"most": ": much shorter, so most of the bytes moved during the compute",
                    "part": ": part of the bytes moved during the compute, the rest after it",
-                   "none": ": about as long, so almost none of the bytes moved during the compute"}[case(lo)]
+                   "none": ": about as long, so almost none of the bytes moved during the compute"}[cases.pop()]
 
 
 def figure_note(spans: dict[str, dict[str, float]], times: dict[str, float]) -> str:
