@@ -128,7 +128,7 @@ def main() -> int:
     print(report.table([{"rule score": s, "responses": verdict["per_score"][str(s)]} for s in range(4)]))
     print("\nMalformed responses by how they break the schema:")
     print(report.table([{"kind": k, "responses": n} for k, n in verdict["per_kind"].items() if k != "well_formed"]))
-    print(f"\nmean rule score {verdict['mean_rule_score']:.2f} languages per response (malformed count 0); "
+    print(f"\nmean rule score {verdict['mean_rule_score']:.2f} languages per response (malformed records score 0); "
           f"{verdict['well_formed']:.0%} well formed")
     draw(verdict, args)
     if args.json:
