@@ -9,6 +9,8 @@
 - the profiled overlapped step (ddp_from_scratch.profile_overlap, in one process): torch's bucket assignment, one
   gloo all-reduce per bucket in the raw trace, each launch inside the backward of the block that completes it, and
   the printed launch table's fractions equal to the raw trace's launch-call events over its backward;
+- the ideal-overlap model (ddp_from_scratch.ideal_schedule) against a recomputation from assign_buckets' plan: each
+  all-reduce starts at max(its bucket ready, the previous one done); with one bucket, none before the backward ends;
 - the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof;
 - the plain PyTorch recipe (ddp_recipe.py): DistributedSampler gives every rank an equal share with the padding
   counted, and forgetting set_epoch is caught.
@@ -270,6 +272,46 @@ def test_no_profile_prints_the_tables_without_the_profiled_step() -> None:
     assert all(line in full.stdout for line in PROFILER_LINES), full.stdout
     bad = run([CH05 / "ddp_from_scratch.py", "--no-profile=yes"], timeout=60)
     assert bad.returncode == 2, bad.stdout + bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------- the ideal overlap
+def _ready_order_numels() -> list[int]:
+    model = GPT(GPTConfig.preset("tiny"))
+    return [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # reverse registration order
+
+
+@pytest.mark.parametrize("bucket_mb", [0.03, 0.01])
+def test_ideal_schedule_starts_each_all_reduce_when_its_bucket_is_ready_and_the_stream_is_free(bucket_mb) -> None:
+    """The model drawn before the measured trace, recomputed here from assign_buckets' own plan: overlapped bucket i
+    starts at max(ready_i, end of bucket i-1), bucketed at max(end of backward, end of bucket i-1)."""
+    numels = _ready_order_numels()
+    cap = int(bucket_mb * 2**20)
+    ideal = dfs.ideal_schedule(numels, 4, cap, comm_share=0.6)
+    plan = assign_buckets(numels, 4, cap)
+    assert ideal["buckets"] == plan and len(plan) >= 3
+    total = sum(numels)
+    ready = [sum(numels[:b[-1] + 1]) / total for b in plan]
+    length = [0.6 * sum(numels[i] for i in b) / total for b in plan]
+    for name, earliest in (("overlapped", ready), ("bucketed", [1.0] * len(plan))):
+        end = 0.0
+        for i, (start, stop) in enumerate(ideal[name]):
+            want = max(earliest[i], end)
+            assert math.isclose(start, want, abs_tol=1e-12), (name, i, start, want)
+            assert math.isclose(stop - start, length[i], abs_tol=1e-12)
+            end = stop
+        assert math.isclose(ideal[f"{name}_end"], max(1.0, end), abs_tol=1e-12)
+    assert ideal["overlapped_end"] < ideal["bucketed_end"]  # overlap hides every bucket but what follows the last
+    assert math.isclose(ideal["backward"][-1][1], 1.0) and ideal["backward"][0][0] == 0.0
+
+
+def test_ideal_schedule_with_one_bucket_starts_no_all_reduce_before_the_backward_ends() -> None:
+    numels = _ready_order_numels()
+    ideal = dfs.ideal_schedule(numels, 4, 2**20)  # 1 MiB: the whole tiny GPT in one bucket
+    assert len(ideal["buckets"]) == 1
+    backward_end = ideal["backward"][-1][1]
+    for name in ("overlapped", "bucketed"):
+        assert all(start >= backward_end for start, _ in ideal[name]), ideal[name]
+    assert ideal["overlapped_end"] == ideal["bucketed_end"]
 
 
 # ----------------------------------------------------------------------------------------------- unequal token counts

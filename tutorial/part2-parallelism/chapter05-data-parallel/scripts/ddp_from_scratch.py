@@ -19,13 +19,19 @@ What it shows
        clock, the thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap
        share counts only all-reduce time during which the training thread was computing the backward (its
        segments minus the launch calls).
+    4a. Before the profiled step (and only with it), a model of the ideal overlap, not a measurement, drawn as
+       ideal_overlap_vs_bucketed_model.png: the tiny GPT's real bucket plan (mlsys.ddp.assign_buckets on its
+       parameters in reverse registration order, at --bucket-mb), each tensor's backward lasting in proportion to
+       its elements, each bucket's all-reduce in proportion to its bytes at an assumed bandwidth (all the
+       gradients in 0.6 of a backward), one at a time; bucketed (all after the backward) above overlapped (each
+       starting once its bucket is ready and the previous one is done).
     5. The all-reduce volume of one step from mlsys.collectives.comm_volume: 2(W-1)/W x gradient bytes per rank.
 
 How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 2
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py
     ... --bucket-mb 0.01 --steps 10       # more, smaller buckets; more steps
-    ... --no-profile                       # only the tables, bytes and self-check: no profiled step, no figure
+    ... --no-profile                       # only the tables, bytes and self-check: no profiled step, no figures
 
 The self-check fails (exit 1) if any version's parameters differ from the global-batch reference by more than
 --atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2 on idle cores, two to five
@@ -36,8 +42,9 @@ Try next
         -> with three ranks the summation order matters: "vs torch DDP" becomes rounding (about 1e-7), not 0
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py --bucket-mb 1
         -> one bucket holds everything: one all-reduce per step, launched only when the last gradient is ready,
-           at the very end of the backward: the profiled line's share of all-reduce time that ran while the
-           backward computed counts only the little work autograd still did after that launch
+           at the very end of the backward: in the ideal-overlap figure both schedules end at the same time, and
+           the profiled line's share of all-reduce time that ran while the backward computed counts only the
+           little work autograd still did after that launch
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py -w 3 --atol 1e-9
         -> demand near bit equality at three ranks: the self-check fails (exit 1); that is why it has a tolerance
 """
@@ -54,7 +61,7 @@ import torch.distributed as dist
 from mlsys import cli, plot, report
 from mlsys.collectives import comm_volume
 from mlsys.data import load_splits
-from mlsys.ddp import BucketedDDP, OverlappedDDP, rank_batches, wrap
+from mlsys.ddp import MB, BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
 from mlsys.launch import RankContext, launch
 from mlsys.model import GPT, GPTConfig, num_params
 
@@ -224,6 +231,76 @@ def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trac
     names = {id(p): n for n, p in model.named_parameters()}
     return [[names[id(p)] for p in bucket] for bucket in ddp.buckets]
 # --8<-- [end:profile]
+
+
+# ---- the ideal overlap: a model of the schedule, drawn from the run's real bucket plan ------------------------
+COMM_SHARE = 0.6
+"""The assumed bandwidth of the ideal timeline: all-reducing ALL the gradients takes 0.6 of the backward's time."""
+
+
+def ideal_schedule(numels: list[int], element_size: int, bucket_bytes: int, comm_share: float = COMM_SHARE) -> dict:
+    """A model, not a measurement: one step's backward and all-reduces if everything ran as designed.
+
+    `numels` are the parameter tensors' sizes in the order their gradients become ready (reverse registration
+    order, as BucketedDDP fills its buckets); the buckets are mlsys.ddp.assign_buckets' plan for them. Time is in
+    units of the whole backward (= 1): each tensor's backward lasts its share of all the elements; a bucket's
+    all-reduce lasts `comm_share` x its share of the gradient bytes, and the communication stream runs one
+    all-reduce at a time. Bucketed: every all-reduce waits for the end of the backward. Overlapped: bucket i starts
+    at max(ready_i, end of bucket i-1), ready_i being the moment its last gradient is done."""
+    total = sum(numels)
+    ends = [sum(numels[:i + 1]) / total for i in range(len(numels))]  # when each tensor's gradient is ready
+    backward = [(e - n / total, e) for n, e in zip(numels, ends)]
+    buckets = assign_buckets(numels, element_size, bucket_bytes)
+    ready = [ends[b[-1]] for b in buckets]
+    length = [comm_share * sum(numels[i] for i in b) / total for b in buckets]
+    out = {"comm_share": comm_share, "buckets": buckets, "backward": backward, "ready": ready,
+           "bucket_bytes": [element_size * sum(numels[i] for i in b) for b in buckets]}
+    for name, earliest in (("bucketed", [1.0] * len(buckets)), ("overlapped", ready)):
+        comm, free = [], 0.0  # free: when the communication stream is done with the previous bucket
+        for t, d in zip(earliest, length):
+            comm.append((max(t, free), max(t, free) + d))
+            free = comm[-1][1]
+        out[name] = comm
+        out[f"{name}_end"] = max(1.0, free)
+    out["saved_share"] = 1 - out["overlapped_end"] / out["bucketed_end"]
+    return out
+
+
+def draw_ideal(args: Settings, ideal: dict):
+    """The two schedules of `ideal_schedule` one above the other, on the same time axis."""
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(11, 4.4), sharex=True)
+    lanes = ["backward", "all-reduce"]
+    owner = {i: k for k, b in enumerate(ideal["buckets"]) for i in b}
+    kinds = [f"bucket {k}" for k in range(len(ideal["buckets"]))]
+    palette = plot.colours(kinds)
+    for ax, name in zip(axes, ("bucketed", "overlapped")):
+        spans = [plot.Span("backward", a, b, "", f"bucket {owner[i]}") for i, (a, b) in enumerate(ideal["backward"])]
+        spans += [plot.Span("all-reduce", a, b, f"b{k}", f"bucket {k}") for k, (a, b) in enumerate(ideal[name])]
+        plot.timeline(ax, spans, lanes, palette=palette, legend=ax is axes[0], fontsize=9)
+        end = ideal[f"{name}_end"]
+        ax.axvline(end, color="black", linewidth=1.2)
+        right = end > 0.9 * ideal["bucketed_end"]  # near the right edge: write it on the line's left
+        ax.text(end, 1.55, f" step ends at {end:.2f} ", ha="right" if right else "left", va="center", fontsize=9)
+        if name == "overlapped":
+            for t in ideal["ready"]:  # where each bucket's last gradient is ready: its launch
+                ax.axvline(t, color="black", linestyle=":", linewidth=1)
+        ax.set_title(f"{name}: " + ("every all-reduce after the backward" if name == "bucketed" else
+                                    "each bucket's all-reduce starts once its last gradient is ready"
+                                    " (dotted) and the previous one is done"), fontsize=10, loc="left")
+        ax.set_ylim(-0.6, 1.8)
+    saved = ideal["bucketed_end"] - ideal["overlapped_end"]
+    if saved > 0:
+        axes[1].annotate("", xy=(ideal["overlapped_end"], 0), xytext=(ideal["bucketed_end"], 0),
+                         arrowprops={"arrowstyle": "<->", "color": "black"})
+        axes[1].text((ideal["overlapped_end"] + ideal["bucketed_end"]) / 2, 0.08, f"saved {saved:.2f}",
+                     ha="center", va="bottom", fontsize=9)
+    axes[1].set_xlabel(f"time, in units of one backward (model: all-reducing all gradients takes "
+                       f"{ideal['comm_share']:g} of it)")
+    axes[1].set_xlim(0, ideal["bucketed_end"] * 1.02)
+    fig.suptitle("Ideal overlap: the run's real buckets, modelled timings (not measured)", fontsize=11)
+    fig.tight_layout()
+    return plot.save(fig, args, "ideal_overlap_vs_bucketed_model")
 
 
 COMPUTE_NAMES = ("forward", "backward", "wait for all-reduces")
@@ -422,6 +499,17 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\nafter {args.steps} SGD steps, max |parameter difference| on rank 0 (W={ctx.world_size}):")
     ctx.print(report.table(rows, ".2g"))
 
+    ideal = {}
+    if ctx.is_main and args.profile:  # the ideal overlap of this run's buckets: a model, drawn before the trace
+        numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # the order grads get ready
+        ideal = ideal_schedule(numels, 4, int(args.bucket_mb * MB))
+        assert [4 * sum(numels[i] for i in b) for b in ideal["buckets"]] == [4 * r["numel"] for r in buckets]
+        plural = "s" * (len(buckets) != 1)
+        ctx.print(f"\nideal overlap of these {len(buckets)} bucket{plural} (a model, not measured; time in backwards, "
+                  f"all-reducing every gradient assumed to take {ideal['comm_share']:g} of one): bucketed ends at "
+                  f"{ideal['bucketed_end']:.2f}, overlapped at {ideal['overlapped_end']:.2f} "
+                  f"({ideal['saved_share']:.0%} shorter); figure: {draw_ideal(args, ideal)}")
+
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main and args.profile else None
     clock: list[dict] = []
     bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock) if args.profile else []
@@ -435,7 +523,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
         o = overlap_summary(spans) | clocked
         timeline = launch_timeline(spans)
-        ctx.print(f"\nprofiled one more overlapped step on rank 0 (the figure): trace {trace_path}")
+        ctx.print(f"\nprofiled one more overlapped step on rank 0 (the measured figure): trace {trace_path}")
         ctx.print("bucket launches in that step, when the hook's launch call began and returned (the figure's dotted "
                   "line and the end of its pink box), as a share of the backward:")
         ctx.print(report.table(timeline, ".0f"))
@@ -460,7 +548,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     dist.all_reduce(same, op=dist.ReduceOp.MAX)
     ctx.print("self-check passed: every version matches the global-batch reference and torch's DDP on every rank")
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "buckets": buckets, "comparison": rows,
-            "overlap_timeline": timeline, "allreduce_sent_bytes_per_rank": volume["sent"],
+            "overlap_timeline": timeline, "ideal_overlap": ideal, "allreduce_sent_bytes_per_rank": volume["sent"],
             "max_diff_overlapped_vs_torch_all_ranks": same.item(),
             "overlap_trace": {} if not args.profile else (
                 {"path": str(trace_path), "bucket_params": bucket_names, "spans": [vars(s) for s in spans]}
