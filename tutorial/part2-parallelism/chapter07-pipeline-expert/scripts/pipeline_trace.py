@@ -250,7 +250,7 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
             "forward_ms": fwd, "backward_ms": bwd, "ends_vs_mean": ends,
             # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
             "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
-            "measured_vs_ideal": vs}
+            "measured_vs_ideal": vs, "cores": len(os.sched_getaffinity(0))}  # the ranks share these cores
 
 
 def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
