@@ -236,7 +236,16 @@ def plot_bias_variance(rows: list[dict], args: Settings) -> None:
     ax2.plot(x, [r["MSE"] for r in rows], "^-", color="C2", label="MSE = bias^2 + variance")
     ax2.plot([best_i], [best["MSE"]], "o", ms=12, mfc="none", mec="black", label=f"lowest: lambda = "
              f"{best['lambda']:g}")
-    ax2.set(ylim=(0, 3 * best["MSE"]), xlabel=xlabel, ylabel="MSE (linear scale)",
+    # show every point when that leaves the minimum readable; otherwise cut the axis at 3x the lowest MSE and
+    # write each point above the cut at the top edge with its value, so none silently falls off the panel
+    top_mse = max(r["MSE"] for r in rows)
+    top = 1.1 * top_mse if top_mse <= 5 * best["MSE"] else 3 * best["MSE"]
+    for i, r in zip(x, rows):
+        if r["MSE"] > top:
+            ax2.annotate(f"{r['MSE']:.3g}\n(off scale)", (i, top), xytext=(0, -6), textcoords="offset points",
+                         ha="center", va="top", fontsize=8, color="C2")
+            ax2.plot([i], [top], "^", color="C2", ms=9, clip_on=False)
+    ax2.set(ylim=(0, top), xlabel=xlabel, ylabel="MSE (linear scale)",
             title="where the mean squared error is lowest")
     ax2.set_xticks(x, ticks)
     ax2.legend(fontsize=8)

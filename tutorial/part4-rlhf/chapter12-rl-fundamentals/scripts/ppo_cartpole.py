@@ -50,12 +50,13 @@ Try next
            several times higher; the easy task may still be solved, the diagnostics line shows the damage
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py \\
         --clip-eps 100 --update-epochs 40 --lr 0.01
-        -> no clipping and 40 epochs per batch: clip fraction 0, approx-KL in whole nats, an evaluation return that
-           jumps between evaluations and nearly equals the greedy one (the policy collapsed to near-deterministic
-           actions); add --seeds 0 1 2 to see how often it still solves: exit code 1 if any seed did not, which is
-           the point
+        -> no clipping and 40 epochs per batch: clip fraction about 0 (median 0), approx-KL in whole nats, an
+           evaluation return that jumps between evaluations and nearly equals the greedy one (the policy collapsed
+           to near-deterministic actions); add --seeds 0 1 2 to see how often it still solves: exit code 1 if any
+           seed did not, which is the point
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --env-id MountainCar-v0
-        -> a sparse reward sampling almost never finds: "NOT SOLVED" and exit code 1
+        -> a sparse reward sampling almost never finds: it ends with "SELF-CHECK FAILED: NOT SOLVED ..." and
+           exit code 1, as expected
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/ppo_cartpole.py --seeds 0 1 2
         -> the benchmark: steps and seconds to solve for three seeds, about three times the default run
 """
