@@ -146,14 +146,20 @@ def timed_runs(model, prompts, args: Settings) -> tuple[dict, dict]:
 
 
 # --8<-- [start:tree]
-def tree_lines(cache, tok: Tokenizer, max_chars: int = 36) -> list[str]:
+def edge_label(tok: Tokenizer, key, keep: int = 10) -> str:
+    """An edge's tokens as text (^ = <bos>, $ = <eos>); a long one is cut in the middle at ' .. ', keeping its
+    first and last `keep` characters (the printout and the figure cut alike)."""
+    text = tok.decode(list(key), skip_special=False).replace("<bos>", "^").replace("<eos>", "$")
+    return text if len(text) <= 2 * keep + 4 else text[:keep] + " .. " + text[-keep:]
+
+
+def tree_lines(cache, tok: Tokenizer) -> list[str]:
     """The radix tree, one edge per line: its tokens as text, its blocks and their reference counts."""
     lines = []
 
     def walk(node, depth: int) -> None:
         for child in sorted(node.children.values(), key=lambda c: c.blocks[0]):
-            text = tok.decode(list(child.key), skip_special=False).replace("<bos>", "^").replace("<eos>", "$")
-            text = text if len(text) <= max_chars else text[: max_chars - 10] + " .. " + text[-6:]
+            text = edge_label(tok, child.key)
             refs = [cache.pool.ref_counts[b] for b in child.blocks]
             lines.append(f"   {'  ' * depth}[{text}]  {len(child.key)} tokens, blocks {child.blocks}, refs {refs}")
             walk(child, depth + 1)
@@ -184,8 +190,7 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
             if len(boxes) >= max_nodes:
                 break
             full = path + list(child.key)
-            text = tok.decode(list(child.key), skip_special=False).replace("<bos>", "^").replace("<eos>", "$")
-            text = text if len(text) <= 22 else text[:10] + " .. " + text[-8:]
+            text = edge_label(tok, child.key)
             n_req = sum(seq[: len(full)] == full for seq in seqs)
             edges.append({"prefix": path, "tokens": list(child.key), "children": len(child.children)})
             idx = len(boxes)
@@ -201,7 +206,7 @@ def draw_tree(cache, tok: Tokenizer, seqs: list[list[int]], args: Settings, max_
     root_y = walk(cache.root, 1, [], -1)
     total = count_edges(cache.root)
     max_depth = max((b[0] for b in boxes), default=1)
-    # about 2 inches per level of depth, so that neighbouring boxes (22 characters wide) never overlap
+    # about 2 inches per level of depth, so that neighbouring boxes (at most 24 characters wide) never overlap
     fig, ax = plt.subplots(figsize=(max(10.0, 0.65 * (3 * max_depth + 3)), max(3.0, 0.55 * (leaf[0] + 1))))
     ax.text(0, root_y, "root", ha="center", va="center", bbox={"boxstyle": "round", "fc": "0.9"})
     for depth, y, label, parent in boxes:
@@ -279,7 +284,7 @@ def show_tree(runs: dict, system, prompts, tok: Tokenizer, args: Settings) -> tu
     lines = tree_lines(cache, tok)
     shown = lines[:12]
     if len(lines) > 12 and len(lines[12]) - len(lines[12].lstrip()) > len(shown[-1]) - len(shown[-1].lstrip()):
-        shown[-1] += "  ... (its chain goes on below)"  # the cut falls inside a chain: say so
+        shown[-1] += "  ... (its chain continues; not all shown)"  # the cut falls inside a chain: say so
     print("\n".join(shown))
     if len(lines) > 12:
         print(f"   ... {len(lines) - 12} more edges not shown ({len(lines)} in all)")
