@@ -167,6 +167,8 @@ def test_roles_picture_against_parameters_of_the_real_models(smoke_cache) -> Non
     state against bytes counted from the real architecture's parameters (transformers on the meta device)."""
     proc = smoke_run(smoke_cache, CH14 / "memory_planner.py")
     assert proc["code"] == 0, proc["stderr"][-2000:]
+    # the rollout line's sizes are per GPU (weights / tp, KV / tp), and it says so, as the lesson does
+    assert "GiB KV per GPU)" in proc["stdout"] and "GiB KV each" not in proc["stdout"]
     _check_roles(proc["json"]["results"]["roles"], "llama-3-8b", "llama-3-8b")
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from conftest import run, scripts_dir
+from conftest import load_script, run, scripts_dir
 from mlsys.weight_sync import (
     broadcast_bucketed,
     broadcast_per_tensor,
@@ -119,6 +119,26 @@ def test_broadcasts_are_bitwise_on_every_rank() -> None:
             assert calls == want_calls
 
 
+def test_reading_flags_rows_that_break_the_bytes_and_calls_order() -> None:
+    """The generated sentences: a table row slower than the larger model below it is flagged as disturbed (the
+    sync_time caption's rule); a sweep row with fewer calls that took longer than its neighbour is named."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "per-tensor ms": 2.91, "bucketed ms": 0.46},
+            {"model": "draft", "per-tensor ms": 2.22, "bucketed ms": 0.57},
+            {"model": "small", "per-tensor ms": 5.99, "bucketed ms": 1.84}]
+    assert mod.disturbed_rows(rows, "per-tensor ms") == ["tiny"]
+    assert mod.disturbed_rows(rows, "bucketed ms") == []
+    assert mod.disturbed_text(rows).endswith("per tensor: tiny")
+    rows[0]["per-tensor ms"] = 1.0
+    assert mod.disturbed_text(rows).startswith("no row")
+    sweep = [{"bucket MB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MB": 0.25, "buckets": 67, "ms": 26.7},
+             {"bucket MB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MB": 16.0, "buckets": 4, "ms": 33.9}]
+    assert [(a["bucket MB"], b["bucket MB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]
+    assert "16 MB (4 calls, 33.9 ms) took longer than 4 MB (17 calls, 20.3 ms)" in mod.sweep_order_text(sweep)
+    sweep[-1]["ms"] = 15.0  # the order holds; equal call counts (67, 67) never count as a break
+    assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
+
+
 @pytest.mark.timeout(150)
 def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
     from mlsys.model import GPT, GPTConfig
@@ -138,6 +158,9 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
         assert script[name]["MB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
         assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
     assert (tmp_path / "sync_time.png").stat().st_size > 0
+    reading = res["reading"]  # the generated sentences the lesson quotes
+    assert reading["disturbed_text"] and reading["sweep_text"]
+    assert res["summary"]["smallest"]["per_tensor_disturbed"] == ("tiny" in reading["disturbed"]["per-tensor ms"])
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

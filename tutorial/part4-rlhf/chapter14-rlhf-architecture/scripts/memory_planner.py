@@ -357,9 +357,9 @@ def main() -> int:
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "
-              f"{trainer_peak(args, result['trainer_gpus']) / GIB:.1f} GiB each); rollout pool {pool['replicas']} "
+              f"{trainer_peak(args, result['trainer_gpus']) / GIB:.1f} GiB per GPU); rollout pool {pool['replicas']} "
               f"engine(s) x TP {pool['tp']} = {pool['gpus']} GPUs ({pool['weights'] / GIB:.1f} GiB weights + "
-              f"{pool['KV cache'] / GIB:.1f} GiB KV each)")
+              f"{pool['KV cache'] / GIB:.1f} GiB KV per GPU)")
     reason = f" ({result['pick_reason']})" if result["pick_reason"] else ""
     print(f"\nUsable per GPU: {result['budget_bytes'] / GIB:.1f} GiB. Recommendation: {result['pick']}{reason}.")
     draw(result, args)

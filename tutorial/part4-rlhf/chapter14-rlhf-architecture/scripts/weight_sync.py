@@ -20,7 +20,8 @@ How to run
     torchrun --nproc-per-node 2 tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
-Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each) and the checks.
+Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each), the checks, the
+rows that the bytes-only-grow rule flags as disturbed, and the sweep rows where fewer calls took longer.
 Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
 loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 11 s at load 5.
 
@@ -173,6 +174,37 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     return rows
 
 
+def disturbed_rows(rows: list[dict], key: str) -> list[str]:
+    """Models whose `key` time is above the next row's: the bytes only grow down the table, so such a row was
+    disturbed (too slow), the rule of the sync_time figure's caption."""
+    return [a["model"] for a, b in zip(rows, rows[1:]) if a[key] > b[key]]
+
+
+def disturbed_text(rows: list[dict]) -> str:
+    """One sentence naming the table's rows that the bytes-only-grow rule flags, per method, or saying none is."""
+    parts = [f"{how} {', '.join(names)}" for how, key in (("per tensor:", "per-tensor ms"),
+                                                          ("bucketed:", "bucketed ms"))
+             if (names := disturbed_rows(rows, key))]
+    if not parts:
+        return "no row took longer than the larger model below it, in either method"
+    return "the rule flags as disturbed (slower than the larger model below it) " + "; ".join(parts)
+
+
+def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
+    """(more calls, fewer calls) pairs of neighbouring sweep rows where the one with fewer calls took longer."""
+    return [(a, b) for a, b in zip(sweep, sweep[1:]) if b["buckets"] < a["buckets"] and b["ms"] > a["ms"]]
+
+
+def sweep_order_text(sweep: list[dict]) -> str:
+    """One sentence saying which neighbouring sweep rows broke the 'fewer calls, less time' order, if any."""
+    breaks = sweep_order_breaks(sweep)
+    if not breaks:
+        return "every row with fewer calls than the row above it also took less time"
+    pairs = [f"{b['bucket MB']:g} MB ({b['buckets']} calls, {b['ms']:.1f} ms) took longer than "
+             f"{a['bucket MB']:g} MB ({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks]
+    return "fewer calls did not mean less time everywhere: " + "; ".join(pairs)
+
+
 def check_engine_serves_new_weights(ctx: RankContext, model: GPT) -> dict:
     """The last rollout rank loads the synced weights into the inference engine; its greedy tokens must equal the
     trainer's generate() with the trainer's own weights. Returns both, for the caller and the JSON."""
@@ -292,12 +324,20 @@ def main() -> int:
     print(f"{big['model']}: bucketed {big['bucketed ms/MB']:.2f} ms/MB vs per tensor {big['per-tensor ms/MB']:.2f} "
           f"ms/MB ({big['tensors']} tensors in {big['buckets']} buckets): per-tensor time / bucketed time "
           f"{speedup[big['model']]:.2f} (smallest model, {rows[0]['model']}: {speedup[rows[0]['model']]:.2f})")
+    reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
+               "disturbed_text": disturbed_text(rows)}
+    print(f"Rows slower than the larger model below them: {reading['disturbed_text']}")
+    if sweep:
+        reading["sweep_breaks"] = [[a["bucket MB"], b["bucket MB"]] for a, b in sweep_order_breaks(sweep)]
+        reading["sweep_text"] = sweep_order_text(sweep)
+        print(f"Bucket sweep, calls against time: {reading['sweep_text']}")
     draw(rows, args, args.world_size - 1)
     if args.json:
         summary = {"largest": {"model": big["model"], "MB": big["MB"], "speedup": speedup[big["model"]]},
-                   "smallest": {"model": rows[0]["model"], "MB": rows[0]["MB"], "speedup": speedup[rows[0]["model"]]}}
+                   "smallest": {"model": rows[0]["model"], "MB": rows[0]["MB"], "speedup": speedup[rows[0]["model"]],
+                                "per_tensor_disturbed": rows[0]["model"] in reading["disturbed"]["per-tensor ms"]}}
         report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "served": out["served"],
-                                      "packing": packing},
+                                      "packing": packing, "reading": reading},
                           args)
     return 0
 
