@@ -1,10 +1,10 @@
 """CUDA graphs for the decode step: capture per batch size, pad, replay; or, on a CPU, what they would remove.
 
 What it shows
-    1. Padding: a batch of n sequences runs in the smallest captured size B >= n (vLLM's sizes 1, 2, 4, 8,
-       16, ..., in steps of 8 up to 256), its extra rows writing into a scratch KV block. For several n
-       (captured sizes and sizes in between) the static-buffer decode step's logits are compared with the eager
-       ModelRunner's.
+    1. Padding: a batch of n sequences runs in the smallest captured size B >= n (vLLM's default sizes 1,
+       2, 4, then multiples of 8 below 256 and of 16 from 256 on; this script's --sizes stop at 256), its extra
+       rows writing into a scratch KV block. For several n (captured sizes and sizes in between) the
+       static-buffer decode step's logits are compared with the eager ModelRunner's.
     2. Sampling inside a graph: uniform noise is drawn outside the graph into a static buffer (each row from
        its request's own generator) and turned into a sample with the Gumbel-max trick. Checked two ways:
        replay == the same function run eagerly on the same noise, and 20,000 draws match softmax(logits / T).
