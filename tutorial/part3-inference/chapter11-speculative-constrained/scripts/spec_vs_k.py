@@ -25,7 +25,9 @@ Try next
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --ks 1 2 4 8 12 16
         -> larger k: tokens per target forward can grow at most toward 1/(1 - alpha) (with alpha near 1 they
            are still rising at k = 16), while the draft's cost grows in step with k: compare the speed-up column
-           with the tokens-per-step column
+           with the tokens-per-step column. The timings are noisy on a shared machine: check the load average
+           printed under the table, and if it is high, rerun (load during the timed decoding can push every
+           measured speed-up below the prediction, even below 1x)
     python tutorial/part3-inference/chapter11-speculative-constrained/scripts/spec_vs_k.py --max-new-tokens 40
         -> shorter answers: fewer steps per run, so the timings are noisier; compare with the cost model
 """
@@ -133,6 +135,8 @@ def draw(rows: list[dict], args: Settings) -> None:
     ax2.plot(ks, [r["predicted"] for r in rows], "x--", label="cost model")
     ax2.axhline(1.0, color="gray", lw=1)
     ax2.set(xlabel="k (draft tokens per step)", ylabel="speed-up over plain greedy", title="Wall-clock speed-up")
+    for ax in (ax1, ax2):
+        ax.set_xticks(ks)  # k is an integer: one tick per k timed
     ax2.legend(fontsize=8)
     print(f"figure: {plot.save(fig, args, 'spec_vs_k')}")
 
