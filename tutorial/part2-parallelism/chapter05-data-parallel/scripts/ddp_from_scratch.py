@@ -501,9 +501,11 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
     ideal = {}
     if ctx.is_main and args.profile:  # the ideal overlap of this run's buckets: a model, drawn before the trace
-        numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # the order grads get ready
-        ideal = ideal_schedule(numels, 4, int(args.bucket_mb * MB))
-        assert [4 * sum(numels[i] for i in b) for b in ideal["buckets"]] == [4 * r["numel"] for r in buckets]
+        params = [p for p in model.parameters() if p.requires_grad][::-1]  # the order gradients get ready
+        numels = [p.numel() for p in params]
+        ideal = ideal_schedule(numels, params[0].element_size(), int(args.bucket_mb * MB))
+        if [sum(numels[i] for i in b) for b in ideal["buckets"]] != [r["numel"] for r in buckets]:
+            raise cli.SelfCheckFailed("the ideal-overlap model's buckets differ from the bucket table above")
         plural = "s" * (len(buckets) != 1)
         ctx.print(f"\nideal overlap of these {len(buckets)} bucket{plural} (a model, not measured; time in backwards, "
                   f"all-reducing every gradient assumed to take {ideal['comm_share']:g} of one): bucketed ends at "
