@@ -408,3 +408,12 @@ def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path_factor
     for bad in ("Pendulum-v1", "NoSuchEnv-v0"):  # continuous actions; unknown id
         proc = run([CH12 / "ppo_cartpole.py", "--smoke", "--env-id", bad], timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--rollouts", "--truth-rollouts"])
+def test_gae_lambda_refuses_a_single_rollout_in_one_line(flag: str) -> None:
+    """One rollout has no spread: --truth-rollouts 1 used to run on and print nan for the truth's noise (and a
+    variance warning); both counts are refused with exit 2."""
+    proc = run([CH12 / "gae_lambda.py", flag, "1"], timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert flag in proc.stderr

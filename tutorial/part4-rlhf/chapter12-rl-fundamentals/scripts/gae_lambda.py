@@ -81,8 +81,8 @@ class Settings(cli.Args, cli.PlotArgs):
     def validate(self) -> None:
         if min(self.train_steps, self.num_states, self.rollouts, self.truth_rollouts, self.horizon) < 1:
             raise cli.UsageError("--train-steps, --num-states, --rollouts, --truth-rollouts, --horizon must be >= 1")
-        if self.rollouts < 2:
-            raise cli.UsageError("--rollouts must be >= 2 to measure a variance")
+        if self.rollouts < 2 or self.truth_rollouts < 2:
+            raise cli.UsageError("--rollouts and --truth-rollouts must be >= 2 to measure a variance")
         if not 0 < self.gamma <= 1 or not all(0 <= x <= 1 for x in self.lambdas):
             raise cli.UsageError("need 0 < --gamma <= 1 and every lambda in [0, 1]")
 
