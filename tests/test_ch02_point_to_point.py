@@ -502,6 +502,42 @@ def test_debug_tools_name_the_mismatch_the_late_rank_and_the_waiting_line(tmp_pa
     assert "TensorShape=[4]" in proc.stdout and "TensorShape=[5]" in proc.stdout  # both sides of the mismatch
 
 
+SLOW_LAST_RANK = """
+import sys, time
+sys.path.insert(0, {folder!r})
+import debugging
+
+def slow_after(call):
+    def wrapped(ctx, *rest):
+        out = call(ctx, *rest)
+        if ctx.rank == ctx.world_size - 1:  # a loaded machine schedules this rank late into the next scenario
+            time.sleep(0.7 * {wait})
+        return out
+    return wrapped
+
+debugging.mismatched_all_reduce = slow_after(debugging.mismatched_all_reduce)
+debugging.late_rank = slow_after(debugging.late_rank)
+if __name__ == "__main__":
+    debugging.cli.run(debugging.main)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_leaves_a_scenario_late_does_not_break_the_next(tmp_path) -> None:
+    """On a loaded machine (the sweep's, in CI) one rank can reach a scenario well after the others: at W=2 rank 1
+    then entered the deadlocked recv so late that rank 0's timeout closed the pair before rank 1's stack dump
+    fired, and the self-check failed. Each scenario now starts with the ranks lined up; here the last rank
+    leaves scenarios 1 and 2 late by 0.7 of the wait timeout, and every check must still hold."""
+    wrapper = tmp_path / "slow_last_rank.py"
+    wrapper.write_text(SLOW_LAST_RANK.format(folder=str(CH02), wait=1.0))
+    for w in (2, 3):
+        out = tmp_path / f"r{w}.json"
+        proc = run([wrapper, "-w", w, "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=100)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert json.loads(out.read_text())["settings"]["wait_timeout"] == 1.0  # the delay above is 0.7 of it
+        assert " in recv" in json.loads(out.read_text())["results"]["stack_rank0"][0]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.sweep), 3])  # W=2: make sweep
 def test_an_unchecked_mismatch_fails_the_job_without_hanging(world_size: int) -> None:

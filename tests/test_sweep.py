@@ -40,8 +40,10 @@ SWEEP = ROOT / "tests" / "fixtures" / "sweep.py"
 def sweep(scripts: list, sizes: list[int], *flags: str, timeout: float = 500) -> dict[tuple[str, int], int]:
     """{(script name, world size): exit code} for every pair; fails on any code other than 0 and 2."""
     proc = run([SWEEP, ",".join(map(str, sizes)), *scripts, "--", *flags], timeout=timeout)
-    results = {(r["script"], r["world_size"]): r["exit_code"]
-               for r in (json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("SWEEP "))}
+    records = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("SWEEP ")]
+    results = {(r["script"], r["world_size"]): r["exit_code"] for r in records}
+    reports = "".join(f"\n--- {r['script']} -w {r['world_size']} (exit {r['exit_code']}):\n{r['stderr']}"
+                      for r in records if "stderr" in r)
     wanted = [(s.name, w) for s in scripts for w in sizes]
     assert sorted(results) == sorted(wanted), f"the sweep stopped early:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if os.environ.get("MLSYS_SWEEP_REPORT"):  # a file to append the exit codes to, for the record
@@ -49,7 +51,7 @@ def sweep(scripts: list, sizes: list[int], *flags: str, timeout: float = 500) ->
             report.write(json.dumps({"flags": list(flags), "codes": [[s, w, c] for (s, w), c in results.items()]})
                          + "\n")
     failed = {key: code for key, code in results.items() if code not in (0, 2)}
-    assert not failed, f"(script, world size): exit code {failed}\n{proc.stderr[-5000:]}"
+    assert not failed, f"(script, world size): exit code {failed}{reports}\n{proc.stderr[-3000:]}"
     for script in scripts:
         assert any(results[(script.name, w)] == 0 for w in sizes), f"{script.name} refused every world size"
     return results

@@ -178,10 +178,15 @@ def worker(ctx: RankContext, args: Settings) -> dict | None:
     groups = [short_group(args.wait_timeout, detail=True), short_group(args.wait_timeout),
               short_group(args.wait_timeout)]
     calls: dict[str, list] = {name: [] for name in SCENARIOS}  # the flight record: every call, for the picture
+    # Each scenario starts with the ranks lined up (a barrier on the default group, whose timeout is long): its
+    # short timeouts are meant for the bug it stages, not for one rank starting late on a loaded machine.
+    dist.barrier()
     with recording(calls[SCENARIOS[0]], also=("all_reduce",)):
         checked = mismatched_all_reduce(ctx, groups[0])
+    dist.barrier()
     with recording(calls[SCENARIOS[1]], also=("monitored_barrier",)):
         barrier = late_rank(ctx, args, groups[1])
+    dist.barrier()
     with recording(calls[SCENARIOS[2]]):
         hang = where_it_hangs(ctx, args, groups[2])
     if hang:  # the recorder's own frame (mlsys/trace.py) is not the program's: leave it out of the dump
