@@ -24,7 +24,8 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py
     python .../chunked_prefill.py --budgets 512 64 16 --long-len 240
 
-Runtime on 2 idle cores: about 4 s, 4 s with --smoke; two or three times that on a busy machine.
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke; on a busy machine (a printed load average above the core
+count) up to about load average / cores times that.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/chunked_prefill.py --budgets 512 16

@@ -23,8 +23,8 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py
     python .../cuda_graphs.py --sizes 1 2 4 8 16 32 64 --iters 200     # on a GPU
 
-Runtime: about 8 s on 2 idle CPU cores (3 s with --smoke), two or three times that on a busy machine; on a GPU it
-also captures and times a graph per size.
+Runtime: about 8 s on 2 idle CPU cores (3 s with --smoke); on a busy machine (a printed load average above the
+core count) up to about load average / cores times that. On a GPU it also captures and times a graph per size.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py --sizes 1 3 8

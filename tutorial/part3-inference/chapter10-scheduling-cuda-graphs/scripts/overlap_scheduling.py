@@ -31,8 +31,9 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
     python .../overlap_scheduling.py --batch-sizes 1 16 64 --steps 40 --device cuda
 
-Runtime on 2 idle cores: about 4 s, 4 s with --smoke; timings move with the machine's load (three or four
-times that on a busy machine). Needs two free cores to show any gain on a CPU.
+Runtime on 2 idle cores: about 4 s, 4 s with --smoke; on a busy machine (a printed load average above the core
+count) up to about load average / cores times that, and the timings move with the load. Needs two free cores to
+show any gain on a CPU.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py --rounds 5
@@ -348,8 +349,9 @@ def main() -> int:
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
     print("   saved: plain - overlap per step. Only the plain engine's sched+prep is CPU work that can hide behind the"
-          " forward (overlap sched+prep: the same work, done while the forward ran), so a row that saved more than"
-          " it (note: noise) measured the machine's load, not the overlap")
+          " forward (overlap sched+prep: the same work plus moving the sequences past step n, run beside the forward"
+          " and sharing the cores and the GIL with it), so a row that saved more than it (note: noise) measured the"
+          " machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
     print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} ({len(tl['plain'])} consecutive "

@@ -16,8 +16,9 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
     python .../step_breakdown.py --batch-sizes 1 8 64 --steps 30 --device cuda
 
-Runtime on 2 idle cores: about 5 s, 3 s with --smoke; two or three times that on a busy machine. Timings move
-with the machine's load: compare shares, not absolute milliseconds, across runs.
+Runtime on 2 idle cores: about 5 s, 3 s with --smoke; on a busy machine (a printed load average above the core
+count) up to about load average / cores times that. Timings move with the machine's load: compare shares, not
+absolute milliseconds, across runs.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --prompt-len 200

@@ -28,7 +28,8 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py
     python .../tp_serving.py --sizes 1 2 --batch-size 32
 
-Runtime on 2 idle cores: about 10 s, 8 s with --smoke; two or three times that on a busy machine.
+Runtime on 2 idle cores: about 10 s, 8 s with --smoke; on a busy machine (a printed load average above the core
+count) up to about load average / cores times that.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64
