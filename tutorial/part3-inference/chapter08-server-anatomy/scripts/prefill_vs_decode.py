@@ -24,7 +24,8 @@ Runtime on 2 idle cores: about 5 s, 5 s with --smoke (two or three times that on
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
         -> longer contexts: each sequence's KV cache is about 3x bigger, so the kv_mib column and the
-           per-sequence cost grow; watch whether tokens/s now level off at a smaller batch
+           per-sequence cost grow; watch whether tokens/s now level off at a smaller batch, and whether the
+           last doubling now takes more than twice the step time
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --batch-sizes 1 4 16 64 128
         -> past the batch sizes of the default run: see whether tokens/s keep falling once the KV cache and
            the activations outgrow the CPU's caches
