@@ -170,7 +170,7 @@ def draw(rows: list[dict], args: Settings) -> str:
     plt = plot.pyplot()
     steps = [("rendezvous_ms", "open store + rendezvous (set, add, wait, get)"),
              ("build_group_ms", "gloo's own exchange: ProcessGroupGloo(PrefixStore)"),
-             ("all_reduce_ms", "one all_reduce over the new group")]
+             ("all_reduce_ms", "one all_reduce over the new group (mean of --rounds)")]
     fig, axes = plt.subplots(1, 2, figsize=(12, 1.6 + 0.45 * args.world_size), sharex=True)
     for ax, kind in zip(axes, ("tcp", "file")):
         mine = [r for r in rows if r["store"] == kind]
