@@ -497,6 +497,50 @@ def test_latency_bound_fit_prints_no_bandwidth() -> None:
     assert "GB/s" in bc.fit_line(big, 300e-6 + big / 1.5e9, 300e-6, 1.5e9)  # a real bandwidth-bound sweep
 
 
+
+def weighted_line(size: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """(alpha, 1/B) of time = alpha + size / B minimising sum((model / t - 1)^2), by its 2x2 normal equations
+    written out here: not the script's lstsq."""
+    w2 = 1.0 / seconds**2
+    lhs = np.array([[w2.sum(), (w2 * size).sum()], [(w2 * size).sum(), (w2 * size**2).sum()]])
+    rhs = np.array([(1.0 / seconds).sum(), (size / seconds).sum()])
+    alpha, inv_bandwidth = np.linalg.solve(lhs, rhs)
+    return float(alpha), float(inv_bandwidth)
+
+
+def test_noisy_latency_sweep_with_a_boundary_inside_it_prints_no_bandwidth() -> None:
+    """A reader's loaded --max-bytes 1024 run printed "size / 0.002 GB/s -> latency-bound below about 0 KiB,
+    bandwidth-bound above": the noise put the boundary at 435 B, at most half the largest size, and the largest
+    row (926 us) took more than twice the fastest (214 us), so the old two tests passed. Here the same shape: the
+    old tests, computed by hand, pass; the slowest row at or below the boundary (520 us) is more than half the
+    largest row's time, so the sweep has no bandwidth-bound points and no bandwidth may be printed."""
+    bc = load("bench_collectives")
+    size = np.array([8.0, 32, 128, 512, 1024])
+    times = np.array([300e-6, 214e-6, 520e-6, 640e-6, 926e-6])
+    alpha, inv_bandwidth = weighted_line(size, times)
+    knee = alpha / inv_bandwidth
+    assert alpha > 0 and 128 < knee <= 512  # inside the sweep, at most half the largest size: old test 1 passes
+    assert times[-1] >= 2 * times.min()  # old test 2 passes
+    assert times[-1] < 2 * times[size <= knee].max()  # 926 < 2 x 520: the size term is not above the noise
+    fit_alpha, fit_bandwidth = bc.fit_latency_bandwidth(size, times)
+    assert fit_alpha == pytest.approx(alpha, rel=1e-6) and fit_bandwidth == pytest.approx(1 / inv_bandwidth, rel=1e-6)
+    assert not bc.bandwidth_bound_points(size, times, fit_alpha, fit_bandwidth)
+    line = bc.fit_line(size, times, fit_alpha, fit_bandwidth)
+    assert "GB/s" not in line and "bandwidth-bound above" not in line and "no bandwidth-bound points" in line
+    falling = np.array([214e-6, 230e-6, 220e-6, 900e-6, 600e-6])  # above the boundary the time falls: no regime
+    a, b = bc.fit_latency_bandwidth(size, falling)
+    assert not bc.bandwidth_bound_points(size, falling, a, b)
+
+
+def test_a_boundary_below_one_kib_is_printed_in_bytes() -> None:
+    """A real sweep whose fixed cost is 2 us and bandwidth 0.2 GB/s has its boundary at 2e-6 * 2e8 = 400 B: the
+    line says "400 B", not "0 KiB" (400 / 1024 rounded), and a boundary of 2 KiB or more stays in KiB."""
+    bc = load("bench_collectives")
+    size = np.array([2.0**k for k in range(3, 26, 2)])
+    line = bc.fit_line(size, 2e-6 + size / 2e8, 2e-6, 2e8)
+    assert line.endswith("latency-bound below about 400 B, bandwidth-bound above") and "0 KiB" not in line
+    assert "about 373 KiB," in bc.fit_line(size, 161.9e-6 + size / 2.362e9, 161.9e-6, 2.362e9)  # 382,408 B
+
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:
     rvt = load("ring_vs_tree")
     ceiling = {"loopback_tcp_GBps": 2.0, "memcpy_GBps": 8.0}

@@ -26,13 +26,16 @@ What it shows
     shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
     the lowest busbw after the peak (load); or a fall that stays to the end, where none does (a check the
     sentence states only when some size follows the lowest point); a smaller rise, if any, is named with its
-    factor). A fitted time = alpha + size/B line
-    puts the boundary at size = alpha * B, shaded on the figure; it is one
-    least-squares line through all the points, which scatter on both sides of it, so its B can be below the
-    peak busbw. The sweep is called bandwidth-bound beyond that point only if it really is: the boundary must lie
-    at most half the largest size, and the measured time of the largest size must be at least twice the smallest
-    measured time (the size term at least as large as the fixed cost); otherwise the line fits noise, and the
-    output says the sweep has no bandwidth-bound points. Each size is checked once against a closed-form answer
+    factor). A fitted time = alpha + size/B line puts the boundary at size = alpha * B (printed in B below 1 KiB,
+    in KiB above), shaded on the figure; it is one least-squares line through all the points, each row weighted
+    by 1/time (the relative error (model/time - 1)^2, so a fast row counts as much as one a hundred times slower),
+    and the points scatter on both sides of it, so its B can be below the peak busbw. The weighting also makes the
+    line sit under most noisy small-message points: a point above the line costs at most 1, one below it without
+    limit. The sweep is called bandwidth-bound beyond the boundary only if it really is: the boundary must lie at
+    most half the largest size, at least two sizes must lie above it, their times must rise with size, and the
+    largest size must take at least twice the slowest time at or below the boundary (the size term clear of the
+    latency-bound noise); otherwise the line fits noise, and the output says the sweep has no bandwidth-bound
+    points. Each size is checked once against a closed-form answer
     before it is timed. Over gloo on CPU here; with one GPU per rank, --backend auto picks NCCL and CUDA tensors.
 
 How to run (any world size >= 1; the busbw factors are defined for every number of ranks p)
@@ -52,8 +55,10 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
         -> only the latency-bound end: the time stays roughly flat apart from the faster 8 B row (noisy on a busy
            machine), and the "# fit" line gives the fixed cost per call and says the sweep is all latency-bound,
-           with no bandwidth: inside this range the fitted slope is noise (or, when noise hides the size term
-           entirely, it says why no fit is shown)
+           with no bandwidth: inside this range the fitted slope is noise. When noise puts the fitted boundary
+           inside the sweep, the line says which test it failed; when noise hides the size term entirely, it says
+           why no fit is shown. Only noise that rises steeply with size, passing every test, gets a bandwidth
+           printed, and a rerun does not repeat it
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """
@@ -202,12 +207,25 @@ def fit_latency_bandwidth(size_bytes: np.ndarray, time_s: np.ndarray) -> tuple[f
 
 
 def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, alpha: float, bandwidth: float) -> bool:
-    """Whether the sweep reaches the bandwidth-bound regime: the fitted boundary alpha * B lies at most half the
-    largest size, and the time really grew (largest size at least twice the smallest time). A fit through a
-    latency-bound sweep can put the boundary inside it with a tiny, noise-made bandwidth; this says no to it."""
+    """Whether the sweep reaches the bandwidth-bound regime. Four tests, all needed: the fitted boundary alpha * B
+    lies at most half the largest size; at least two measured sizes lie above it; their times rise with size; and
+    the largest size took at least twice the SLOWEST time at or below the boundary (not merely twice the fastest:
+    on a loaded box the latency-bound times alone can spread 4x). A fit through a latency-bound sweep can put the
+    boundary inside it with a tiny, noise-made bandwidth (a reader's --max-bytes 1024 run: 435 B, 0.002 GB/s);
+    this says no to it."""
     knee = alpha * bandwidth
-    grew = time_s[np.argmax(size_bytes)] >= 2 * time_s.min()
-    return bool(math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2 and grew)
+    if not (math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2):
+        return False
+    order = np.argsort(size_bytes)
+    size_sorted, time_sorted = size_bytes[order], time_s[order]
+    above, at_or_below = time_sorted[size_sorted > knee], time_sorted[size_sorted <= knee]
+    rising = bool(np.all(np.diff(above) > 0))
+    return bool(above.size >= 2 and rising and time_sorted[-1] >= 2 * at_or_below.max())
+
+
+def boundary_text(num_bytes: float) -> str:
+    """The boundary alpha * B, whole bytes below 1 KiB (a 435 B boundary is not "0 KiB"), whole KiB above."""
+    return f"{num_bytes:.0f} B" if num_bytes < 1024 else f"{num_bytes / 1024:.0f} KiB"
 
 
 def size_text(num_bytes: float) -> str:
@@ -305,6 +323,21 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
         f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end{check}, not a dip that recovers")
 
 
+def above_text(size: np.ndarray, times: np.ndarray, knee: float) -> str:
+    """The sizes above the boundary and whether their times rise, for the '# fit' line's reasons."""
+    order = np.argsort(size)
+    above = times[order][size[order] > knee]
+    if above.size < 2:
+        return f"{above.size} size(s) above it here"
+    way = "rising" if np.all(np.diff(above) > 0) else "not rising"
+    return f"{above.size} here, {way}"
+
+
+def slowest_ratio(size: np.ndarray, times: np.ndarray, knee: float) -> float:
+    """The largest size's time over the slowest time at sizes at or below the boundary."""
+    return float(times[np.argmax(size)] / times[size <= knee].max())
+
+
 def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float) -> str:
     """The '# fit' line. A bandwidth is printed only when the sweep has bandwidth-bound points: in a latency-bound
     sweep the fitted size term is smaller than the noise, and its slope (size / some GB/s) is no bandwidth."""
@@ -324,10 +357,11 @@ def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float
     if not bandwidth_bound_points(size, times, alpha, bandwidth):
         return (f"# fit: no bandwidth-bound points in this sweep: all latency-bound. The fitted line (fixed cost "
                 f"{alpha * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
-                f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), and its largest "
-                f"size takes at least 2x the smallest time ({times[np.argmax(size)] / times.min():.1f}x here)")
+                f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), at least two sizes "
+                f"above it whose times rise with size ({above_text(size, times, knee)}), and its largest size takes "
+                f"at least 2x the slowest time at or below it ({slowest_ratio(size, times, knee):.1f}x here)")
     return (f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
-            f"{knee / 1024:.0f} KiB, bandwidth-bound above")
+            f"{boundary_text(knee)}, bandwidth-bound above")
 
 
 def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,

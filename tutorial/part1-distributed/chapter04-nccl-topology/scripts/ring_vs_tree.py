@@ -15,8 +15,11 @@ What it shows
          burst of load hits all of them) and the fastest of them all, gloo's included; which of ring and tree was
          faster where (a tie where their ranges over the rounds overlap: no winner is claimed there; the table
          prints both ranges and the verdict per size), ring busbw over gloo's;
-      3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) fitted by least squares to the
-         ring's and the tree's times at every other size from the smallest, plus the largest, then compared
+      3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) >= 0 fitted by least squares,
+         each point weighted by 1/time (the relative error (model/time - 1)^2: a point under the line costs at
+         most 1, one over it without limit, so where the ring and the tree differ several-fold the line follows
+         the faster one), to the ring's and the tree's times at every other size from the smallest, plus the
+         largest, then compared
          with the points it did not see (the sizes in between, and every halving-doubling point):
          measured/model per size, the median and worst factor on the held-out points, and the model's
          ring-vs-tree crossover beside the measured one; a `note:` line when the fit pins alpha at 0 (then the
