@@ -1,4 +1,4 @@
-"""Check the lessons for two things a reader cannot see but the book depends on.
+"""Check the lessons for three things a reader cannot see but the book depends on.
 
 1. Hand-typed measurements: a number in a lesson's prose that looks machine-dependent (a time, a throughput, a
    bandwidth, a measured ratio such as 1.42x) must come from the run shown beside it through a
@@ -7,6 +7,8 @@
    carries `<!-- typed: reason -->` on the same source line.
 2. Orphan snippets: every `# --8<-- [start:name]` section in tutorial/ and mlsys/ is included by some page
    (`--8<-- "path:name"` in a lesson or in book/pages/); a section nobody includes is dead weight that drifts.
+3. Collapsed blocks closed early: a line at column 0 that continues the indented paragraph of a `??? note` or
+   `!!! note` block ends the block there, and the rest of its body renders as literal code (`broken_blocks`).
 
     python scripts/check_lessons.py              # every chapter; exit 1 if anything is listed
     python scripts/check_lessons.py chapter04    # the lessons whose folder contains "chapter04" (orphans: all)
@@ -234,6 +236,28 @@ def _first_spans(root: Path, lessons: list[Path], bold_only: bool) -> dict[str, 
     return found
 
 
+def broken_blocks(path: Path) -> list[str]:
+    """Lines that end a collapsed (`??? note`) or admonition (`!!! note`) block early: a line at column 0 that
+    continues the block's indented paragraph (no blank line between). Markdown closes the block there, and the
+    rest of its body renders as one literal code block, fences and comments in plain view."""
+    problems, inside, fence, previous = [], False, None, ""
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        m = FENCE_RE.match(line)
+        if m:
+            fence = None if fence and m.group(1).startswith(fence) else (fence or m.group(1))
+        elif fence:
+            pass
+        elif re.match(r"(\?\?\?\+?|!!!) ", line):
+            inside = True
+        elif inside and line.strip() and not line[:1].isspace():
+            if previous.startswith("    ") and previous.strip():
+                problems.append(f"{path.relative_to(REPO)}:{number}: this line at column 0 ends the collapsed "
+                                "block above it early (the rest renders as code): indent it like the block")
+            inside = False
+        previous = line
+    return problems
+
+
 def orphan_sections(root: Path) -> list[str]:
     sections = {}
     for src in sorted([*root.glob("tutorial/**/*.py"), *root.glob("mlsys/**/*.py")]):
@@ -262,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pages = sorted(REPO.glob("book/pages/*.md")) if not a.only else []
     scripts = sorted(s for q in lessons for s in (q.parent / "scripts").glob("*.py"))
-    problems = ([line for lesson in [*lessons, *pages] for line in hand_typed(lesson)]
+    problems = ([line for lesson in [*lessons, *pages] for line in hand_typed(lesson) + broken_blocks(lesson)]
                 + [line for script in scripts for line in docstring_typed(script)] + orphan_sections(REPO))
     print("\n".join(problems) if problems else f"{len(lessons)} lessons: no hand-typed measurement, no orphan")
     return 1 if problems else 0

@@ -347,6 +347,12 @@ def test_real_book_renders_in_a_browser(tmp_path):
         prose = re.sub(r"<(pre|code|script|style)\b.*?</\1>", "", page.read_text(encoding="utf-8"), flags=re.S)
         raw = re.search(r"(?<![\w$])\$(?=\S)[^$<>\n]*?\S\$(?![\w$])", html.unescape(re.sub(r"<[^>]+>", " ", prose)))
         assert raw is None, f"{page.relative_to(site)}: raw formula {raw.group()!r} left unrendered"
+        for block in re.findall(r"<pre\b.*?</pre>", page.read_text(encoding="utf-8"), flags=re.S):
+            # markdown shown as code: a line at column 0 inside a `???` block ends it early, and the rest of the
+            # block turns into one literal code block with its fences, headings and comments in plain view
+            leaked = re.search(r"^\s*(?:```|~~~|--8<--|<!--|#{2,6} |\?\?\?|!!! ).*", html.unescape(
+                re.sub(r"<[^>]+>", "", block)), re.M)
+            assert leaked is None, f"{page.relative_to(site)}: markdown rendered as code: {leaked.group()!r}"
 
     server, driver = serve(site), chromium(tmp_path / "chrome-profile")
     base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -390,6 +396,21 @@ def test_lessons_quote_no_hand_typed_measurement_and_every_snippet_section_is_in
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_lessons.py")], cwd=REPO, text=True,
                             capture_output=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_lesson_checker_flags_a_line_that_ends_a_collapsed_block_early(tmp_path, monkeypatch):
+    """Chapter 12's value-clipping note broke this way: its second line started at column 0."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import check_lessons
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    lesson = tmp_path / "README.md"
+    lesson.write_text('??? note "Under the hood"\n\n    A sentence that goes on\n[a link](x) here.\n\n    ```python\n'
+                      "x = 1\n    ```\n\nA paragraph after the block.\n\n!!! tip\n    fine\n\nNext.\n"
+                      "```text\n    indented output\nflush output\n```\n")
+    monkeypatch.setattr(check_lessons, "REPO", tmp_path)
+    assert [int(f.split(":")[1]) for f in check_lessons.broken_blocks(lesson)] == [4]
 
 
 def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
