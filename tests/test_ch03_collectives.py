@@ -592,7 +592,9 @@ def test_async_timeline_obeys_the_all_reduce(tmp_path) -> None:
     proc = run([CH03 / "async_ops.py", "-w", 2, "--mib", 1, "--matmuls", 2, "--n", 64, "--repeats", 1,
                 "--json", out, "--plot-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_async_timeline(json.loads(out.read_text())["results"]["timeline"], 2)
+    results = json.loads(out.read_text())["results"]
+    check_async_timeline(results["timeline"], 2)
+    assert summary_errors(results["figure_summary"], results["figure_spans"]) == []
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
@@ -651,6 +653,64 @@ def test_async_figure_text_follows_the_recorded_spans() -> None:
     faster = mod.figure_text(mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))))
     assert "took 0.4x to 0.6x" in faster and "vary that much" in faster
     assert "too short to compare" in mod.figure_text(mod.compute_spans(synthetic_lanes((0.5, 0.5), (2.0, 2.0))))
+
+
+def summary_errors(text: str, spans: dict) -> list[str]:
+    """What is wrong in the one-sentence summary of the drawn round, judged from the recorded spans by rules written
+    here: the round "ended sooner" only if the overlapped round's end is below the sequential one's, "nothing was
+    saved" otherwise; "yet" only after a wait under 80% of the blocking all_reduce on every rank; "was short" only
+    if every rank's wait is under half of it; "the compute itself slowed" only if every rank's overlapped box is
+    longer than its sequential one. With (almost) no compute between post and wait(), no direction at all."""
+    seq, ovl = spans["sequential"], spans["overlapped"]
+    waits, comms = ovl["wait_by_rank"], seq["comm_by_rank"]
+    if max(ovl["compute_by_rank"]) < max(1.0, 0.05 * max(comms)):
+        return [word for word in ("short", "sooner", "saved", "slowed", "yet") if word in text]
+    errors = []
+    if ("ended" in text and "sooner" in text) != (ovl["round_ms"] < seq["round_ms"]):
+        errors.append("sooner")
+    if ("nothing was saved" in text) == (ovl["round_ms"] < seq["round_ms"]):
+        errors.append("saved")
+    if "was short" in text and not all(w < 0.5 * c for w, c in zip(waits, comms)):
+        errors.append("short")
+    if "yet" in text and not all(w < 0.8 * c for w, c in zip(waits, comms)):
+        errors.append("yet")
+    if "slowed" in text and not all(o > s for o, s in zip(ovl["compute_by_rank"], seq["compute_by_rank"])):
+        errors.append("slowed")
+    return errors
+
+
+def test_async_figure_summary_states_only_directions_the_spans_show() -> None:
+    mod = load_script(CH03 / "async_ops.py")
+    # the run the reader saw: waits of 2.6 and 1.7 ms against 9.9 and 10.0 ms, boxes 10.5 -> 14.9 and 15.7 ms
+    seen = {"sequential": {"compute_by_rank": [10.5, 10.5], "round_ms": 20.5, "comm_by_rank": [9.9, 10.0]},
+            "overlapped": {"compute_by_rank": [14.9, 15.7], "round_ms": 21.4, "wait_by_rank": [2.6, 1.7]}}
+    text = mod.figure_summary(seen)
+    assert text == ("wait() was short (2.6 ms on rank 0, against 9.9 ms for its blocking all_reduce) because most of "
+                    "the bytes moved during the compute, yet nothing was saved (the round ended at 21.4 ms against "
+                    "20.5 ms), because the compute itself slowed from 10.5 to 14.9 ms"), text
+    cases = [seen, mod.compute_spans(synthetic_lanes((50.0, 40.0), (75.0, 70.0))),  # slowed, wait short, no gain
+             mod.compute_spans(synthetic_lanes((50.0, 50.0), (30.0, 20.0))),  # faster compute, ended sooner
+             mod.compute_spans(synthetic_lanes((10.0, 10.0), (10.0, 10.0), wait=32.0)),  # long wait, no gain
+             mod.compute_spans(synthetic_lanes((10.0, 10.0), (10.0, 10.0), wait=12.0)),  # part of the bytes
+             mod.compute_spans(synthetic_lanes((40.0, 50.0), (52.0, 48.0)))]  # ranks disagree on the compute
+    for spans in cases:
+        text = mod.figure_summary(spans)
+        assert summary_errors(text, spans) == [], (text, spans)
+    assert "slowed" not in mod.figure_summary(cases[-1]) and "sooner" in mod.figure_summary(cases[2])
+    assert "yet" not in mod.figure_summary(cases[3]) and "about as long" in mod.figure_summary(cases[3])
+    # the checker catches a sentence whose direction is planted the wrong way round
+    good = mod.figure_summary(seen)
+    assert summary_errors(good.replace("yet nothing was saved", "and the round ended sooner"), seen) == ["sooner",
+                                                                                                       "saved"]
+    flipped = {"sequential": {**seen["sequential"], "compute_by_rank": [14.9, 15.7]},
+               "overlapped": {**seen["overlapped"], "compute_by_rank": [10.5, 10.5]}}
+    assert summary_errors(good, flipped) == ["slowed"]
+    assert summary_errors(good, {**seen, "overlapped": {**seen["overlapped"], "wait_by_rank": [9.0, 9.5]}}) == [
+        "short", "yet"]
+    # no compute between post and wait(): no direction at all
+    idle = mod.figure_summary(mod.compute_spans(synthetic_lanes((0.0, 0.0), (0.0, 0.0), wait=11.8)))
+    assert idle.startswith("no compute ran") and "says nothing about overlap" in idle
+    assert not any(word in idle for word in ("short", "sooner", "slowed", "yet"))
 
 
 def test_async_figure_lines_claim_no_overlap_without_compute() -> None:

@@ -19,14 +19,13 @@ What it shows
        all_reduce call, wait() and the moment the sum was ready (the handle's future completing, on gloo's thread)
        recorded on every rank (mlsys.trace.recording), one lane per rank. The compute is drawn where it ran: in
        `overlapped` between the all_reduce's return and the wait() call, in `sequential` after the all_reduce until
-       the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. A
-       line compares the two panels, from the recorded spans: each rank's overlapped compute box against the same
-       rank's sequential one, and whether the overlapped round ended sooner (`figure_text` in the JSON). The next
-       reads the diamonds: each rank's wait() against the same rank's blocking all_reduce, much shorter (most bytes
-       moved during the compute), about as long (almost none did) or in between (`figure_wait`). With no compute
-       between post and wait() (--matmuls 0) both lines say so instead: each round is then a single all-reduce,
-       and neither the wait nor the rounds' ends say anything about overlap. A last line sets that single round
-       beside the table's medians (`figure_note`): one sample, its gain or loss need not match the verdict.
+       the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. One
+       line reads that round (`figure_summary` in the JSON): rank 0's wait() against its blocking all_reduce (short:
+       most bytes moved during the compute), whether the overlapped round ended sooner, and, if not, whether the
+       compute itself slowed; a direction is stated only when every rank agrees. With no compute between post and
+       wait() (--matmuls 0) the line says so instead. The longer readings stay in the JSON (`figure_text`,
+       `figure_wait`). A last line sets that single round beside the table's medians (`figure_note`): one sample,
+       its gain or loss need not match the verdict.
 
 What "completed" means depends on the backend
     gloo (CPU): the collective runs on gloo's own threads; wait() returns once the result is in x.
@@ -44,8 +43,8 @@ Try next
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py --matmuls 0
         -> nothing to overlap with: "hidden: undefined, no compute to hide behind" (null in the --json), and the
            verdict says so; communication, sequential and overlapped then time the same all-reduce, so any
-           difference is noise, but under load the three times can differ by a third or more. The figure's lines
-           say "there was no compute to overlap" and that wait() only measured the all-reduce itself
+           difference is noise, but under load the three times can differ by a third or more. The figure's line
+           says "no compute ran" and that wait() only measured the all-reduce itself
     python tutorial/part1-distributed/chapter03-collectives/scripts/async_ops.py -w 4 --mib 32
         -> four ranks on two cores and a 32 MiB all-reduce: every time grows, and the "hidden" line says how much
            of the shorter part the overlap still saved against the two parts timed alone; it varies from run to run,
@@ -311,6 +310,35 @@ def wait_reading(spans: dict[str, dict]) -> str:
                    "none": ": about as long, so almost none of the bytes moved during the compute"}[cases.pop()]
 
 
+def figure_summary(spans: dict[str, dict]) -> str:
+    """The drawn round in one plain sentence, printed under the figure (`figure_summary` in the JSON; figure_text and
+    figure_wait keep the long form). Every direction comes from the recorded spans and is stated only when every rank
+    agrees: the wait (under half the same rank's blocking all_reduce: short, the bytes moved during the compute;
+    above 80%: about as long), whether the overlapped round ended sooner, and, when it did not, whether the compute
+    itself slowed (every rank's overlapped box over 1.1x its sequential one). Numbers are rank 0's."""
+    seq, ovl = spans["sequential"], spans["overlapped"]
+    if no_compute(spans):
+        return (f"no compute ran between the post and wait() (at most {max(ovl['compute_by_rank']):.1f} ms on any "
+                "rank), so wait() only measured the all-reduce itself, and the round says nothing about overlap")
+    w, c = ovl["wait_by_rank"][0], seq["comm_by_rank"][0]
+    nums = f"{w:.1f} ms on rank 0, against {c:.1f} ms for its blocking all_reduce"
+    cases = {"short" if wt < 0.5 * cm else "long" if wt > 0.8 * cm else "part"
+             for wt, cm in zip(ovl["wait_by_rank"], seq["comm_by_rank"])}
+    case = cases.pop() if len(cases) == 1 and min(seq["comm_by_rank"]) >= 1.0 else "mixed"
+    moved = {"short": f"wait() was short ({nums}) because most of the bytes moved during the compute",
+             "part": f"wait() took {nums}: part of the bytes moved during the compute, the rest after it",
+             "long": f"wait() took {nums}, about as long: the bytes moved after the compute",
+             "mixed": f"wait() took {nums}, in no case shared by every rank"}[case]
+    if ovl["round_ms"] < seq["round_ms"]:
+        return (f"{moved}, and the round ended {seq['round_ms'] - ovl['round_ms']:.1f} ms sooner "
+                f"({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms)")
+    pairs = list(zip(ovl["compute_by_rank"], seq["compute_by_rank"]))  # (overlapped, sequential) box, rank by rank
+    slowed = all(s >= 1.0 and o > 1.1 * s for o, s in pairs)
+    why = f", because the compute itself slowed from {pairs[0][1]:.1f} to {pairs[0][0]:.1f} ms" if slowed else ""
+    return (f"{moved}, {'yet' if case in ('short', 'part') else 'and'} nothing was saved (the round ended at "
+            f"{ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms){why}")
+
+
 def figure_note(spans: dict[str, dict[str, float]], times: dict[str, float]) -> str:
     """One sentence setting the figure's single round beside the table's medians: its sequential compute box
     against the compute median, its two rounds against the two orders' medians; "slower" or "faster" only when
@@ -422,6 +450,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     results["figure_spans"] = compute_spans(results["timeline"])
     results["figure_text"] = figure_text(results["figure_spans"])
     results["figure_wait"] = wait_reading(results["figure_spans"])
+    results["figure_summary"] = figure_summary(results["figure_spans"])
     results["figure_note"] = figure_note(results["figure_spans"], times)
     return results
 
@@ -434,8 +463,7 @@ def main() -> int:
         return 0
     print(f"OK: async all_reduce sums, .then() means and overlapped results checked on all {args.world_size} ranks")
     print(f"figure: {draw(result['timeline'], args.world_size, args)}")
-    print(f"in the figure's round, {result['figure_text']}")
-    print(f"its diamonds: {result['figure_wait']}")
+    print(f"in the figure's round, {result['figure_summary']}")
     print(result["figure_note"])
     if args.json:
         report.write_json(args.json, result, args)
