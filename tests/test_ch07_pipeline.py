@@ -412,7 +412,7 @@ def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
     assert "stage 1's F0, 3.0× the mean forward" in text
     assert "no other stage" not in text
     assert "delayed stage 1's next message, g0 (sent after its B0)" in text
-    assert "stage 0 was blocked 40.0 ms in its green g0 box, of which about 20.0 ms is F0's excess over the mean " \
+    assert "stage 0 was blocked 40.0 ms in its green g0 box. About 20.0 ms of that is F0's excess over the mean " \
            "forward; the other 20.0 ms it would have waited with a forward of mean length too" in text
     assert "covers" not in text
     last = [sp for sp in spans if not (sp.lane == "stage 1 messages" and sp.kind == "send posted")]

@@ -206,7 +206,7 @@ def analyse(name: str, p: int, v: int, m: int, timeline: list) -> dict:
     span = max(e["end"] for evs in ideal.values() for e in evs)
     return {"formula": zs.formula(name, p, v, m), "formula_holds": zs.formula_holds(name, p, v, m),
             "counted": sum(counted) / p, "counted_per_rank": counted,
-            "idle_slots": float(span - 3 * m) / 3,  # per rank, in micro-batch F+B times (3 units)
+            "idle_units": float(span - 3 * m),  # per rank, in x-axis units (one forward on a rank = 1)
             "peak_held": [zs.peak_held(ran[r], chunks) for r in range(p)],
             "p2p_messages": zs.p2p_messages(name, p, v, m), "chunks": chunks,
             "order": {r: " ".join(f"{k}{s}.{i}" for k, s, i in ran[r]) for r in range(p)},
@@ -279,14 +279,14 @@ def print_report(args: Settings, results: dict) -> None:
     rows = []
     for name, r in results["schedules"].items():
         rows.append({"schedule": name, "stages/rank": r["chunks"], "formula": round(r["formula"], 4),
-                     "counted": round(r["counted"], 4), "idle slots": round(r["idle_slots"], 3),
+                     "counted": round(r["counted"], 4), "idle units": round(r["idle_units"], 3),
                      "wall clock": round(r["wall_clock"], 3), "step ms": round(r["step_ms"]),
                      "busy ranks": round(r["busy_ranks"], 2),
                      "peak held": max(r["peak_held"]), "p2p msgs": r["p2p_messages"],
                      "max|dparam|": r["max_param_diff"]})
     print(report.table(rows))
     print("\ncounted: idle share of the ideal timeline of the actions each rank ran (T_F = T_I = T_W, messages "
-          "free);\n  idle slots: idle time per rank in units of one micro-batch's forward + backward on a rank")
+          "free);\n  idle units: idle time per rank, in units of one micro-batch's forward on a rank")
     misses = [n for n, r in results["schedules"].items() if abs(r["counted"] - r["formula"]) > 1e-9]
     print("counted = formula for every schedule" if not misses else f"counted differs from the formula for: "
           f"{', '.join(misses)}" + (" (ZB-V needs m >= 2p - 1)" if misses == ["zbv"] else ""))

@@ -6,7 +6,7 @@ What it shows
               over them, activations forward with isend/recv and their gradients backward the same way, then
               every stage takes one AdamW step. Each rank also trains the whole model in one process on the
               whole batch, and checks that its stage's gradients match (rtol 1e-4, atol 1e-6 in float32;
-              --double for float64 and a 1e-10 tolerance), and its updated parameters within what those gradient
+              with --double, float64, rtol 1e-10, atol 1e-12), and its updated parameters within what those gradient
               differences can move a weight through the AdamW step (step_tolerance: a gradient near 0 may flip).
     ORDER     the order of operations of every stage, e.g. F0 F1 B0 F2 B1 ... for 1F1B.
     MEMORY    how many micro-batches each stage holds between their forward and their backward (their saved
@@ -30,7 +30,7 @@ Try next
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 2
         -> fewer micro-batches than stages: 1F1B's warm-up is capped at m, both schedules still match one process
     python tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --double
-        -> float64: the differences from the one-process reference shrink to float64 rounding (tests ask 1e-12)
+        -> float64: the differences from the one-process reference shrink to float64 rounding (the tests ask < 1e-12)
     torchrun --nproc-per-node 2 \\
         tutorial/part2-parallelism/chapter07-pipeline-expert/scripts/pipeline_schedules.py --micro-batches 4
         -> two stages under torchrun; stage 0 holds at most 2 micro-batches under 1F1B, 4 under GPipe

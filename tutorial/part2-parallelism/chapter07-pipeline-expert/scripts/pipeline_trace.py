@@ -297,10 +297,10 @@ def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
         share = (f", all of it within {top.label}'s excess over the mean {top.kind} ({excess:.1f} ms): "
                  f"a {top.kind} of mean length would have left no wait")
     else:
-        share = (f", of which about {extra:.1f} ms is {top.label}'s excess over the mean {top.kind}; the other "
+        share = (f". About {extra:.1f} ms of that is {top.label}'s excess over the mean {top.kind}; the other "
                  f"{wait - extra:.1f} ms it would have waited with a {top.kind} of mean length too")
     if via:
-        return text + f"; it delayed {held}: {blocked}{share}"
+        return text + f". It delayed {held}, and {blocked}{share}"
     return text + f"; {blocked}{share}"
 
 
