@@ -44,8 +44,13 @@ Try next
            as it divides by --rollouts), but the bias^2 left at lambda = 1 is expected to grow, because its
            sampling-noise part is variance / (--rollouts - 1); one run can still land anywhere around it
     python tutorial/part4-rlhf/chapter12-rl-fundamentals/scripts/gae_lambda.py --horizon 100
-        -> shorter rollouts sum fewer random rewards: expect less variance at lambda = 1; which lambda is best can
-           change (it can even be 0)
+        -> truth and estimates both stop at step 100 instead of 400, still without bootstrapping, so most rollouts
+           now reach the cut. Fewer random rewards are summed: expect less variance at lambda = 1; which lambda is
+           best can change (it can even be 0). bias^2 need not fall as lambda grows: expect it to rise over most of
+           the range and drop only near lambda = 1. The critic was fit to the whole return, so near the cut its
+           values count rewards the truncated truth no longer counts and overestimate, the more the closer to the
+           cut; a larger lambda leans on values further along the rollout, until lambda = 1 uses none. Nearer the
+           start, that overestimate and the critic's own errors can add up or cancel
 """
 
 from __future__ import annotations
