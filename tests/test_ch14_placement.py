@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -103,6 +105,21 @@ def test_recommendation_is_the_smallest_fit(planner) -> None:
     want = f"co-located on {n} GPUs" if n <= t + pool["gpus"] else \
         f"disaggregated: {t} trainer + {pool['gpus']} rollout GPUs = {t + pool['gpus']}"
     assert result["pick"] == want
+
+
+def test_rollout_pool_tie_goes_to_the_smaller_tp(planner) -> None:
+    """The lesson's 70B sentence: TP 4 (2 engines) and TP 8 (1 engine) both fill 8 rollout GPUs; TP 4 is kept."""
+    args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")
+    budget, s = 80 * GIB * 0.9, kvm.MODEL_SHAPES["llama-3-70b"]
+    seq = args.prompt_len + args.response_len
+
+    def gpus(tp: int) -> int:  # by hand: engines whose free memory holds the batch's KV cache, times tp
+        free = budget - s.num_params * 2 / tp
+        return tp * math.ceil(args.rollout_batch / int(free // (327680 * seq / tp)))
+
+    assert gpus(4) == gpus(8) == 8 and gpus(2) > 8
+    pool = planner.rollout_pool(args, budget)
+    assert (pool["tp"], pool["replicas"], pool["gpus"]) == (4, 2, 8)
 
 
 def test_planner_script_runs_and_writes_json(tmp_path_factory) -> None:

@@ -181,13 +181,14 @@ def disturbed_rows(rows: list[dict], key: str) -> list[str]:
 
 
 def disturbed_text(rows: list[dict]) -> str:
-    """One sentence naming the table's rows that the bytes-only-grow rule flags, per method, or saying none is."""
-    parts = [f"{how} {', '.join(names)}" for how, key in (("per tensor:", "per-tensor ms"),
-                                                          ("bucketed:", "bucketed ms"))
-             if (names := disturbed_rows(rows, key))]
+    """One plain sentence per row that the bytes-only-grow rule flags (per method), or one saying none is."""
+    nxt = {a["model"]: b["model"] for a, b in zip(rows, rows[1:])}
+    parts = [f"{m}'s {how} sync took longer than {nxt[m]}'s, a larger model, so it was disturbed"
+             for how, key in (("per-tensor", "per-tensor ms"), ("bucketed", "bucketed ms"))
+             for m in disturbed_rows(rows, key)]
     if not parts:
         return "no row took longer than the larger model below it, in either method"
-    return "the rule flags as disturbed (slower than the larger model below it) " + "; ".join(parts)
+    return "; ".join(parts)
 
 
 def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
@@ -326,7 +327,7 @@ def main() -> int:
           f"{speedup[big['model']]:.2f} (smallest model, {rows[0]['model']}: {speedup[rows[0]['model']]:.2f})")
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
-    print(f"Rows slower than the larger model below them: {reading['disturbed_text']}")
+    print(f"Disturbed table rows: {reading['disturbed_text']}")
     if sweep:
         reading["sweep_breaks"] = [[a["bucket MB"], b["bucket MB"]] for a, b in sweep_order_breaks(sweep)]
         reading["sweep_text"] = sweep_order_text(sweep)
