@@ -174,6 +174,7 @@ def test_preemption_script(preempt: dict) -> None:
         assert got["prefill_tokens"] == sim["prefill_tokens"], name
     tight, roomy = preempt["tight"], preempt["roomy"]
     assert roomy["num_preemptions"] == 0 and tight["num_preemptions"] > 0
+    assert roomy["num_blocks"] == args.num_requests * -(-args.max_model_len // args.block_size)  # the lesson's 6 x 12
     assert roomy["prefill_tokens"] == sum(p for p, _ in work)  # without preemption every prompt once
     assert tight["reasons"] == ["length"] * len(tight["reasons"])  # outputs equal: checked by the script (exit 0)
     assert preempt["recomputed_tokens"] > 0

@@ -224,7 +224,7 @@ def main() -> int:
           + ("  [CPU: 'swap' is a memory copy here, not a PCIe transfer]" if device == "cpu" else ""))
     print(report.table(rows, floatfmt=".3g"))
     print(f"   computed with {args.gpu_tflops:g} TFLOPS x {args.mfu:g} MFU and {args.pcie_gbps:g} GB/s per "
-          "direction; the ratio does not depend on n: params * bandwidth / (flops * kv_bytes_per_token).")
+          "direction; the ratio does not depend on n: params * bandwidth / (peak * MFU * kv_bytes_per_token).")
     if args.json:
         for r in (tight, roomy):
             del r["outputs"]
