@@ -162,6 +162,7 @@ def launch(worker: Callable[..., Any], *worker_args: Any, **overrides: Any) -> A
         opts = LaunchOptions(**{f.name: getattr(source, f.name) for f in dataclasses.fields(LaunchOptions)})
     opts = dataclasses.replace(opts, **overrides)
     if under_torchrun():
+        _import_before_the_group()
         opts.world_size = int(os.environ["WORLD_SIZE"])
         opts.backend = resolve_backend(opts.backend, opts.world_size)
         result = _run_rank(worker, worker_args, opts)
@@ -170,6 +171,17 @@ def launch(worker: Callable[..., Any], *worker_args: Any, **overrides: Any) -> A
         raise UsageError(f"world size must be at least 1, got {opts.world_size}")
     opts.backend = resolve_backend(opts.backend, opts.world_size)
     return _spawn(worker, worker_args, opts)
+
+
+def _import_before_the_group() -> None:
+    """Under torchrun a rank ends by tearing its interpreter down (a spawned rank skips that: `os._exit`), so
+    nothing may keep the process group alive past destroy_process_group. torch.distributed.fsdp's
+    sharded_grad_scaler gives ShardedGradScaler the default argument `process_group=dist.group.WORLD`, evaluated
+    when the module is first imported; DistributedDataParallel's constructor imports it (through torch._dynamo).
+    Imported after init_process_group, that default holds the default group for the life of the process: gloo's
+    threads outlive destroy_process_group, and the rank can abort in teardown ("terminate called without an
+    active exception", after the job's output). Imported before, the default is None."""
+    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------- one rank
