@@ -31,7 +31,8 @@ Runtime on 2 cores: about 8 s (two naive attempts of 2 s each, plus starting the
 
 Try next
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py -w 3 --ring
-        -> a ring where every rank sends first: every rank times out after 2 s, then both fixes complete
+        -> a ring where every rank sends first: every rank times out (or sees its peer time out) after 2 s,
+           then both fixes complete
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py --numel 1 --deadlock-timeout 5
         -> a one-element swap still deadlocks on gloo; each naive attempt now waits 5 s
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/deadlock.py -w 3
