@@ -30,7 +30,8 @@ Contract flags: --smoke trains 2 steps instead of 3; --seed sets the initial wei
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/fsdp_tp.py -w 8 --tp 4
-        -> 2 dp groups of 4 tensor-parallel ranks; HSDP as 2 replicas of 4 shards
+        -> 2 tensor-parallel groups of 4 ranks (the mesh's rows), with FSDP2 sharding across the 2 rows;
+           HSDP as 2 replicas of 4 shards
 """
 
 from __future__ import annotations

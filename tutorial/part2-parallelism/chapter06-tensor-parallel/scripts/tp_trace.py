@@ -19,7 +19,10 @@ the trace and the figure were written. Runtime on 2 cores: about 8 s; --smoke ab
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_trace.py --seq 128 --batch 8
-        -> sixteen times the tokens, so the all-reduces carry sixteen times the bytes. Compare the closing
+        -> sixteen times the tokens, so the all-reduces carry sixteen times the bytes. This script prints only
+           times; the same GPT at the same shape,
+           python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/tp_shards.py -w 2 --seq 128 --batch 8
+           lists every collective's bytes: 16 times those of its default run. Compare the closing
            "forward + backward took ... ms; the collectives were busy ... ms" line with the default run's: how the
            step and the collectives' share change depends on the machine and its load, and single rows of the
            table may not move the same way as the total
