@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     except LookupError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    failed = 0
+    failed, stuck = 0, None  # stuck: the first exercise with a task still TODO, whose hints the last line names
     for exercise in chosen:
         which = "reference solution" if args.solution else "your attempt"
         target = (args.file or (exercise.solution if args.solution else exercise.attempt)).resolve()
@@ -351,9 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             detail = f"\n            {outcome.detail}" if outcome.detail else ""
             print(f"  {outcome.status:<9} {outcome.task}{detail}")
             failed += outcome.status in ("FAIL", "TODO")
+            if outcome.status == "TODO" and stuck is None and not args.solution and tagged_hints(exercise):
+                stuck = exercise.exercise_id
             if outcome.status == "FAIL" and not args.solution:
                 print(_hint_pointer(exercise, about[i] if i < len(about) else []))
     print("all tasks pass" if not failed else f"{failed} task(s) to go")
+    if stuck:  # a TODO carries no hint line of its own, unlike a FAIL
+        print(f"stuck? make hint EX={stuck}")
     return 1 if failed else 0
 
 

@@ -42,6 +42,19 @@ def test_command_line_exit_codes(capsys) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_an_untouched_stub_ends_by_naming_the_hints(capsys) -> None:
+    """A TODO carries no hint line, so the checker's last line says where help is; a FAIL names its own, and a
+    solution check needs none."""
+    assert exercises.main(["ch01.1"]) == 1
+    assert capsys.readouterr().out.splitlines()[-2:] == ["2 task(s) to go", "stuck? make hint EX=ch01.1"]
+    wrong = exercises.find("ch01.1").checker.parent / "wrong" / "ex1_ceil_shards.py"
+    assert exercises.main(["ch01.1", "--file", str(wrong)]) == 1
+    assert "stuck?" not in capsys.readouterr().out
+    assert exercises.main(["ch01.1", "--solution"]) == 0
+    assert "stuck?" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
 def test_a_wrong_attempt_fails_with_a_useful_message(tmp_path) -> None:
     """Checkers must catch wrong answers, not only missing ones: ceil-sized shards are a classic mistake."""
     wrong = tmp_path / "ex1_rank_arithmetic.py"
