@@ -10,10 +10,10 @@ What it shows
     Each pattern is repeated --repeats times; the mean time per rank and pattern goes to --json only (W ranks on
     2 shared cores time the scheduler, not the pattern).
     Figures: chain_and_ring.png draws the chain and the ring with the values each rank really held;
-    ring_shift_calls_three_ways.png runs each ring version once more with every call recorded
-    (mlsys.trace.recording) and draws one lane per rank, a box per call from its start to its return, and an
-    arrow per message from the call that posted it to the call that completed its receive. The JSON keeps them
-    under `ring_lanes` and `ring_messages`.
+    ring_shift_on_W_ranks_written_three_ways.png (W the world size) runs each ring version once more with
+    every call recorded (mlsys.trace.recording) and draws one lane per rank, a box per call from its start to
+    its return, and an arrow per message from the call that posted it to the call that completed its receive.
+    The JSON keeps them under `ring_lanes` and `ring_messages`.
 
 How to run (any world size >= 2)
     python tutorial/part1-distributed/chapter02-point-to-point/scripts/send_recv.py -w 4
@@ -169,7 +169,7 @@ def timed(fn, repeats: int) -> tuple[torch.Tensor, float]:
         return out, (time.perf_counter() - start) / repeats * 1e6
 
 
-RING_VERSIONS = {  # the panels of ring_shift_calls_three_ways.png, in the lesson's order
+RING_VERSIONS = {  # the panels of ring_shift_on_W_ranks_written_three_ways.png, in the lesson's order
     "1. order the calls: even ranks send first, odd ranks receive first": ring_even_odd,
     "2. non-blocking: post isend and irecv, then wait on both": ring_isend_irecv,
     "3. batched: batch_isend_irecv posts both in one call, then wait on both": ring_batched,
@@ -341,7 +341,8 @@ def draw_lanes(lanes: dict[str, list[dict]], messages: dict[str, list[dict]], wo
     fig.suptitle(f"The ring shift on {world_size} ranks ({numel:,} float32 elements each): every call each rank "
                  "made, three ways", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return str(plot.save(fig, args, "ring_shift_calls_three_ways"))  # the name is its caption on the script page
+    # the name is its caption on the script page (the lesson draws -w 3, so it cannot lend its caption there)
+    return str(plot.save(fig, args, f"ring_shift_on_{world_size}_ranks_written_three_ways"))
 
 
 def main() -> int:
