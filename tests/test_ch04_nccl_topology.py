@@ -147,6 +147,28 @@ def test_fit_that_pins_alpha_at_zero_prints_a_note(capsys) -> None:
     assert "note:" not in capsys.readouterr().out
 
 
+def test_fit_that_pins_beta_at_zero_prints_a_note(capsys) -> None:
+    """A reader's -w 2 run under load got beta = 0 ("no per-byte cost") with no `note:` line, while the lesson
+    described only alpha at 0. Timings that shrink with the bytes pin beta at 0 and must print a note saying the
+    model gives every size the same time; the alpha note stays silent."""
+    rvt = load("ring_vs_tree")
+    summary = rvt.summarise(model_rows(lambda steps, moved: 1e-4 * steps - 1e-12 * moved), 4)
+    assert summary["beta_s_per_byte"] == 0.0 and summary["alpha_s"] > 0
+    rvt.print_model(summary, 4)
+    out = capsys.readouterr().out
+    assert "note: the fit pinned beta at 0" in out and "the same time" in out
+    assert "note: the fit pinned alpha" not in out
+
+
+@pytest.mark.parametrize("ratio, shown, word", [(12290 / 12347, "0.995", "below 1"), (0.9996, "1.000", "about 1"),
+                                                (1.0004, "1.000", "about 1"), (1.2, "1.200", "above 1")])
+def test_ring_over_gloo_label_agrees_with_the_printed_ratio(ratio: float, shown: str, word: str) -> None:
+    """A reader's run printed "1.00 (below 1: ...)" for 12290/12347 = 0.995: the label followed the raw ratio,
+    the number its two-digit rounding. Three digits are printed and the label is read off them."""
+    printed, label = load("ring_vs_tree").ring_vs_gloo(ratio, "8.0 MiB")
+    assert printed == shown and label.startswith(word + ":")
+
+
 def critical_path_of_built_tree(p: int) -> tuple[int, int]:
     """(steps, bytes in units of n) on the tree's critical path, read off the parent links the script builds: walk
     each rank up to the root for its depth; at every depth the busiest parent takes one n per child (up) and
@@ -605,6 +627,7 @@ def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp
     avg = np.mean([r["busbw (GB/s)"] for r in rows])
     assert doc["avg_busbw_gbps"] == pytest.approx(avg)
     assert f"# Avg bus bandwidth : {avg:.4f}" in proc.stdout
+    assert f"# busbw {doc['busbw_trend_text']}" in proc.stdout  # the trend sentence, not only in the JSON
     assert (tmp_path / f"{collective}_sweep.png").exists()
 
 
@@ -687,8 +710,10 @@ def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
     assert doc["memcpy_GBps"] > 0 and doc["loopback_tcp_GBps"] > 0
     largest = max(r["size (B)"] for r in doc["rows"])  # the direction words follow the raw times at that size
     t = {r["algorithm"]: r["time (us)"] for r in doc["rows"] if r["size (B)"] == largest}
-    assert doc["ring_vs_gloo_text"].startswith("above 1: our Python ring finished faster") == (
-        t["ring"] < t["gloo all_reduce"])
+    word = doc["ring_vs_gloo_text"].split(":")[0]
+    assert word == ("about 1" if f"{doc['ring_over_gloo_busbw']:.3f}" == "1.000" else
+                    "above 1" if t["ring"] < t["gloo all_reduce"] else "below 1")
+    assert f"gloo all_reduce busbw at 64.0 KiB: {doc['ring_over_gloo_busbw']:.3f} ({word}:" in proc.stdout
     for name in ("ring_vs_tree", "alpha_beta", "ceiling", "steps"):
         assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])

@@ -22,7 +22,7 @@ What it shows
     all-reduce over gloo of fewer than 2p float32 values (8 B at 2 ranks): gloo's ring cuts the buffer into at least
     2p segments and skips the empty ones, so it sends fewer messages and is usually the fastest row;
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
-    and may fall again once the buffers outgrow the CPU caches; the JSON's busbw_trend_text says which this run
+    and may fall again once the buffers outgrow the CPU caches; the "# busbw" line says which this run
     shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
     the lowest busbw after the peak (load); or a fall that stays to the end, where none does (a check the
     sentence states only when some size follows the lowest point); a smaller rise, if any, is named with its
@@ -291,6 +291,14 @@ def busbw_trend_text(rows: list[dict]) -> str:
     return busbw_pattern(rows)[1]
 
 
+def busbw_line(rows: list[dict]) -> str:
+    """The '# busbw' line: busbw_trend_text, with what its pattern usually means (a dip: load; a fall: a limit)."""
+    pattern, text = busbw_pattern(rows)
+    meaning = {"dip that recovers": " (the pattern of load: rerun and it moves or goes)",
+               "fall that stays": " (the pattern of a limit, such as the caches)"}.get(pattern, "")
+    return f"# busbw {text}{meaning}"
+
+
 RECOVERY = 1.2  # a later size at least this many times the lowest busbw after the peak: the dip recovered
 
 
@@ -410,6 +418,7 @@ def main() -> int:
     print(report.table(rows, floatfmt=".3f"))
     avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
+    print(busbw_line(rows))
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     times = np.array([r["time (us)"] for r in rows]) * 1e-6
     alpha, bandwidth = fit_latency_bandwidth(size, times)

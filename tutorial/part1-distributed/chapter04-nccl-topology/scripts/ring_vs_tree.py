@@ -23,7 +23,7 @@ What it shows
          with the points it did not see (the sizes in between, and every halving-doubling point):
          measured/model per size, the median and worst factor on the held-out points, and the model's
          ring-vs-tree crossover beside the measured one; a `note:` line when the fit pins alpha at 0 (then the
-         factors at the small sizes are meaningless);
+         factors at the small sizes are meaningless) or beta at 0 (then no size costs more than another);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -47,9 +47,10 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
         -> two ranks: ring and tree take the same two steps, so the model has no crossover; the measurement can
            still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
-           and scheduling overhead, which the model does not see. Under load the fit can pin alpha at 0; a
-           `note:` line then says the factors at the small sizes mean nothing. Up to about a minute under load,
-           like the 4-rank sweep
+           and scheduling overhead, which the model does not see. Under load the fit can pin alpha or beta at 0,
+           and a `note:` line says so: with alpha at 0 the factors at the small sizes mean nothing; with beta at
+           0 the `fit:` line says "no per-byte cost", the model gives every size the same time, and section 4
+           has no bandwidth to compare. Up to about a minute under load, like the 4-rank sweep
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
@@ -592,6 +593,28 @@ def alpha_pinned_note(summary: dict) -> str | None:
             "the large sizes test the model). This happens under load or with 2 ranks; rerun on a quieter machine")
 
 
+def beta_pinned_note(summary: dict) -> str | None:
+    """The `note:` line for a fit that pinned beta at 0 (fit_alpha_beta kept alpha alone): the model then charges
+    the bytes nothing, so every size gets the same model time, and there is no 1/beta to hold against
+    the ceilings. None for a fit with a positive beta."""
+    if summary["beta_s_per_byte"] > 0 or not summary["alpha_s"]:
+        return None
+    return ("note: the fit pinned beta at 0 ns per byte (no per-byte cost): the model gives every size the same "
+            "time, its steps times alpha, so the measured/model factors only show how the measured times vary with "
+            "the size, and section 4 has no fitted bandwidth to compare. This happens under load or with 2 ranks; "
+            "rerun on a quieter machine")
+
+
+def ring_vs_gloo(ratio: float, largest: str) -> tuple[str, str]:
+    """(the ratio as printed, its label): the label is read off the printed three digits, so "0.995" says
+    below 1 and a ratio that prints as 1.000 says about 1, never a direction the printed number does not show."""
+    shown = f"{ratio:.3f}"
+    label = (f"above 1: our Python ring finished faster than gloo's own all-reduce at {largest}" if float(shown) > 1
+             else f"below 1: gloo's own all-reduce finished faster than our Python ring at {largest}"
+             if float(shown) < 1 else f"about 1: the two took the same time to three digits at {largest}")
+    return shown, label
+
+
 def print_model(summary: dict, w: int) -> None:
     """Section 3 of the output: the fit, measured/model at every size, and the model's crossover."""
     fit, held = summary["fit_sizes"], summary["held_out_sizes"]
@@ -612,9 +635,9 @@ def print_model(summary: dict, w: int) -> None:
               f"{summary['held_out_median_factor']:.2f} (median) and {summary['held_out_worst_factor']:.2f} at worst;"
               f" {summary['held_out_off_by_2x']} of them more than 2x off (on the fitted points themselves: "
               f"{summary['fit_worst_factor']:.2f} at worst)")
-    note = alpha_pinned_note(summary)
-    if note:
-        print(note)
+    for note in (alpha_pinned_note(summary), beta_pinned_note(summary)):
+        if note:
+            print(note)
     print("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"
                                                                   for n in names))
     (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
@@ -656,12 +679,9 @@ def main() -> int:
                         for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
     print(f"measured, ring against tree (a tie where the two's ranges over the {args.rounds} round(s) overlap): "
           f"{summary['measured_text']}")
-    ratio = summary["ring_over_gloo_busbw"]
-    summary["ring_vs_gloo_text"] = (
-        f"above 1: our Python ring finished faster than gloo's own all-reduce at {size_text(summary['largest_size'])}"
-        if ratio > 1 else f"below 1: gloo's own all-reduce finished faster than our Python ring at "
-        f"{size_text(summary['largest_size'])}" if ratio < 1 else "exactly 1: the two took the same time")
-    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: {ratio:.2f} "
+    shown, summary["ring_vs_gloo_text"] = ring_vs_gloo(summary["ring_over_gloo_busbw"],
+                                                       size_text(summary["largest_size"]))
+    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: {shown} "
           f"({summary['ring_vs_gloo_text']})")
     print_model(summary, w)
     ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}
