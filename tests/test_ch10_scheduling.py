@@ -8,6 +8,7 @@ Fast tests use the `tiny` preset with random weights (no training); the GPU ones
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -563,3 +564,32 @@ def test_cuda_graph_engine_equals_eager(small_model: GPT) -> None:
     overlap = OverlapEngine(small_model, config=config)
     assert tokens(overlap, PROMPTS, params) == tokens(eager, PROMPTS, params)
     overlap.close()
+
+
+# ------------------------------------------------------------------------------------------ tensor-parallel serving
+def test_tp_table_send_ms_times_the_batch_broadcast_alone(tiny: GPT, monkeypatch) -> None:
+    """tp_serving.py's `send_ms` is rank 0's broadcast of the batch, apart from the all-reduces. Rank 0's broadcast
+    is made 30 ms slower and each of its all-reduces (two per layer) 5 ms slower: a correct `send_ms` holds the 30 ms,
+    and with `all_reduce_ms` it fits in the step (they are disjoint parts of it). A `send_ms` that timed the whole
+    forward would hold the all-reduces too and overfill the step; one that missed the broadcast would be under 30."""
+    import torch.distributed as dist
+
+    measure = load_script(CH10 / "tp_serving.py").measure
+    broadcast, all_reduce = dist.broadcast_object_list, dist.all_reduce
+
+    def slow(fn, seconds):
+        def run(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+        return run
+
+    # only this process (rank 0) is patched: the workers start from the fork server
+    monkeypatch.setattr(dist, "broadcast_object_list", slow(broadcast, 0.030))
+    monkeypatch.setattr(dist, "all_reduce", slow(all_reduce, 0.005))
+    tok = Tokenizer()
+    prompts = [tok.encode(p[:10], bos=True) for p in PROMPTS[:4]]
+    r = measure(tiny, prompts, SimpleNamespace(batch_size=4, max_tokens=6), 2)
+    assert r["all_reduces_per_step"] == 2 * tiny.config.n_layer
+    assert r["send_ms"] >= 30
+    assert r["all_reduce_ms"] >= 5 * r["all_reduces_per_step"]
+    assert r["send_ms"] + r["all_reduce_ms"] <= r["step_ms"] + 10  # disjoint parts of one step (medians: a margin)

@@ -5,10 +5,11 @@ What it shows
     worker processes hold the rest of the shards; each rank holds 1/N of every layer's heads and MLP, and of the
     KV cache. Each decode step then costs two all-reduces per layer, of the step's (tokens, hidden) activations.
     1. Self-check: the tokens at every N equal the tokens at N = 1.
-    2. For each N, over the decode steps of a full batch: the median step time; the time rank 0 spends inside
-       all-reduce (waiting for the slowest rank included); the bytes the step's all-reduces were given together,
-       against the formula 2 * layers * tokens * hidden * 4 bytes (float32); and the share of the step that is
-       communication. The KV bytes each rank holds shrink as 1/N.
+    2. For each N, over the decode steps of a full batch: the median step time; the time rank 0 spends sending
+       the batch (send_ms: TPRunner.execute until its own forward starts, the picture's broadcast box) and inside
+       all-reduce (waiting for the slowest rank included in both); the bytes the step's all-reduces were given
+       together, against the formula 2 * layers * tokens * hidden * 4 bytes (float32); and the share of the step
+       inside all-reduce (comm_share). The KV bytes each rank holds shrink as 1/N.
     3. The picture (tp_step.png): three decode steps at the smallest N above 1 traced with torch.profiler on
        rank 0, with every sublayer's compute labelled; the fastest of them drawn on four lanes (where each layer
        begins; rank 0's compute; rank 0 inside a collective: sending the batch, then the two all-reduces of every
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,16 +82,30 @@ class Settings(cli.Args, cli.PlotArgs):
 # --8<-- [start:measure]
 def measure(model, prompts: list[list[int]], args: Settings, size: int, device: str = "cpu") -> dict:
     """Run the batch at tensor-parallel size `size`; stage timings of the full-batch decode steps, rank 0's
-    all-reduce time and bytes during them, and the tokens."""
+    time sending the batch and its all-reduce time and bytes during them, and the tokens."""
     engine = Engine(model, Tokenizer(), EngineConfig(tensor_parallel_size=size, max_num_seqs=args.batch_size,
                                                      device=device))
     try:
+        sent = {"s": 0.0, "t0": 0.0}  # rank 0's time sending the batch: TPRunner.execute up to its local forward
+        if size > 1:
+            runner = engine.runner
+            execute, forward = runner.execute, runner.local.execute
+
+            def timed_execute(*a, **k):
+                sent["t0"] = time.perf_counter()
+                return execute(*a, **k)
+
+            def timed_forward(*a, **k):
+                sent["s"] += time.perf_counter() - sent["t0"]
+                return forward(*a, **k)
+
+            runner.execute, runner.local.execute = timed_execute, timed_forward
         for p in prompts:
             engine.add_request(p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         steps, outs = [], {}
         with bench.steady_timing():
             while engine.has_unfinished():
-                before = dict(tp_module.COMM)
+                before, sent_before = dict(tp_module.COMM), sent["s"]
                 for out in engine.step():
                     if out.finished:
                         outs[out.request_id] = out.token_ids
@@ -97,14 +113,17 @@ def measure(model, prompts: list[list[int]], args: Settings, size: int, device: 
                 if t["num_seqs"] == args.batch_size and t["num_batched_tokens"] == args.batch_size:  # decode
                     steps.append((t["total"], tp_module.COMM["all_reduce_s"] - before["all_reduce_s"],
                                   tp_module.COMM["all_reduce_bytes"] - before["all_reduce_bytes"],
-                                  tp_module.COMM["all_reduce_calls"] - before["all_reduce_calls"]))
+                                  tp_module.COMM["all_reduce_calls"] - before["all_reduce_calls"],
+                                  sent["s"] - sent_before))
         kv = engine.stats()["kv_cache_bytes"]
     finally:
         engine.close()
     c = model.config
     step_s = statistics.median(s[0] for s in steps)
     comm_s = statistics.median(s[1] for s in steps)
-    return {"tp": size, "step_ms": 1e3 * step_s, "all_reduce_ms": 1e3 * comm_s, "comm_share": comm_s / step_s,
+    send_s = statistics.median(s[4] for s in steps)
+    return {"tp": size, "step_ms": 1e3 * step_s, "send_ms": 1e3 * send_s, "all_reduce_ms": 1e3 * comm_s,
+            "comm_share": comm_s / step_s,
             "all_reduces_per_step": steps[-1][3], "bytes_per_step": steps[-1][2],
             "formula_bytes_per_step": 2 * c.n_layer * args.batch_size * c.n_embd * 4 if size > 1 else 0,
             "kv_bytes_per_rank": kv, "steps_timed": len(steps),
