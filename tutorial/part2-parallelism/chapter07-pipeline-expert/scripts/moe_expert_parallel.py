@@ -429,9 +429,9 @@ def draw_dispatch(example: dict, args: Settings) -> dict:
                 ax.plot([0.15, 1.35], [y, expert_y[e]], color=c, lw=1.3)  # dispatch
                 ax.plot([1.65, 2.85], [expert_y[e], y], color=c, lw=1.3, ls="--")  # combine
             else:  # over capacity: this choice never leaves the rank
-                end = 0.35 + 0.2 * choice + 0.06 * t  # staggered by choice and token, so the x's do not overlap
+                end = 0.35 + 0.2 * choice + 0.06 * t + 0.12 * (t % 2)  # staggered so the x's do not overlap
                 ax.plot([0.15, end], [y, y + (expert_y[e] - y) * (end - 0.15) / 1.2], color="0.6", lw=1, ls=":")
-                ax.text(end, y + (expert_y[e] - y) * (end - 0.15) / 1.2, f"t{t} x", color="0.3", ha="center",
+                ax.text(end, y + (expert_y[e] - y) * (end - 0.15) / 1.2, f"r{r} t{t} x", color="0.3", ha="center",
                         va="center", fontsize=7)
         for x in (0, 3):
             ax.text(x, y, f"r{r} t{t}", ha="center", va="center", fontsize=8,
