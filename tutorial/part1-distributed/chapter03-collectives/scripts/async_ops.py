@@ -12,7 +12,7 @@ What it shows
        "hidden" is computed from those printed values: how much of the shorter of the two the overlap saved
        against the two parts timed alone, (compute + communication - overlapped) / min(compute, communication):
        1 = fully hidden, 0 = no gain; undefined (null in the JSON) with --matmuls 0 or on one rank. (The
-       sequential step is printed too; timed as one step, it can differ from the sum of its parts.) A last line
+       sequential step, the two timed as one call, is printed too; it can differ from the sum of the parts.) A last line
        says which case the run fell into, including the one no real overlap can produce (overlapped faster than
        its longer part alone), which only timing noise explains.
     3. The figure (timeline.png, printed as `figure: <path>`): one more round of each order, untimed, with every
@@ -20,9 +20,9 @@ What it shows
        recorded on every rank (mlsys.trace.recording), one lane per rank. The compute is drawn where it ran: in
        `overlapped` between the all_reduce's return and the wait() call, in `sequential` after the all_reduce until
        the function returned (nothing else runs there). The JSON keeps the recorded calls under `timeline`. One
-       line reads that round (`figure_summary` in the JSON): rank 0's wait() against its blocking all_reduce (short:
-       most bytes moved during the compute), whether the overlapped round ended sooner, and, if not, whether the
-       compute itself slowed; a direction is stated only when every rank agrees. With no compute between post and
+       line reads that round (`figure_summary` in the JSON): each rank's wait() against its own blocking all_reduce
+       (short: most of its bytes moved during the compute), whether the overlapped round ended sooner, and, if not,
+       whether the compute itself slowed on every rank. With no compute between post and
        wait() (--matmuls 0) the line says so instead. The longer readings stay in the JSON (`figure_text`,
        `figure_wait`). A last line sets that single round beside the table's medians (`figure_note`): one sample,
        its gain or loss need not match the verdict.
@@ -92,7 +92,7 @@ def handle_demo(ctx: RankContext, numel: int = 4) -> dict:
     W, r = ctx.world_size, ctx.rank
     x = torch.full((numel,), float(r + 1), device=ctx.device)
     work = dist.all_reduce(x, async_op=True)  # returns at once; x must not be read or written yet
-    at_issue = work.is_completed()  # a non-blocking question: often False, the bytes are still moving
+    at_issue = work.is_completed()  # a non-blocking question: False while the bytes move, True if already done
     mean = work.get_future().then(lambda fut: fut.value()[0] / W)  # runs when the all_reduce is done
     work.wait()  # from here on, x holds the sum (on NCCL: every later kernel on this stream sees it)
     report.expect_equal(f"sum on rank {r}", x.cpu().tolist(), [W * (W + 1) / 2] * numel)
@@ -138,7 +138,8 @@ def slowest(fn, device: torch.device) -> float:
 
 def summarize(times_ms: dict[str, float]) -> tuple[dict[str, float], float, str]:
     """The four medians rounded to 0.1 ms as printed, `hidden` computed from those printed values (so that it can be
-    checked by hand), and a verdict on what the run shows.
+    checked by hand), and a verdict on what the run shows against two baselines: the sum of the parts (compute plus
+    communication, each timed alone) and the sequential step (the `sequential` variant, the two timed as one call).
 
     hidden = (compute + communication - overlapped) / min(compute, communication): the share of the shorter part
     that disappeared when the two ran together, measured against the two parts timed alone."""
@@ -151,15 +152,15 @@ def summarize(times_ms: dict[str, float]) -> tuple[dict[str, float], float, str]
                    "which no overlap can do: here the timing noise of shared cores is larger than the effect, "
                    "so read `hidden` as approximate")
     elif t["overlapped"] >= both:
-        verdict = (f"overlapped took at least as long as the two parts alone ({both:.1f} ms): nothing was hidden "
+        verdict = (f"overlapped took at least as long as the sum of the parts ({both:.1f} ms): nothing was hidden "
                    "in this run (both parts competed for the same cores)")
     elif t["overlapped"] >= t["sequential"]:
-        verdict = (f"overlapped beat the two parts timed alone ({both:.1f} ms) but not the sequential step timed as "
-                   f"one ({t['sequential']:.1f} ms): the two baselines disagree by more than the effect, so this "
+        verdict = (f"overlapped beat the sum of the parts ({both:.1f} ms) but not the sequential step "
+                   f"({t['sequential']:.1f} ms): the two baselines disagree by more than the effect, so this "
                    "run shows no clear gain")
     else:
-        verdict = (f"overlapped lies between its longer part alone ({longer:.1f} ms) and the two parts one after "
-                   f"the other ({both:.1f} ms), and below the sequential step ({t['sequential']:.1f} ms): part of "
+        verdict = (f"overlapped lies between its longer part alone ({longer:.1f} ms) and the sum of the parts "
+                   f"({both:.1f} ms), and below the sequential step ({t['sequential']:.1f} ms): part of "
                    "the shorter part was hidden")
     return t, round(hidden, 2), verdict
 
@@ -311,31 +312,32 @@ def wait_reading(spans: dict[str, dict]) -> str:
 
 
 def figure_summary(spans: dict[str, dict]) -> str:
-    """The drawn round in one plain sentence, printed under the figure (`figure_summary` in the JSON; figure_text and
-    figure_wait keep the long form). Every direction comes from the recorded spans and is stated only when every rank
-    agrees: the wait (under half the same rank's blocking all_reduce: short, the bytes moved during the compute;
-    above 80%: about as long), whether the overlapped round ended sooner, and, when it did not, whether the compute
-    itself slowed (every rank's overlapped box over 1.1x its sequential one). Numbers are rank 0's."""
+    """The drawn round in plain words, printed under the figure (`figure_summary` in the JSON; figure_text and
+    figure_wait keep the long form), every direction from the recorded spans: each rank's wait() against its own
+    blocking all_reduce (under half: most of its bytes moved during the compute; above 80%: few if any did; in
+    between: part did), whether the overlapped round ended sooner, and, when it did not, whether
+    the compute itself slowed (every rank's overlapped box over 1.1x its sequential one)."""
     seq, ovl = spans["sequential"], spans["overlapped"]
     if no_compute(spans):
         return (f"no compute ran between the post and wait() (at most {max(ovl['compute_by_rank']):.1f} ms on any "
                 "rank), so wait() only measured the all-reduce itself, and the round says nothing about overlap")
-    w, c = ovl["wait_by_rank"][0], seq["comm_by_rank"][0]
-    nums = f"{w:.1f} ms on rank 0, against {c:.1f} ms for its blocking all_reduce"
-    cases = {"short" if wt < 0.5 * cm else "long" if wt > 0.8 * cm else "part"
-             for wt, cm in zip(ovl["wait_by_rank"], seq["comm_by_rank"])}
-    case = cases.pop() if len(cases) == 1 and min(seq["comm_by_rank"]) >= 1.0 else "mixed"
-    moved = {"short": f"wait() was short ({nums}) because most of the bytes moved during the compute",
-             "part": f"wait() took {nums}: part of the bytes moved during the compute, the rest after it",
-             "long": f"wait() took {nums}, about as long: the bytes moved after the compute",
-             "mixed": f"wait() took {nums}, in no case shared by every rank"}[case]
+    readings = []
+    for q, (w, c) in enumerate(zip(ovl["wait_by_rank"], seq["comm_by_rank"])):
+        how = ("the blocking call was too short to compare" if c < 1.0 else
+               "so most of its bytes moved during the compute" if w < 0.5 * c else
+               "so few if any of its bytes moved during the compute" if w > 0.8 * c else
+               "so part of its bytes moved during the compute")
+        readings.append(f"rank {q} waited {w:.1f} ms against {c:.1f} ms for its blocking all_reduce, {how}")
+    moved = "; ".join(readings)
     if ovl["round_ms"] < seq["round_ms"]:
-        return (f"{moved}, and the round ended {seq['round_ms'] - ovl['round_ms']:.1f} ms sooner "
+        return (f"{moved}; and the round ended {seq['round_ms'] - ovl['round_ms']:.1f} ms sooner "
                 f"({ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms)")
+    early = all(1.0 <= c and w <= 0.8 * c for w, c in zip(ovl["wait_by_rank"], seq["comm_by_rank"]))
     pairs = list(zip(ovl["compute_by_rank"], seq["compute_by_rank"]))  # (overlapped, sequential) box, rank by rank
     slowed = all(s >= 1.0 and o > 1.1 * s for o, s in pairs)
-    why = f", because the compute itself slowed from {pairs[0][1]:.1f} to {pairs[0][0]:.1f} ms" if slowed else ""
-    return (f"{moved}, {'yet' if case in ('short', 'part') else 'and'} nothing was saved (the round ended at "
+    why = (f", because the compute slowed on every rank (rank 0 from {pairs[0][1]:.1f} to {pairs[0][0]:.1f} ms)"
+           if slowed else "")
+    return (f"{moved}; {'yet' if early else 'and'} nothing was saved (the round ended at "
             f"{ovl['round_ms']:.1f} ms against {seq['round_ms']:.1f} ms){why}")
 
 

@@ -231,7 +231,10 @@ def main() -> int:
     if result is None:
         return 0
     print(f"\nmedian times, {load_average()}")
-    print(report.table(result["lengths"], floatfmt=".4g"))
+    # the formula's bytes are fractional where W does not divide the length: two decimals (.4g would print 5339)
+    rows = [{**row, "formula_bytes_sent": f"{row['formula_bytes_sent']:.2f}".removesuffix(".00").rjust(18)}
+            for row in result["lengths"]]
+    print(report.table(rows, floatfmt=".4g"))
     trace = result.pop("trace")
     messages = ring_schedule(trace)
     for path in draw_ring(trace, messages, args):
