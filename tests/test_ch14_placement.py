@@ -105,6 +105,11 @@ def test_recommendation_is_the_smallest_fit(planner) -> None:
     want = f"co-located on {n} GPUs" if n <= t + pool["gpus"] else \
         f"disaggregated: {t} trainer + {pool['gpus']} rollout GPUs = {t + pool['gpus']}"
     assert result["pick"] == want
+    below = result["colocated_best_below"]  # the lesson's reason why fewer GPUs fail: the best smaller try overflows
+    if n > 1:
+        peak = max(sum(v.values()) for v in planner.colocated_phases(args, below["gpus"], below["engine_tp"]).values())
+        assert below["gpus"] < n and below["gpus"] % below["engine_tp"] == 0
+        assert below["peak_gib"] * GIB == pytest.approx(peak) and peak > budget
 
 
 def test_rollout_pool_tie_goes_to_the_smaller_tp(planner) -> None:

@@ -129,9 +129,24 @@ def test_reading_flags_rows_that_break_the_bytes_and_calls_order() -> None:
     assert mod.disturbed_rows(rows, "per-tensor ms") == ["tiny"]
     assert mod.disturbed_rows(rows, "bucketed ms") == []
     assert mod.disturbed_text(rows) == ("tiny's per-tensor sync took longer than draft's, a larger model, so it "
-                                        "was disturbed")
+                                        "was disturbed; so the ratio of tiny, the smallest model, is too high as well")
     rows[0]["per-tensor ms"] = 1.0
     assert mod.disturbed_text(rows).startswith("no row")
+    rows[1]["bucketed ms"] = 2.0  # draft, not the smallest model, is flagged: the smallest model's ratio stands
+    assert mod.disturbed_text(rows).endswith("the rule leaves the smallest model's ratio standing")
+    rows[0]["bucketed ms"] = 3.0  # tiny's bucketed sync is flagged too: its ratio is too low
+    assert mod.disturbed_text(rows).endswith("the smallest model, is too low as well")
+
+
+def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() -> None:
+    """The lesson quotes this sentence alone, so with no flagged row it must itself say what holds for the
+    smallest model's ratio (not leave the lesson a conditional about a row it did not name)."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "per-tensor ms": 1.0, "bucketed ms": 0.4},
+            {"model": "draft", "per-tensor ms": 2.2, "bucketed ms": 0.6}]
+    text = mod.disturbed_text(rows)
+    assert text.startswith("no row took longer than the larger model below it")
+    assert "smallest model's ratio" in text
     sweep = [{"bucket MB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MB": 0.25, "buckets": 67, "ms": 26.7},
              {"bucket MB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MB": 16.0, "buckets": 4, "ms": 33.9}]
     assert [(a["bucket MB"], b["bucket MB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]

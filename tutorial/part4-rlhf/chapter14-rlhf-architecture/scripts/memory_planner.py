@@ -239,8 +239,12 @@ def plan(args: Settings) -> dict:
     else:
         pick = f"disaggregated: {n_tr} trainer + {pool['gpus']} rollout GPUs = {n_dis}"
         why = "co-located does not fit" if n_co is None else f"co-located needs {n_co}"
+    # the best co-located try below n_co (lowest peak over the smaller counts): why fewer GPUs do not fit
+    below = min(((*colocated_peak(args, n, budget), n) for n in range(1, n_co)), default=None) if n_co else None
     return {"budget_bytes": budget, "colocated_gpus": n_co,
             "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
+            "colocated_best_below": None if below is None else
+            {"gpus": below[2], "engine_tp": below[1], "peak_gib": below[0] / GIB},
             "trainer_gpus": n_tr, "rollout": pool,
             "disaggregated_gpus": n_dis, "pick": pick, "pick_reason": why}
 
@@ -354,6 +358,10 @@ def main() -> int:
         print(report.table([{k: r.get(k, 0.0) for k in ["phase", "weights", "grads", "optimizer", "engine weights",
                                                          "KV cache", "activations", "total"]} for r in rows],
                            floatfmt=".1f"))
+        if result["colocated_best_below"] is not None:
+            b = result["colocated_best_below"]
+            print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
+                  f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']}.")
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "

@@ -282,7 +282,7 @@ def main() -> int:
     if "async" in results and "disaggregated" in results:
         s, a = summary["disaggregated"], summary["async"]
         summary["async_vs_sync"] = a["rollouts_per_s"] / s["rollouts_per_s"]
-        print(f"async vs sync: {a['rollouts_per_s'] / s['rollouts_per_s']:.2f}x the rollouts per second; "
+        print(f"async vs disaggregated sync: {a['rollouts_per_s'] / s['rollouts_per_s']:.2f}x the rollouts per second; "
               f"final reward {a['stats'][-1]['reward']:.3f} vs {s['stats'][-1]['reward']:.3f}")
     if not args.smoke and not any(x["valid"] > 0 for s in summary.values() if isinstance(s, dict) and "stats" in s
                                   for x in s["stats"]):

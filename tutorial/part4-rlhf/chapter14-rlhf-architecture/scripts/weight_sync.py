@@ -27,8 +27,9 @@ loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
-        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; more buckets, more calls:
-           compare the sweep's 1 MB and 4 MB rows of the same run, not two runs (load changes between them);
+        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; the table's buckets column
+           rises for the models larger than 1 MB (the sweep does not depend on the flag); the sweep's 1 MB row
+           now repeats the table's bucketed sync of the largest model in the same run: their gap is the noise;
            three processes on 2 cores: about 35-45 s at a load average of 5-8
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py --bucket-mb 64
         -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank; on the bigger models
@@ -181,14 +182,24 @@ def disturbed_rows(rows: list[dict], key: str) -> list[str]:
 
 
 def disturbed_text(rows: list[dict]) -> str:
-    """One plain sentence per row that the bytes-only-grow rule flags (per method), or one saying none is."""
+    """One plain sentence per row that the bytes-only-grow rule flags (per method), or one saying none is, then
+    what that means for the smallest model's per-tensor / bucketed ratio (too high if its per-tensor sync was
+    disturbed, too low if its bucketed one was, unreliable either way if both were, not flagged if neither)."""
     nxt = {a["model"]: b["model"] for a, b in zip(rows, rows[1:])}
     parts = [f"{m}'s {how} sync took longer than {nxt[m]}'s, a larger model, so it was disturbed"
              for how, key in (("per-tensor", "per-tensor ms"), ("bucketed", "bucketed ms"))
              for m in disturbed_rows(rows, key)]
     if not parts:
-        return "no row took longer than the larger model below it, in either method"
-    return "; ".join(parts)
+        return ("no row took longer than the larger model below it, in either method, so the rule flags no time in "
+                "the table, and not the smallest model's ratio either")
+    small = rows[0]["model"]
+    per, buck = (small in disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms"))
+    ratio = {(True, False): f"so the ratio of {small}, the smallest model, is too high as well",
+             (False, True): f"so the ratio of {small}, the smallest model, is too low as well",
+             (True, True): f"so the ratio of {small}, the smallest model, may be off either way",
+             (False, False): f"neither of {small}'s syncs is flagged, so the rule leaves the smallest model's ratio "
+                             "standing"}[per, buck]
+    return "; ".join(parts) + "; " + ratio
 
 
 def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
