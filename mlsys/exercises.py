@@ -167,6 +167,28 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# import names of pyproject.toml's dependencies: the attempt's process imports torch before the attempt, and the
+# checkers import numpy, so "No module named 'torch'" there means this Python lacks the project's packages
+PROJECT_PACKAGES = frozenset({"torch", "numpy", "matplotlib", "seaborn", "gymnasium", "tqdm", "fastapi", "uvicorn",
+                              "jsonschema"})
+
+
+def missing_package(text: str) -> str | None:
+    """The project's package that `text` (a ModuleNotFoundError's message, or what the attempt's process printed
+    as it died) says cannot be imported; None if it names none of them."""
+    found = re.search(r"No module named '([\w.]+)'", text)
+    name = found.group(1).split(".")[0] if found else ""
+    return name if name in PROJECT_PACKAGES else None
+
+
+def setup_message(package: str) -> str:
+    """What a FAIL or an error says when this interpreter lacks the project's packages: a set-up mistake, not the
+    attempt's."""
+    return (f"not the attempt's fault: this Python ({sys.executable}) cannot import {package}, one of the project's "
+            "packages. Activate the project's environment (source .venv/bin/activate, after make setup) or use "
+            "make check, then check again")
+
+
 def _run_linked(link: Any, fn: Callable, title: str, target: Path) -> Outcome:
     """One task, its `ex` the child's attempt; a child that cannot answer any more FAILs the task."""
     from mlsys.attempt.link import Lost
@@ -174,9 +196,12 @@ def _run_linked(link: Any, fn: Callable, title: str, target: Path) -> Outcome:
     try:
         link.start_task()
     except Lost as lost:
-        return Outcome(title, "FAIL", lost.detail)
+        package = missing_package(lost.detail)
+        return Outcome(title, "FAIL", setup_message(package) if package else lost.detail)
     if link.load_error:
-        return Outcome(title, "FAIL", "cannot import the attempt: " + link.load_error)
+        package = missing_package(link.load_error)
+        return Outcome(title, "FAIL", setup_message(package) if package
+                       else "cannot import the attempt: " + link.load_error)
     outcome = _run_task(fn, title, link.module, target)
     try:
         link.end_task()
@@ -347,13 +372,20 @@ def main(argv: list[str] | None = None) -> int:
         shown = target.relative_to(REPO_ROOT) if target.is_relative_to(REPO_ROOT) else target
         print(f"{exercise.exercise_id}: checking {which}, {shown}")
         about = task_functions(exercise.checker)
-        for i, outcome in enumerate(check(exercise, args.solution, target, args.time_limit)):
+        try:
+            outcomes = check(exercise, args.solution, target, args.time_limit)
+        except ModuleNotFoundError as err:  # the checker itself imports numpy or torch
+            if missing_package(str(err)) is None:
+                raise
+            print(f"error: {setup_message(missing_package(str(err)))}", file=sys.stderr)
+            return 2
+        for i, outcome in enumerate(outcomes):
             detail = f"\n            {outcome.detail}" if outcome.detail else ""
             print(f"  {outcome.status:<9} {outcome.task}{detail}")
             failed += outcome.status in ("FAIL", "TODO")
             if outcome.status == "TODO" and stuck is None and not args.solution and tagged_hints(exercise):
                 stuck = exercise.exercise_id
-            if outcome.status == "FAIL" and not args.solution:
+            if outcome.status == "FAIL" and not args.solution and not outcome.detail.startswith("not the attempt"):
                 print(_hint_pointer(exercise, about[i] if i < len(about) else []))
     print("all tasks pass" if not failed else f"{failed} task(s) to go")
     if stuck:  # a TODO carries no hint line of its own, unlike a FAIL

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -52,6 +55,24 @@ def test_an_untouched_stub_ends_by_naming_the_hints(capsys) -> None:
     assert "stuck?" not in capsys.readouterr().out
     assert exercises.main(["ch01.1", "--solution"]) == 0
     assert "stuck?" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_a_python_without_torch_is_blamed_not_the_attempt(tmp_path) -> None:
+    """Run with a Python that lacks the project's packages (no `source .venv/bin/activate`), the attempt's process
+    dies importing torch: the checker says to activate .venv, not that the attempt ended its process."""
+    fake = tmp_path / "torch"  # first on the path: `import torch` fails as it does where torch is not installed
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(exercises.REPO_ROOT)])}
+    run = subprocess.run([sys.executable, "-m", "mlsys.exercises", "ch01.1"], env=env, cwd=exercises.REPO_ROOT,
+                         capture_output=True, text=True, timeout=100)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "ended the checker's process" not in run.stdout and "hint:" not in run.stdout, run.stdout
+    assert run.stdout.count("not the attempt's fault") == 2, run.stdout
+    assert "source .venv/bin/activate" in run.stdout
+    assert exercises.missing_package("ModuleNotFoundError: No module named 'numpy.linalg'") == "numpy"
+    assert exercises.missing_package("ModuleNotFoundError: No module named 'my_helpers'") is None
 
 
 @pytest.mark.timeout(120)
