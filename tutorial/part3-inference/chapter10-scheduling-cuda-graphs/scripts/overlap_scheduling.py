@@ -41,8 +41,9 @@ Try next
            the machine's load, which the table's load average shows
     python .../overlap_scheduling.py --threads 2 --plot-dir /tmp/threads2
         -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores (--plot-dir
-           keeps the default run's timeline.png): compare the speed-ups with a default run made just before, and
-           read the load average first, since on a busy machine the load, not the thread count, decides both.
+           keeps the default run's timeline.png): compare plain ms with a default run made just before. On a
+           busy 2-core machine the plain engine's 2-thread forward can slow far more than the overlapped one,
+           giving a large speed-up flagged noise that says nothing about overlap.
            The main thread and the worker thread each have their own OpenMP pool, and two pools spinning while
            idle would fill the 2 cores, so the script sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle
            OpenMP threads sleep instead
