@@ -22,7 +22,7 @@ What it shows
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py                # 2 ranks
-    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 6
+    python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3
     torchrun --nproc-per-node 2 tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py
 
 The first run trains and caches the draft GPT and the reward model (a few minutes, once; see mlsys/reward_model.py).

@@ -325,7 +325,7 @@ def main() -> int:
     print(report.table([{"placement": n, **row} for n, r in results.items() for row in r["ranks"]], floatfmt=".2f"))
     print("\n" + report.table([{"placement": n, "groups start s": r["start_s"], "wall s": r["wall_s"],
                                 "s / iteration": r["s_per_iteration"], "final reward": r["stats"][-1]["reward"],
-                                "final KL": r["stats"][-1]["kl"], "weights MB": r["object_store"]["bytes"] / 2**20,
+                                "final KL": r["stats"][-1]["kl"], "weights MiB": r["object_store"]["bytes"] / 2**20,
                                 "put s": r["object_store"]["put_s"], "get s": r["object_store"]["get_s"]}
                                for n, r in results.items()], floatfmt=".3f"))
     overhead, work = init_s + sum(r["start_s"] for r in results.values()), sum(r["wall_s"] for r in results.values())
