@@ -219,17 +219,16 @@ def win_counts(rows: list[dict]) -> dict:
 
 
 def median_verdict(results: dict) -> str:
-    """The lesson's sentence on the static median TTFT: far below its p99 (under a fifth), at least half the
-    arrivals found no batch in their way and only the tail waited; otherwise the median arrival waited too."""
+    """The lesson's sentence on the static median TTFT, saying only what the two numbers show: far below its p99
+    (under a fifth), most arrivals got their first token soon and only the tail waited; otherwise at least half
+    the arrivals waited about as long as the median or longer, not only the tail."""
     s = results["static"]
-    med, p99, n = s["summary"]["median_ttft_ms"], s["summary"]["p99_ttft_ms"], s["mean_seqs_per_step"]
+    med, p99 = s["summary"]["median_ttft_ms"], s["summary"]["p99_ttft_ms"]
     if med < 0.2 * p99:
-        return (f"static batching averaged {n:.1f} sequences per step, so at least half the arrivals found the "
-                f"engine idle or nearly so and started at once, which keeps its median TTFT ({med:.1f} ms) far "
-                f"below its p99 ({p99:.1f} ms); only the arrivals that landed during a running batch waited")
-    return (f"static batching averaged {n:.1f} sequences per step, and even its median TTFT ({med:.1f} ms) is "
-            f"{med / p99:.0%} of its p99 ({p99:.1f} ms): the engine was busy so often that at least half the "
-            "arrivals landed during a running batch and waited for it")
+        return (f"static batching's median TTFT ({med:.1f} ms) is far below its p99 ({p99:.1f} ms), so most "
+                "arrivals did not wait behind a running batch, while the tail did")
+    return (f"even static batching's median TTFT ({med:.1f} ms) is {med / p99:.0%} of its p99 ({p99:.1f} ms), "
+            "so at least half the arrivals waited that long or longer, not only the tail")
 
 
 def wait_verdict(results: dict) -> str:
@@ -246,15 +245,15 @@ def wait_verdict(results: dict) -> str:
         ttft = "the p99 TTFT row is lower under static batching, for once"
     ds, dc = s["duration"], c["duration"]
     if abs(ds / dc - 1) < 0.1:
-        run = (f"yet the two runs lasted within {abs(ds / dc - 1):.0%} of each other (the durations above), so "
+        run = (f"Yet the two runs lasted within {abs(ds / dc - 1):.0%} of each other, so "
                "neither server fell far behind the arrivals: the wait comes from requests caught behind a "
-               "running batch, not from a queue that keeps growing")
+               "running batch, not from a growing queue")
     elif ds > dc:
-        run = (f"and the static run lasted {ds / dc:.2f}× as long as the continuous one: it fell behind the "
+        run = (f"The static run lasted {ds / dc:.2f}× as long as the continuous one: it fell behind the "
                "arrivals and had a backlog to work off")
     else:
-        run = f"and the continuous run lasted {dc / ds:.2f}× as long as the static one"
-    return f"{ttft}; {run}"
+        run = f"The continuous run lasted {dc / ds:.2f}× as long as the static one"
+    return f"{ttft}. {run}"
 
 
 def check_run(engine: Engine, workload: list[WorkItem], finals: dict, scheduling: str) -> None:
