@@ -20,7 +20,7 @@ What it shows
     and a closing "# Avg bus bandwidth : X" line. Small messages are latency-bound (on a quiet machine the time is
     about flat; on a loaded one it goes up and down with the noise, whatever the size; busbw tiny), apart from an
     all-reduce over gloo of fewer than 2p float32 values (8 B at 2 ranks): gloo's ring cuts the buffer into at least
-    2p segments and skips the empty ones, so it sends fewer messages and is usually the fastest row;
+    2p segments and skips the empty ones, so it sends fewer messages and can be faster than the sizes above it;
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the "# busbw" line says which this run
     shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
@@ -54,12 +54,8 @@ Try next
         -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks; four ranks on two cores take
            longer than the default two: up to about a minute under load
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
-        -> only the latency-bound end: the time stays roughly flat apart from the faster 8 B row (noisy on a busy
-           machine), and the "# fit" line gives the fixed cost per call and says the sweep is all latency-bound,
-           with no bandwidth: inside this range the fitted slope is noise. When noise puts the fitted boundary
-           inside the sweep, the line says which test it failed; when noise hides the size term entirely, it says
-           why no fit is shown. Only noise that rises steeply with size, passing every test, gets a bandwidth
-           printed, and a rerun does not repeat it
+        -> only the latency-bound end: busbw stays tiny, and the "# fit" line says why it gives no bandwidth
+           (one it does print, rarely, is noise that a rerun does not repeat)
     torchrun --nproc-per-node 2 tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py
         -> the benchmark started by torchrun, as nccl-tests is on a GPU node
 """

@@ -45,12 +45,8 @@ Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
-        -> two ranks: ring and tree take the same two steps, so the model has no crossover; the measurement can
-           still favour one algorithm at most or all sizes: with equal steps, what decides is each step's Python
-           and scheduling overhead, which the model does not see. Under load the fit can pin alpha or beta at 0,
-           and a `note:` line says so: with alpha at 0 the factors at the small sizes mean nothing; with beta at
-           0 the `fit:` line says "no per-byte cost", the model gives every size the same time, and section 4
-           has no bandwidth to compare. Up to about a minute under load, like the 4-rank sweep
+        -> two ranks: equal steps, so the model has no crossover; which of ring and tree measures faster depends
+           on per-step overhead the model does not see, and each `note:` line says what in the fit not to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
