@@ -79,7 +79,7 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            else:
+            else:  # while-else: runs only if the loop got seq its blocks without preempting seq itself
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1

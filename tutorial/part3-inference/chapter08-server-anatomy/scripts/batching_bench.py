@@ -210,12 +210,21 @@ def comparison(results: dict) -> list[dict]:
 
 
 def win_counts(rows: list[dict]) -> dict:
-    """The scored rows each scheduler won, and the ties (the lesson quotes static_won)."""
+    """The scored rows each scheduler won, and the ties; static_won_sentence is the lesson's sentence on the
+    rows static batching won (a tie counts for neither)."""
     def names(who: str) -> str:
         return ", ".join(r["label"] for r in rows if r["better"] == who) or "none"
+    won = [r["label"].split(" (")[0] for r in rows if r["better"] == "static"]  # "mean TPOT (ms)" -> "mean TPOT"
+    scored = sum(r["better"] in ("static", "continuous", "tie") for r in rows)
+    if not won:
+        sentence = f"static batching won none of the {scored} rows the script scores"
+    else:
+        listed = won[0] if len(won) == 1 else f"{', '.join(won[:-1])} and {won[-1]}"
+        sentence = (f"static batching won {len(won)} of the {scored} rows the script scores: the {listed} "
+                    f"row{'s' if len(won) > 1 else ''}")
     return {"continuous_wins": sum(r["better"] == "continuous" for r in rows),
-            "static_wins": sum(r["better"] == "static" for r in rows),
-            "static_won": names("static"), "ties": names("tie")}
+            "static_wins": len(won), "static_won": names("static"), "ties": names("tie"),
+            "static_won_sentence": sentence}
 
 
 def median_verdict(results: dict) -> str:
@@ -245,7 +254,7 @@ def wait_verdict(results: dict) -> str:
         ttft = "the p99 TTFT row is lower under static batching, for once"
     ds, dc = s["duration"], c["duration"]
     if abs(ds / dc - 1) < 0.1:
-        run = (f"Yet the two runs lasted within {abs(ds / dc - 1):.0%} of each other, so "
+        run = (f"Yet the two runs lasted within about {abs(ds / dc - 1):.0%} of each other, so "
                "neither server fell far behind the arrivals: the wait comes from requests caught behind a "
                "running batch, not from a growing queue")
     elif ds > dc:

@@ -28,7 +28,8 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py
     python .../request_lifecycle.py --prompt '{"name": "grace", ' --max-tokens 40 --background 0
 
-Runtime on 2 idle cores: about 3 s, 2 s with --smoke (two or three times that on a busy machine).
+Runtime on 2 idle cores: about 3 s, 2 s with --smoke (two or three times that on a busy machine, and more
+on a heavily shared one).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/request_lifecycle.py --background 0
