@@ -428,6 +428,10 @@ def draw_overlap(args: Settings, spans: list[plot.Span]):
                   fontsize=8)
     top, bottom = len(lanes) - 1 + 0.4, -0.4  # the upper edge of the top row, the lower edge of the bottom row
     x_max = max(s.end for s in spans)
+    for s in launches:  # a launch call too short to see: drawn at least 1% of the axis wide, outlined
+        if s.end - s.start < 0.01 * x_max:
+            ax.barh(len(lanes) - 1, 0.01 * x_max, left=s.start, height=0.8, color=palette[LAUNCH],
+                    edgecolor="black", linewidth=0.8)
     char = x_max / 110  # about one character of 7-point text (with room to spare), in ms, on this axis
     # the name of each range of the training thread above its row, with a bracket over the whole range
     names = [(s, {"wait for all-reduces": "wait"}.get(s.label, s.label.replace("block ", "blk "))) for s in named]
