@@ -329,6 +329,55 @@ def test_window_text_flags_a_step_slow_against_its_own_window() -> None:
     assert good["window_clean"] and good["window_text"].startswith("both drawn windows are clean")
 
 
+def _line_3_problems(line: str, counted: int, drawn: int) -> list[str]:
+    """What is wrong with line 3's words about the overlapped forward, given `counted` of `drawn` steps whose
+    forward n started only after box n+1 had ended (so that nothing ran beside that forward)."""
+    beside = "the main thread scheduled the next step beside"
+    problems = []
+    if counted == drawn:  # nothing overlapped: nothing ran beside these forwards, nor slowed them
+        problems += [f"claims {c!r}" for c in (beside, "slowed") if c in line]
+        if f"In all {drawn} drawn overlapped steps forward n started only after" not in line:
+            problems.append("does not say that no step overlapped")
+    elif counted == 0:
+        if f"In all {drawn} drawn overlapped steps forward n started before" not in line or f"{beside} it" not in line:
+            problems.append("does not say that every step overlapped")
+    else:
+        if f"{beside} it" in line:
+            problems.append("claims every forward had the main thread beside it")
+        if f"In {counted} of {drawn} drawn" not in line or f"in the other {drawn - counted} {beside} the forward" \
+                not in line:
+            problems.append("does not split the steps by the count")
+    return problems
+
+
+@pytest.mark.parametrize("serial", [0, 2, 4])
+def test_line_3_words_the_overlapped_forward_by_the_counted_overlap(serial: int) -> None:
+    """Line 3 may say the main thread scheduled beside the overlapped forward (or slowed it) only for steps where
+    forward n started before step n+1's schedule + prepare had ended. Hand-made timelines of 4 overlapped steps:
+    box n+1 runs from the launch's end for 1 ms, and forward n starts 0.2 ms after the launch (overlapped) or
+    1.3 ms after it (serial); `serial` of the 4 are serial, counted here from the made-up times."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    launch, box = 0.1, 1.0  # ms
+
+    def rows(delays):
+        return [{"start": 10.0 * i, "stages": {"total": 3e-3, "launch": launch / 1e3, "overlapped": box / 1e3,
+                                              "forward": 1.5e-3, "schedule": 0.4e-3, "prepare": 0.2e-3},
+                 "forward": [10.0 * i + launch + d, 10.0 * i + launch + d + 1.5], "recorded_median_ms": 3.0,
+                 "recorded": 24} for i, d in enumerate(delays)]
+    tl = {"plain": rows([0.7] * 4), "overlap": rows([1.3] * serial + [0.2] * (4 - serial))}
+    counted = sum(r["forward"][0] >= r["start"] + launch + box for r in tl["overlap"])  # by hand, from the times
+    assert counted == serial
+    summ = mod.timeline_summary(tl)
+    line = mod.timeline_line(summ, 8, 4, 24)
+    assert summ["serial_steps"] == counted and _line_3_problems(line, counted, 4) == []
+    # the old wording planted: it said the main thread scheduled beside the forward whatever the count, which is
+    # wrong as soon as one step did not overlap
+    old = (f"its forward {summ['overlap_forward_ms']:.2f} ms while the main thread scheduled the next step beside "
+           f"it ({summ['forward_slowdown']:.2f}x the plain forward). In {counted} of 4 overlapped steps forward n "
+           "started only after step n+1's schedule + prepare had ended.")
+    assert counted == 0 or _line_3_problems(old, counted, 4) != []
+
+
 # ------------------------------------------------------------------------------------------ chunked prefill
 def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
     long_prompts = [(LINES[i] + LINES[i + 1])[:110] for i in range(3)] + PROMPTS[:4]

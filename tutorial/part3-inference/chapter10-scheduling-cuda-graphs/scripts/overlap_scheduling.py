@@ -24,8 +24,9 @@ What it shows
        forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
        median step and forward, how long after the launch the worker started the forward (its start delay), and
        in how many drawn steps forward n started only after step n+1's schedule +
-       prepare had ended (the two did not overlap at all). When the overlapped forward is slower than the plain
-       one, the two threads were competing for the GIL and the cores.
+       prepare had ended (the two did not overlap at all). The line's wording follows that count: only a forward
+       that overlapped its box n+1 ran with the main thread beside it, so only there can a slower overlapped
+       forward come from the two threads competing for the GIL and the cores.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -251,6 +252,35 @@ def timeline_spans(tl: dict[str, list[dict]]) -> list[plot.Span]:
     return spans
 
 
+def overlap_text(serial: int, drawn: int, slowdown: float) -> str:
+    """What line 3 may say about the overlapped forward, given how many of the `drawn` steps were serial (forward n
+    started only after step n+1's schedule + prepare had ended): only a forward that overlapped its box n+1 ran with
+    the main thread beside it."""
+    after = "forward n started only after step n+1's schedule + prepare had ended"
+    if serial >= drawn:
+        return (f"in all {drawn} drawn overlapped steps {after}: nothing ran beside these forwards, so the "
+                f"{slowdown:.2f}x compares forwards that each ran alone, at different moments of the machine's load")
+    if serial == 0:
+        return (f"in all {drawn} drawn overlapped steps forward n started before step n+1's schedule + prepare had "
+                f"ended, so the main thread scheduled the next step beside it; the {slowdown:.2f}x is the forward's "
+                "time with that thread beside it over its time alone (above 1: slower beside it)")
+    return (f"in {serial} of {drawn} drawn overlapped steps {after}, so nothing ran beside those forwards; in the "
+            f"other {drawn - serial} the main thread scheduled the next step beside the forward. The {slowdown:.2f}x "
+            "is a median over both kinds of step")
+
+
+def timeline_line(summ: dict, batch: int, drawn: int, recorded: int) -> str:
+    """Line 3 of the output: the drawn timeline's medians, its waits and how many of its steps overlapped."""
+    text = summ["overlap_text"]
+    return (f"3. The timeline's {drawn} steps at B={batch} ({drawn} consecutive of {recorded} recorded, those with "
+            f"the fastest slowest step; medians): plain step {summ['plain_step_ms']:.2f} ms, its forward "
+            f"{summ['plain_forward_ms']:.2f} ms; overlapped step {summ['overlap_step_ms']:.2f} ms, its forward "
+            f"{summ['overlap_forward_ms']:.2f} ms ({summ['forward_slowdown']:.2f}x the plain forward); the worker "
+            f"started its forward {summ['overlap_start_delay_ms']:.2f} ms after the launch, and after the forward "
+            f"returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
+            f"{text[0].upper()}{text[1:]}.")
+
+
 def timeline_summary(tl: dict[str, list[dict]]) -> dict:
     """Per engine, over the drawn steps: the median ms per step and the median ms its forward really took; for the
     overlapped engine, the median ms its main thread went on waiting after the forward had returned (the hand-back:
@@ -272,6 +302,7 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
     out["serial_steps"] = sum(r["forward"][0] >= r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"])
                               for r in tl["overlap"])
     out["drawn_steps"] = len(tl["overlap"])
+    out["overlap_text"] = overlap_text(out["serial_steps"], out["drawn_steps"], out["forward_slowdown"])
     # is the drawn window clean? Two tests. (a) Each drawn step against the median of the drawn window's own
     # steps: a step over WINDOW_CLEAN_RATIO times the others was interrupted, even when the whole recording was
     # slow. (b) The window's slowest step against the median of all the engine's recorded steps: above
@@ -355,15 +386,8 @@ def main() -> int:
           " machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
-    print(f"3. The timeline's {len(tl['plain'])} steps at B={args.timeline_batch} ({len(tl['plain'])} consecutive "
-          f"of {TIMELINE_TRIES * len(tl['plain'])} recorded, those with the fastest slowest step; medians): plain step "
-          f"{summ['plain_step_ms']:.2f} ms, its forward {summ['plain_forward_ms']:.2f} ms; overlapped step "
-          f"{summ['overlap_step_ms']:.2f} ms, its forward {summ['overlap_forward_ms']:.2f} ms while the main thread "
-          f"scheduled the next step beside it ({summ['forward_slowdown']:.2f}x the plain forward); the worker "
-          f"started its forward {summ['overlap_start_delay_ms']:.2f} ms after the launch, and after the "
-          f"forward returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
-          f"In {summ['serial_steps']} of {summ['drawn_steps']} overlapped steps forward n started only after step "
-          f"n+1's schedule + prepare had ended. {bench.load_average()}\n   The drawn window: {summ['window_text']}.")
+    print(f"{timeline_line(summ, args.timeline_batch, len(tl['plain']), TIMELINE_TRIES * len(tl['plain']))} "
+          f"{bench.load_average()}\n   The drawn window: {summ['window_text']}.")
     if args.json:
         lo, hi = (f(rows, key=lambda r: r["speed-up"]) for f in (min, max))
         speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"]}
