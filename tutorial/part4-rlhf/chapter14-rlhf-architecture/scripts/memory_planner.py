@@ -346,8 +346,8 @@ def main() -> int:
     draw_roles(roles, args)
     kv_total = kv_cache_bytes(actor, args.rollout_batch, seq)
     print(f"\nKV cache of the whole rollout batch: {kvm.shape_kv_bytes_per_token(actor) / 1024:.0f} KiB/token "
-          f"({actor.num_kv_heads} KV heads of {actor.num_heads}) x {args.rollout_batch} x {seq} = "
-          f"{kv_total / GIB:.1f} GiB")
+          f"({actor.num_kv_heads} KV heads x {actor.head_dim} dims, for {actor.num_heads} query heads) "
+          f"x {args.rollout_batch} x {seq} = {kv_total / GIB:.1f} GiB")
     result = plan(args)
     n = result["colocated_gpus"]
     if n is not None:
