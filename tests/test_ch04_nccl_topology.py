@@ -766,6 +766,26 @@ def check_alpha_beta_figure(drawn: dict, rows: list[dict], p: int) -> None:
             assert q["role"] == ("fit" if fitted else "held out")
             assert q["measured (us)"] == measured[name, q["size (B)"]]
             assert q["model (us)"] == pytest.approx(1e6 * (a * alpha + b * q["size (B)"] * beta))
+    check_drawn_crossover(drawn["crossover"], alpha, beta, p)
+
+
+def check_drawn_crossover(drawn: dict, alpha: float, beta: float, p: int) -> None:
+    """The n* drawn in the ring-and-tree panel is where the two model lines cross, found here by brute force: the
+    sign of ring - tree over a fine size grid (1 B .. 1 PB, neighbours 0.012% apart), from the independently fitted
+    alpha, beta and the lesson's step and byte counts; with no sign change, no n* may be drawn. The panel's size
+    range includes the n* it marks."""
+    (a_ring, b_ring), (a_tree, b_tree) = hand_cost_terms("ring", p), hand_cost_terms("tree", p)
+    sizes = np.geomspace(1.0, 1e15, 300_001)
+    gap = (a_ring * alpha + b_ring * sizes * beta) - (a_tree * alpha + b_tree * sizes * beta)
+    flips = np.flatnonzero(np.sign(gap[:-1]) != np.sign(gap[1:]))
+    if not len(flips):
+        assert drawn["n_star_bytes"] is None
+        return
+    assert len(flips) == 1 and gap[0] > 0  # the tree faster below the crossover, the ring above it
+    low, high = sizes[flips[0]], sizes[flips[0] + 1]
+    assert low <= drawn["n_star_bytes"] <= high, (drawn["n_star_bytes"], low, high)
+    left, right = drawn["size_range"]
+    assert left < drawn["n_star_bytes"] < right
 
 
 def test_alpha_beta_figure_is_fitted_on_other_sizes_than_it_predicts(ring_vs_tree_run) -> None:
@@ -785,6 +805,23 @@ def test_halving_doubling_is_only_ever_predicted(tmp_path) -> None:
     check_alpha_beta_figure(drawn, rows, 4)
     assert drawn["fit_sizes"] == [256, 4096, 65536, 262144] and drawn["held_out_sizes"] == [1024, 16384]
     assert (tmp_path / "alpha_beta.png").exists()
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+def test_drawn_crossover_is_where_the_model_lines_cross(tmp_path, p: int) -> None:
+    """Timings made from known alpha and beta (scaled by noise): the ring-and-tree panel marks n* where the two
+    fitted model lines cross (checked by brute force), and none at two ranks, where the lines never cross."""
+    rvt = load("ring_vs_tree")
+    rng, alpha, beta = np.random.default_rng(p), 100e-6, 0.5e-9
+    rows = []
+    for k in range(8):
+        for name in ("ring", "tree", "gloo all_reduce"):
+            a, b = hand_cost_terms("ring" if name == "gloo all_reduce" else name, p)
+            rows.append({"algorithm": name, "size (B)": 256 * 4**k, "busbw (GB/s)": 1.0,
+                         "time (us)": 1e6 * (a * alpha + b * 256 * 4**k * beta) * float(rng.uniform(0.8, 1.3))})
+    drawn = rvt.draw_alpha_beta(rvt.summarise(rows, p), p, rvt.Settings(world_size=p, plot_dir=str(tmp_path)))
+    check_alpha_beta_figure(drawn, rows, p)
+    assert (drawn["crossover"]["n_star_bytes"] is None) == (p == 2)
 
 
 def test_ceiling_figure_draws_busbw_under_the_two_ceilings(ring_vs_tree_run) -> None:

@@ -28,7 +28,8 @@ What it shows
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
     two all-reduces follow; kept in the JSON as "steps"), ring_vs_tree.png (the measured times), alpha_beta.png
-    (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded) and
+    (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded, and
+    below, the ring's and the tree's model lines on one set of axes with the crossover n* marked) and
     ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures".
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
@@ -46,7 +47,8 @@ Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
         -> two ranks: equal steps, so the model has no crossover; which of ring and tree measures faster depends
-           on per-step overhead the model does not see, and each `note:` line says what in the fit not to trust
+           on per-step overhead the model does not see, and a `note:` line, if printed, says what in the fit not
+           to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
@@ -460,14 +462,21 @@ def draw_times(rows: list[dict], world_size: int, args: Settings) -> None:
 
 # --8<-- [start:draw_model]
 def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
-    """One panel per modelled algorithm: its measured points (filled: seen by the fit; hollow: held out, with
-    measured/model written beside them), the model a*alpha + b*n*beta (dashed) and its two terms (dotted), and
+    """Top row, one panel per modelled algorithm: its measured points (filled: seen by the fit; hollow: held out,
+    with measured/model written beside them), the model a*alpha + b*n*beta (dashed) and its two terms (dotted), and
     the sizes where the latency term is the larger (latency-bound) or the byte term (bandwidth-bound) shaded.
-    Returns what it drew."""
+    Bottom, across the width: the ring's and the tree's model lines on one set of axes, their measured medians as
+    dots, and the model's crossover n* (the printed one, summary["predicted_crossover_bytes"]) marked, the size
+    range widened to include it. Returns what it drew."""
     plt = plot.pyplot()
     alpha, beta, points = summary["alpha_s"], summary["beta_s_per_byte"], summary["model_points"]
     names = list(dict.fromkeys(p["algorithm"] for p in points))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.3 * len(names), 4.0), sharey=True, squeeze=False)
+    fig = plt.figure(figsize=(max(4.3 * len(names), 9.0), 8.6))
+    grid_spec = fig.add_gridspec(3, len(names), height_ratios=[4.0, 0.45, 3.6])
+    axes = np.array([[fig.add_subplot(grid_spec[0, i]) for i in range(len(names))]])
+    for ax in axes[0, 1:]:
+        ax.sharey(axes[0, 0])
+        ax.tick_params(labelleft=False)
     lo, hi = min(p["size (B)"] for p in points), max(p["size (B)"] for p in points)
     grid = np.geomspace(lo, hi, 64)
     panels, ratios = {}, []
@@ -509,8 +518,10 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
     # the term lines may run far below: keep the points, with room above the highest for its label
     axes[0, 0].set_ylim(0.5 * min(shown), 3 * max(shown))
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_legend_handles_labels()[0]}
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8,
-               bbox_to_anchor=(0.5, -0.1))
+    legend_ax = fig.add_subplot(grid_spec[1, :])  # the top row's legend, right under it
+    legend_ax.axis("off")
+    legend_ax.legend(list(handles.values()), list(handles), loc="center", ncol=4, fontsize=8, frameon=False)
+    crossover = draw_ring_and_tree(fig.add_subplot(grid_spec[2, :]), summary, world_size, lo, hi)
     bandwidth = f"1/β = {1 / beta / 1e9:.2f} GB/s" if beta > 0 else "β = 0"
     fig.suptitle(f"one alpha-beta model, fitted to ring and tree at {len(summary['fit_sizes'])} of "
                  f"{len(summary['fit_sizes']) + len(summary['held_out_sizes'])} sizes: α = {alpha * 1e6:.0f} us "
@@ -519,7 +530,32 @@ def draw_alpha_beta(summary: dict, world_size: int, args: Settings) -> dict:
     _separate_labels(fig, ratios)
     print(f"figure: {plot.save(fig, args, 'alpha_beta')}")
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "fit_sizes": summary["fit_sizes"],
-            "held_out_sizes": summary["held_out_sizes"], "panels": panels}
+            "held_out_sizes": summary["held_out_sizes"], "panels": panels, "crossover": crossover}
+
+
+def draw_ring_and_tree(ax, summary: dict, world_size: int, lo: float, hi: float) -> dict:
+    """The ring's and the tree's model lines on one set of axes, their measured medians as dots, and the model's
+    crossover n* as a vertical line (when there is one), the size range widened to include it. Returns what it
+    drew: n* and the size range."""
+    alpha, beta, cross = summary["alpha_s"], summary["beta_s_per_byte"], summary["predicted_crossover_bytes"]
+    left, right = min(lo, cross / 4) if cross else lo, max(hi, cross * 4) if cross else hi
+    left, right = left / 1.4, right * 1.4  # a margin, so that the end points are not cut in half
+    sizes = np.geomspace(left, right, 128)
+    for name, color, style in (("ring", "C0", "-"), ("tree", "C2", "--")):  # dashed: visible where they coincide
+        a, b = cost_terms(name, world_size)
+        ax.loglog(sizes, 1e6 * (a * alpha + b * sizes * beta), style, color=color, lw=1.8,
+                  label=f"{name} model {a:g}α + {b:.3g}·nβ")
+        mine = sorted((p["size (B)"], p["measured (us)"]) for p in summary["model_points"] if p["algorithm"] == name)
+        ax.loglog(*zip(*mine), "o", color=color, ms=5, alpha=0.7, label=f"{name} measured (median)")
+    if cross:
+        a, b = cost_terms("ring", world_size)
+        ax.axvline(cross, color="0.2", ls=":", lw=1.4, label=f"model crossover n* = {size_text(cross)}")
+        ax.plot([cross], [1e6 * (a * alpha + b * cross * beta)], "o", color="0.2", ms=7, mfc="white")
+    ax.set_title("ring and tree models on one set of axes: tree faster left of n*, ring right of it" if cross else
+                 "ring and tree models on one set of axes: no crossover in the model", fontsize=10)
+    ax.set(xlabel="message size n (bytes)", ylabel="time per all-reduce (us)", xlim=(left, right))
+    ax.legend(fontsize=8, loc="best")
+    return {"n_star_bytes": cross, "size_range": [float(left), float(right)]}
 # --8<-- [end:draw_model]
 
 
