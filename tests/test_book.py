@@ -398,13 +398,19 @@ def test_lessons_quote_no_hand_typed_measurement_and_every_snippet_section_is_in
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_lesson_checker_flags_a_line_that_ends_a_collapsed_block_early(tmp_path, monkeypatch):
-    """Chapter 12's value-clipping note broke this way: its second line started at column 0."""
+def import_check_lessons():
+    """scripts/check_lessons.py as a module (scripts/ is not a package)."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import check_lessons
     finally:
         sys.path.remove(str(REPO / "scripts"))
+    return check_lessons
+
+
+def test_lesson_checker_flags_a_line_that_ends_a_collapsed_block_early(tmp_path, monkeypatch):
+    """Chapter 12's value-clipping note broke this way: its second line started at column 0."""
+    check_lessons = import_check_lessons()
     lesson = tmp_path / "README.md"
     lesson.write_text('??? note "Under the hood"\n\n    A sentence that goes on\n[a link](x) here.\n\n    ```python\n'
                       "x = 1\n    ```\n\nA paragraph after the block.\n\n!!! tip\n    fine\n\nNext.\n"
@@ -414,11 +420,7 @@ def test_lesson_checker_flags_a_line_that_ends_a_collapsed_block_early(tmp_path,
 
 
 def test_lesson_checker_flags_a_typed_time_and_an_orphan(tmp_path, monkeypatch):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import check_lessons
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    check_lessons = import_check_lessons()
     lesson = tmp_path / "tutorial/part1-x/chapter01-x/README.md"
     lesson.parent.mkdir(parents=True)
     lesson.write_text("The step took 12.5 ms and ran at 3.1 GB/s, 1.42x faster.\n"
