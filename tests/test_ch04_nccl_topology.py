@@ -604,6 +604,21 @@ def test_latency_bandwidth_fit_of_the_benchmark() -> None:
 
 # ------------------------------------------------------------------------------------------ the scripts' results
 @pytest.mark.timeout(120)
+def test_one_rank_sweep_has_no_busbw_to_read() -> None:
+    """At one rank the busbw factor is 0, so every busbw is 0: the '# busbw' line divided by the lowest busbw after
+    the peak and the script died with ZeroDivisionError (CI's make sweep, -w 1). It now says there is nothing to
+    read, and a sweep whose lowest point after the peak is 0 still gets a sentence."""
+    bc = load("bench_collectives")
+    flat = [{"size (B)": 8 * 4**k, "busbw (GB/s)": 0.0} for k in range(4)]
+    assert bc.busbw_pattern(flat)[0] == "none" and "busbw factor is 0" in bc.busbw_line(flat)
+    dropped = [{"size (B)": 8 * 4**k, "busbw (GB/s)": bw} for k, bw in enumerate([0.5, 1.0, 0.0, 0.8])]
+    assert bc.busbw_pattern(dropped)[0] == "dip that recovers"
+    proc = run([CH04 / "bench_collectives.py", "-w", "1", "--smoke", "--max-bytes", "4096"], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "# busbw is 0 at every size" in proc.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("collective, world_size", [pytest.param("all_reduce", 2, marks=pytest.mark.sweep),
                                                      ("all_gather", 3)])  # all_reduce at 2: make sweep
 def test_bench_json_has_nccl_tests_columns(collective: str, world_size: int, tmp_path) -> None:

@@ -299,8 +299,12 @@ RECOVERY = 1.2  # a later size at least this many times the lowest busbw after t
 
 
 def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
-    """(pattern, sentence) for busbw_trend_text: pattern is "rising", "dip that recovers" or "fall that stays"."""
+    """(pattern, sentence) for busbw_trend_text: pattern is "rising", "dip that recovers", "fall that stays", or
+    "none" when busbw is 0 at every size (one rank)."""
     bw = [r["busbw (GB/s)"] for r in rows]
+    if max(bw) <= 0:  # one rank: the busbw factor is 0, and no byte crosses a link
+        return "none", ("is 0 at every size: the busbw factor is 0 here (with one rank no byte crosses a link), so "
+                        "this sweep says nothing about links")
     top = int(np.argmax(bw))
     last = rows[-1]
     if top == len(rows) - 1:
@@ -311,7 +315,7 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
     later = bw[low + 1:]
     peak_text = f"peaked at {bw[top]:.2f} GB/s at {size_text(rows[top]['size (B)'])}"
     best = low + 1 + int(np.argmax(later)) if later else low  # the highest point after the lowest one
-    rise = bw[best] / bw[low]
+    rise = bw[best] / bw[low] if bw[low] > 0 else math.inf
     if rise >= RECOVERY:
         return "dip that recovers", (
             f"{peak_text}, dipped to {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} and rose again to "
