@@ -64,6 +64,10 @@ def test_the_runs_counted_bubble_is_the_brute_force_count_of_their_orders(real_r
         assert orders == zs.planned_orders(name, p, v, m)
         shares, _ = tick_count(orders, zs.placement(name, p, v))
         assert row["counted_per_rank"] == pytest.approx([float(s) for s in shares], abs=1e-12), name
+        # the printed idle units (quoted by the lesson): every rank works 3m units (F, I, W of each micro-batch) in
+        # a step of idle + 3m units, so idle / (idle + 3m) is each rank's brute-force idle share
+        assert [row["idle_units"] / (row["idle_units"] + 3 * m)] * p == pytest.approx(
+            [float(s) for s in shares], abs=1e-12), name
         if zs.formula_holds(name, p, v, m):
             assert row["counted"] == pytest.approx(row["formula"], abs=1e-12), name
 
