@@ -214,11 +214,15 @@ def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, alpha: fl
     knee = alpha * bandwidth
     if not (math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2):
         return False
-    order = np.argsort(size_bytes)
-    size_sorted, time_sorted = size_bytes[order], time_s[order]
-    above, at_or_below = time_sorted[size_sorted > knee], time_sorted[size_sorted <= knee]
+    above, at_or_below = split_at(size_bytes, time_s, knee)
     rising = bool(above.size >= 2 and above[-1] > above[0])  # overall: one loaded row may dip between them
-    return bool(above.size >= 2 and rising and time_sorted[-1] >= 2 * at_or_below.max())
+    return bool(rising and above[-1] >= 2 * at_or_below.max())
+
+
+def split_at(size: np.ndarray, times: np.ndarray, knee: float) -> tuple[np.ndarray, np.ndarray]:
+    """(times of the sizes above the boundary, times of those at or below it), each in order of size."""
+    order = np.argsort(size)
+    return times[order][size[order] > knee], times[order][size[order] <= knee]
 
 
 def boundary_text(num_bytes: float) -> str:
@@ -335,8 +339,7 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
 
 def above_text(size: np.ndarray, times: np.ndarray, knee: float) -> str:
     """The sizes above the boundary and whether their times rise, for the '# fit' line's reasons."""
-    order = np.argsort(size)
-    above = times[order][size[order] > knee]
+    above, _ = split_at(size, times, knee)
     if above.size < 2:
         return f"{above.size} size(s) above it here"
     way = "rising" if above[-1] > above[0] else "not rising"
@@ -345,7 +348,7 @@ def above_text(size: np.ndarray, times: np.ndarray, knee: float) -> str:
 
 def slowest_ratio(size: np.ndarray, times: np.ndarray, knee: float) -> float:
     """The largest size's time over the slowest time at sizes at or below the boundary."""
-    return float(times[np.argmax(size)] / times[size <= knee].max())
+    return float(times[np.argmax(size)] / split_at(size, times, knee)[1].max())
 
 
 def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float) -> str:
