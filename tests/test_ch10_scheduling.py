@@ -186,6 +186,58 @@ def test_launch_picture_names_every_launch_call_in_a_legend(tmp_path, monkeypatc
     assert len(set(named_all.values())) == len(named_all)  # one colour per legend entry across the figure
 
 
+H200_GRAPHS = CH10.parent / "results" / "h200" / "cuda_graphs.json"
+
+
+def test_launch_order_draws_the_recorded_lists_in_launch_order(tmp_path, monkeypatch) -> None:
+    """launch_order.png from the recorded H200 run's lists (read here from the file itself): per panel one bar
+    per launch call and per kernel, in the lists' numbers; eager, kernel j starts after launch call j has ended
+    (the last call's extra kernel after it), kernels never overlap, and the GPU lane has a gap before every kernel
+    but the library-started one; in the replay every kernel starts where the one before ended, after the one call."""
+    import json
+
+    recorded = json.loads(H200_GRAPHS.read_text(encoding="utf-8"))["results"]["launches"]
+    mod = load_script(CH10 / "cuda_graphs.py")
+    figures = []
+    monkeypatch.setattr(mod.plot, "save", lambda fig, args, name: figures.append(fig) or tmp_path / f"{name}.png")
+    mod.draw_launch_order(mod.recorded_launches(str(H200_GRAPHS)), mod.Settings(plot_dir=str(tmp_path)))
+    (fig,) = figures
+    for ax, step in zip(fig.axes, ("eager", "graph")):
+        calls, kernels = recorded[step]["CPU: CUDA launch calls"], recorded[step]["GPU: kernels"]
+        bars = sorted(((round(p.get_y() + p.get_height() / 2), p.get_x(), p.get_x() + p.get_width())
+                       for p in ax.patches), key=lambda b: b[1])
+        call_bars = [(a, b) for y, a, b in bars if y == 1]   # the first lane is drawn on top (y = 1)
+        kernel_bars = [(a, b) for y, a, b in bars if y == 0]
+        assert (len(call_bars), len(kernel_bars)) == (len(calls), len(kernels)), step
+        assert all(b1 <= a2 + 1e-9 for (_, b1), (a2, _) in zip(kernel_bars, kernel_bars[1:])), step
+        if step == "eager":
+            assert all(a >= call_bars[min(j, len(calls) - 1)][1] - 1e-9 for j, (a, _) in enumerate(kernel_bars))
+            gaps = sum(a2 > b1 + 1e-9 for (_, b1), (a2, _) in zip(kernel_bars, kernel_bars[1:]))
+            assert gaps == len(calls) - 1
+        else:
+            assert len(calls) == 1 and kernel_bars[0][0] >= call_bars[0][1] - 1e-9
+            assert all(abs(a2 - b1) < 1e-9 for (_, b1), (a2, _) in zip(kernel_bars, kernel_bars[1:]))
+    title = fig.axes[1].get_title()
+    graph = recorded["graph"]
+    assert graph["CPU: CUDA launch calls"][0] in title and str(len(graph["GPU: kernels"])) in title
+
+
+def test_launches_from_refuses_a_cpu_run_and_a_non_json(smoke_cache, tmp_path) -> None:
+    """--launches-from needs a GPU run's launch lists: a CPU run's --json (no launch lane) and a file that is not
+    JSON are each refused with one line and exit 2; the recorded H200 run is drawn (exit 0, the figure written)."""
+    from conftest import run
+
+    cpu = smoke_run(smoke_cache, CH10 / "cuda_graphs.py")
+    cpu_json = tmp_path / "cpu.json"
+    cpu_json.write_text(__import__("json").dumps(cpu["json"]), encoding="utf-8")
+    for bad in (cpu_json, CH10 / "cuda_graphs.py"):
+        proc = run([CH10 / "cuda_graphs.py", "--launches-from", bad])
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    proc = run([CH10 / "cuda_graphs.py", "--launches-from", H200_GRAPHS, "--plot-dir", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "launch_order.png").is_file()
+
+
 # ------------------------------------------------------------------------------------------ overlap
 @pytest.mark.parametrize("case", ["greedy_stops_chunked", "seeded_sampling", "tight_pool_prefix_cache"])
 def test_overlapped_engine_equals_plain(tiny: GPT, case: str) -> None:

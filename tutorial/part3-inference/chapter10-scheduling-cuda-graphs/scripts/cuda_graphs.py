@@ -12,6 +12,9 @@ What it shows
        one through the graph path, each the fastest of 5 tries (the trace itself: launches.trace.json): the ops
        called from Python, one box each, on the CPU lane; on a GPU also the CUDA launch calls and the kernels.
        On a CPU there is no graph, and the picture shows the static step running op by op like the eager one.
+    FIGURE launch_order.png, on a GPU: the same step's launch calls and kernels in order, on a model time axis
+       (a launch call 1 unit, a kernel 1/4): each eager kernel waits for its own call, a replay's run back to
+       back. --launches-from draws it from a recorded GPU run's --json, on any machine.
     3. On a GPU: eager vs graph time of one decode step (host preparation + forward) for each captured
        batch size, and the engine with graphs generating exactly the eager engine's tokens.
        On a CPU there is no graph to capture; the script says so and measures the CPU analogue: the fixed
@@ -22,6 +25,8 @@ What it shows
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py
     python .../cuda_graphs.py --sizes 1 2 4 8 16 32 64 --iters 200     # on a GPU
+    python .../cuda_graphs.py --launches-from \
+        tutorial/part3-inference/chapter10-scheduling-cuda-graphs/results/h200/cuda_graphs.json
 
 Runtime: about 8 s on 2 idle CPU cores (3 s with --smoke); on a busy machine (a printed load average above the
 core count) up to about load average / cores times that. On a GPU it also captures and times a graph per size.
@@ -38,6 +43,7 @@ Try next
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -73,6 +79,9 @@ class Settings(cli.Args, cli.PlotArgs):
     """torch intra-op threads on a CPU."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu or cuda."""
+    launches_from: str = ""
+    """Only draw launch_order.png from the launch lists in a --json this script wrote on a GPU (e.g. the
+    chapter's results/h200/cuda_graphs.json), then stop."""
 
     def validate(self) -> None:
         if not self.sizes or min(self.sizes) < 1 or max(self.sizes) > 256:
@@ -85,6 +94,23 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise cli.UsageError("--device cuda: no GPU on this machine")
+        if self.launches_from:
+            recorded_launches(self.launches_from)  # a UsageError when it holds no GPU run's launch lists
+
+
+LAUNCH_LANES = ("CPU: CUDA launch calls", "GPU: kernels")
+
+
+def recorded_launches(path: str) -> dict:
+    """The launch lists ("eager" and "graph" steps) of a GPU run's --json, or a UsageError saying what is missing."""
+    try:
+        launches = json.loads(Path(path).read_text(encoding="utf-8"))["results"]["launches"]
+        lists = {step: {lane: list(launches[step][lane]) for lane in LAUNCH_LANES} for step in ("eager", "graph")}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise cli.UsageError(f"--launches-from {path}: not a --json of a GPU run of this script ({exc!r})") from None
+    if not all(lists[step][lane] for step in lists for lane in LAUNCH_LANES):
+        raise cli.UsageError(f"--launches-from {path}: a launch list is empty (a CPU run records no launches)")
+    return lists
 
 
 def graph_engine(model, n: int, args: Settings, device: str) -> Engine:
@@ -330,6 +356,40 @@ def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str
     return drawn
 
 
+KERNEL_UNITS = 0.25  # the picture's model: a launch call takes 1 unit of CPU time, a small decode kernel a quarter
+
+
+def draw_launch_order(lists: dict, args: Settings) -> dict:
+    """The launch lists of one eager step and one graph replay, drawn in order on a model time axis: every
+    launch call 1 unit of CPU time, every kernel KERNEL_UNITS of GPU time, and a kernel starts once its launch
+    call has returned and the kernel before it has finished. Eager, each kernel has its own launch call (the
+    library may start a second kernel from one call: it follows the first); a replay has one call for them all."""
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    palette = plot.colours(["kernel", *sorted({k for s in lists.values() for k in s[LAUNCH_LANES[0]]})])
+    drawn = {}
+    for ax, step in zip(axes, ("eager", "graph")):
+        calls, kernels = lists[step][LAUNCH_LANES[0]], lists[step][LAUNCH_LANES[1]]
+        spans = [plot.Span(LAUNCH_LANES[0], i, i + 1, "", name) for i, name in enumerate(calls)]
+        gpu_free = 0.0
+        for j in range(len(kernels)):
+            launched = spans[min(j, len(calls) - 1)].end
+            start = max(launched, gpu_free)
+            gpu_free = start + KERNEL_UNITS
+            spans.append(plot.Span(LAUNCH_LANES[1], start, gpu_free, "", "kernel"))
+        plot.timeline(ax, spans, LAUNCH_LANES, palette=palette)
+        drawn[step] = {"launch calls": len(calls), "kernels": len(kernels), "units": max(s.end for s in spans)}
+        ax.set_title(f"eager step: {len(calls)} launch calls for {len(kernels)} kernels, each kernel waiting for its "
+                     "call" if step == "eager" else
+                     f"graph replay: {len(calls)} launch call ({', '.join(sorted(set(calls)))}), then "
+                     f"{len(kernels)} kernels back to back", fontsize=9)
+    axes[-1].set_xlabel(f"model time: a launch call = 1 unit, a kernel = {KERNEL_UNITS:g} unit (the counts are the "
+                        "run's, the widths are not measured)")
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'launch_order')}")
+    return drawn
+
+
 def check_engine(model, args: Settings, device: str) -> dict:
     """The engine with graphs generates exactly the eager engine's greedy tokens."""
     prompts = decode_prompts(max(args.sizes), args.prompt_len, seed=args.seed + 1)
@@ -349,6 +409,12 @@ def check_engine(model, args: Settings, device: str) -> dict:
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"sizes": [1, 2, 4], "iters": 5})
+    if args.launches_from:
+        results = {"launch_order": draw_launch_order(recorded_launches(args.launches_from), args),
+                   "launches_from": args.launches_from}
+        if args.json:
+            report.write_json(args.json, results, args)
+        return 0
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -388,6 +454,8 @@ def main() -> int:
     trace = trace_launches(model, args, device)
     print(f"   trace: {trace}")
     results["launches"] = draw_launches(launch_lanes(trace), args, device)
+    if device == "cuda":
+        results["launch_order"] = draw_launch_order({k: results["launches"][k] for k in ("eager", "graph")}, args)
     results["engine"] = e = check_engine(model, args, device)
     e["graphs_over_eager"] = e["graphs_tok_s"] / e["eager_tok_s"]
     r = e["graphs_over_eager"]
