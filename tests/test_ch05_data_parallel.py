@@ -274,6 +274,19 @@ def test_no_profile_prints_the_tables_without_the_profiled_step() -> None:
     assert bad.returncode == 2, bad.stdout + bad.stderr
 
 
+@pytest.mark.timeout(120)
+def test_no_tables_prints_the_profiled_step_without_the_tables() -> None:
+    """The lesson's second run (--no-tables) shows the tables of the first one no second time: only the ideal model
+    and the profiled step; --no-tables with --no-profile is a usage error."""
+    prof = run([CH05 / "ddp_from_scratch.py", "--smoke", "--no-tables"], timeout=110)
+    assert prof.returncode == 0, prof.stdout + prof.stderr
+    assert all(line in prof.stdout for line in PROFILER_LINES + ("ideal overlap",)), prof.stdout
+    assert not [t for t in ("vs global batch", "filled in reverse parameter order", "a ring sends") if t in prof.stdout]
+    assert prof.stdout.lstrip().startswith("ideal overlap"), prof.stdout
+    both = run([CH05 / "ddp_from_scratch.py", "--no-tables", "--no-profile"], timeout=60)
+    assert both.returncode == 2, both.stdout + both.stderr
+
+
 # ----------------------------------------------------------------------------------------------- the ideal overlap
 def _ready_order_numels() -> list[int]:
     model = GPT(GPTConfig.preset("tiny"))
@@ -455,6 +468,20 @@ def test_overlapped_vs_bucketed_sentence_follows_the_medians() -> None:
     never = {k: v + (0.02 if k[0] == "overlapped" else 0) for k, v in med.items()}
     assert bench._overlapped_vs_bucketed(never, [0.25, 2, 16], 7.0).startswith(
         "overlapped's median was never lower than bucketed's.")
+
+
+def test_naive_sentence_follows_the_medians() -> None:
+    """Medians in seconds; the expectation is worked out here: naive's ratio to local, and the rows not below it."""
+    med = {("local", 0.0): 0.040, ("naive", 0.0): 0.120, ("bucketed", 1.0): 0.070, ("overlapped", 1.0): 0.066,
+           ("torch", 1.0): 0.055}
+    ratio = med[("naive", 0.0)] / med[("local", 0.0)]
+    slowest = max((v for v in med if v[0] not in ("local", "naive")), key=med.get)
+    text = bench._naive_vs_rest(med)
+    assert text.startswith(f"naive took {ratio:.2f}x local's median; every bucketed, overlapped and torch row took")
+    assert f"{slowest[0]} at {slowest[1]:g} MiB, {med[slowest] / med[('local', 0.0)]:.2f}x" in text
+    slow = med | {("bucketed", 1.0): 0.130}  # a row slower than naive: the sentence must not rank naive last
+    text = bench._naive_vs_rest(slow)
+    assert "did not rank it last: bucketed at 1 MiB took as long or longer" in text and "every" not in text
 
 
 def test_above_noise_says_every_row_when_every_row_is_above_local() -> None:

@@ -18,6 +18,7 @@ What it shows
     was lowest, ignoring the sizes whose median fell below local's (the book's target: at most 1.25 times, the
     constant GOAL, reported as goal_met in --json), or, when every row of overlapped or of torch fell below local,
     names which one and says there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
+    The line under the table gives naive against local, and whether every other row's median was below naive's.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
     one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A line
     gives bucketed minus overlapped at each size, next to the spread of local's own rounds. The line
@@ -158,7 +159,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
              if best["overlapped"] is not None and best["torch"] is not None else None)
     per_size = {f"{mb:g}": med[("overlapped", mb)] / med[("torch", mb)] for mb in sorted(set(args.bucket_mb))}
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)["sent"]
-    ctx.print(f"\neach rank sends 2(W-1)/W x {grad_bytes / 2**20:.1f} MiB = {volume / 2**20:.1f} MiB per step")
+    naive_text = _naive_vs_rest(med)
+    ctx.print(f"\n{naive_text}")
+    ctx.print(f"each rank sends 2(W-1)/W x {grad_bytes / 2**20:.1f} MiB = {volume / 2**20:.1f} MiB per step")
     ctx.print("overlapped / torch at the same bucket size: " + ", ".join(f"{k} MiB {v:.2f}x" for k, v in
                                                                          per_size.items()))
     below_text = ", ".join(f"{k} at {mb:g} MiB" if k != "naive" else k for k, mb in below_floor)
@@ -192,7 +195,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "num_buckets": {f"{mb:g}": len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
-            "overlapped_vs_bucketed_text": vs_bucketed,
+            "overlapped_vs_bucketed_text": vs_bucketed, "naive_text": naive_text,
             "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
@@ -210,6 +213,19 @@ def _headline(med: dict, best: dict, floor: float) -> str:
     rows = ", ".join(f"{k} " + "/".join(f"{1e3 * t:.0f}" for (kk, _), t in med.items() if kk == k) for k in gone)
     return (f"no headline ratio: every {' and every '.join(gone)} row came out below local's median "
             f"({1e3 * floor:.0f} ms; {rows} ms), so this run cannot rank overlapped against torch")
+
+
+def _naive_vs_rest(med: dict) -> str:
+    """The run's plainest result: naive against local, and whether every bucketed, overlapped and torch row beat it."""
+    local, naive = med[("local", 0.0)], med[("naive", 0.0)]
+    rest = {v: t for v, t in med.items() if v[0] not in ("local", "naive")}
+    slowest = max(rest, key=rest.get)
+    if rest[slowest] < naive:
+        return (f"naive took {naive / local:.2f}x local's median; every bucketed, overlapped and torch row took less "
+                f"(the slowest, {slowest[0]} at {slowest[1]:g} MiB, {rest[slowest] / local:.2f}x)")
+    beat = [f"{k} at {mb:g} MiB" for (k, mb), t in rest.items() if t >= naive]
+    return (f"naive took {naive / local:.2f}x local's median, and this run did not rank it last: "
+            f"{', '.join(beat)} took as long or longer")
 
 
 def _above_noise(med: dict, local_max_ms: float) -> tuple[list, str, str]:

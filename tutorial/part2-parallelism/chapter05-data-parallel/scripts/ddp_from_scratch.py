@@ -32,6 +32,7 @@ How to run (any world size from 1 to 8)
     torchrun --nproc-per-node 2 tutorial/part2-parallelism/chapter05-data-parallel/scripts/ddp_from_scratch.py
     ... --bucket-mb 0.01 --steps 10       # more, smaller buckets; more steps
     ... --no-profile                       # only the tables, bytes and self-check: no profiled step, no figures
+    ... --no-tables                        # only the ideal-overlap model and the profiled step (no training runs)
 
 The self-check fails (exit 1) if any version's parameters differ from the global-batch reference by more than
 --atol, or from torch's DDP by more than --atol. Runtime on 2 cores: about 6 s at -w 2 on idle cores, two to five
@@ -89,6 +90,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     profile: bool = True
     """Profile one more overlapped step (trace, figure, launch table and timings); --no-profile prints only the
     bucket and comparison tables, the bytes per step and the self-check."""
+    tables: bool = True
+    """Train and compare the versions (bucket and comparison tables, bytes per step); --no-tables skips them and
+    prints only the ideal-overlap model and the profiled step (the lesson shows the tables once, from --no-profile)."""
 
     def validate(self) -> None:
         from mlsys.model import PRESETS
@@ -98,6 +102,8 @@ class Settings(cli.DistArgs, cli.PlotArgs):
         for name in ("steps", "batch_size", "accum", "num_records"):
             if getattr(self, name) < 1:
                 raise cli.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not (self.tables or self.profile):
+            raise cli.UsageError("--no-tables with --no-profile leaves nothing to run: drop one of them")
         if self.bucket_mb <= 0 or self.lr <= 0 or self.atol <= 0:
             raise cli.UsageError("--bucket-mb, --lr and --atol must be positive")
         block = PRESETS[self.preset]["block_size"]
@@ -475,12 +481,13 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     model = fresh_model(args, ctx.rank)
     grad_bytes = num_params(model) * 4
     buckets = bucket_table(model, args.bucket_mb)
-    ctx.print(f"{args.preset} GPT: {num_params(model):,} parameters = {grad_bytes / 1024:.1f} KiB of float32 "
-              f"gradients; buckets of {args.bucket_mb} MiB, filled in reverse parameter order:")
-    ctx.print(report.table(buckets, ".1f"))
+    if args.tables:
+        ctx.print(f"{args.preset} GPT: {num_params(model):,} parameters = {grad_bytes / 1024:.1f} KiB of float32 "
+                  f"gradients; buckets of {args.bucket_mb} MiB, filled in reverse parameter order:")
+        ctx.print(report.table(buckets, ".1f"))
 
     rows, results = [], {}
-    for accum in sorted({1, args.accum}):
+    for accum in sorted({1, args.accum}) if args.tables else []:
         ref = reference_params(args, tokens, ctx.world_size, accum)
         kinds = KINDS if accum == 1 else ("overlapped", "torch")
         runs = {kind: train_data_parallel(ctx, args, tokens, kind, accum) for kind in kinds}
@@ -500,8 +507,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                                 torch.cat([p.flatten() for p in run["params"]]),
                                 torch.cat([p.flatten() for p in runs["torch"]["params"]]), rtol=0, atol=args.atol)
         results[accum] = runs
-    ctx.print(f"\nafter {args.steps} SGD steps, max |parameter difference| on rank 0 (W={ctx.world_size}):")
-    ctx.print(report.table(rows, ".2g"))
+    if args.tables:
+        ctx.print(f"\nafter {args.steps} SGD steps, max |parameter difference| on rank 0 (W={ctx.world_size}):")
+        ctx.print(report.table(rows, ".2g"))
 
     ideal = {}
     if ctx.is_main and args.profile:  # the ideal overlap of this run's buckets: a model, drawn before the trace
@@ -510,10 +518,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         ideal = ideal_schedule(numels, params[0].element_size(), int(args.bucket_mb * MB))
         if [sum(numels[i] for i in b) for b in ideal["buckets"]] != [r["numel"] for r in buckets]:
             raise cli.SelfCheckFailed("the ideal-overlap model's buckets differ from the bucket table above")
-        plural = "s" * (len(buckets) != 1)
-        ctx.print(f"\nideal overlap of these {len(buckets)} bucket{plural} (a model, not measured; time in backwards, "
-                  f"all-reducing every gradient assumed to take {ideal['comm_share']:g} of one): bucketed ends at "
-                  f"{ideal['bucketed_end']:.2f}, overlapped at {ideal['overlapped_end']:.2f} "
+        plural, gap = "s" * (len(buckets) != 1), "\n" * args.tables  # a blank line after the tables, if shown
+        ctx.print(f"{gap}ideal overlap of these {len(buckets)} bucket{plural} (a model, not measured; time in "
+                  f"backwards, all-reducing every gradient assumed to take {ideal['comm_share']:g} of one): bucketed "
+                  f"ends at {ideal['bucketed_end']:.2f}, overlapped at {ideal['overlapped_end']:.2f} "
                   f"({ideal['saved_share']:.0%} shorter); figure: {draw_ideal(args, ideal)}")
 
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main and args.profile else None
@@ -547,12 +555,16 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)
-    ctx.print(f"\nper step, each rank all-reduces {grad_bytes / 1024:.1f} KiB of gradients; a ring sends "
-              f"2(W-1)/W x that = {volume['sent'] / 1024:.1f} KiB per rank (mlsys.collectives.comm_volume)")
-
-    same = torch.tensor([max_diff(results[1]["overlapped"]["params"], results[1]["torch"]["params"])])
-    dist.all_reduce(same, op=dist.ReduceOp.MAX)
-    ctx.print("self-check passed: every version matches the global-batch reference and torch's DDP on every rank")
+    same = torch.tensor([float("nan")])
+    if args.tables:
+        ctx.print(f"\nper step, each rank all-reduces {grad_bytes / 1024:.1f} KiB of gradients; a ring sends "
+                  f"2(W-1)/W x that = {volume['sent'] / 1024:.1f} KiB per rank (mlsys.collectives.comm_volume)")
+        same = torch.tensor([max_diff(results[1]["overlapped"]["params"], results[1]["torch"]["params"])])
+        dist.all_reduce(same, op=dist.ReduceOp.MAX)
+        ctx.print("self-check passed: every version matches the global-batch reference and torch's DDP on every "
+                  "rank")
+    else:
+        ctx.print("self-check passed: the model's buckets are BucketedDDP's (no training runs with --no-tables)")
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "buckets": buckets, "comparison": rows,
             "overlap_timeline": timeline, "ideal_overlap": ideal, "allreduce_sent_bytes_per_rank": volume["sent"],
             "max_diff_overlapped_vs_torch_all_ranks": same.item(),
