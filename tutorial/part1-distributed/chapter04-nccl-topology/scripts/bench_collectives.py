@@ -23,20 +23,22 @@ What it shows
     2p segments and skips the empty ones, so it sends fewer messages and can be faster than the sizes above it;
     large ones bandwidth-bound (time grows with size; busbw climbs until the links or the memory are saturated,
     and may fall again once the buffers outgrow the CPU caches; the "# busbw" line says which this run
-    shows: still rising; a dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times
-    the lowest busbw after the peak (load); or a fall that stays to the end, where none does (a check the
-    sentence states only when some size follows the lowest point); a smaller rise, if any, is named with its
-    factor). A fitted time = alpha + size/B line puts the boundary at size = alpha * B (printed in B below 1 KiB,
-    in KiB above), shaded on the figure; it is one least-squares line through all the points, each row weighted
-    by 1/time (the relative error (model/time - 1)^2, so a fast row counts as much as one a hundred times slower),
-    and the points scatter on both sides of it, so its B can be below the peak busbw. The weighting also makes the
-    line sit under most noisy small-message points: a point above the line costs at most 1, one below it without
-    limit. The sweep is called bandwidth-bound beyond the boundary only if it really is: the boundary must lie at
-    most half the largest size, at least two sizes must lie above it, the time must rise from the first of them to
-    the largest, and the
-    largest size must take at least twice the slowest time at or below the boundary (the size term clear of the
-    latency-bound noise); otherwise the line fits noise, and the output says the sweep has no bandwidth-bound
-    points. Each size is checked once against a closed-form answer
+    shows: no peak at all, when no size of the sweep is bandwidth-bound (the "# fit" test below); still rising; a
+    dip that recovers, where a larger size gets back to at least RECOVERY = 1.2 times the lowest busbw after the
+    peak (load); or a fall that stays to the end, where none does (a check the sentence states only when some size
+    follows the lowest point; a smaller rise, if any, is named with its factor). A fall is called a limit only when
+    every round shows it: in each round the largest size's busbw below the peak size's of the same round;
+    otherwise the line says it cannot tell load from a limit). A fitted time = alpha + size/B line puts the
+    boundary at size = alpha * B (printed in B below 1 KiB, in KiB above), shaded on the figure; it is one
+    least-squares line through all the points, each row weighted by 1/time (the relative error (model/time - 1)^2,
+    so a fast row counts as much as one a hundred times slower), and the points scatter on both sides of it, so
+    its B can be below the peak busbw. The weighting also pulls the line toward the fastest rows: a point above the
+    line costs at most 1, one below it without limit. The sweep is called bandwidth-bound beyond the boundary only
+    if it really is: the boundary must lie at most half the largest size, at least two sizes must lie above it, the
+    time must rise from the first of them to the largest, and the largest size must take at least twice the
+    slowest time at or below the boundary (the size term clear of the latency-bound noise); otherwise the line
+    fits noise, and the output says the sweep has no bandwidth-bound points. Each size is checked once against a
+    closed-form answer
     before it is timed. Over gloo on CPU here; with one GPU per rank, --backend auto picks NCCL and CUDA tensors.
 
 How to run (any world size >= 1; the busbw factors are defined for every number of ranks p)
@@ -244,7 +246,8 @@ def few_value_rows(rows: list[dict], below: int) -> list[dict]:
     return [r for r in rows if r.get("count", r["size (B)"] // ELEMENT_BYTES) < below]
 
 
-def reading(rows: list[dict], few_values_below: int = 0) -> dict:
+def reading(rows: list[dict], few_values_below: int = 0, round_times_us: list[list[float]] | None = None,
+            bandwidth_bound: bool = True) -> dict:
     """The numbers the lesson's reading of the table quotes, whatever the run: how much the time changed over the
     small sizes (up to 8 KiB, apart from the rows too small to fill gloo's ring, which take fewer messages), how
     those rows compare with the others, how the time grew from the second-largest size to the largest, where
@@ -263,8 +266,9 @@ def reading(rows: list[dict], few_values_below: int = 0) -> dict:
             "last_step_time_ratio": last["time (us)"] / before["time (us)"],
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
             "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
-            "busbw_trend_text": busbw_trend_text(rows), "busbw_pattern": busbw_pattern(rows)[0],
-            "busbw_recovery_factor": RECOVERY}
+            "busbw_trend_text": busbw_trend_text(rows, round_times_us, bandwidth_bound),
+            "busbw_pattern": busbw_pattern(rows, round_times_us, bandwidth_bound)[0],
+            "busbw_verdict": busbw_verdict(rows, round_times_us, bandwidth_bound), "busbw_recovery_factor": RECOVERY}
 
 
 def few_values_text(few: list[dict], small_t: list[float], small_text: str) -> str:
@@ -280,35 +284,68 @@ def few_values_text(few: list[dict], small_t: list[float], small_text: str) -> s
     return f"{label} took {ratio:.2f}x the median time of the rows from {small_text}, {way}"
 
 
-def busbw_trend_text(rows: list[dict]) -> str:
-    """Where busbw peaked, in words whose direction is computed from the run: still rising at the largest size
-    (the peak is the last row); a dip that recovers (after the peak, a larger size reached at least RECOVERY times
-    the lowest point after the peak: one size was slowed, the pattern of load); or a fall that stays to the end (no
-    larger size rose that far above the lowest point: the pattern of a limit, such as the caches; when the lowest
-    point is the largest size, as when only one size follows the peak, there is nothing to check and the sentence
-    leaves that check out). A smaller rise after the lowest point is named in the sentence, with its
-    factor, so the reader sees why it did not count."""
-    return busbw_pattern(rows)[1]
+def busbw_trend_text(rows: list[dict], round_times_us: list[list[float]] | None = None,
+                     bandwidth_bound: bool = True) -> str:
+    """What the busbw column shows, in words computed from the run (busbw_pattern's sentence)."""
+    return busbw_pattern(rows, round_times_us, bandwidth_bound)[1]
 
 
-def busbw_line(rows: list[dict]) -> str:
-    """The '# busbw' line: busbw_trend_text, with what its pattern usually means (a dip: load; a fall: a limit)."""
-    pattern, text = busbw_pattern(rows)
-    meaning = {"dip that recovers": " (the pattern of load: rerun and it moves or goes)",
-               "fall that stays": " (the pattern of a limit, such as the caches)"}.get(pattern, "")
-    return f"# busbw {text}{meaning}"
+def busbw_line(rows: list[dict], round_times_us: list[list[float]] | None = None,
+               bandwidth_bound: bool = True) -> str:
+    """The '# busbw' line: busbw_trend_text, which says itself what its pattern can and cannot tell."""
+    return f"# busbw {busbw_trend_text(rows, round_times_us, bandwidth_bound)}"
 
 
 RECOVERY = 1.2  # a later size at least this many times the lowest busbw after the peak: the dip recovered
 
 
-def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
-    """(pattern, sentence) for busbw_trend_text: pattern is "rising", "dip that recovers", "fall that stays", or
-    "none" when busbw is 0 at every size (one rank)."""
+def round_busbw(row: dict, times_us: list[float]) -> list[float]:
+    """The row's busbw in each round: busbw is bytes over time, so it scales as the best time over the round's."""
+    return [row["busbw (GB/s)"] * row["time (us)"] / t for t in times_us]
+
+
+def fall_evidence(rows: list[dict], round_times_us: list[list[float]] | None, top: int) -> tuple[str, str]:
+    """(verdict, words) for a fall that stays to the end, read off every round, not only the best: "limit" when in
+    each of at least two rounds the largest size's busbw was below the peak size's busbw of the SAME round (the
+    sizes take turns, so the two were timed in the same pass); otherwise "cannot tell", naming the first round that
+    does not show the fall. A single slow round of the largest size (one call per round there) cannot make a
+    limit: the best round of each size decides the table, and every round must agree."""
+    last = len(rows) - 1
+    if not round_times_us or len(round_times_us[last]) < 2:
+        return "cannot tell", ("; with fewer than two rounds there is no second look at it, so this run cannot tell "
+                               "load from a limit (rerun with --rounds 2 or more)")
+    peak_bw, last_bw = round_busbw(rows[top], round_times_us[top]), round_busbw(rows[last], round_times_us[last])
+    rounds = len(peak_bw)
+    peak_size, last_size = size_text(rows[top]["size (B)"]), size_text(rows[last]["size (B)"])
+    against = next((k for k in range(rounds) if last_bw[k] >= peak_bw[k]), None)
+    if against is None:
+        return "limit", (f"; it shows in every one of the {rounds} rounds (in each, {last_size} had a lower busbw "
+                         f"than {peak_size} in the same round): the pattern of a limit, such as the caches")
+    return "cannot tell", (
+        f"; but not in every round: in round {against + 1} of {rounds}, {last_size}'s busbw "
+        f"({last_bw[against]:.3f} GB/s) was no lower than {peak_size}'s ({peak_bw[against]:.3f} GB/s), so this run "
+        "cannot tell load from a limit (rerun: a limit shows in every round, load moves)")
+
+
+def busbw_pattern(rows: list[dict], round_times_us: list[list[float]] | None = None,
+                  bandwidth_bound: bool = True) -> tuple[str, str]:
+    """(pattern, sentence): pattern is "none" (busbw 0 at every size: one rank), "one size", "latency-bound" (the
+    sweep has no bandwidth-bound size, bandwidth_bound_points: no peak to read), "rising" (the peak is the last
+    row), "dip that recovers" (after the peak, a larger size reached at least RECOVERY times the lowest point after
+    the peak: the pattern of load), or "fall that stays" (none did). A fall is called a limit only when every round
+    shows it (fall_evidence); otherwise the sentence says the run cannot tell load from a limit. When the lowest
+    point is the largest size, as when only one size follows the peak, there is nothing after it to check and the
+    sentence leaves that check out. A smaller rise after the lowest point is named with its factor."""
     bw = [r["busbw (GB/s)"] for r in rows]
     if max(bw) <= 0:  # one rank: the busbw factor is 0, and no byte crosses a link
         return "none", ("is 0 at every size: the busbw factor is 0 here (with one rank no byte crosses a link), so "
                         "this sweep says nothing about links")
+    if len(rows) < 2:
+        return "one size", f"was measured at one size only ({bw[0]:.2f} GB/s), so it has no trend to read"
+    if not bandwidth_bound:
+        return "latency-bound", ("stays in the latency-bound regime: the whole sweep is latency-bound (the '# fit' "
+                                 "line says why), so busbw has no peak to read; larger sizes (--max-bytes) reach "
+                                 "the bandwidth-bound regime")
     top = int(np.argmax(bw))
     last = rows[-1]
     if top == len(rows) - 1:
@@ -324,7 +361,8 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
         return "dip that recovers", (
             f"{peak_text}, dipped to {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} and rose again to "
             f"{bw[best]:.2f} GB/s at {size_text(rows[best]['size (B)'])}, {rise:.2f}x the low point (at least "
-            f"{RECOVERY:g}x): a dip that recovers, not a fall that stays to the end")
+            f"{RECOVERY:g}x): a dip that recovers, not a fall that stays to the end (the pattern of load: rerun "
+            "and it moves or goes)")
     drop = 1 - bw[-1] / bw[top]
     partial = (f"; it rose from {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} to {bw[best]:.2f} GB/s "
                f"at {size_text(rows[best]['size (B)'])}, but only {rise:.2f}x, under the {RECOVERY:g}x that counts "
@@ -334,7 +372,19 @@ def busbw_pattern(rows: list[dict]) -> tuple[str, str]:
     check = (f" (no larger size rose {RECOVERY:g}x above the lowest point after the peak)" if later else "")
     return "fall that stays", (
         f"{peak_text} and ended {drop:.1%} lower, at {bw[-1]:.2f} GB/s at the largest size, "
-        f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end{check}, not a dip that recovers")
+        f"{size_text(last['size (B)'])}{partial}: a fall that stays to the end{check}, not a dip that recovers"
+        f"{fall_evidence(rows, round_times_us, top)[1]}")
+
+
+def busbw_verdict(rows: list[dict], round_times_us: list[list[float]] | None = None,
+                  bandwidth_bound: bool = True) -> str:
+    """What the busbw pattern points to: "load" (a dip that recovers), "limit" or "cannot tell" (a fall that stays,
+    by fall_evidence), "" for the other patterns."""
+    pattern = busbw_pattern(rows, round_times_us, bandwidth_bound)[0]
+    if pattern == "dip that recovers":
+        return "load"
+    return fall_evidence(rows, round_times_us, int(np.argmax([r["busbw (GB/s)"] for r in rows])))[0] if (
+        pattern == "fall that stays") else ""
 
 
 def above_text(size: np.ndarray, times: np.ndarray, knee: float) -> str:
@@ -421,18 +471,20 @@ def main() -> int:
     print(report.table(rows, floatfmt=".3f"))
     avg = float(np.mean([r["busbw (GB/s)"] for r in rows]))
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
-    print(busbw_line(rows))
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     times = np.array([r["time (us)"] for r in rows]) * 1e-6
     alpha, bandwidth = fit_latency_bandwidth(size, times)
+    bound = bandwidth_bound_points(size, times, alpha, bandwidth)  # does the sweep reach the bandwidth-bound regime
+    print(busbw_line(rows, result["round_times_us"], bound))
     few_values_below = 2 * args.world_size if args.collective == "all_reduce" and args.backend == "gloo" else 0
     print(fit_line(size, times, alpha, bandwidth))
-    draw(rows, alpha, bandwidth, args, args.world_size, bandwidth_bound_points(size, times, alpha, bandwidth))
+    draw(rows, alpha, bandwidth, args, args.world_size, bound)
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
                                       "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,
                                       "rounds": args.rounds, "round_times_us": result["round_times_us"],
-                                      "median_time_us": result["median_time_us"], **reading(rows, few_values_below),
+                                      "median_time_us": result["median_time_us"],
+                                      **reading(rows, few_values_below, result["round_times_us"], bound),
                                       "fit_alpha_s": alpha,
                                       "fit_bandwidth_Bps": bandwidth if math.isfinite(bandwidth) else None}, args)
     return 0

@@ -16,14 +16,14 @@ What it shows
          faster where (a tie where their ranges over the rounds overlap: no winner is claimed there; the table
          prints both ranges and the verdict per size), ring busbw over gloo's;
       3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) >= 0 fitted by least squares,
-         each point weighted by 1/time (the relative error (model/time - 1)^2: a point under the line costs at
-         most 1, one over it without limit, so where the ring and the tree differ several-fold the line follows
-         the faster one), to the ring's and the tree's times at every other size from the smallest, plus the
-         largest, then compared
-         with the points it did not see (the sizes in between, and every halving-doubling point):
-         measured/model per size, the median and worst factor on the held-out points, and the model's
-         ring-vs-tree crossover beside the measured one; a `note:` line when the fit pins alpha at 0 (then the
-         factors at the small sizes are meaningless) or beta at 0 (then no size costs more than another);
+         each point weighted by 1/time (the relative error (model/time - 1)^2: a point above the line costs at
+         most 1, one below it without limit), to the ring's and the tree's times at every other size from the
+         smallest, plus the largest, then compared with the points it did not see (the sizes in between, and every
+         halving-doubling point): measured/model per size, the median and worst factor on the held-out points, the
+         model's ring-vs-tree crossover beside the measured one, the model's crossover at 8, 64 and 512 ranks with
+         the same alpha and beta (a prediction), and which algorithm's points the line passes nearer; a `note:` line
+         when the fit pins alpha at 0 (then the factors at the small sizes are meaningless) or beta at 0 (then no
+         size costs more than another);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -46,9 +46,9 @@ Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
-        -> two ranks: equal steps, so the model has no crossover; which of ring and tree measures faster depends
-           on per-step overhead the model does not see, and a `note:` line, if printed, says what in the fit not
-           to trust
+        -> two ranks: equal steps, so the model has no crossover; the ring sends twice as many messages (2 sends
+           and 2 receives per rank against the tree's 1 and 1), which the model does not see; a `note:` line, if
+           printed, says what in the fit not to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
@@ -288,6 +288,22 @@ def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
     if a_ring <= a_tree or b_tree <= b_ring or beta <= 0 or alpha <= 0:
         return None  # the ring has no more steps than the tree (p = 2), or the fit pinned alpha or beta at 0
     return alpha * (a_ring - a_tree) / (beta * (b_tree - b_ring))
+
+
+MORE_RANKS = (8, 64, 512)  # rank counts this box cannot run, where the model's crossover is read off the fit
+
+
+def crossover_at_more_ranks(alpha: float, beta: float, ranks: tuple[int, ...] = MORE_RANKS) -> dict[int, float]:
+    """The model's n* at larger rank counts, with this run's fitted alpha and beta: a prediction of the model (the
+    same formula, each p with its own steps and bytes), not a measurement. Empty when the fit pinned alpha or beta
+    at 0 (no crossover at any p)."""
+    return {p: crossover_bytes(alpha, beta, p) for p in ranks} if alpha > 0 and beta > 0 else {}
+
+
+def more_ranks_text(crossovers: dict[int, float]) -> str:
+    if not crossovers:
+        return "none: the fit pinned alpha or beta at 0, so the model has no crossover at any number of ranks"
+    return ", ".join(f"{p} ranks: {size_text(n)}" for p, n in crossovers.items())
 # --8<-- [end:model]
 
 
@@ -444,7 +460,25 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "fit_worst_factor": max(map(off, fitted)), "predicted_crossover_bytes": cross,
             **{f"{name}_median_ratio": float(np.median([p["measured/model"] for p in points if p["algorithm"] == name]))
                for name in dict.fromkeys(p["algorithm"] for p in points)},
-            "predicted_crossover_text": size_text(cross) if cross else "none"}
+            "predicted_crossover_text": size_text(cross) if cross else "none",
+            "more_ranks_crossover_bytes": crossover_at_more_ranks(alpha, beta),
+            "more_ranks_crossover_text": more_ranks_text(crossover_at_more_ranks(alpha, beta)),
+            "line_nearer_text": line_nearer_text(points, time_of, sizes)}
+
+
+def line_nearer_text(points: list[dict], time_of: dict, sizes: list[int]) -> str:
+    """Which of the ring's and the tree's points the one fitted line passes nearer (the smaller median of
+    |log(measured/model)|), and which of the two had the lower median time at more sizes: both read off the run,
+    so the sentence never claims the line follows the faster one when it does not."""
+    ratio = {name: [p["measured/model"] for p in points if p["algorithm"] == name] for name in FITTED}
+    off = {name: float(np.median(np.abs(np.log(r)))) for name, r in ratio.items()}
+    near, far = sorted(FITTED, key=lambda n: off[n])
+    wins = {name: sum(time_of[name, s] < time_of[other, s] for s in sizes) for name, other in (FITTED, FITTED[::-1])}
+    faster = ("the faster of the two" if wins[near] > wins[far] else "the slower of the two" if wins[near] < wins[far]
+              else "neither the faster nor the slower of the two")
+    return (f"the line passes nearer the {near}'s points (median {float(np.median(ratio[near])):.2f}x the line) "
+            f"than the {far}'s ({float(np.median(ratio[far])):.2f}x); the {near}, {faster}, had the lower median "
+            f"time at {wins[near]} of the {len(sizes)} sizes")
 
 
 def draw_times(rows: list[dict], world_size: int, args: Settings) -> None:
@@ -681,6 +715,9 @@ def print_model(summary: dict, w: int) -> None:
         "none: the fit pinned alpha at 0 (see the note above), so in the model the ring, with fewer bytes, is faster "
         "at every size" if summary["alpha_s"] <= 0 else
         "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
+    print(f"the model's crossover at more ranks, with this fit's alpha and beta (the model's prediction; this box "
+          f"cannot run them): {summary['more_ranks_crossover_text']}")
+    print(f"the one line against the two algorithms: {summary['line_nearer_text']}")
 
 
 def main() -> int:
