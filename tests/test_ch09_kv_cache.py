@@ -154,6 +154,7 @@ def test_paged_kv_script(paged: dict) -> None:
     sims = [simulate_pool(work, pool // args.block_size, args.block_size, s, args.max_model_len)
             for s in (args.num_requests, paged["reserved_seats"])]
     assert paged["concurrency_gain"] == pytest.approx(sims[0]["mean_running"] / sims[1]["mean_running"])
+    assert paged["concurrency_gain"] > 1  # the Recap: paging runs more sequences in the same memory
     assert paged["reserved_seats"] == pool // args.max_model_len
 
 
@@ -178,6 +179,25 @@ def test_preemption_script(preempt: dict) -> None:
     assert roomy["prefill_tokens"] == sum(p for p, _ in work)  # without preemption every prompt once
     assert tight["reasons"] == ["length"] * len(tight["reasons"])  # outputs equal: checked by the script (exit 0)
     assert preempt["recomputed_tokens"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_smallest_pool_takes_more_steps_and_need_not_preempt_more(preempt: dict, tmp_path_factory) -> None:
+    """The Try-next claim for --num-blocks 12: more steps than the default 14 blocks, the same tokens (the script's
+    exit 0), and, in this workload, fewer preemptions and fewer recomputed tokens; the engine's run against the
+    brute-force pool simulation, so the claim is computed, not copied from a run."""
+    mod = load_script(CH09 / "preemption.py")
+    args = mod.Settings()
+    floor = -(-args.max_model_len // args.block_size)  # the smallest pool the script accepts
+    small = run_json(tmp_path_factory, CH09 / "preemption.py", "--num-blocks", str(floor))
+    work = [(len(p), args.max_tokens) for p in mod.make_prompts(args.num_requests, args.seed)]
+    sim = simulate_pool(work, floor, args.block_size, args.num_requests, args.max_model_len)
+    tight, default = small["tight"], preempt["tight"]
+    assert (tight["num_blocks"], tight["steps"], tight["num_preemptions"]) == (floor, sim["steps"],
+                                                                            sim["preemptions"])
+    assert tight["steps"] > default["steps"]  # "the run takes more steps than with 14 blocks"
+    assert tight["num_preemptions"] < default["num_preemptions"]  # "(here they fall)"
+    assert small["recomputed_tokens"] < preempt["recomputed_tokens"]
 
 
 def _llama_prefills_on_meta(shape: kvm.ModelShape, lengths: tuple[int, ...]) -> dict[int, tuple[int, int]]:
@@ -356,6 +376,8 @@ def test_gqa_pool_bytes_and_concurrency(tmp_path_factory) -> None:
     r = run_json(tmp_path_factory, CH09 / "gqa_memory.py", "--smoke", "--kv-heads", "2")
     mha, gqa = r["runs"]["MHA"], r["runs"]["GQA"]
     layers, head_dim = 2, 128 // 8  # the --smoke model: 2 layers, hidden 128, 8 heads
+    # the shape the lesson quotes to let a reader redo the bytes per token: the models' own config, float32
+    assert r["shape"] == {"layers": layers, "hidden": 128, "heads": 8, "head_dim": head_dim, "bytes_per_element": 4}
     for run, kv_heads in ((mha, 8), (gqa, 2)):
         assert run["bytes_per_token"] == kvm.kv_bytes_per_token(layers, kv_heads, head_dim, 4)
         assert run["pool_bytes"] == run["num_blocks"] * 16 * run["bytes_per_token"] <= 256 * 1024

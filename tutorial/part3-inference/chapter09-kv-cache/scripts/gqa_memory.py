@@ -117,7 +117,14 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"layers": 2, "hidden": 128, "kv_kib": 256, "num_requests": 8,
                                                 "prompt_len": 16, "max_tokens": 16})
     torch.set_num_threads(1)  # tiny matmuls: one thread is faster than two fighting
-    runs = {"MHA": serve(build(args, args.heads), args), "GQA": serve(build(args, args.kv_heads), args)}
+    mha_model = build(args, args.heads)
+    c = mha_model.config  # the shape both models share, for the lesson's bytes-per-token check
+    shape = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+             "head_dim": c.head_dim, "bytes_per_element": next(mha_model.parameters()).element_size()}
+    print(f"Both models: {shape['layers']} layers, {shape['heads']} query heads of head_dim {shape['head_dim']} "
+          f"(hidden {shape['hidden']}), {shape['bytes_per_element']} bytes per number; K/V heads "
+          f"{args.heads} (MHA) and {args.kv_heads} (GQA)\n")
+    runs = {"MHA": serve(mha_model, args), "GQA": serve(build(args, args.kv_heads), args)}
     print(report.table([{"model": name, **{k: v for k, v in r.items()}} for name, r in runs.items()]))
     for name, r in runs.items():
         report.expect_equal(f"{name}: bytes per token of the pool = 2 * L * H_kv * D * 4", r["bytes_per_token"],
@@ -125,7 +132,7 @@ def main() -> int:
         report.expect_equal(f"{name}: every request ran to its length", r["generated"],
                             args.num_requests * args.max_tokens)
     mha, gqa = runs["MHA"], runs["GQA"]
-    results = {"runs": runs, "bytes_ratio": gqa["bytes_per_token"] / mha["bytes_per_token"],
+    results = {"shape": shape, "runs": runs, "bytes_ratio": gqa["bytes_per_token"] / mha["bytes_per_token"],
                "blocks_ratio": gqa["num_blocks"] / mha["num_blocks"],
                "running_ratio": gqa["mean_running"] / mha["mean_running"],
                "steps_ratio": gqa["steps"] / mha["steps"]}

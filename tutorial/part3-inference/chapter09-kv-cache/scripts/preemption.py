@@ -24,7 +24,9 @@ a busy machine).
 Try next
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --num-blocks 12
         -> the smallest pool accepted, exactly one full-length (96-token) sequence; one block fewer is refused at
-           start-up. The six prompts fill it on their own: more steps than with 14 blocks, the same tokens
+           start-up. The six prompts fill it on their own: more steps than with 14 blocks, the same tokens.
+           Preemptions need not rise too: only a running sequence can be preempted, and the smaller pool runs
+           fewer at a time
     python tutorial/part3-inference/chapter09-kv-cache/scripts/preemption.py --mfu 0.2 --pcie-gbps 25
         -> a slower prefill and a slower bus: the recompute/swap ratio moves, read it in the cost table
 """
@@ -92,7 +94,7 @@ class Settings(cli.Args):
 
 
 def make_prompts(n: int, seed: int) -> list[list[int]]:
-    """<bos> + the first 12 characters of a random record, e.g. '{"name": "ad'."""
+    """<bos> + the first 11 characters of a random record, up to a name's first letter: '{"name": "a'."""
     rng, tok = random.Random(seed), Tokenizer()
     return [[tok.bos_id] + tok.encode(format_record(sample_record(rng))[:11]) for _ in range(n)]
 

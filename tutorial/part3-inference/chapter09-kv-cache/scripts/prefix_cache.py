@@ -2,9 +2,10 @@
 
 What it shows
     1. A workload where every request starts with the same few-shot "system prompt" (--shots records of the
-       training format) and ends with its own question (the first characters of a new record). Requests arrive
-       one per engine step. Two engines serve it, one with enable_prefix_caching, and their steps are
-       interleaved so both run under the same machine load. Reported side by side: prefix hit rate (the share of
+       training format) and ends with its own question: <bos> and the start of a new record up to the first
+       letter of a name, e.g. '<bos>{"name": "k', which the model completes. Requests arrive one per engine step.
+       Two engines serve it, one with enable_prefix_caching, and their steps are interleaved so both run under
+       the same machine load. Reported side by side: prefix hit rate (the share of
        prompt tokens served from the cache), prompt tokens actually prefilled (the engine's own
        num_prefill_tokens counter), and time to first token (TTFT) counted in each engine's own step time from
        the request's arrival to its first token. Timing: one
@@ -331,8 +332,10 @@ def main() -> int:
     torch.set_num_threads(1)  # a tiny model: one thread is faster than two fighting over small matmuls
     model, tok = load_pretrained("small"), Tokenizer()
     system, prompts = make_prompts(args.num_requests, args.shots, args.seed)
+    question = "^" + tok.decode(prompts[0][len(system) + 1:])  # ^ = <bos>, as in the tree printout
     print(f"{len(prompts)} requests: a shared {len(system)}-token system prompt ({len(system) // args.block_size} "
-          f"full blocks of {args.block_size}) + a {len(prompts[0]) - len(system)}-token question each, "
+          f"full blocks of {args.block_size}) + a {len(prompts[0]) - len(system)}-token question each (<bos> and "
+          f"the start of a new record up to a name's first letter, e.g. '{question}'), "
           f"{args.max_tokens} tokens out\n")
     runs, ttft, saved, ratio, direction = compare_off_on(model, prompts, args)
     full = check_full_hit(runs, prompts, args)
