@@ -448,3 +448,28 @@ def test_fsdp_tp_mesh_picture_blocks_rebuild_the_dense_weights(smoke_cache) -> N
         for h in held:  # tp coordinate j: inside the j-th TP piece of the split dimension, whatever dp is
             lo, j = h["offset"][tp_dim], h["coordinate"][1]
             assert j * piece <= lo and lo + h["shape"][tp_dim] <= (j + 1) * piece
+
+
+# ----------------------------------------------------------------------------------------------- ring attention's merge
+def test_merge_example_equals_one_softmax_over_the_joined_scores() -> None:
+    """context_parallel.py's worked merge (the lesson's table): each block's o and lse, the merge weights and the
+    merged result, against softmax and log-sum-exp computed here by hand in plain Python."""
+    import math
+
+    ex = load_script(CH06 / "context_parallel.py").merge_example()
+
+    def attend(scores, values):
+        z = sum(math.exp(s) for s in scores)
+        return sum(math.exp(s) * v for s, v in zip(scores, values, strict=True)) / z, math.log(z)
+
+    for b in ex["blocks"]:
+        o, lse = attend(b["scores"], b["values"])
+        assert b["o"] == pytest.approx(o, abs=1e-12) and b["lse"] == pytest.approx(lse, abs=1e-12)
+    joined = [sum((b[key] for b in ex["blocks"]), []) for key in ("scores", "values")]
+    o, lse = attend(*joined)
+    for got in (ex["merged"], ex["one_softmax"]):
+        assert got["o"] == pytest.approx(o, abs=1e-12) and got["lse"] == pytest.approx(lse, abs=1e-12)
+    l1, l2 = (b["lse"] for b in ex["blocks"])
+    assert ex["merged"]["w1"] == pytest.approx(math.exp(l1 - lse)) and ex["merged"]["w2"] == pytest.approx(
+        math.exp(l2 - lse))
+    assert ex["merged"]["w1"] + ex["merged"]["w2"] == pytest.approx(1.0)

@@ -1,6 +1,9 @@
 """Context parallelism: ring attention and Ulysses split one long sequence over W ranks, measured.
 
 What it shows
+    0. The online-softmax merge on one query and two K/V blocks of three keys, through the ring kernel's own
+       block_attention and merge: each block's partial output and log-sum-exp, their merge, and one softmax over
+       all six scores, equal.
     1. Causal attention over a sequence sharded on W ranks, three ways: ring attention with the zigzag split,
        ring attention with a contiguous split, and Ulysses (all-to-all from tokens to heads and back). Each one's
        output and the gradients of q, k and v, gathered from the shards, equal scaled_dot_product_attention on the
@@ -22,8 +25,9 @@ How to run
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 4
     torchrun --nproc-per-node 4 tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py
 
-Prints the equality table, the bytes table, the work per rank and the memory-vs-length table; draws
-.cache/figures/context_parallel/memory.png, balance.png, ring.gif, ring_strip.png and ulysses.png.
+Prints each part as soon as it is done: the merge example, the equality and bytes table, the work per rank and
+the memory-vs-length table; draws .cache/figures/context_parallel/memory.png, balance.png, ring.gif,
+ring_strip.png and ulysses.png.
 Runtime on 2 cores: about 30 s idle, nearly 2 minutes under load (the memory measurement); --smoke about 3 s.
 
 Try next
@@ -43,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +155,54 @@ def equality(ctx: RankContext, args: Settings, method: str, layout: str) -> dict
             "padded_to": padded, **{f"err_{k}": v for k, v in errs.items()},
             "sent_fwd_B": sent["forward"], "sent_bwd_B": sent["backward"], "formula_fwd_B": formula["forward"],
             "formula_bwd_B": formula["backward"]}
+
+
+# One query's scores against two K/V blocks of three keys, picked by hand (the logits of the cross-entropy example
+# earlier in the chapter), and one value per key (D = 1): the key's position, so the output is an average position.
+MERGE_SCORES = ((1.0, 3.0, 0.0), (2.0, 0.0, 1.0))
+MERGE_VALUES = ((0.0, 1.0, 2.0), (3.0, 4.0, 5.0))
+
+
+def merge_example() -> dict:
+    """The online-softmax merge on numbers small enough to read, through the ring kernel's own block_attention and
+    merge: each block's partial output o and log-sum-exp lse alone, then block 2 merged into block 1 as a ring
+    step does, against one softmax over all six scores (float64). With q = 1, D = 1 and scale 1, each key's score
+    is its k."""
+    q = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    q_chunks = [(5, 6)]  # the query sits at position 5: causally it sees all six keys
+    blocks = []
+    for i, (scores, values) in enumerate(zip(MERGE_SCORES, MERGE_VALUES, strict=True)):
+        k, v = (torch.tensor(x, dtype=torch.float64).view(1, 1, 3, 1) for x in (scores, values))
+        out, lse = torch.zeros_like(q), torch.full((1, 1, 1), float("-inf"), dtype=torch.float64)
+        cp.block_attention(q, k, v, q_chunks, [(3 * i, 3 * i + 3)], out, lse, 1.0)  # from empty: o and lse alone
+        blocks.append({"k": k, "v": v, "o": out, "lse": lse})
+    out, lse = blocks[0]["o"].clone(), blocks[0]["lse"].clone()
+    cp.block_attention(q, blocks[1]["k"], blocks[1]["v"], q_chunks, [(3, 6)], out, lse, 1.0)  # a ring step's merge
+    scores, values = (torch.tensor(sum(x, ()), dtype=torch.float64) for x in (MERGE_SCORES, MERGE_VALUES))
+    one_o, one_lse = float(torch.softmax(scores, 0) @ values), float(torch.logsumexp(scores, 0))
+    report.expect_close("merged two blocks vs one softmax", torch.tensor([float(out), float(lse)], dtype=torch.float64),
+                        torch.tensor([one_o, one_lse], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    ls = [float(b["lse"]) for b in blocks]
+    return {"blocks": [{"scores": list(sc), "values": list(va), "o": float(b["o"]), "lse": float(b["lse"])}
+                       for sc, va, b in zip(MERGE_SCORES, MERGE_VALUES, blocks, strict=True)],
+            "merged": {"o": float(out), "lse": float(lse), "w1": math.exp(ls[0] - float(lse)),
+                       "w2": math.exp(ls[1] - float(lse))},
+            "one_softmax": {"o": one_o, "lse": one_lse}}
+
+
+def merge_rows(ex: dict) -> list[dict]:
+    """The merge example as table rows: the two blocks, the merge (with each side's weight), one softmax."""
+    def nums(xs):
+        return ", ".join(f"{x:g}" for x in xs)
+    rows = [{"": f"block {i + 1} alone", "scores": nums(b["scores"]), "values": nums(b["values"]),
+             "o": f"{b['o']:.4f}", "lse": f"{b['lse']:.4f}"} for i, b in enumerate(ex["blocks"])]
+    m, one = ex["merged"], ex["one_softmax"]
+    rows.append({"": "merge of the two", "scores": f"weights {m['w1']:.4f}, {m['w2']:.4f}", "values": "",
+                 "o": f"{m['o']:.4f}", "lse": f"{m['lse']:.4f}"})
+    rows.append({"": "one softmax, all 6", "scores": nums(sum((b["scores"] for b in ex["blocks"]), [])),
+                 "values": nums(sum((b["values"] for b in ex["blocks"]), [])), "o": f"{one['o']:.4f}",
+                 "lse": f"{one['lse']:.4f}"})
+    return rows
 
 
 def work_per_rank(ctx: RankContext, args: Settings, layout: str) -> list[int]:
@@ -272,8 +325,6 @@ def draw_ring(args: Settings, steps: list[list[dict]], seq: int) -> list[dict]:
     """One frame per ring step: left, the ranks on a circle with the K/V chunks each holds (and sends on);
     right, the causal grid of (query chunk, key chunk) pairs, those scored at this step in the colour of the rank
     that scored them, earlier steps faded. Returns what it drew: (step, rank, K/V chunks held, pairs scored)."""
-    import math
-
     plt = plot.pyplot()
     from matplotlib.patches import Circle, FancyArrowPatch, Polygon, Rectangle
 
@@ -351,13 +402,17 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     tokens = [r["tokens"] for r in rows]
-    ax.plot(tokens, [r["ring_one_MB"] for r in rows], "o-", label="one process (the same ring kernel)")
-    ax.plot(tokens, [r["ring_one_MB"] / world for r in rows], ":", color="grey",
-            label=f"one process (ring) / {world}: a perfect split")
-    ax.plot(tokens, [r["ring_rank_max_MB"] for r in rows], "s-", label=f"ring attention, largest of {world} ranks")
+    ax.plot(tokens, [r["ring_one_MB"] for r in rows], "o-", color="C0",
+            label="ring's baseline: one process, ring kernel")
+    ax.plot(tokens, [r["ring_one_MB"] / world for r in rows], ":", color="C0",
+            label=f"ring's baseline / {world}: a perfect split")
+    ax.plot(tokens, [r["ring_rank_max_MB"] for r in rows], "s-", color="C1",
+            label=f"ring attention, largest of {world} ranks")
     if "ulysses_rank_max_MB" in rows[0]:
-        ax.plot(tokens, [r["ulysses_one_MB"] for r in rows], "o--", label="one process (SDPA)")
-        ax.plot(tokens, [r["ulysses_rank_max_MB"] for r in rows], "^-", label=f"Ulysses, largest of {world} ranks")
+        ax.plot(tokens, [r["ulysses_one_MB"] for r in rows], "o--", color="C2",
+                label="Ulysses' baseline: one process, SDPA")
+        ax.plot(tokens, [r["ulysses_rank_max_MB"] for r in rows], "^-", color="C3",
+                label=f"Ulysses, largest of {world} ranks")
     ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens)",
            ylabel="peak memory of one attention layer (MB)", title="forward + backward, float32")
     ax.set_xticks(tokens, [str(t) for t in tokens])
@@ -379,15 +434,16 @@ def draw(args: Settings, rows: list[dict], work: dict, world: int) -> None:
 def worker(ctx: RankContext, args: Settings) -> dict:
     world = ctx.world_size
     alone = dist.new_group([0])  # every rank must take part in creating it; only rank 0 uses it
-    eq = [equality(ctx, args, m, layout) for m, layout in methods(args, world)]
-    ring_steps = {e["layout"]: e.pop("ring_steps") for e in eq if e["method"] == "ring"}  # for the picture
-    work = {layout: work_per_rank(ctx, args, layout) for layout in ("contiguous", "zigzag")}
-    mem = memory_vs_length(ctx, args, alone) if ctx.device.type == "cuda" or cp_memory_available() else []
-    oracle = torch_oracle(ctx, args)
-    uly = ulysses_layout(ctx, args) if args.heads % world == 0 else None
+    # each part is printed as soon as it is done, so a slow machine shows progress (part 4 takes longest)
     ctx.print(f"{world} ranks, H={args.heads} heads of D={args.head_dim}; causal attention over one sequence")
     if args.heads % world:
         ctx.print(f"Ulysses skipped: it gives each rank H/W heads, and W={world} does not divide H={args.heads}")
+    merge_ex = merge_example()
+    ctx.print("0. the online-softmax merge on one query, two K/V blocks of 3 keys (the ring kernel's block_attention "
+              "and merge, float64):")
+    ctx.print(report.table(merge_rows(merge_ex)))
+    eq = [equality(ctx, args, m, layout) for m, layout in methods(args, world)]
+    ring_steps = {e["layout"]: e.pop("ring_steps") for e in eq if e["method"] == "ring"}  # for the picture
     ctx.print(f"1-2. {args.seq} tokens, float64: gathered shards vs one process; bytes this rank sent vs formula")
     ctx.print(report.table(eq, floatfmt=".1e"))
     block = layer_comm_volume(1, cp.padded_length(args.seq, world), args.heads * args.head_dim, world,
@@ -396,19 +452,23 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"   (for scale: one TP+SP block of chapter 6 at t={world}, on THIS shape (1 x {tokens} tokens x "
               f"{args.heads * args.head_dim} features, float64), sends {int(block['forward_sent_per_rank']):,} B "
               "forward per rank; sequence_parallel.py's table uses another shape)")
+    work = {layout: work_per_rank(ctx, args, layout) for layout in ("contiguous", "zigzag")}
     work_rows = [{"rank": r, "contiguous": work["contiguous"][r], "zigzag": work["zigzag"][r]} for r in range(world)]
     ctx.print("3. causal work per rank (query-key pairs scored, counted in the kernel; equal to causal_work):")
     ctx.print(report.table(work_rows))
     share = max(work["contiguous"]) / min(work["contiguous"])
     ctx.print(f"   contiguous: the busiest rank does {share:.2f}x the least busy one's work; zigzag: "
               f"{max(work['zigzag']) / min(work['zigzag']):.2f}x")
+    mem = memory_vs_length(ctx, args, alone) if ctx.device.type == "cuda" or cp_memory_available() else []
     if mem:
         ctx.print("4. peak memory of one attention layer, forward + backward, float32 (MB; ratio = largest rank / "
-                  "one process):")
+                  "one process running the same method's kernel):")
         ctx.print(report.table(mem, floatfmt=".3g"))
     else:
         ctx.print("4. memory not measured: on CPU it reads /proc/self (Linux only)")
+    oracle = torch_oracle(ctx, args)
     ctx.print(f"5. torch context_parallel: {oracle['status']}")
+    uly = ulysses_layout(ctx, args) if args.heads % world == 0 else None
     if ctx.rank == 0 and mem:
         draw(args, mem, work, world)
     ring_drawn = None
@@ -418,7 +478,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         ctx.print(f"figure: {plot.figure_dir(args) / 'ring.gif'} (and ring_strip.png)")
         if uly:
             ctx.print(f"figure: {draw_ulysses(args, uly)}")
-    return {"ring_drawn": ring_drawn, "ulysses_layout": uly,
+    return {"ring_drawn": ring_drawn, "ulysses_layout": uly, "merge": merge_ex,
             "equality": eq, "work": work, "work_imbalance_contiguous": share, "memory": mem, "torch_oracle": oracle,
             "sp_block_forward_sent_B": int(block["forward_sent_per_rank"]), "ulysses": args.heads % world == 0}
 

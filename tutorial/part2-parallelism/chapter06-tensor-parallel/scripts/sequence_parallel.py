@@ -291,7 +291,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                            "counted": {label: {phase: [[op, n] for p, op, n in evs if p == phase]
                                                for phase in ("forward", "backward")}
                                        for label, evs in (("TP", mem["events_tp"]), ("TP+SP", mem["events_sp"]))}}
-    ctx.print(f"GPT {cfg.n_layer} layers, a={a} heads, h={h}; one block's input is b={b} x s={s} tokens, float32")
+    ctx.print(f"GPT {cfg.n_layer} layers, H={a} heads, C={h}; one block's input (B, T, C) = ({b}, {s}, {h}), "
+              f"float32 (in table 2's paper letters: a={a}, h={h}, b={b}, s={s})")
     ctx.print("1. TP+SP against TP and against the dense model (max abs error):")
     ctx.print(report.table(eq_rows, floatfmt=".1e"))
     ctx.print("2. bytes saved for backward by ONE block on one rank (measured with saved_tensors_hooks; formula: "
