@@ -334,6 +334,16 @@ def test_step_n_plus_1_is_prepared_while_step_n_computes(tiny: GPT) -> None:
     assert results == {"OverlapEngine": True, "Engine": False}
 
 
+def test_placeholder_trace_is_the_engine_s_own_write_back(tiny: GPT) -> None:
+    """Line 1's placeholder trace: step n+1 was prepared with a placeholder for every sequence (one token each,
+    one position past the prompt and step n's token), and launched with the tokens step n sampled."""
+    from mlsys.engine.overlap import PLACEHOLDER
+
+    ph = load_script(CH10 / "overlap_scheduling.py").placeholder_trace(tiny, "cpu", batch=3)
+    assert ph["before"] == [PLACEHOLDER] * 3 and ph["after"] == ph["sampled"] and PLACEHOLDER not in ph["sampled"]
+    assert ph["positions"] == [15] * 3  # a 14-token prompt, then step n's token at 14: n+1's input sits at 15
+
+
 def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
     """overlap_scheduling.py's timeline: each engine's forward boxes are its runner's real calls, one per step;
     the plain engine prepares step n before n's forward starts, the overlapped one prepares step n+1 after n's
@@ -428,6 +438,46 @@ def test_line_3_words_the_overlapped_forward_by_the_counted_overlap(serial: int)
            f"it ({summ['forward_slowdown']:.2f}x the plain forward). In {counted} of 4 overlapped steps forward n "
            "started only after step n+1's schedule + prepare had ended.")
     assert counted == 0 or _line_3_problems(old, counted, 4) != []
+
+
+def _ratio_problems(line: str, plain_ms: float, overlap_ms: float) -> list[str]:
+    """What is wrong with line 3's words on the overlapped forward's time over the plain one's, worked out here from
+    the two medians: which forward ran slower (10% apart or more), or that they took about as long."""
+    ratio = overlap_ms / plain_ms
+    says = {"overlapped slower": f"{ratio:.2f}x the plain forward's time: it ran slower",
+            "plain slower": f"{ratio:.2f}x the plain forward's time: the plain forward ran slower",
+            "same": f"the two forwards took about as long ({ratio:.2f}x"}
+    want = ("overlapped slower" if overlap_ms >= 1.1 * plain_ms else "plain slower" if plain_ms >= 1.1 * overlap_ms
+            else "same")
+    problems = [] if says[want] in line else [f"does not say {want!r}"]
+    problems += [f"says {k!r}" for k, v in says.items() if k != want and v in line]
+    if want == "plain slower" and "no speed-up from overlap" not in line:
+        problems.append("lets a slower plain forward read as a gain from overlap")
+    return problems
+
+
+@pytest.mark.parametrize("serial", [0, 4])
+@pytest.mark.parametrize("overlap_fwd", [0.12, 1.45, 1.5, 1.6, 2.25])
+def test_line_3_says_which_forward_ran_slower(serial: int, overlap_fwd: float) -> None:
+    """Line 3 words the overlapped forward over the plain one by its direction (the reader's `--threads 2` run
+    printed 0.08x "with that thread beside it over its time alone": the plain forward had been slowed, not the
+    overlapped one sped up). Hand-made timelines: plain forwards of 1.5 ms, overlapped ones of `overlap_fwd` ms."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    launch, box, plain_fwd = 0.1, 1.0, 1.5
+
+    def rows(delay, fwd):
+        return [{"start": 10.0 * i, "stages": {"total": 3e-3, "launch": launch / 1e3, "overlapped": box / 1e3,
+                                              "forward": fwd / 1e3, "schedule": 0.4e-3, "prepare": 0.2e-3},
+                 "forward": [10.0 * i + launch + delay, 10.0 * i + launch + delay + fwd], "recorded_median_ms": 3.0,
+                 "recorded": 24} for i in range(4)]
+    tl = {"plain": rows(0.7, plain_fwd), "overlap": rows(1.3 if serial else 0.2, overlap_fwd)}
+    line = mod.timeline_line(mod.timeline_summary(tl), 8, 4, 24)
+    assert _ratio_problems(line, plain_fwd, overlap_fwd) == [], line
+    assert _line_3_problems(line, serial, 4) == []
+    # the reader's wording planted: it named no direction, so 0.08x read as the forward 12x faster beside the thread
+    old = (f"the {overlap_fwd / plain_fwd:.2f}x is the forward's time with that thread beside it over its time "
+           "alone (above 1: slower beside it)")
+    assert _ratio_problems(old, plain_fwd, overlap_fwd) != []
 
 
 # ------------------------------------------------------------------------------------------ chunked prefill

@@ -5,7 +5,9 @@ What it shows
        a tight token budget so prompts are chunked) served by the plain Engine and by OverlapEngine
        (mlsys/engine/overlap.py). Every request's tokens must be identical (exit 1 otherwise); the script
        prints how many steps had to be re-prepared because a sequence stopped while the next step was
-       already scheduled.
+       already scheduled. Below it, a placeholder trace: one overlapped decode step of 2 sequences, step n+1's
+       input ids as prepared while forward n ran (-1 where the token was not known yet) and after step n's
+       tokens were written in.
     2. The effect, per batch size: B sequences decoding, each engine timed over the same number of steps,
        the two engines alternating in rounds so that both see the same machine load. Printed: ms per step
        for each, the time saved per step, and the CPU work (schedule + prepare) each engine does: in line in
@@ -24,9 +26,12 @@ What it shows
        forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
        median step and forward, how long after the launch the worker started the forward (its start delay), and
        in how many drawn steps forward n started only after step n+1's schedule +
-       prepare had ended (the two did not overlap at all). The line's wording follows that count: only a forward
-       that overlapped its box n+1 ran with the main thread beside it, so only there can a slower overlapped
-       forward come from the two threads competing for the GIL and the cores.
+       prepare had ended (the two did not overlap at all; when none did, it says what to run to see overlap).
+       The line's wording follows that count: only a forward that overlapped its box n+1 ran with the main
+       thread beside it, so only there can a slower overlapped forward come from the two threads competing for
+       the GIL and the cores. It says which forward ran slower (the overlapped forward's median over the plain
+       one's, 10% apart or more): a plain forward slower than the overlapped one is a slow plain recording,
+       not a gain from overlap.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -68,7 +73,7 @@ import torch
 from mlsys import bench, cli, plot, report
 from mlsys.data import Tokenizer, make_corpus
 from mlsys.engine import Engine, EngineConfig, SamplingParams
-from mlsys.engine.overlap import OverlapEngine
+from mlsys.engine.overlap import PLACEHOLDER, OverlapEngine
 from mlsys.engine.step_profile import decode_engine
 from mlsys.weights import load_pretrained
 
@@ -128,6 +133,26 @@ def same_output(model, args: Settings, device: str) -> dict:
     return {"requests": len(prompts), "tokens": sum(len(o.token_ids) for o in plain),
             "stopped": sum(o.finish_reason == "stop" for o in plain), **overlap.overlap_stats}
 # --8<-- [end:same_output]
+
+
+# --8<-- [start:placeholders]
+def placeholder_trace(model, device: str, batch: int = 2) -> dict:
+    """One overlapped decode step of `batch` sequences, caught when step n's tokens arrive: step n+1's input ids as
+    prepared while forward n ran (PLACEHOLDER where a token was not known yet), the tokens step n sampled, and the
+    input ids after they were written in."""
+    engine = decode_engine(model, batch, 14, 4, device, engine_cls=OverlapEngine)  # prefilled: decoding now
+    seen, fix_next = {}, engine._fix_next
+
+    def noting(tokens):  # the engine's own write-back, with step n+1's prepared batch read before and after it
+        nxt = engine._next[1]
+        seen.update(positions=nxt.positions.tolist(), before=nxt.input_ids.tolist(), sampled=list(tokens.values()))
+        fix_next(tokens)
+        seen["after"] = engine._next[1].input_ids.tolist()
+    engine._fix_next = noting
+    engine.step()
+    engine.close()
+    return seen
+# --8<-- [end:placeholders]
 
 
 # --8<-- [start:timing]
@@ -252,21 +277,44 @@ def timeline_spans(tl: dict[str, list[dict]]) -> list[plot.Span]:
     return spans
 
 
+FORWARD_SAME = 1.1  # forwards within 10% of each other's time read as "about as long"
+
+
+def forward_ratio_words(ratio: float) -> str:
+    """What the overlapped forward's time over the plain forward's time says, and which way."""
+    if ratio >= FORWARD_SAME:
+        return f"the overlapped forward took {ratio:.2f}x the plain forward's time: it ran slower"
+    if ratio <= 1 / FORWARD_SAME:
+        return (f"the overlapped forward took {ratio:.2f}x the plain forward's time: the plain forward ran slower. "
+                "Both engines run the same forward with the same torch threads, so this is no speed-up from "
+                "overlap but a slow plain recording (the machine's load at that moment, or with --threads above 1 "
+                "its threads waiting for a core)")
+    return f"the two forwards took about as long ({ratio:.2f}x, overlapped over plain)"
+
+
+NO_OVERLAP_HINT = ("timeline.png shows no overlap this time; try --timeline-batch 64, whose longer steps give box "
+                   "n+1 more time to meet forward n")
+
+
 def overlap_text(serial: int, drawn: int, slowdown: float) -> str:
     """What line 3 may say about the overlapped forward, given how many of the `drawn` steps were serial (forward n
     started only after step n+1's schedule + prepare had ended): only a forward that overlapped its box n+1 ran with
-    the main thread beside it."""
+    the main thread beside it. The ratio (overlapped forward over plain forward) is worded by its direction."""
     after = "forward n started only after step n+1's schedule + prepare had ended"
+    ratio = forward_ratio_words(slowdown)
     if serial >= drawn:
-        return (f"in all {drawn} drawn overlapped steps {after}: nothing ran beside these forwards, so the "
-                f"{slowdown:.2f}x compares forwards that each ran alone, at different moments of the machine's load")
+        return (f"in all {drawn} drawn overlapped steps {after}, so nothing ran beside these forwards: "
+                f"{NO_OVERLAP_HINT}. These forwards each ran alone, at different moments of the machine's load: "
+                f"{ratio}")
     if serial == 0:
+        why = ("; the two threads competing for the GIL and the cores can explain that" if slowdown >= FORWARD_SAME
+               else "")
         return (f"in all {drawn} drawn overlapped steps forward n started before step n+1's schedule + prepare had "
-                f"ended, so the main thread scheduled the next step beside it; the {slowdown:.2f}x is the forward's "
-                "time with that thread beside it over its time alone (above 1: slower beside it)")
+                f"ended, so the main thread scheduled the next step beside it. With that thread beside it, "
+                f"{ratio}{why}")
     return (f"in {serial} of {drawn} drawn overlapped steps {after}, so nothing ran beside those forwards; in the "
-            f"other {drawn - serial} the main thread scheduled the next step beside the forward. The {slowdown:.2f}x "
-            "is a median over both kinds of step")
+            f"other {drawn - serial} the main thread scheduled the next step beside the forward. Over both kinds of "
+            f"step (medians), {ratio}")
 
 
 def timeline_line(summ: dict, batch: int, drawn: int, recorded: int) -> str:
@@ -275,7 +323,7 @@ def timeline_line(summ: dict, batch: int, drawn: int, recorded: int) -> str:
     return (f"3. The timeline's {drawn} steps at B={batch} ({drawn} consecutive of {recorded} recorded, those with "
             f"the fastest slowest step; medians): plain step {summ['plain_step_ms']:.2f} ms, its forward "
             f"{summ['plain_forward_ms']:.2f} ms; overlapped step {summ['overlap_step_ms']:.2f} ms, its forward "
-            f"{summ['overlap_forward_ms']:.2f} ms ({summ['forward_slowdown']:.2f}x the plain forward); the worker "
+            f"{summ['overlap_forward_ms']:.2f} ms; the worker "
             f"started its forward {summ['overlap_start_delay_ms']:.2f} ms after the launch, and after the forward "
             f"returned, the main thread waited a further {summ['overlap_handback_ms']:.2f} ms for its result. "
             f"{text[0].upper()}{text[1:]}.")
@@ -373,7 +421,11 @@ def main() -> int:
     same = same_output(model, args, device)
     print(f"1. {same['requests']} requests ({same['tokens']} tokens, {same['stopped']} stopped on a stop token; "
           f"prompts chunked by a 32-token budget): overlapped == plain, token for token. "
-          f"{same['num_reprepared']} of {same['num_steps']} overlapped steps were re-prepared after a stop.\n")
+          f"{same['num_reprepared']} of {same['num_steps']} overlapped steps were re-prepared after a stop.")
+    ph = placeholder_trace(model, device)
+    print(f"   Placeholders, one overlapped decode step of {len(ph['before'])} sequences: while forward n ran, step "
+          f"n+1 was prepared with input ids {ph['before']} at positions {ph['positions']} ({PLACEHOLDER}: a token "
+          f"not sampled yet); step n sampled {ph['sampled']}, written in before n+1's launch: {ph['after']}.\n")
     rows = [compare(model, B, args, device) for B in args.batch_sizes]
     where = "forward in a worker thread, GIL released inside kernels" if device == "cpu" else "asynchronous launch"
     print(f"2. Decode steps on {device} ({where}; torch threads: {torch.get_num_threads()}); median of "
@@ -391,7 +443,7 @@ def main() -> int:
     if args.json:
         lo, hi = (f(rows, key=lambda r: r["speed-up"]) for f in (min, max))
         speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"]}
-        report.write_json(args.json, {"device": device, "same_output": same, "timing": rows,
+        report.write_json(args.json, {"device": device, "same_output": same, "placeholders": ph, "timing": rows,
                                       "speedup_range": speedup_range,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},
                                       "load_average": bench.load_average()}, args)
