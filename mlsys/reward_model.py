@@ -163,7 +163,19 @@ class RewardRecipe:
 def train_reward_model(sft: GPT, recipe: RewardRecipe = RewardRecipe(), progress: bool = False):
     """A ScalarHeadModel on a copy of `sft`, trained with the Bradley-Terry loss on rule-labelled pairs.
 
-    Returns (model in eval mode, history: list of {step, loss, batch_accuracy})."""
+    Returns (model in eval mode, history: list of {step, loss, batch_accuracy}). Trains on one thread, whoever
+    calls it: the thread count changes the order of float sums, so two threads (scripts/train_weights.py on a
+    2-core machine) and one (chapter 13's reward_model.py) trained different weights under the same recipe, and
+    the RLHF results built on them changed with whichever wrote the checkpoint last."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_reward_model(sft, recipe, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reward_model(sft: GPT, recipe: RewardRecipe, progress: bool):
     torch.manual_seed(recipe.seed)
     rm = ScalarHeadModel(copy.deepcopy(sft)).train().requires_grad_(True)
     pairs = make_preference_pairs(recipe.num_pairs, seed=recipe.seed)
