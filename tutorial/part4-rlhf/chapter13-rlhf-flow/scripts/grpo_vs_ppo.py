@@ -28,7 +28,7 @@ Try next
         -> DeepSeekMath's fixed beta instead of the controller: compare the kl column and the largest KL
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --group-size 8
         -> 4 prompts x 8 responses per iteration: GRPO's baseline is a bigger group, PPO sees fewer prompts;
-           compare reward and kl with the default run's, and whether the two still end at the same beta
+           compare reward and kl with the default run's; the beta line says whether the final betas are equal
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/grpo_vs_ppo.py --iterations 40
         -> twice as long: do the KL spikes settle as beta grows? the extremes lines say
 """
@@ -115,6 +115,16 @@ def run_both(args: Settings) -> tuple[dict[str, list[dict]], dict[str, dict], di
 # --8<-- [end:interleave]
 
 
+def final_beta_verdict(ppo: float, grpo: float, step: float) -> str:
+    """How PPO's and GRPO's final betas compare: "equal" (to 1e-9 relative: the same numbers of steps up and down,
+    every one at the controller's clip), "close" (apart by less than one step at the clip, a factor 1 + step) or
+    "different"."""
+    low, high = sorted((ppo, grpo))
+    if high <= low * (1 + 1e-9):
+        return "equal"
+    return "close" if high < low * (1 + step) else "different"
+
+
 def first_group(batch, group_size: int) -> dict:
     """The first prompt's group of GRPO's iteration 1, as its update used it: the G reward-model scores, their
     mean and std (torch's default, n - 1 in the denominator), and the advantage on each response's tokens."""
@@ -179,13 +189,20 @@ def main() -> int:
     results["beta_differ_iterations"] = len(differ)
     results["beta_first_differ"] = differ[0] if differ else None
     ends = results["ppo"]["extremes"]["beta_final"], results["grpo"]["extremes"]["beta_final"]
-    results["beta_end_text"] = ("yet both end at the same β" if abs(ends[0] - ends[1]) < 1e-9 else
-                                f"and they end at different β ({ends[0]:.3f} for PPO, {ends[1]:.3f} for GRPO)")
+    step = PPOConfig.k_beta * 0.2  # the controller's largest step: its error clipped to +-0.2
+    verdict = results["beta_final_verdict"] = final_beta_verdict(*ends, step)
+    results["beta_end_text"] = {
+        "equal": f"both end at the same β ({ends[0]:.3f})",
+        "close": f"they end at close βs, less than one {step:.0%} step apart ({ends[0]:.3f} for PPO, "
+                 f"{ends[1]:.3f} for GRPO)",
+        "different": f"they end at different βs, more than one {step:.0%} step apart ({ends[0]:.3f} for PPO, "
+                     f"{ends[1]:.3f} for GRPO)"}[verdict]
     clip = (f"; the KL was 20% or more from the target (the controller's step at its clip) in "
             f"{results['ppo']['extremes']['at_clip']} of PPO's and {results['grpo']['extremes']['at_clip']} of GRPO's "
             f"{args.iterations} iterations") if args.kl_target else " (--kl-target 0: no controller, beta stays fixed)"
     where = f" in {len(differ)} of {args.iterations} iterations (first: iteration {differ[0]})" if differ else ""
-    print(f"beta per iteration: {results['beta_paths']} for the two{where}{clip}")
+    print(f"beta per iteration: {results['beta_paths']} for the two{where}{clip}; final beta: "
+          f"{results['beta_end_text'].replace('β', 'beta')}")
     results["cheaper"] = min(rows, key=lambda r: r["s/iter"])["algo"]  # noise decides it on a shared machine
     results["higher_reward"] = max(rows, key=lambda r: r["reward"])["algo"]
     report.expect_equal("iteration 1 sees identical rollouts", histories["ppo"][0]["reward"],

@@ -46,7 +46,7 @@ Try next
         -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column and beta
            with the default run's, and section 3's rule score and well-formed share: a KL nearer its target need
            not mean less hacking (the penalty limits how far the policy moves, not where); section 3 measures the
-           policy after its last update, so its well-formed share can lie far below the last batches' valid column
+           policy after its last update, so its well-formed share need not match the last batches' valid column
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ def print_phases(batch: RolloutBatch, stats: dict, args: Settings) -> None:
     critic = "critic values (B, L), " if args.algo == "ppo" else ""  # GRPO has no critic
     print(f"   score     actor + reference log-probs (B, L), {critic}reward model (B,): "
           f"mean score {stats['reward']:+.3f}, {stats['score_s']:.2f} s")
-    print(f"   KL        per token k1 = log pi - log pi_ref; mean KL per response {stats['kl']:.3f} "
-          f"(k3: {stats['kl_k3']:.3f}); beta {stats['beta']:.3f}")
+    loss = "" if args.algo == "ppo" else "; the loss adds beta x mean k3"  # GRPO: k3 in the loss, k1 drives beta
+    print(f"   KL        per token k1 = log pi - log pi_ref; mean sum of k1 per response {stats['kl']:.3f} (drives "
+          f"beta; sum of k3: {stats['kl_k3']:.3f}); beta {stats['beta']:.3f}{loss}")
     value = f"value loss {stats['value_loss']:.4f}, " if "value_loss" in stats else ""  # none without a critic
     print(f"   update    {PPOConfig.ppo_epochs} epochs x {PPOConfig.num_minibatches} minibatches: policy loss "
           f"{stats['policy_loss']:+.4f}, {value}clip fraction {stats['clip_frac']:.3f}, {stats['train_s']:.2f} s")
@@ -160,7 +161,7 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
                        f"(B, L) = ({B}, {L})\n{critic}reward model R (B,): mean {stats['reward']:+.2f}"),
         (cols[2], top, "3. KL penalty\nk1_t = log pi - log pi_ref\n" + (
                        f"r_t = -beta k1_t, plus R at the end\nbeta = {stats['beta']:.2f}" if args.algo == "ppo"
-                       else f"beta x k3 goes into the loss\nbeta = {stats['beta']:.2f}")),
+                       else f"sum of k1 moves beta;\nbeta x mean k3 goes into the loss\nbeta = {stats['beta']:.2f}")),
         (cols[2], bottom, "4. advantages\n" + ("GAE over response tokens\n(gamma 1, lambda 0.95), whitened"
                                                if args.algo == "ppo" else "R minus its group's mean,\n"
                                                f"over its std (groups of {args.group_size})")),
@@ -270,6 +271,35 @@ def plot_history(history: list[dict], args: Settings) -> None:
     print(f"figure: {plot.save(fig, args, 'training')}")
 
 
+def sign_stretches(values: list[float], limit: int = 4) -> str:
+    """'positive on t 0-43, negative on t 44-60': the stretches of tokens whose values keep one sign (>= 0 counts
+    as positive, as the bars' colours do), the first `limit` of them."""
+    runs: list[list] = []
+    for t, v in enumerate(values):
+        sign = "positive" if v >= 0 else "negative"
+        if runs and runs[-1][0] == sign:
+            runs[-1][2] = t
+        else:
+            runs.append([sign, t, t])
+    text = ", ".join(f"{s} on t {a}" + (f"-{b}" if b > a else "") for s, a, b in runs[:limit])
+    return text + (f", ... ({len(runs)} stretches)" if len(runs) > limit else "")
+
+
+def advantage_signs(data: dict, cfg: PPOConfig) -> dict:
+    """Why one response's raw advantages have the signs they have. Unrolled, GAE is A_t = sum_k (gamma lambda)^k
+    delta_{t+k} with delta_t = r_t + gamma V_{t+1} - V_t (V after the last token: 0), checked here against the
+    advantages the update used; returns the largest delta, the last one and the sign stretches."""
+    r, v, n = data["rewards"], data["values"], data["num_tokens"]
+    delta = [r[t] + cfg.gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+    unrolled = [sum((cfg.gamma * cfg.lam) ** k * delta[t + k] for k in range(n - t)) for t in range(n)]
+    report.expect_close("A_t = sum_k (gamma lambda)^k delta_(t+k)", torch.tensor(unrolled),
+                        torch.tensor(data["advantages_raw"]), rtol=1e-4, atol=1e-4)
+    top = max(range(n), key=lambda t: delta[t])
+    return {"delta_max": delta[top], "delta_max_t": top, "delta_max_token": repr(data["tokens"][top]),
+            "delta_max_reward": r[top], "delta_last": delta[-1], "raw_positive": n - data["raw_negative"],
+            "sign_stretches": sign_stretches(data["advantages_raw"])}
+
+
 def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settings, row: int = 0) -> dict:
     """One response of the batch token by token: its shaped rewards r_t (-beta k1_t on every token, the score R
     added on the last), the critic's values V_t, and the GAE advantages before and after whitening.
@@ -286,6 +316,7 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
             "advantages_raw": raw[row, :n].tolist(), "advantages": x["advantages"][row, :n].tolist()}
     data["mean_value"], data["num_tokens"] = sum(data["values"]) / n, n
     data["raw_negative"] = sum(a < 0 for a in data["advantages_raw"])
+    data.update(advantage_signs(data, cfg))
     data["whitened_negative"] = sum(a < 0 for a in data["advantages"])
     t = range(n)
     fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.16 * n + 2), 7.2), sharex=True)
@@ -408,9 +439,11 @@ def main() -> int:
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
         checked = anatomy(batch, stats, history[-1]["beta"])
         response = draw_response(batch, history[-1]["beta"], cfg, args)
-        print(f"   its values average {response['mean_value']:+.3f} against a score of {response['score']:+.3f}; "
-              f"{response['raw_negative']} of its {response['num_tokens']} raw advantages are negative, "
-              f"{response['whitened_negative']} after whitening")
+        print(f"   its raw advantages A_t = sum_k lambda^k delta_(t+k) (checked), delta_t = r_t + V_(t+1) - V_t: "
+              f"{response['sign_stretches']}; largest delta {response['delta_max']:+.3f} at t "
+              f"{response['delta_max_t']} {response['delta_max_token']} (r_t {response['delta_max_reward']:+.3f}), "
+              f"last delta = r_T - V_T {response['delta_last']:+.3f}; {response['whitened_negative']} of "
+              f"{response['num_tokens']} negative after whitening")
         lengths = batch.mask.sum(1).long()
         B, L = batch.mask.shape
         print(f"\n4. The tensors of iteration {len(history)} (iteration.png): ids {tuple(batch.ids.shape)} (B, T); "
