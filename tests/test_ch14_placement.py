@@ -112,6 +112,22 @@ def test_recommendation_is_the_smallest_fit(planner) -> None:
         assert below["peak_gib"] * GIB == pytest.approx(peak) and peak > budget
 
 
+def test_why_the_best_smaller_colocated_count_is_that_count(planner) -> None:
+    """The 70B lesson sentence: the best try below the co-located count is the largest smaller count that its TP
+    divides, and every count between allows only smaller TPs; worked out here from divisibility alone."""
+    args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")
+    result = planner.plan(args)
+    n, below = result["colocated_gpus"], result["colocated_best_below"]
+    tp = below["engine_tp"]
+    assert below["gpus"] == max(k for k in range(1, n) if k % tp == 0)  # the largest smaller count TP divides
+    widest = max(t for k in range(below["gpus"] + 1, n) for t in (1, 2, 4, 8) if k % t == 0)
+    assert widest < tp
+    assert below["reason"] == (f"the largest count below {n} that TP {tp} divides; the counts between allow at most "
+                               f"TP {widest}, {tp // widest}x the engine weights per GPU")
+    assert planner.below_reason(6, 5, 1) == "the count just below 6"  # nothing between: no divisibility story
+    assert planner.below_reason(10, 4, 2) == "the count below 10 with the lowest peak"  # 8 between allows TP 8
+
+
 def test_rollout_pool_tie_goes_to_the_smaller_tp(planner) -> None:
     """The lesson's 70B sentence: TP 4 (2 engines) and TP 8 (1 engine) both fill 8 rollout GPUs; TP 4 is kept."""
     args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")
@@ -323,3 +339,31 @@ def test_default_response_length_fits_a_record() -> None:
     _, _, _, engine, _ = mod.setup("rollout", args.seed)
     batch = mod.generate_shard(engine, args, 0, 0)
     assert sum(reward_model.rule_score(t) > 0 for t in batch.texts) >= len(batch.texts) // 2, batch.texts
+
+
+def test_mean_off_policy_gap_never_prints_negative_zero() -> None:
+    """A synchronous run's gap is float noise of either sign; the table prints it to 3 decimals, as 0.000."""
+    mod = load_script(CH14 / "placement.py")
+    for noise in (-1e-9, -0.0, -4e-4, 0.0, 3e-9):
+        assert format(mod.shown_gap(noise), ".3f") == "0.000", noise
+    assert format(mod.shown_gap(-6e-4), ".3f") == "-0.001"  # a real negative value keeps its sign
+    assert format(mod.shown_gap(0.0051), ".3f") == "0.005"
+
+
+@pytest.mark.timeout(300)
+def test_reading_values_the_lesson_quotes(placement_json: dict) -> None:
+    """The values section 3 quotes, recomputed here from the run's own tables: the printed gaps (never -0.0), each
+    co-located rank's train time over the trainer's, each rank's tail after its last event, and the load."""
+    res = placement_json["results"]
+    for placement in ("colocated", "disaggregated", "async"):
+        s = res[placement]
+        mean = sum(x["off_policy_gap"] for x in s["stats"]) / len(s["stats"])
+        shown = s["mean_off_policy_gap_shown"]
+        assert shown == pytest.approx(round(mean, 3), abs=1e-12)
+        assert not (shown == 0 and math.copysign(1.0, shown) < 0), f"{placement}: a negative zero"
+        wall = max(end for events in s["timelines"] for _, _, end in events)
+        assert s["tail_s"] == pytest.approx([wall - max(e for _, _, e in events) for events in s["timelines"]])
+    trainer = res["disaggregated"]["ranks"][0]["train"]
+    assert res["colocated"]["train_vs_trainer"] == pytest.approx([r["train"] / trainer
+                                                                 for r in res["colocated"]["ranks"]])
+    assert res["machine"]["cores"] >= 1 and res["machine"]["load_avg"] >= 0

@@ -155,6 +155,35 @@ def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() ->
     assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
 
 
+def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:
+    """The lesson quotes this sentence for the sweep's first row against the table's per-tensor sync of the same
+    model: the reason (tensors larger than a bucket travel alone) from the real plan, the direction from the times."""
+    from mlsys.model import GPT, GPTConfig
+
+    mod = load_script(CH14 / "weight_sync.py")
+    params = unique_parameters(GPT(GPTConfig(**mod.SIZES["large"])))
+    cap = int(0.0625 * mod.MB)
+    plan = plan_buckets(named_meta(params), cap)
+    sizes = [t.numel() * t.element_size() for t in params.values()]
+    alone = [n for n in sizes if n > cap]  # by hand: every tensor over the capacity gets a bucket of its own
+    assert sum(b.nbytes > cap for b in plan) == len(alone)
+    first = {"bucket MB": 0.0625, "buckets": len(plan), "alone": len(alone), "MB alone": sum(alone) / mod.MB,
+             "ms": 76.0}
+    big = {"tensors": len(params), "MB": sum(sizes) / mod.MB, "per-tensor ms": 44.3}
+    saved = len(params) - len(plan)
+    text = mod.sweep_vs_per_tensor_text(first, big)
+    assert f"{len(alone)} of the {len(params)} tensors" in text and f"saves just {saved} calls" in text
+    slower = first["ms"] > big["per-tensor ms"]
+    assert ("took longer than the per-tensor sync" in text) == slower
+    assert ("was faster than the per-tensor sync" in text) == (not slower)
+    first["ms"] = 30.0  # the other direction: the saved calls outweighed the copies
+    text = mod.sweep_vs_per_tensor_text(first, big)
+    assert "was faster than the per-tensor sync (30.0 ms against 44.3 ms)" in text
+    assert "took longer" not in text
+    first.update({"alone": 0, "MB alone": 0.0})  # every tensor fits: no 'travel alone' clause
+    assert mod.sweep_vs_per_tensor_text(first, big).startswith("at 0.0625 MB every tensor fits in a bucket")
+
+
 @pytest.mark.timeout(150)
 def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
     from mlsys.model import GPT, GPTConfig
@@ -175,7 +204,7 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
         assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
     assert (tmp_path / "sync_time.png").stat().st_size > 0
     reading = res["reading"]  # the generated sentences the lesson quotes
-    assert reading["disturbed_text"] and reading["sweep_text"]
+    assert reading["disturbed_text"] and reading["sweep_text"] and reading["sweep_vs_per_tensor_text"]
     assert res["summary"]["smallest"]["per_tensor_disturbed"] == ("tiny" in reading["disturbed"]["per-tensor ms"])
 
 

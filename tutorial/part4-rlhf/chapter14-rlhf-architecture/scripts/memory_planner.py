@@ -219,6 +219,19 @@ def smallest_gpus(peak_of, budget: float, limit: int = 4096) -> int | None:
     return hi
 
 
+def below_reason(n_co: int, gpus: int, tp: int) -> str:
+    """Why the best co-located try below n_co GPUs is on `gpus` GPUs with engine TP `tp`: the engine's TP must divide
+    the GPU count, so the counts between may allow only smaller TPs (a larger engine share on every GPU)."""
+    between = range(gpus + 1, n_co)
+    if not between:
+        return f"the count just below {n_co}"
+    widest = max(t for n in between for t in (1, 2, 4, 8) if n % t == 0)
+    if widest < tp:
+        return (f"the largest count below {n_co} that TP {tp} divides; the counts between allow at most TP {widest}, "
+                f"{tp // widest}x the engine weights per GPU")
+    return f"the count below {n_co} with the lowest peak"
+
+
 def plan(args: Settings) -> dict:
     budget = kvm.GPU_MEMORY_GIB[args.gpu] * GIB * (1 - args.reserve_fraction)
     # co-located: not a bisection, since the peak is not monotone in n (the engine's tp must divide n: 5 GPUs allow
@@ -244,7 +257,8 @@ def plan(args: Settings) -> dict:
     return {"budget_bytes": budget, "colocated_gpus": n_co,
             "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
             "colocated_best_below": None if below is None else
-            {"gpus": below[2], "engine_tp": below[1], "peak_gib": below[0] / GIB},
+            {"gpus": below[2], "engine_tp": below[1], "peak_gib": below[0] / GIB,
+             "reason": below_reason(n_co, below[2], below[1])},
             "trainer_gpus": n_tr, "rollout": pool,
             "disaggregated_gpus": n_dis, "pick": pick, "pick_reason": why}
 
@@ -361,7 +375,7 @@ def main() -> int:
         if result["colocated_best_below"] is not None:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
-                  f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']}.")
+                  f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "

@@ -225,6 +225,19 @@ def summarize(name: str, res: dict, args: Settings) -> tuple[list[dict], float]:
     return table, wall
 
 
+def shown_gap(gap: float) -> float:
+    """A mean off-policy gap as the tables print it, to 3 decimals: float noise of either sign (a synchronous run's
+    -1e-9) becomes 0.0, never -0.0, so it prints 0.000 and not -0.000."""
+    return round(gap, 3) + 0.0  # -0.0 + 0.0 is +0.0
+
+
+def train_vs_trainer(summary: dict) -> list[float]:
+    """Each co-located rank's `train` seconds over the disaggregated trainer's: the same replicated PPO update, so
+    any ratio away from 1 is the machine (the co-located ranks train at the same moment on shared cores)."""
+    trainer = summary["disaggregated"]["ranks"][0]["train"]
+    return [row["train"] / trainer for row in summary["colocated"]["ranks"]]
+
+
 def warm_cache() -> None:
     """Train-and-cache the draft GPT and the reward model here, once, before any rank starts: otherwise every
     rank would find the cache empty and train its own copy at the same time."""
@@ -255,6 +268,13 @@ def main() -> int:
                          "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
                          "placed": res["placed"],
                          "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations,
+                         # the same, as the table prints it (no -0.000)
+                         "mean_off_policy_gap_shown": shown_gap(sum(x["off_policy_gap"] for x in res["stats"])
+                                                                / args.iterations),
+                         # per rank: wall time after the rank's last event (the disaggregated rollout rank's tail,
+                         # while the trainer scores and trains the last batch)
+                         "tail_s": [wall - max((end for _, _, end in events), default=0.0)
+                                    for events in res["timelines"]],
                          # iterations after the first whose gap (a sampled k1 estimate) came out above 0
                          "gap_positive_after_first": sum(x["off_policy_gap"] > 0 for x in res["stats"][1:]),
                          "iterations_after_first": len(res["stats"]) - 1}
@@ -268,7 +288,7 @@ def main() -> int:
                          "rollouts/s": s["rollouts_per_s"], "final reward": s["stats"][-1]["reward"],
                          "final KL": s["stats"][-1]["kl"],
                          "well-formed": sum(x["valid"] for x in s["stats"]) / args.iterations,
-                         "mean off-policy gap": sum(x["off_policy_gap"] for x in s["stats"]) / args.iterations}
+                         "mean off-policy gap": s["mean_off_policy_gap_shown"]}
                         for n, s in summary.items()], floatfmt=".3f"))
     if "colocated" in results and "disaggregated" in results:
         a, b = results["colocated"], results["disaggregated"]
@@ -279,6 +299,9 @@ def main() -> int:
         summary["weights_equal"] = results["weights_equal"]
         print("\nco-located and disaggregated (sync): identical rewards every iteration, final actor weights "
               "bitwise equal  OK")
+    summary["machine"] = {"cores": os.cpu_count(), "load_avg": load}
+    if "colocated" in summary and "disaggregated" in summary:
+        summary["colocated"]["train_vs_trainer"] = train_vs_trainer(summary)
     if "async" in results and "disaggregated" in results:
         s, a = summary["disaggregated"], summary["async"]
         summary["async_vs_sync"] = a["rollouts_per_s"] / s["rollouts_per_s"]

@@ -21,7 +21,8 @@ How to run
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
 Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each), the checks, the
-rows that the bytes-only-grow rule flags as disturbed, and the sweep rows where fewer calls took longer.
+rows that the bytes-only-grow rule flags as disturbed, the sweep rows where fewer calls took longer, and what the
+smallest buckets saved against the per-tensor sync (the sweep's `alone` column: tensors larger than a bucket).
 Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
 loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 11 s at load 5.
 
@@ -170,7 +171,11 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     nbytes = sum(t.numel() * t.element_size() for t in params.values())
     plans = [plan_buckets(named_meta(params), int(mb * MB)) for mb in args.sweep_mb]
     times = fastest([lambda p=p: broadcast_bucketed(params, p, 0) for p in plans], args.iters, ctx.device)
-    rows = [{"bucket MB": mb, "buckets": len(p), "ms": t * 1e3, "ms/MB": t * 1e3 / (nbytes / MB)}
+    # alone: buckets that hold one tensor larger than the capacity (sent with the same bytes as per tensor, plus the
+    # copies in and out of the bucket's buffer); MB alone: their bytes
+    rows = [{"bucket MB": mb, "buckets": len(p), "alone": sum(b.nbytes > mb * MB for b in p),
+             "MB alone": sum(b.nbytes for b in p if b.nbytes > mb * MB) / MB, "ms": t * 1e3,
+             "ms/MB": t * 1e3 / (nbytes / MB)}
             for mb, p, t in zip(args.sweep_mb, plans, times)]
     return rows
 
@@ -215,6 +220,30 @@ def sweep_order_text(sweep: list[dict]) -> str:
     pairs = [f"{b['bucket MB']:g} MB ({b['buckets']} calls, {b['ms']:.1f} ms) took longer than "
              f"{a['bucket MB']:g} MB ({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks]
     return "fewer calls did not mean less time everywhere: " + "; ".join(pairs)
+
+
+def sweep_vs_per_tensor_text(first: dict, big: dict) -> str:
+    """Why the sweep's smallest buckets save few calls, and whether they beat the per-tensor sync of the same model
+    in this run: the direction comes from the two times, the reason from the plan (tensors larger than a bucket
+    travel alone, one call each, yet still pass through a fresh buffer on every rank)."""
+    saved = big["tensors"] - first["buckets"]
+    copies = "while it still copies every byte into a fresh buffer and out again"
+    if first["alone"]:
+        reason = (f"at {first['bucket MB']:g} MB, {first['alone']} of the {big['tensors']} tensors "
+                  f"({first['MB alone']:.1f} of {big['MB']:.1f} MB) are larger than a bucket and travel alone, one "
+                  f"call each as in the per-tensor sync, so only smaller neighbours share buckets and bucketing saves "
+                  f"just {saved} calls, {copies}")
+    else:
+        reason = (f"at {first['bucket MB']:g} MB every tensor fits in a bucket, and bucketing saves {saved} calls, "
+                  f"{copies}")
+    times = f"{first['ms']:.1f} ms against {big['per-tensor ms']:.1f} ms"
+    if first["ms"] > big["per-tensor ms"]:
+        return (f"{reason}; in this run it took longer than the per-tensor sync ({times}): the copies cost more than "
+                f"the {saved} saved calls")
+    if first["ms"] < big["per-tensor ms"]:
+        return (f"{reason}; in this run it was faster than the per-tensor sync ({times}): the {saved} saved calls "
+                "outweighed the copies")
+    return f"{reason}; in this run it took as long as the per-tensor sync ({times})"
 
 
 def check_engine_serves_new_weights(ctx: RankContext, model: GPT) -> dict:
@@ -342,7 +371,9 @@ def main() -> int:
     if sweep:
         reading["sweep_breaks"] = [[a["bucket MB"], b["bucket MB"]] for a, b in sweep_order_breaks(sweep)]
         reading["sweep_text"] = sweep_order_text(sweep)
+        reading["sweep_vs_per_tensor_text"] = sweep_vs_per_tensor_text(sweep[0], big)
         print(f"Bucket sweep, calls against time: {reading['sweep_text']}")
+        print(f"Smallest buckets against per tensor: {reading['sweep_vs_per_tensor_text']}")
     draw(rows, args, args.world_size - 1)
     if args.json:
         summary = {"largest": {"model": big["model"], "MB": big["MB"], "speedup": speedup[big["model"]]},
