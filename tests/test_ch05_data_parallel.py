@@ -256,7 +256,7 @@ def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -
 
 
 PROFILER_LINES = ("profiled one more overlapped step", "bucket launches in that step", "launch calls held it",
-                  "timed from the training thread", "figure:")
+                  "timed from the training thread", "what most kept the all-reduces", "figure:")
 
 
 @pytest.mark.timeout(120)
@@ -285,6 +285,62 @@ def test_no_tables_prints_the_profiled_step_without_the_tables() -> None:
     assert prof.stdout.lstrip().startswith("ideal overlap"), prof.stdout
     both = run([CH05 / "ddp_from_scratch.py", "--no-tables", "--no-profile"], timeout=60)
     assert both.returncode == 2, both.stdout + both.stderr
+
+
+# ------------------------------------------------------------------------------ the profiled step, read and drawn
+def _step_spans(launch_ms: float = 0.05) -> list:
+    """A profiled step as overlap_spans returns it: forward 0-2 ms, backward 2-6 (head, block 1, block 0, emb.),
+    two launch calls inside it, two all-reduces on a gloo thread that outlast it, the wait 6-40."""
+    S = dfs.plot.Span
+    spans = [S("compute", 0, 2, "forward", "forward"), S("compute", 2, 3, "head", "backward"),
+             S("compute", 3, 4, "block 1", "backward"), S("compute", 4, 5, "block 0", "backward"),
+             S("compute", 5, 6, "emb.", "backward"),
+             S("compute", 6, 40, "wait for all-reduces", "wait for all-reduces")]
+    spans += [S("launch", t, t + launch_ms, f"bucket {k}", "launch") for k, t in enumerate((3.5, 5.5))]
+    return spans + [S("gloo thread 1", 3.6, 30, "0", dfs.ALL_REDUCE), S("gloo thread 1", 30, 40, "1", dfs.ALL_REDUCE)]
+
+
+def test_drawn_launch_calls_are_as_wide_as_measured(monkeypatch) -> None:
+    """The figure's pink boxes add up to the launch calls' measured time: none is widened to be seen (a 1%-of-axis
+    minimum drew 0.2 ms of launches as most of a 3.6 ms backward)."""
+    drawn = {}
+    monkeypatch.setattr(dfs.plot, "save", lambda fig, args, name: drawn.setdefault("fig", fig))
+    spans = _step_spans(launch_ms=0.05)
+    dfs.draw_overlap(None, spans)
+    ax = drawn["fig"].axes[0]
+    pink = dfs.plot.colours(["forward", "backward", dfs.ALL_REDUCE, "wait for all-reduces", dfs.LAUNCH])[dfs.LAUNCH]
+    from matplotlib.colors import to_rgba
+    widths = [p.get_width() for p in ax.patches if p.get_facecolor() == to_rgba(pink)]
+    assert sum(widths) == pytest.approx(sum(s.end - s.start for s in spans if s.lane == "launch"), abs=1e-9)
+    dfs.plot.pyplot().close(drawn["fig"])
+
+
+def test_peer_wait_counts_all_reduce_time_before_the_other_rank_launched_outside_the_compute() -> None:
+    """Rank 0 launched bucket 0 at 3.5 ms (its all-reduce ran 3.6-30), the other rank at 20 ms: the wait is 3.6-20
+    minus the backward's compute up to 6 ms, which excludes the 0.05 ms launch call at 5.5: 14.05 ms. Bucket 1,
+    launched by the other rank before rank 0's all-reduce began, waited for nobody. Clocks: rank 0's perf_counter
+    reads 100 s at trace 0."""
+    spans = _step_spans(launch_ms=0.05)
+    own = [100 + 3.5e-3, 100 + 5.5e-3]
+    assert dfs.peer_wait_ms(spans, own, [[100 + 20e-3, 100 + 10e-3]]) == pytest.approx(14.05)
+    assert dfs.peer_wait_ms(spans, own, [[100 + 1e-3, 100 + 2e-3]]) == 0.0  # the other rank was earlier
+    assert dfs.peer_wait_ms(spans, own, []) == 0.0  # one rank: nobody to wait for
+    # three ranks: the latest other rank counts
+    assert dfs.peer_wait_ms(spans, own, [[100 + 1e-3] * 2, [100 + 20e-3, 100 + 10e-3]]) == pytest.approx(14.05)
+
+
+@pytest.mark.parametrize("peer, core, launch", [(120.0, 0.0, 0.7), (0.0, 12.9, 0.9), (0.5, 0.2, 3.0),
+                                                (2.0, None, 1.0), (0.1, None, 1.0)])
+def test_overlap_cause_names_the_largest_measured_part(peer, core, launch) -> None:
+    """The sentence the lesson quotes names the largest of the three measured parts, computed here on its own."""
+    parts = {"waiting for another rank": peer, "waiting for a core": core if core is not None else -1,
+             "the launch calls themselves": launch}
+    largest = max(parts, key=parts.get)
+    text = dfs.overlap_cause(peer, core, launch)
+    assert text.startswith(largest + ":"), text
+    assert all(not text.startswith(k) for k in parts if k != largest)
+    assert f"{peer:.1f} ms" in text and f"{launch:.1f} ms" in text
+    assert (f"{core:.1f} ms" if core is not None else "not measured here") in text
 
 
 # ----------------------------------------------------------------------------------------------- the ideal overlap
@@ -482,6 +538,24 @@ def test_naive_sentence_follows_the_medians() -> None:
     slow = med | {("bucketed", 1.0): 0.130}  # a row slower than naive: the sentence must not rank naive last
     text = bench._naive_vs_rest(slow)
     assert "did not rank it last: bucketed at 1 MiB took as long or longer" in text and "every" not in text
+
+
+@pytest.mark.parametrize("medians_ms, local_max", [((150, 130, 125), 200.0), ((250, 130, 125), 200.0),
+                                                  ((250, 230, 225), 200.0), ((200, 200, 200), 200.0)])
+def test_verdict_names_the_rows_above_locals_slowest_round(medians_ms, local_max) -> None:
+    """The section's plain conclusion: the rows whose median lies above local's slowest round, none, or every one,
+    counted here on its own."""
+    keys = [("naive", 0.0), ("bucketed", 1.0), ("overlapped", 1.0)]
+    med = {("local", 0.0): 0.1} | {k: t / 1e3 for k, t in zip(keys, medians_ms)}
+    text = bench._verdict(med, 90.0, local_max)
+    above = [k for k, t in zip(keys, medians_ms) if t > local_max]
+    if not above:
+        assert text.startswith("no measured cost of communicating"), text
+    elif len(above) == len(keys):
+        assert text.startswith("every version cost measurably more than local"), text
+    else:
+        named = ["naive" if k == "naive" else f"{k} at {mb:g} MiB" for k, mb in above]
+        assert text.startswith(f"a measured cost for {', '.join(named)} only"), text
 
 
 def test_above_noise_says_every_row_when_every_row_is_above_local() -> None:

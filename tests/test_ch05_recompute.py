@@ -32,6 +32,23 @@ def test_kept_bytes_match_the_tensor_sizes_and_the_count(batch: int, seq: int, t
         assert kept[setting] == pytest.approx(count, rel=0.01), setting  # LayerNorm's statistics are the rest
 
 
+@pytest.mark.timeout(120)
+def test_the_load_average_quoted_is_the_one_printed(monkeypatch, capsys, tmp_path) -> None:
+    """The lesson quotes --json's load_average beside the printed listing: both must be the same reading. Every
+    call of the load average here returns a new value, so a script that reads it once per line fails."""
+    import sys
+
+    rc = load_script(SCRIPT)
+    readings = iter(range(1000))
+    monkeypatch.setattr(rc.bench, "load_average", lambda: f"load average {next(readings)}.00 on 2 cores")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--smoke", "--json", str(out)])
+    assert rc.main() == 0
+    quoted = json.loads(out.read_text())["results"]["load_average"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if "load average" in line]
+    assert len(printed) == 2 and all(f"({quoted})" in line for line in printed), (quoted, printed)
+
+
 def test_the_count_at_the_papers_defaults_is_table_2() -> None:
     s, b, h, a = 2048, 1, 4096, 32
     assert memory.activation_bytes_per_layer(s, b, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))

@@ -19,6 +19,8 @@ What it shows
     constant GOAL, reported as goal_met in --json), or, when every row of overlapped or of torch fell below local,
     names which one and says there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
     The line under the table gives naive against local, and whether every other row's median was below naive's.
+    The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
+    cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
     one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A line
     gives bucketed minus overlapped at each size, next to the spread of local's own rounds. The line
@@ -177,7 +179,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
               "the spread that noise alone gives a row here")
     # the rows this run separates from local: a median above local's slowest round is a cost noise alone did not give
     above, above_rows, above_text = _above_noise(med, max(local_ms))
-    ctx.print(above_text)
+    verdict = _verdict(med, min(local_ms), max(local_ms))
+    ctx.print(f"what this run shows: {verdict}")
     vs_bucketed = _overlapped_vs_bucketed(med, sorted(set(args.bucket_mb)), max(local_ms) - min(local_ms))
     ctx.print(vs_bucketed)
     if ctx.is_main:
@@ -195,7 +198,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "num_buckets": {f"{mb:g}": len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
-            "overlapped_vs_bucketed_text": vs_bucketed, "naive_text": naive_text,
+            "overlapped_vs_bucketed_text": vs_bucketed, "naive_text": naive_text, "verdict_text": verdict,
             "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
@@ -241,6 +244,23 @@ def _above_noise(med: dict, local_max_ms: float) -> tuple[list, str, str]:
     text = (f"medians above local's slowest round, outside the noise: {rows}" if above else
             "no median lies above local's slowest round: this run separates no version from local")
     return above, rows, text
+
+
+def _verdict(med: dict, local_min_ms: float, local_max_ms: float) -> str:
+    """What the run shows, plainly: which versions cost measurably more than not communicating (a median above
+    local's slowest round), or that none did and the run measured the machine's noise."""
+    others = [v for v in med if v[0] != "local"]
+    above = [v for v in others if 1e3 * med[v] > local_max_ms]
+    if not above:
+        return (f"no measured cost of communicating: every version's median lies at or below local's slowest round "
+                f"({local_max_ms:.0f} ms; local's rounds ran from {local_min_ms:.0f}), so on this machine, at this "
+                "load, the run cannot tell any version from not communicating at all, nor rank the versions")
+    if len(above) == len(others):
+        return (f"every version cost measurably more than local: every median lies above local's slowest round "
+                f"({local_max_ms:.0f} ms)")
+    names = ", ".join(k if k == "naive" else f"{k} at {mb:g} MiB" for k, mb in above)
+    return (f"a measured cost for {names} only (median above local's slowest round, {local_max_ms:.0f} ms); "
+            "the other rows cannot be told from not communicating at all")
 
 
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:

@@ -18,7 +18,9 @@ What it shows
        trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the clock's own readings): wall
        clock, the thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap
        share counts only all-reduce time during which the training thread was computing the backward (its
-       segments minus the launch calls).
+       segments minus the launch calls). A last line names the largest measured part of what kept the rest from
+       running beside that compute: waiting for another rank to launch the same bucket (every rank's launch
+       times, gathered to rank 0), waiting for a core inside the launch calls, or the rest of the launch calls.
     4a. Before the profiled step (and only with it), a model of the ideal overlap, not a measurement, drawn as
        ideal_overlap_vs_bucketed_model.png: the tiny GPT's real bucket plan (mlsys.ddp.assign_buckets on its
        parameters in reverse registration order, at --bucket-mb), each tensor's backward lasting in proportion to
@@ -182,7 +184,7 @@ def clocked_launches(ddp: OverlappedDDP, clock: list[dict] | None):
         w0, c0, q0 = time.perf_counter(), time.thread_time(), _run_queue_ns()  # the wall clock outermost:
         handle = launch_one(tensor, async_op=async_op)                        # CPU and queue time fall inside it
         q1, c1, w1 = _run_queue_ns(), time.thread_time(), time.perf_counter()
-        clock.append({"wall_ms": 1e3 * (w1 - w0), "cpu_ms": 1e3 * (c1 - c0),
+        clock.append({"began_s": w0, "wall_ms": 1e3 * (w1 - w0), "cpu_ms": 1e3 * (c1 - c0),
                       "run_queue_ms": None if q0 is None or q1 is None else (q1 - q0) / 1e6})
         return handle
     ddp._all_reduce = clocked
@@ -382,6 +384,44 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
             "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
 
 
+def peer_wait_ms(spans: list[plot.Span], own_began_s: list[float], peers_began_s: list[list[float]]) -> float:
+    """How long rank 0's all-reduces waited for another rank, outside the backward's compute: the part of each
+    bucket's all-reduce before the last other rank had begun launching that bucket, minus the time the training
+    thread computed the backward. `own_began_s` and `peers_began_s` are perf_counter readings at the start of each
+    launch call (one machine: one monotonic clock); rank 0's own readings place the trace on that clock."""
+    launches = sorted((s for s in spans if s.lane == "launch"), key=lambda s: s.start)
+    comm = sorted((s for s in spans if s.kind == ALL_REDUCE), key=lambda s: s.start)
+    if not peers_began_s or not launches or len(own_began_s) != len(launches):
+        return 0.0
+    # trace ms = 1e3 * perf_counter + offset; each trace event begins after its clock reading: the least gap is it
+    offset = min(ln.start - 1e3 * t for ln, t in zip(launches, own_began_s))
+    waiting = []
+    for k, c in enumerate(comm):
+        peer_ready = max(1e3 * began[k] + offset for began in peers_began_s if k < len(began))
+        if peer_ready > c.start:
+            waiting.append((c.start, min(c.end, peer_ready)))
+    return sum(b - a for piece in waiting for a, b in minus([piece], backward_compute(spans)))
+
+
+def overlap_cause(peer_ms: float, core_ms: float | None, launch_ms: float) -> str:
+    """The sentence the lesson quotes: which measured part kept the most all-reduce time from running beside the
+    backward's compute: waiting for another rank, the training thread waiting for a core inside its launch calls,
+    or the rest of those launch calls."""
+    parts = {"peer": peer_ms, "core": core_ms if core_ms is not None else -1.0, "launch": launch_ms}
+    largest = max(parts, key=parts.get)
+    core = "not measured here" if core_ms is None else f"{core_ms:.1f} ms"
+    head = {
+        "peer": f"waiting for another rank: {peer_ms:.1f} ms of rank 0's all-reduce time, outside the backward's "
+                "compute, passed before the other rank had launched the same bucket",
+        "core": f"waiting for a core: inside its launch calls the training thread was runnable but off its core "
+                f"{core}, so the all-reduce ran instead of the backward, not beside it",
+        "launch": f"the launch calls themselves: they held the training thread {launch_ms:.1f} ms on a core or "
+                  "asleep, not computing the backward"}[largest]
+    rest = {"peer": f"waiting for another rank {peer_ms:.1f} ms", "core": f"waiting for a core {core}",
+            "launch": f"the rest of the launch calls {launch_ms:.1f} ms"}
+    return f"{head} (the others: {', '.join(rest[k] for k in parts if k != largest)})"
+
+
 def launch_timeline(spans: list[plot.Span]) -> list[dict]:
     """When, in the profiled step, each bucket's launch call (c10d::allreduce_ on the training thread) began and
     returned, in percent of that step's backward (the "backward" range): the figure's dotted lines and the ends of
@@ -433,11 +473,7 @@ def draw_overlap(args: Settings, spans: list[plot.Span]):
     plot.timeline(ax, boxes, lanes, unit="ms since the profiled step's forward started (rank 0)", palette=palette,
                   fontsize=8)
     top, bottom = len(lanes) - 1 + 0.4, -0.4  # the upper edge of the top row, the lower edge of the bottom row
-    x_max = max(s.end for s in spans)
-    for s in launches:  # a launch call too short to see: drawn at least 1% of the axis wide, outlined
-        if s.end - s.start < 0.01 * x_max:
-            ax.barh(len(lanes) - 1, 0.01 * x_max, left=s.start, height=0.8, color=palette[LAUNCH],
-                    edgecolor="black", linewidth=0.8)
+    x_max = max(s.end for s in spans)  # launch calls keep their measured width: a short one is a thin line
     char = x_max / 110  # about one character of 7-point text (with room to spare), in ms, on this axis
     # the name of each range of the training thread above its row, with a bracket over the whole range
     names = [(s, {"wait for all-reduces": "wait"}.get(s.label, s.label.replace("block ", "blk "))) for s in named]
@@ -527,6 +563,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     trace_path = plot.figure_dir(args) / "ddp_overlap.trace.json" if ctx.is_main and args.profile else None
     clock: list[dict] = []
     bucket_names = profile_overlap(ctx, args, tokens, trace_path, clock) if args.profile else []
+    began = [[c["began_s"] for c in clock]] * ctx.world_size
+    if args.profile and ctx.world_size > 1:  # every rank's launch times, to tell rank 0 when the others launched
+        dist.all_gather_object(began, began[0])
     spans, clocked, timeline = [], {}, []
     if ctx.is_main and args.profile:
         spans = overlap_spans(trace_path)
@@ -535,6 +574,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                    "launch_run_queue_ms": None if None in queued else sum(queued)}
         clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(
             0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
+        clocked["peer_wait_ms"] = peer_wait_ms(spans, began[0], began[1:])
+        rest = clocked["launch_wall_ms"] - (clocked["launch_run_queue_ms"] or 0.0)
+        clocked["overlap_cause"] = overlap_cause(clocked["peer_wait_ms"], clocked["launch_run_queue_ms"], rest)
         o = overlap_summary(spans) | clocked
         timeline = launch_timeline(spans)
         ctx.print(f"\nprofiled one more overlapped step on rank 0 (the measured figure): trace {trace_path}")
@@ -552,6 +594,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                   + ("" if o["launch_run_queue_ms"] is None else
                      f", was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms and was asleep "
                      f"(neither) {o['launch_asleep_ms']:.1f} ms"))
+        ctx.print(f"what most kept the all-reduces from running beside the backward: {o['overlap_cause']}")
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
     volume = comm_volume("all_reduce", grad_bytes, ctx.world_size)

@@ -190,6 +190,7 @@ def main() -> int:
                 seconds, grads[setting] = one_step(model, setting, idx, targets)
                 if rep:  # the first round is a warm-up
                     times[setting].append(seconds)
+    load = bench.load_average()  # read once, as the timing ends: the printed lines and the --json quote this one
     rows = []
     for setting in SETTINGS:
         for name, g in grads[setting].items():  # recomputation must not change the gradients
@@ -203,14 +204,14 @@ def main() -> int:
     for row in rows:
         row["step / none"] = row["step (ms)"] / base
     print(f"one layer of the book's GPT (h={h}, a={a}) at s={s}, b={b}, fp32, no dropout; steps of {args.layers} "
-          f"layers, fastest of {args.repeats} after a warm-up round ({bench.load_average()})")
+          f"layers, fastest of {args.repeats} after a warm-up round ({load})")
     print(report.table(rows, floatfmt=".3g"))
     flops_ratio = memory.train_flops(1, 1, "full") / memory.train_flops(1, 1)
     print(f"attention matrix, a*s*s*b*4 bytes = {a * s * s * b * 4 / sbh:.3g} sbh: kept by none, not by fused or "
           f"selective. full keeps the layer input only ({4 * sbh / sbh:.0f} sbh in fp32)")
     print(f"full recomputation: step {rows[3]['step / none']:.2f}x of none; the flop count predicts "
           f"{flops_ratio:.2f}x (one more forward: 8ND instead of 6ND); on a shared CPU this ratio is "
-          f"noise-dominated ({bench.load_average()})")
+          f"noise-dominated ({load})")
     print("OK: gradients equal with every setting")
     draw(args, rows, f"s={s}, b={b}, h={h}")
     kept = {r["setting"]: r["kept / sbh"] for r in rows}
@@ -221,7 +222,7 @@ def main() -> int:
                                       "full_step_ratio": rows[3]["step / none"], "flops_ratio": flops_ratio,
                                       "attention_matrix_sbh": a * s * s * b * 4 / sbh,
                                       "excess_sbh_none": kept["none"] - estimate["none"] / sbh,
-                                      "load_average": bench.load_average()}, args)
+                                      "load_average": load}, args)
     return 0
 
 
