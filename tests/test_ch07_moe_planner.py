@@ -285,6 +285,25 @@ def test_planner_recommendation_is_the_fastest_fitting_layout(model_name, tmp_pa
         assert any(r["ep"] > 1 and r["ep_GB_sent"] > 0 for r in results["candidates"])  # EP considered, costed
 
 
+@pytest.mark.parametrize("zero, fits", [("1", True), ("0", False)])
+def test_planner_with_one_layout_recommends_nothing(zero, fits, tmp_path, monkeypatch, capsys):
+    """--layout costs one layout: the verdict line names it as the one given (never "recommended", which would
+    claim a comparison), and says whether it fits, as the JSON's total_GiB against the usable memory decides."""
+    out = tmp_path / "plan.json"
+    monkeypatch.setattr("sys.argv", ["parallel_planner.py", "--model", "llama-3-8b", "--gpus", "8", "--global-batch",
+                                     "64", "--layout", "8", "1", "1", "1", "--zero-stage", zero, "--json", str(out)])
+    assert planner.main() == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["results"]["candidates"]
+    assert (row["total_GiB"] <= 80 * 0.9) == fits
+    assert "recommended" not in printed and "closest:" not in printed, printed
+    if fits:
+        assert "\nthe one layout given: dp=8 tp=1 pp=1 ep=1" in printed, printed
+    else:
+        assert "\nthe one layout given does not fit in 72.0 GiB per GPU" in printed, printed
+        assert "\nit: dp=8 tp=1 pp=1 ep=1" in printed, printed
+
+
 @pytest.mark.parametrize("argv", [
     ["--gpus", "0"], ["--model", "gpt-5"], ["--layout", "3", "3", "3", "3"], ["--model", "custom"],
     ["--mfu", "0"], ["--gpus", "7", "--model", "llama-3-8b"], ["--model", "custom", "--layers", "2", "--hidden", "10",

@@ -433,12 +433,40 @@ def test_ends_vs_mean_sentence_follows_the_raw_events(trace_run) -> None:
     stage0 = sorted((e for e in ops if stage_of[e["pid"]] == 0), key=lambda e: e["ts"])
     first, last = stage0[0], stage0[-1]
     assert first["name"][0] == "F" and last["name"][0] == "B"
-    short = [first["dur"] < mean["F"], last["dur"] < mean["B"]]
+    ms = [first["dur"] / 1000, last["dur"] / 1000, mean["F"] / 1000, mean["B"] / 1000]
+    if any(abs((100 * x) % 1 - 0.5) < 1e-6 for x in ms):
+        pytest.skip("a duration sits on a rounding boundary at 0.01 ms")
+    shown = [round(x, 2) for x in ms]
+    words = ["shorter than" if a < b else "longer than" if a > b else "as long as"
+             for a, b in zip(shown[:2], shown[2:])]
     text = res["ends_vs_mean"]
-    if all(short):
-        assert text.startswith("both ends were shorter"), text
-    elif not any(short):
-        assert text.startswith("both ends were longer"), text
+    assert text.startswith(f"stage 0's first forward took {shown[0]:.2f} ms against a mean forward of "
+                           f"{shown[2]:.2f} ms, its last backward {shown[1]:.2f} ms against a mean backward of "
+                           f"{shown[3]:.2f} ms: "), text
+    if words[0] == words[1]:
+        assert f"both ends were {words[0]}" in text, text
     else:
-        assert text.startswith(f"the first forward was {'shorter' if short[0] else 'longer'} and the last backward "
-                               f"{'shorter' if short[1] else 'longer'}"), text
+        assert f"the first forward was {words[0]} the mean and the last backward {words[1]} the mean" in text, text
+
+
+@pytest.mark.parametrize("values, verdict", [
+    ((7.31, 9.55, 7.02, 9.61), "the first forward was longer than the mean and the last backward shorter than the "
+                               "mean, so the two ends pulled in opposite directions"),
+    ((6.0, 9.0, 7.0, 10.0), "both ends were shorter than the means, so they pulled the measured share down"),
+    ((8.0, 11.0, 7.0, 10.0), "both ends were longer than the means, so they too pushed the measured share up"),
+    # the old rule called 9.598 "shorter" than 9.601: both print as 9.60, so the sentence must name no direction
+    ((7.3, 9.598, 7.0, 9.601), "the first forward was longer than the mean and the last backward as long as the "
+                               "mean to the 0.01 ms shown, so only the first forward pushed the measured share up"),
+    ((6.5, 9.604, 7.0, 9.601), "the first forward was shorter than the mean and the last backward as long as the "
+                               "mean to the 0.01 ms shown, so only the first forward pulled the measured share down"),
+    ((7.001, 9.598, 7.0, 9.601), "both ends were as long as the means to the 0.01 ms shown, so they pulled "
+                                 "neither way"),
+])
+def test_ends_vs_mean_names_a_direction_only_where_the_printed_numbers_differ(values, verdict) -> None:
+    """The Down bullet of the lesson's note quotes this sentence next to its four numbers (printed to 0.01 ms): a
+    direction word must be visible in those numbers, so values that print equal get none."""
+    trace = load_script(SCRIPTS / "pipeline_trace.py")
+    text = trace.ends_vs_mean(*values)
+    shown = [f"{x:.2f}" for x in values]
+    assert text == (f"stage 0's first forward took {shown[0]} ms against a mean forward of {shown[2]} ms, its last "
+                    f"backward {shown[1]} ms against a mean backward of {shown[3]} ms: {verdict}"), text

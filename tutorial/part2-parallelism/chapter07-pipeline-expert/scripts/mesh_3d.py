@@ -210,7 +210,6 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             for d in ("dp", "tp", "pp")}, "steps": rows}
 
 
-# --8<-- [start:draw]
 def draw(args: Settings, groups: dict[str, list[list[int]]]) -> dict:
     """mesh.png: one panel per pipeline stage, a dp x tp grid of ranks in each. A rank's place is read from the
     groups the run built (and checked against init_device_mesh): column = its index in its TP group, row = its
@@ -268,7 +267,6 @@ def draw(args: Settings, groups: dict[str, list[list[int]]]) -> dict:
                  "as the run grouped them", fontsize=10)
     print(f"figure: {plot.save(fig, args, 'mesh')}")
     return drawn
-# --8<-- [end:draw]
 
 
 def main() -> int:

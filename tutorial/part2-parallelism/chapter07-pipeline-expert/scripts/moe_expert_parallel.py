@@ -406,11 +406,11 @@ def draw(result: dict, args: Settings) -> None:
     print(f"figure: {plot.save(fig, args, 'moe_drops')}")
 
 
-# --8<-- [start:draw_dispatch]
 def draw_dispatch(example: dict, args: Settings) -> dict:
     """Tokens -> experts on their ranks (dispatch all-to-all) -> back to their tokens (combine all-to-all), one
-    line per (token, choice) of the real routing; a dropped choice ends in an x. Returns the lines drawn and the
-    rows each rank sends to each rank, counted from those lines."""
+    line per kept (token, choice) of the real routing; a dropped choice gets no line but an "x e3" (its expert)
+    in a column left of its token. Returns the lines (kept or dropped) and the rows each rank sends to each rank,
+    counted from those lines."""
     plt = plot.pyplot()
     W, n, E = len(example["experts"]), example["tokens_per_rank"], args.num_experts
     local = E // W
@@ -428,11 +428,8 @@ def draw_dispatch(example: dict, args: Settings) -> dict:
                 send[r][e // local] += 1
                 ax.plot([0.15, 1.35], [y, expert_y[e]], color=c, lw=1.3)  # dispatch
                 ax.plot([1.65, 2.85], [expert_y[e], y], color=c, lw=1.3, ls="--")  # combine
-            else:  # over capacity: this choice never leaves the rank
-                end = 0.35 + 0.2 * choice + 0.06 * t + 0.12 * (t % 2)  # staggered so the x's do not overlap
-                ax.plot([0.15, end], [y, y + (expert_y[e] - y) * (end - 0.15) / 1.2], color="0.6", lw=1, ls=":")
-                ax.text(end, y + (expert_y[e] - y) * (end - 0.15) / 1.2, f"r{r} t{t} x", color="0.3", ha="center",
-                        va="center", fontsize=7)
+            else:  # over capacity: this choice never leaves the rank; marked left of the token, clear of the lines
+                ax.text(-0.3 - 0.22 * choice, y, f"x e{e}", color="#c44e52", ha="right", va="center", fontsize=8)
         for x in (0, 3):
             ax.text(x, y, f"r{r} t{t}", ha="center", va="center", fontsize=8,
                     bbox={"boxstyle": "round", "fc": colour[f"rank {r}"], "alpha": 0.35})
@@ -444,17 +441,17 @@ def draw_dispatch(example: dict, args: Settings) -> dict:
         for e in range(owner * local, (owner + 1) * local):
             ax.text(1.5, expert_y[e], f"expert {e}", ha="center", va="center", fontsize=8,
                     bbox={"boxstyle": "round", "fc": "white"})
+    ax.text(-0.41, 1.2, "dropped\nchoices", ha="right", va="bottom", fontsize=8, color="#c44e52")
     for x, head in ((0, "tokens, on their rank"), (0.75, "dispatch\n(all-to-all)"), (1.5, "experts compute"),
                     (2.25, "combine\n(all-to-all back)"), (3, "weighted sum\nper token")):
         ax.text(x, 2.2, head, ha="center", va="bottom", fontsize=9, weight="bold")
     text = "; ".join(f"rank {r} sends " + ", ".join(f"{send[r][d]} to rank {d}" for d in range(W)) for r in range(W))
     ax.text(1.5, -rows - 1.2, f"rows per rank pair: {text} (capacity {example['capacity']} per expert and rank)",
             ha="center", va="top", fontsize=8)
-    ax.set(xlim=(-0.4, 3.4), ylim=(-rows - 2.2, 3.4))
+    ax.set(xlim=(-0.95, 3.4), ylim=(-rows - 2.2, 3.4))
     ax.axis("off")
     print(f"figure: {plot.save(fig, args, 'dispatch')}")
     return {"lines": lines, "send_counts": send}
-# --8<-- [end:draw_dispatch]
 
 
 def main() -> int:

@@ -387,14 +387,17 @@ def main() -> int:
     print(report.table(table, floatfmt=".2f"))
     best = rows[0]
     print()
-    if best["fits"]:
-        print("recommended: " + describe(best, s.num_layers))
+    if best["fits"]:  # with --layout there is one layout and nothing to recommend it over
+        print(("the one layout given: " if args.layout else "recommended: ") + describe(best, s.num_layers))
         spare = usable - best["total_GiB"]
         print(f"  headroom: {spare:.2f} GiB of the {usable:.1f} GiB usable"
               + (" -- tight: a real run adds temporary buffers (all-gather staging, fragmentation) that the "
                  "formulas leave out; raise --reserve to demand more" if spare < 0.05 * usable else ""))
         for line in reasons(best, rows, args):
             print("  - " + line)
+    elif args.layout:
+        print(f"the one layout given does not fit in {usable:.1f} GiB per GPU. Try a higher --zero-stage, "
+              "--recompute full, a smaller --micro-batch, or another layout.\nit: " + describe(best, s.num_layers))
     else:
         print(f"no layout fits in {usable:.1f} GiB per GPU; the smallest need is shown first. Try a higher "
               "--zero-stage, --recompute full, a smaller --micro-batch, or more GPUs.\nclosest: " +

@@ -196,7 +196,6 @@ def print_report(args: Settings, rows: list, results: dict) -> None:
     print("\ngradients and parameters after one AdamW step match one process on every stage: OK")
 
 
-# --8<-- [start:draw]
 def draw_ideal(args: Settings, results: dict) -> dict:
     """The orders every stage ran, replayed on an ideal clock (F = 1 tick, B = 2, messages free) and drawn: a
     still of both schedules and an animation of them filling and draining. Returns the boxes it drew."""
@@ -236,7 +235,6 @@ def draw_ideal(args: Settings, results: dict) -> dict:
     gif, strip = plot.animate(fig, frame, len(ticks), args, "fill_drain", fps=1.5, strip_columns=3)
     print(f"figure: {gif}\nfigure: {strip}")
     return drawn
-# --8<-- [end:draw]
 
 
 def main() -> int:

@@ -130,7 +130,6 @@ def merge(traces: list[dict]) -> dict:
     return {"traceEvents": events, "baseTimeNanoseconds": base, "displayTimeUnit": "ms"}
 
 
-# --8<-- [start:spans]
 def trace_timeline(path: Path) -> tuple[list[plot.Span], int]:
     """The spans to draw, read from the merged trace file alone. Stage s gets two rows: "stage s" with its F and B
     boxes, and "stage s messages" with the time it was blocked in a receive and the moments it posted a send,
@@ -158,7 +157,6 @@ def trace_timeline(path: Path) -> tuple[list[plot.Span], int]:
             kind, label = ("blocked in recv" if sp.label.startswith("recv") else "send posted"), f"{m[1][0]}{m[2]}"
         out.append(plot.Span(sp.lane, sp.start - t0, sp.end - t0, label, kind))
     return out, len(set(stage_of.values()))
-# --8<-- [end:spans]
 
 
 def draw(args: Settings, spans: list[plot.Span], p: int, summary: dict) -> Path:
@@ -237,11 +235,7 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
     shown = round(measured["mean"], 3), round(ideal["mean"], 3)  # as the lesson prints them
     vs = "above" if shown[0] > shown[1] else "below" if shown[0] < shown[1] else "equal to"
     fwd, bwd = sum(ops["forward"]) / len(ops["forward"]), sum(ops["backward"]) / len(ops["backward"])
-    short = [first[0].end - first[0].start < fwd, first[-1].end - first[-1].start < bwd]  # the ends vs the means
-    ends = ("both ends were shorter than the means, so they pulled the measured share down" if all(short) else
-            "both ends were longer than the means, so they too pushed the measured share up" if not any(short) else
-            f"the first forward was {'shorter' if short[0] else 'longer'} and the last backward "
-            f"{'shorter' if short[1] else 'longer'} than the means, so the two ends pulled in opposite directions")
+    ends = ends_vs_mean(first[0].end - first[0].start, first[-1].end - first[-1].start, fwd, bwd)
     return {"measured": measured, "idle_ms": [measured["span"] - b for b in measured["busy"]],
             "longest_op": longest_op(spans, {"forward": fwd, "backward": bwd}, p),
             "blocked_ms": total("blocked in recv"), "sending_ms": total("send posted"),
@@ -251,6 +245,36 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
             # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
             "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
             "measured_vs_ideal": vs, "cores": len(os.sched_getaffinity(0))}  # the ranks share these cores
+
+
+def ends_vs_mean(first_forward: float, last_backward: float, forward: float, backward: float) -> str:
+    """The lesson's sentence on the ramp's two ends (stage 0's first forward and last backward, ms) against the mean
+    forward and backward. The numbers are printed to 0.01 ms and each direction word is decided on those printed
+    values, so the sentence never calls two equal-looking numbers shorter or longer."""
+    def word(x: float, mean: float) -> str:
+        a, b = round(x, 2), round(mean, 2)
+        return "shorter" if a < b else "longer" if a > b else "equal"
+
+    words = [word(first_forward, forward), word(last_backward, backward)]
+    numbers = (f"stage 0's first forward took {first_forward:.2f} ms against a mean forward of {forward:.2f} ms, "
+               f"its last backward {last_backward:.2f} ms against a mean backward of {backward:.2f} ms")
+    plural = {"shorter": "shorter than the means", "longer": "longer than the means",
+              "equal": "as long as the means to the 0.01 ms shown"}
+    single = {"shorter": "shorter than the mean", "longer": "longer than the mean",
+              "equal": "as long as the mean to the 0.01 ms shown"}
+    if words[0] == words[1]:
+        verdict = f"both ends were {plural[words[0]]}"
+        effect = {"shorter": "so they pulled the measured share down",
+                  "longer": "so they too pushed the measured share up", "equal": "so they pulled neither way"}[words[0]]
+    else:
+        verdict = f"the first forward was {single[words[0]]} and the last backward {single[words[1]]}"
+        if "equal" not in words:
+            effect = "so the two ends pulled in opposite directions"
+        else:
+            end = "first forward" if words[0] != "equal" else "last backward"
+            effect = (f"so only the {end} pulled the measured share down" if "shorter" in words
+                      else f"so only the {end} pushed the measured share up")
+    return f"{numbers}: {verdict}, {effect}"
 
 
 def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
