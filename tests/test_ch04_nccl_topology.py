@@ -341,6 +341,55 @@ def test_crossover_at_more_ranks_is_where_the_model_lines_cross() -> None:
     assert rvt.crossover_at_more_ranks(0.0, beta) == {} and "none" in rvt.more_ranks_text({})
 
 
+@pytest.mark.parametrize("world_size", [2, 4, 8, 16, 64, 512])
+def test_more_ranks_line_says_what_this_box_can_and_cannot_show(world_size: int) -> None:
+    """The printed line lists only rank counts above the run's own (a -w 8 run does not print its own n* again as
+    '8 ranks'), and says what is true of a run here: the box can start that many ranks, but they share its cores,
+    so no run here times that many real links. Nothing is printed once the run has 512 ranks."""
+    rvt = load("ring_vs_tree")
+    alpha, beta = 150e-6, 0.4e-9
+    rows = [{"algorithm": name, "size (B)": size, "time (us)": 1e6 * (a * alpha + b * size * beta),
+             "busbw (GB/s)": 1.0}
+            for size in (256, 4096, 65536, 2**20, 2**23) for name in ("ring", "tree", "gloo all_reduce")
+            for a, b in [hand_cost_terms("ring" if name == "gloo all_reduce" else name, world_size)]]
+    summary = rvt.summarise(rows, world_size)
+    want = [p for p in (8, 64, 512) if p > world_size]
+    assert list(summary["more_ranks_crossover_bytes"]) == want
+    line = rvt.more_ranks_line(summary, world_size, 2)
+    if not want:
+        assert line is None
+        return
+    listed = [int(part.split(" ranks")[0]) for part in summary["more_ranks_crossover_text"].split(", ")]
+    assert listed == want and summary["more_ranks_crossover_text"] in line
+    assert "can start that many ranks, but they share its 2 cores" in line and "cannot run" not in line
+
+
+def test_ring_latency_bound_text_counts_the_sizes_below_the_rings_knee() -> None:
+    """'the ring's steps cost more than its bytes at k of the m sizes': k counted here from the lesson's ring terms,
+    at sizes on both sides of the knee 6 alpha / (1.5 beta) on 4 ranks."""
+    rvt = load("ring_vs_tree")
+    alpha, beta, p = 100e-6, 1e-9, 4
+    a, b = hand_cost_terms("ring", p)
+    knee = a * alpha / (b * beta)
+    sizes = [int(knee / 64), int(knee / 4), int(knee * 0.9), int(knee * 1.1), int(knee * 8)]
+    text = rvt.ring_latency_bound_text(alpha, beta, p, sizes)
+    assert text.startswith(f"{sum(a * alpha > b * n * beta for n in sizes)} of the 5 sizes")
+    assert text.startswith("3 of the 5 sizes") and rvt.size_text(knee) in text
+    assert rvt.ring_latency_bound_text(0.0, beta, p, sizes).startswith("none of the sizes")
+
+
+def test_tree_footer_of_the_step_picture_is_the_models_byte_count() -> None:
+    """The step picture's tree footer adds up, level by level, to the model's tree bytes factor (read off the built
+    tree), so the picture and the panel titles show one count: 6n on 4 ranks."""
+    rvt = load("ring_vs_tree")
+    assert rvt.tree_bytes_label(4).endswith("up n + 2n, down 2n + n = 6n")
+    for p in range(2, 20):
+        label = rvt.tree_bytes_label(p)
+        terms = label.split(": up ")[1].split(" = ")[0].replace("down ", "").replace(",", " +").split(" + ")
+        total = sum(1 if t.strip() == "n" else int(t.strip()[:-1]) for t in terms)
+        assert total == hand_cost_terms("tree", p)[1] and label.endswith(f"= {total}n"), (p, label)
+
+
 @pytest.mark.parametrize("slower", ["ring", "tree"])
 def test_line_nearer_text_names_what_this_run_shows(slower: str) -> None:
     """"The line follows the faster one" was not true of every run (a reader's -w 3 run: the tree's points at a

@@ -20,10 +20,11 @@ What it shows
          most 1, one below it without limit), to the ring's and the tree's times at every other size from the
          smallest, plus the largest, then compared with the points it did not see (the sizes in between, and every
          halving-doubling point): measured/model per size, the median and worst factor on the held-out points, the
-         model's ring-vs-tree crossover beside the measured one, the model's crossover at 8, 64 and 512 ranks with
-         the same alpha and beta (a prediction), and which algorithm's points the line passes nearer; a `note:` line
-         when the fit pins alpha at 0 (then the factors at the small sizes are meaningless) or beta at 0 (then no
-         size costs more than another);
+         model's ring-vs-tree crossover beside the measured one, the model's crossover at those of 8, 64 and 512
+         ranks above the run's own, with the same alpha and beta (a prediction: ranks started on one box share its
+         cores and memory, so no run here times that many real links), and which algorithm's points the line passes
+         nearer; a `note:` line when the fit pins alpha at 0 (then the factors at the small sizes are meaningless)
+         or beta at 0 (then no size costs more than another);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -59,6 +60,7 @@ Try next
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +158,15 @@ def halving_doubling_schedule(world_size: int, numel: int) -> list[dict]:
 # --8<-- [end:schedules]
 
 
+def tree_bytes_label(world_size: int) -> str:
+    """The tree row's footer: the bytes the model charges (cost_terms), level by level: at each level the busiest
+    parent's link carries n per child, up (deepest level first) and down again. '... = 6n' on 4 ranks."""
+    fans = tree_level_fans(world_size)
+    term = lambda k: "n" if k == 1 else f"{k}n"
+    return (f"model's bytes, n per child: up {' + '.join(map(term, reversed(fans)))}, down "
+            f"{' + '.join(map(term, fans))} = {2 * sum(fans)}n")
+
+
 # --8<-- [start:draw_steps]
 def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
     """One row per algorithm, one panel per step: who sends to whom and how much (as a fraction of the n-element
@@ -202,9 +213,10 @@ def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
                 ax.text((x1 + x2) / 2 + 0.3 * dy, (y1 + y2) / 2 - 0.3 * dx, label, fontsize=7, color=colour,
                         ha="center", va="center")
             ax.set_title(f"{name}, step {step}\n{mine[0]['phase'] if mine else '(done)'}", fontsize=8)
-        axes[row, 0].text(0, -0.02, "bytes sent, per rank: " + ", ".join(
-            f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent)), transform=axes[row, 0].transAxes,
-            fontsize=7, ha="left", va="top", clip_on=False)
+        footer = (tree_bytes_label(p) if name == "tree" else "bytes sent, per rank: " + ", ".join(
+            f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent)))
+        axes[row, 0].text(0, -0.02, footer, transform=axes[row, 0].transAxes, fontsize=7, ha="left", va="top",
+                          clip_on=False)
     fig.suptitle(f"all-reduce on {p} ranks, step by step\norange: the receiver adds it, green: the receiver copies it; "
                  "n = the buffer's size", fontsize=9)
     fig.tight_layout()
@@ -225,10 +237,16 @@ def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
     """
     p = world_size
     levels = p.bit_length() - 1  # floor(log2 p): the depth of the deepest rank in heap order
-    # the most children any parent at depth d has: 2, except where the last level is cut short
-    fan = [max(len(tree_children(r, p)) for r in range(2**d - 1, min(2 ** (d + 1) - 1, p))) for d in range(levels)]
-    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "tree": (2 * levels, 2 * sum(fan)),
+    return {"ring": (2 * (p - 1), 2 * (p - 1) / p), "tree": (2 * levels, 2 * sum(tree_level_fans(p))),
             "halving-doubling": (2 * levels, 2 * (p - 1) / p)}[algorithm]
+
+
+def tree_level_fans(world_size: int) -> list[int]:
+    """For each depth d of the heap-order tree that has parents, the most children any parent at depth d has: 2,
+    except where the last level is cut short. [2, 1] for 4 ranks: the root has two children, rank 1 one."""
+    p = world_size
+    return [max(len(tree_children(r, p)) for r in range(2**d - 1, min(2 ** (d + 1) - 1, p)))
+            for d in range(p.bit_length() - 1)]
 
 
 def fit_alpha_beta(steps: np.ndarray, bytes_moved: np.ndarray, time_s: np.ndarray) -> tuple[float, float]:
@@ -290,7 +308,7 @@ def crossover_bytes(alpha: float, beta: float, world_size: int) -> float | None:
     return alpha * (a_ring - a_tree) / (beta * (b_tree - b_ring))
 
 
-MORE_RANKS = (8, 64, 512)  # rank counts this box cannot run, where the model's crossover is read off the fit
+MORE_RANKS = (8, 64, 512)  # rank counts whose real links one box cannot show; the model's crossover, off the fit
 
 
 def crossover_at_more_ranks(alpha: float, beta: float, ranks: tuple[int, ...] = MORE_RANKS) -> dict[int, float]:
@@ -304,6 +322,19 @@ def more_ranks_text(crossovers: dict[int, float]) -> str:
     if not crossovers:
         return "none: the fit pinned alpha or beta at 0, so the model has no crossover at any number of ranks"
     return ", ".join(f"{p} ranks: {size_text(n)}" for p, n in crossovers.items())
+
+
+def more_ranks_line(summary: dict, world_size: int, cores: int | None) -> str | None:
+    """The printed line for the model's n* at the rank counts of MORE_RANKS above this run's: a prediction. This
+    box can start that many ranks (a -w 8 run works), but they share its cores and its memory, so no run here
+    times that many real links. None when the run already has at least the largest of them."""
+    if world_size >= max(MORE_RANKS):
+        return None
+    why = (f" (a prediction, not a measurement: this box can start that many ranks, but they share its "
+           f"{cores or 'few'} cores and one memory, so its timings cannot show that many real links)"
+           if summary["more_ranks_crossover_bytes"] else "")
+    return (f"the model's crossover at more ranks, with this fit's alpha and beta: "
+            f"{summary['more_ranks_crossover_text']}{why}")
 # --8<-- [end:model]
 
 
@@ -431,6 +462,7 @@ def summarise(rows: list[dict], world_size: int) -> dict:
         f"faster below n* and the ring above){tie_note}" if backwards else
         "does not show a clean crossover: which of the two was faster flips back and forth between "
         f"neighbouring sizes{tie_note}")
+    more = tuple(p for p in MORE_RANKS if p > world_size)  # a -w 8 run's own n* is not printed again as 8's
     gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     gap = lambda s: max(time_of[n, s] for n in names) / min(time_of[n, s] for n in names)
@@ -461,9 +493,22 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             **{f"{name}_median_ratio": float(np.median([p["measured/model"] for p in points if p["algorithm"] == name]))
                for name in dict.fromkeys(p["algorithm"] for p in points)},
             "predicted_crossover_text": size_text(cross) if cross else "none",
-            "more_ranks_crossover_bytes": crossover_at_more_ranks(alpha, beta),
-            "more_ranks_crossover_text": more_ranks_text(crossover_at_more_ranks(alpha, beta)),
+            "more_ranks_crossover_bytes": crossover_at_more_ranks(alpha, beta, more),
+            "more_ranks_crossover_text": more_ranks_text(crossover_at_more_ranks(alpha, beta, more)) if more else
+            "no larger rank count to predict",
+            "ring_latency_bound_text": ring_latency_bound_text(alpha, beta, world_size, sizes),
             "line_nearer_text": line_nearer_text(points, time_of, sizes)}
+
+
+def ring_latency_bound_text(alpha: float, beta: float, world_size: int, sizes: list[int]) -> str:
+    """At how many of the sweep's sizes the fitted model puts more of the ring's time on its steps (a * alpha) than
+    on its bytes (b * n * beta): where the per-message cost dominates, the ring's fewer bytes cannot pay off."""
+    if alpha <= 0:
+        return "none of the sizes: this fit pinned alpha at 0 (its `note:` line), so it cannot show the fixed cost"
+    a, b = cost_terms("ring", world_size)
+    below = [s for s in sizes if a * alpha > b * s * beta]
+    knee = f" (below its knee, {size_text(a * alpha / (b * beta))})" if beta > 0 else ""
+    return f"{len(below)} of the {len(sizes)} sizes{knee}"
 
 
 def line_nearer_text(points: list[dict], time_of: dict, sizes: list[int]) -> str:
@@ -715,8 +760,9 @@ def print_model(summary: dict, w: int) -> None:
         "none: the fit pinned alpha at 0 (see the note above), so in the model the ring, with fewer bytes, is faster "
         "at every size" if summary["alpha_s"] <= 0 else
         "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
-    print(f"the model's crossover at more ranks, with this fit's alpha and beta (the model's prediction; this box "
-          f"cannot run them): {summary['more_ranks_crossover_text']}")
+    line = more_ranks_line(summary, w, os.cpu_count())
+    if line:
+        print(line)
     print(f"the one line against the two algorithms: {summary['line_nearer_text']}")
 
 
