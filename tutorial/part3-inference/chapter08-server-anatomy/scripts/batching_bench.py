@@ -14,7 +14,8 @@ What it shows
     collector held off while they run); the summary of each scheduler's fastest run (the least disturbed by
     other processes) is printed side by side: vLLM benchmark_serving's throughput, TTFT, TPOT and ITL numbers,
     the number of engine steps and how many sequences each held, with the better scheduler named in each row
-    ("tie" where the two values print the same; --vllm-layout prints the full blocks in vLLM's layout). A
+    only where every run of one beat every run of the other ("within noise" where the runs overlap, "tie"
+    where the two values print the same; --vllm-layout prints the full blocks in vLLM's layout). A
     figure shows how many sequences each step ran (static dashed, drawn over continuous), with a dotted line at
     the number of long answers in the workload.
     Every request must complete with exactly its max_tokens tokens, the greedy tokens must not depend on the
@@ -171,14 +172,16 @@ def run_mode(model, scheduling: str, workload: list[WorkItem], args: Settings) -
 
 def fastest_runs(model, workload: list[WorkItem], args: Settings) -> tuple[dict, dict]:
     """Each scheduler `repeats` times, alternating so that a slow spell of the machine hits both; returns the
-    fastest run of each and the durations of all runs."""
+    fastest run of each, and per scheduler every run's duration and scored metrics (the spread of the runs)."""
     runs: dict[str, list[dict]] = {"static": [], "continuous": []}
     with bench.steady_timing():  # no garbage-collector pause inside a run
         for _ in range(args.repeats):
             for mode in runs:
                 runs[mode].append(run_mode(model, mode, workload, args))
     best = {mode: min(rs, key=lambda r: r["duration"]) for mode, rs in runs.items()}
-    return best, {mode: [r["duration"] for r in rs] for mode, rs in runs.items()}
+    every = {mode: [{"duration_s": r["duration"], **{key: r["summary"][key] for key, _, better in ROWS if better}}
+                    for r in rs] for mode, rs in runs.items()}
+    return best, every
 
 
 # (key, label, which is better): the rows of the side-by-side table
@@ -193,9 +196,14 @@ ROWS = [("request_throughput", "request throughput (req/s)", "higher"),
 DECIMALS = 2  # the table prints every value with this many decimals, and judges the rows at that precision
 
 
-def comparison(results: dict) -> list[dict]:
-    """One row per metric; "better" names the scheduler that did better, "tie" when the two values print the
-    same, "-" for the rows that are listed but not scored."""
+NOISE = "within noise"
+
+
+def comparison(results: dict, runs: dict | None = None) -> list[dict]:
+    """One row per metric, the values of each scheduler's fastest run; "better" names the scheduler that did
+    better, "tie" when the two values print the same, NOISE when the runs of the two overlap (the lowest value
+    of one lies at or below the highest of the other: every run of a winner must beat every run of the other),
+    "-" for the rows that are listed but not scored. runs: {mode: [{metric: value} per run]}."""
     rows = []
     for key, label, better in ROWS:
         s, c = (results[m]["summary"].get(key, results[m].get(key)) for m in ("static", "continuous"))
@@ -204,18 +212,40 @@ def comparison(results: dict) -> list[dict]:
         elif f"{s:.{DECIMALS}f}" == f"{c:.{DECIMALS}f}":  # equal as printed: naming a winner would be noise
             winner = "tie"
         else:
-            winner = "continuous" if (c > s) == (better == "higher") else "static"
+            sv, cv = ([r[key] for r in runs[m]] if runs else [v] for m, v in (("static", s), ("continuous", c)))
+            if min(sv) <= max(cv) and min(cv) <= max(sv):  # the two ranges of runs overlap
+                winner = NOISE
+            else:
+                winner = "continuous" if (c > s) == (better == "higher") else "static"
         rows.append({"metric": key, "label": label, "static": s, "continuous": c, "better": winner})
     return rows
 
 
+def throughput_sentence(rows: list[dict], runs: dict) -> tuple[str, str]:
+    """The lesson's clause on continuous batching's output throughput, from the output throughput row and the
+    runs' range -> (the sentence, a short form for the Recap)."""
+    row = next(r for r in rows if r["metric"] == "output_throughput")
+    ratio = row["continuous"] / row["static"]
+    values = {m: [r["output_throughput"] for r in rs] for m, rs in runs.items()}
+    span = "; ".join(f"{m} {min(v):.0f} to {max(v):.0f}" for m, v in values.items())
+    head = f"its output throughput was {ratio:.2f}× the static one"
+    if row["better"] == "continuous":
+        return (f"{head}, higher in every run ({span} tok/s)", "higher throughput in every run")
+    if row["better"] == "static":
+        return (f"{head}, lower in every run ({span} tok/s)", "lower throughput in every run")
+    if row["better"] == "tie":
+        return f"{head}: a tie", "the same throughput"
+    return (f"{head} by the fastest runs, but that is {NOISE}: the runs of the two overlapped ({span} tok/s)",
+            f"throughput {NOISE}")
+
+
 def win_counts(rows: list[dict]) -> dict:
     """The scored rows each scheduler won, and the ties; static_won_sentence is the lesson's sentence on the
-    rows static batching won (a tie counts for neither)."""
+    rows static batching won (a tie or a row within noise counts for neither)."""
     def names(who: str) -> str:
         return ", ".join(r["label"] for r in rows if r["better"] == who) or "none"
     won = [r["label"].split(" (")[0] for r in rows if r["better"] == "static"]  # "mean TPOT (ms)" -> "mean TPOT"
-    scored = sum(r["better"] in ("static", "continuous", "tie") for r in rows)
+    scored = sum(r["better"] in ("static", "continuous", "tie", NOISE) for r in rows)
     if not won:
         sentence = f"static batching won none of the {scored} rows the script scores"
     else:
@@ -223,7 +253,7 @@ def win_counts(rows: list[dict]) -> dict:
         sentence = (f"static batching won {len(won)} of the {scored} rows the script scores: the {listed} "
                     f"row{'s' if len(won) > 1 else ''}")
     return {"continuous_wins": sum(r["better"] == "continuous" for r in rows),
-            "static_wins": len(won), "static_won": names("static"), "ties": names("tie"),
+            "static_wins": len(won), "static_won": names("static"), "ties": names("tie"), "noise": names(NOISE),
             "static_won_sentence": sentence}
 
 
@@ -248,13 +278,16 @@ def median_verdict(results: dict) -> str:
             f"(p99 {p99:.1f} ms)")
 
 
-def wait_verdict(results: dict) -> str:
-    """The lesson's sentence on the Poisson run, from the p99 TTFT row and the two runs' durations: did static
-    batching make arrivals wait, and did it fall behind the arrivals (a run that lasts longer)?"""
+def wait_verdict(results: dict, better: str | None = None) -> str:
+    """The lesson's sentence on the Poisson run, from the p99 TTFT row (better: its `better` column) and the two
+    runs' durations: did static batching make arrivals wait, and did it fall behind the arrivals (a run that
+    lasts longer)?"""
     s, c = results["static"], results["continuous"]
     ts, tc = s["summary"]["p99_ttft_ms"], c["summary"]["p99_ttft_ms"]
     if f"{ts:.{DECIMALS}f}" == f"{tc:.{DECIMALS}f}":
         ttft = "the p99 TTFT row is a tie"
+    elif better == NOISE:
+        ttft = f"the p99 TTFT row is {NOISE}: the runs of the two schedulers overlapped"
     elif ts > tc:
         ttft = (f"the p99 TTFT row shows static batching making arrivals wait ({ts / tc:.1f}× the continuous "
                 "p99): a request that arrives while a static batch runs waits for it to drain")
@@ -309,51 +342,62 @@ SEAT_DEMO = [(8, 3), (10, 8), (5, 2), (7, 4), (9, 3), (6, 5), (4, 2)]
 SEAT_DEMO_SEATS, SEAT_DEMO_BUDGET = 4, 12
 
 
-def seat_demo(model, scheduling: str) -> list[list[tuple[str, int]]]:
-    """Serve SEAT_DEMO (all at t = 0); per step, the scheduler's own (request id, tokens computed) list."""
+def seat_demo(model, scheduling: str) -> tuple[list[list[tuple[str, int]]], list[list[str]]]:
+    """Serve SEAT_DEMO (all at t = 0) -> per step, the scheduler's own (request id, tokens computed) list, and
+    the requests holding a seat in that step (its running list: static batching seats a whole batch at once,
+    also the members the step's token budget cannot serve yet)."""
     engine = Engine(model, config=EngineConfig(scheduling=scheduling, max_num_seqs=SEAT_DEMO_SEATS,
                                                max_num_batched_tokens=SEAT_DEMO_BUDGET))
     records = make_corpus(len(SEAT_DEMO), seed=0).splitlines()
     for i, (chars, n) in enumerate(SEAT_DEMO):
         engine.add_request(records[i][:chars], SamplingParams(max_tokens=n, ignore_eos=True), request_id=f"r{i}")
-    steps, schedule = [], engine.scheduler.schedule
+    steps, seated, schedule = [], [], engine.scheduler.schedule
 
     def recorded():
         out = schedule()
         steps.append([(s.request_id, n) for s, n in out.scheduled])
+        seated.append([s.request_id for s in engine.scheduler.running])
         return out
 
     engine.scheduler.schedule = recorded
     while engine.has_unfinished():
         engine.step()
-    return steps
+    return steps, seated
 
 
-def seat_cells(steps: list[list[tuple[str, int]]], seats: int, prompt_len: dict[str, int]) -> list[dict]:
-    """Give every request a seat (the lowest free one when it is first scheduled; it keeps it until it is last
-    scheduled): one cell per (step, seat) that computed tokens, a prefill chunk while the request's computed
-    tokens are still short of its prompt, a decode after."""
+def seat_cells(steps: list[list[tuple[str, int]]], seats: int, prompt_len: dict[str, int],
+               seated: list[list[str]] | None = None) -> list[dict]:
+    """Give every request a seat (the lowest free one when it is first seated, or else first scheduled; it keeps
+    it until it is last scheduled): one cell per (step, seat) that computed tokens, a prefill chunk while the
+    request's computed tokens are still short of its prompt, a decode after; and a "wait" cell (0 tokens) for a
+    request that holds its seat in a step that computes nothing for it."""
     last = {rid: i for i, step in enumerate(steps) for rid, _ in step}
     seat_of, done, cells = {}, dict.fromkeys(last, 0), []
     for i, step in enumerate(steps):
-        for rid, n in step:
+        computed = dict(step)
+        for rid in [*(seated[i] if seated else []), *computed]:
             if rid not in seat_of:
                 taken = {s for r, s in seat_of.items() if last[r] >= i}
                 seat_of[rid] = min(set(range(seats)) - taken)
+        for rid in seated[i] if seated else []:
+            if rid not in computed:
+                cells.append({"step": i, "seat": seat_of[rid], "request_id": rid, "tokens": 0, "kind": "wait"})
+        for rid, n in step:
             kind = "prefill" if done[rid] < prompt_len[rid] else "decode"
             cells.append({"step": i, "seat": seat_of[rid], "request_id": rid, "tokens": n, "kind": kind})
             done[rid] += n
     return cells
 
 
-def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
+def draw_seats(runs: dict[str, list], seated: dict[str, list], args: Settings) -> dict[str, list[dict]]:
     """Animation, one frame per engine step: the seats of both schedulers filled up to that step, one colour per
-    request, each prefill chunk labelled with its size. One image per panel, recoloured per frame (cheap)."""
+    request, each prefill chunk labelled with its size, a seat held by a request that computes nothing in that
+    step pale and labelled "wait". One image per panel, recoloured per frame (cheap)."""
     plt = plot.pyplot()
     from matplotlib.collections import PolyCollection
 
     prompt_len = {f"r{i}": chars + 1 for i, (chars, _) in enumerate(SEAT_DEMO)}  # + <bos>
-    cells = {mode: seat_cells(steps, SEAT_DEMO_SEATS, prompt_len) for mode, steps in runs.items()}
+    cells = {mode: seat_cells(steps, SEAT_DEMO_SEATS, prompt_len, seated[mode]) for mode, steps in runs.items()}
     frames = min(16, max(map(len, runs.values())))
     colour = {f"r{i}": np.array(plt.cm.tab10(i)[:3]) for i in range(len(SEAT_DEMO))}
     fig, axes = plt.subplots(2, 1, figsize=(9.0, 5.0))
@@ -362,9 +406,11 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
         images[mode] = ax.add_collection(PolyCollection(
             [[(x, y), (x + 1, y), (x + 1, y + 1), (x, y + 1)] for y in range(SEAT_DEMO_SEATS) for x in range(frames)],
             facecolors="white", edgecolors="white", linewidths=1))
-        labels[mode] = [(c, ax.text(c["step"] + 0.5, c["seat"] + 0.5, f"P{c['tokens']}", ha="center", va="center",
-                                    fontsize=11, color="white", weight="bold"))
-                        for c in cs if c["kind"] == "prefill" and c["step"] < frames]
+        labels[mode] = [(c, ax.text(c["step"] + 0.5, c["seat"] + 0.5,
+                                    f"P{c['tokens']}" if c["kind"] == "prefill" else "wait", ha="center",
+                                    va="center", fontsize=11 if c["kind"] == "prefill" else 9,
+                                    color="white" if c["kind"] == "prefill" else "0.3", weight="bold"))
+                        for c in cs if c["kind"] in ("prefill", "wait") and c["step"] < frames]
         ax.set(yticks=[k + 0.5 for k in range(SEAT_DEMO_SEATS)], xticks=range(frames + 1),
                yticklabels=[f"seat {k}" for k in range(SEAT_DEMO_SEATS)])
         ax.set(xlim=(0, frames), ylim=(SEAT_DEMO_SEATS, 0))
@@ -374,8 +420,8 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
         titles[mode] = ax.set_title(f"{mode}: step {frames}, {SEAT_DEMO_BUDGET} of {SEAT_DEMO_BUDGET} tokens in the "
                                     "flat batch", fontsize=12)
     axes[0].tick_params(labelbottom=False)
-    axes[1].set_xlabel("engine step   (Pn: n prompt tokens prefilled in this step;  plain: one decode token)",
-                       fontsize=11)
+    axes[1].set_xlabel("engine step  (Pn: n prompt tokens prefilled;  plain: one decode token;  "
+                       "wait: seated, computes nothing)", fontsize=10)
     from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color=colour[r], label=f"request {r}") for r in colour], loc="center right",
                fontsize=11, frameon=False)
@@ -387,11 +433,12 @@ def draw_seats(runs: dict[str, list], args: Settings) -> dict[str, list[dict]]:
             for c in cs:
                 if c["step"] <= f and c["step"] < frames:
                     faded = 1.0 if c["step"] == f else 0.45  # the current step in full colour
+                    faded *= 0.3 if c["kind"] == "wait" else 1.0  # a seat held, nothing computed: pale
                     img[c["seat"], c["step"]] = 1 - faded * (1 - colour[c["request_id"]])
             images[mode].set_facecolors(img.reshape(-1, 3))
             for c, text in labels[mode]:
                 text.set_visible(c["step"] <= f)
-            used = sum(c["tokens"] for c in cs if c["step"] == f)
+            used = sum(c["tokens"] for c in cs if c["step"] == f)  # a wait cell adds 0
             titles[mode].set_text(f"{mode}: step {f}, {used} of {SEAT_DEMO_BUDGET} tokens in the flat batch"
                                   if f < len(runs[mode]) else f"{mode}: finished after {len(runs[mode])} steps")
 
@@ -409,8 +456,9 @@ def main() -> None:
     model = load_pretrained("small")
     seats, seat_cells_drawn = {}, {}
     if not math.isfinite(args.request_rate):  # the seats picture is drawn once, with the default (saturated) run
-        seats = {mode: seat_demo(model, mode) for mode in ("static", "continuous")}
-        seat_cells_drawn = draw_seats(seats, args)
+        demo = {mode: seat_demo(model, mode) for mode in ("static", "continuous")}
+        seats = {mode: steps for mode, (steps, _) in demo.items()}
+        seat_cells_drawn = draw_seats(seats, {mode: held for mode, (_, held) in demo.items()}, args)
         print(f"seats demo: {len(SEAT_DEMO)} requests, {SEAT_DEMO_SEATS} seats, {SEAT_DEMO_BUDGET} tokens per step: "
               f"static {len(seats['static'])} steps, continuous {len(seats['continuous'])} steps\n")
     workload = make_workload(args)
@@ -421,8 +469,9 @@ def main() -> None:
         f" ({len(workload) - n_long}) or {args.long_min}-{args.long_max} ({n_long})" if n_long else "")
     print(f"workload: {len(workload)} requests {arrivals}, "
           f"prompts {args.prompt_min}-{args.prompt_max} chars, {answers}; {args.max_num_seqs} seats\n")
-    results, durations = fastest_runs(model, workload, args)
-    rows = comparison(results)
+    results, every = fastest_runs(model, workload, args)
+    durations = {mode: [r["duration_s"] for r in rs] for mode, rs in every.items()}
+    rows = comparison(results, every)
     if args.vllm_layout:
         for mode, r in results.items():
             print(format_summary(r["summary"], title=f"{mode} batching") + "\n")
@@ -431,6 +480,8 @@ def main() -> None:
           + f"), {bench.load_average()}")
     print(report.table([{"": r["label"], "static": r["static"], "continuous": r["continuous"], "better": r["better"]}
                         for r in rows], floatfmt=f".{DECIMALS}f"))
+    print(f"better: the scheduler whose every run beat every run of the other; {NOISE}: their runs overlapped; "
+          "tie: the values print the same")
     same = sum(results["static"]["finals"][w.request_id].token_ids == results["continuous"]["finals"][
         w.request_id].token_ids for w in workload)
     report.expect_equal("greedy outputs identical under both schedulers", same, len(workload))
@@ -438,17 +489,19 @@ def main() -> None:
     ratio = c["summary"]["output_throughput"] / s["summary"]["output_throughput"]
     steps_ratio = s["num_steps"] / c["num_steps"]
     print(f"\ngreedy outputs identical under both schedulers: {same}/{len(workload)}")
-    print(f"continuous / static output throughput: {ratio:.2f}x; static / continuous engine steps: {steps_ratio:.2f}x")
+    gain, gain_short = throughput_sentence(rows, every)
+    print(f"continuous batching: {gain}; static / continuous engine steps: {steps_ratio:.2f}x")
     print(f"first step: static ran {s['first_step_seqs']} sequences, continuous {c['first_step_seqs']} "
           f"(token budget {args.max_num_batched_tokens} per step, {args.max_num_seqs} seats)")
     draw(results, args, n_long)
     if args.json:
         out = {mode: {**r["summary"], "num_steps": r["num_steps"], "mean_seqs_per_step": r["mean_seqs_per_step"],
-                      "first_step_seqs": r["first_step_seqs"], "durations_s": durations[mode]}
+                      "first_step_seqs": r["first_step_seqs"], "durations_s": durations[mode], "runs": every[mode]}
                for mode, r in results.items()}
         span = workload[-1].arrival
         out.update(rows=rows, better={r["metric"]: r["better"] for r in rows}, **win_counts(rows),
-                   wait_verdict=wait_verdict(results), median_verdict=median_verdict(results),
+                   wait_verdict=wait_verdict(results, next(r["better"] for r in rows if r["metric"] == "p99_ttft_ms")),
+                   median_verdict=median_verdict(results), throughput_sentence=gain, throughput_short=gain_short,
                    compared_rows=sum(better is not None for *_, better in ROWS),
                    throughput_ratio=ratio, steps_ratio=steps_ratio,
                    fewer_steps="continuous" if c["num_steps"] < s["num_steps"] else "static",

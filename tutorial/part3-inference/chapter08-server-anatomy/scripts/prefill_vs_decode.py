@@ -171,15 +171,29 @@ def decode_time(engine: Engine, prompts: list[list[int]], reps: int) -> dict:
 
 def doubling_verdict(prev: dict, last: dict) -> str:
     """The step from batch prev to batch last in words: how much step time it took (best and median ratio) and
-    whether tokens per second rose. When the two ratios differ by 2x or more, or disagree on the direction, the
-    timings are too noisy at this load to give a direction, and the sentence says so instead."""
+    whether tokens per second rose, which they do when the step time grew by less than the batch (k times the
+    sequences). When the best and the median ratio fall on different sides of k, the run cannot tell whether the
+    larger batch paid off, and the sentence says so instead."""
     k = last["batch"] / prev["batch"]
     best, median = last["ms"] / prev["ms"], last["median_ms"] / prev["median_ms"]
-    if max(best, median) >= 2 * min(best, median) or (best < k) != (median < k):
+    if (best < k) != (median < k):
         return (f"took {best:.2f}x the step time of B={prev['batch']} by the fastest repetitions but {median:.2f}x by "
-                "the medians: at this load the step is within noise, and the run shows no direction for it")
+                f"the medians, one below and one above {k:g}x: at this load the run cannot tell whether the larger "
+                "batch paid off in tokens per second")
     return (f"took {best:.2f}x the step time of B={prev['batch']} (medians: {median:.2f}x), so tokens per second "
             f"{'rose' if best < k else 'fell'} at the largest batch")
+
+
+def intensity_growth(decode: list[dict], weights_mib: float) -> dict:
+    """What the formula says about the decode rows' intensity, B f / (W + B k) for B sequences of f FLOPs and k KV
+    bytes each over W bytes of weights: B times one sequence's only while B k is small next to W. -> the
+    growth from the first row to the last, the batch ratio, one sequence's KV bytes as a share of the weights,
+    and the batch whose KV cache weighs as much as the weights (W / k)."""
+    first, last = decode[0], decode[-1]
+    kv_share = first["kv_mib"] / first["batch"] / weights_mib
+    return {"decode_intensity_growth": last["intensity"] / first["intensity"],
+            "decode_batch_growth": last["batch"] / first["batch"],
+            "kv_share_per_seq": kv_share, "kv_equals_weights_batch": 1 / kv_share}
 
 
 def machine_peaks(n: int = 1024, mib: int = 256) -> tuple[float, float]:
@@ -286,6 +300,11 @@ def main() -> None:
     print(f"decode tokens/s: B=1 {d_first['tokens_per_s']:.0f}, B={d_last['batch']} {d_last['tokens_per_s']:.0f} "
           f"({d_last['tokens_per_s'] / d_first['tokens_per_s']:.1f}x from batching); the most at B={peak['batch']} "
           f"({peak['tokens_per_s']:.0f})")
+    g = intensity_growth(decode, n_params * 4 / 2**20)
+    print(f"decode intensity: {g['decode_intensity_growth']:.1f}x from B={d_first['batch']} to B={d_last['batch']} "
+          f"({g['decode_batch_growth']:g}x the sequences): one sequence's KV cache is {g['kv_share_per_seq']:.0%} "
+          f"of the weights' bytes, so about {g['kv_equals_weights_batch']:.0f} sequences' caches weigh as much as "
+          "the weights")
     if len(decode) > 1:
         print(f"last step, B={before_last['batch']} to B={d_last['batch']}: {doubling_verdict(before_last, d_last)}")
     if peak is not d_last:
@@ -320,6 +339,7 @@ def main() -> None:
                                       "last_doubling": doubling_verdict(before_last, d_last),
                                       "decode_range_word": "cheaper" if d_last["tokens_per_s"] > d_first[
                                           "tokens_per_s"] else "no cheaper",
+                                      **intensity_growth(decode, n_params * 4 / 2**20),
                                       "load_average": bench.load_average()}, args)
 
 

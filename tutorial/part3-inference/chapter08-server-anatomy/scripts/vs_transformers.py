@@ -14,13 +14,16 @@ What it shows
          transformers  generate(use_cache=True), the whole batch at once
          mlsys.model   the book's own generate loop (contiguous KV cache, no scheduler)
          mlsys.engine  Engine.generate (scheduler, paged KV cache, sampling, detokenization every step)
-       each the best and the median of --reps runs after a warm-up, with the garbage collector held off, and
-       the ratios engine / transformers and engine / mlsys.model, each with a verdict measured against the
-       spread of that pair's own runs (how far the higher of the two medians sits above its best; a third
-       implementation's noise does not blur the pair); for engine / transformers whether it reached the speed
-       goal of 1x in this run (a target for the engine's per-step overhead, not a check: a static batch gives
-       the engine nothing to gain, so below 1x means its scheduler, block tables and detokenizer cost more per
-       step than transformers' loop on this tiny model). Timings never fail the run; a token mismatch does (exit 1).
+       each the best and the median of --reps rounds after a warm-up round (a round runs all three once, so
+       a slow spell of the machine hits all three), with the garbage collector held off, and the ratios
+       engine / transformers and engine / mlsys.model, each with a verdict from that pair's own runs: faster or
+       slower only when one's median run beat the other's best (the runs do not overlap), "about equal" when
+       they overlap and the best runs lie within 10% of each other, "undecided" when they overlap with a
+       larger gap (a third implementation's noise does not blur the pair); for engine / transformers whether it
+       reached the speed goal of 1x in this run (a target for the engine's per-step overhead, not a check: a
+       static batch gives the engine's machinery nothing to do, so below 1x means its scheduler, block tables and
+       detokenizer cost more per step than transformers' loop on this tiny model). Timings never fail the run;
+       a token mismatch does (exit 1).
     Prompts in a batch have equal length, so transformers needs no padding (left-padding changes positions
     and would make the comparison about padding rather than about the engine). They are the starts of records
     of the book's corpus, in the book's tokenizer, for both models (the Llama model has the same 47 ids).
@@ -44,6 +47,7 @@ Try next
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 import typing
@@ -147,20 +151,45 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def compare(ratio: float, spread: float) -> str:
-    """A verdict on ratio = engine tokens/s over another's: a gap within the runs' spread decides nothing."""
-    if abs(ratio - 1) <= spread:
-        return "about equal: the gap is smaller than the spread of the runs"
-    return f"the engine is {'faster' if ratio > 1 else 'slower'} by more than the spread of the runs"
+NEAR = 0.10  # best runs within 10% of each other: close enough to call "about equal" when the runs overlap
+
+
+def compare(engine: dict[str, float], other: dict[str, float], repeats: int) -> str:
+    """A verdict on the engine against another implementation, from each one's {"best_s", "median_s"}. One is
+    faster only when its typical (median) run beat the other's fastest: their runs do not overlap. Runs that
+    overlap are "about equal" when the best runs lie within NEAR of each other, and undecided otherwise."""
+    if repeats < 3:
+        return "undecided: too few runs to measure their spread"
+    if engine["median_s"] < other["best_s"]:
+        return "the engine is faster by more than the spread of the runs"
+    if other["median_s"] < engine["best_s"]:
+        return "the engine is slower by more than the spread of the runs"
+    if abs(other["best_s"] / engine["best_s"] - 1) <= NEAR:
+        return f"about equal: the runs overlap and the best ones lie within {NEAR:.0%} of each other"
+    return "undecided: the runs overlap, so at this load the gap is noise"
 
 
 def pair_verdict(times: dict[str, dict[str, float]], other: str) -> tuple[float, float, str]:
-    """Engine against `other` from {name: {"best_s", "median_s"}} -> (ratio of tokens/s by the best runs, the
-    spread of these two implementations' runs (how far the higher of their medians sits above its best), the
-    verdict). A third implementation's noisy runs say nothing about this pair, so they are left out."""
-    ratio = times[other]["best_s"] / times["mlsys.engine"]["best_s"]
+    """Engine against `other` from {name: {"best_s", "median_s", "repeats"}} -> (ratio of tokens/s by the best
+    runs, the spread of these two implementations' runs (how far the higher of their medians sits above its
+    best), the verdict). A third implementation's noisy runs say nothing about this pair, so they are left out."""
+    engine = times["mlsys.engine"]
+    ratio = times[other]["best_s"] / engine["best_s"]
     spread = max(times[name]["median_s"] / times[name]["best_s"] for name in (other, "mlsys.engine")) - 1
-    return ratio, spread, compare(ratio, spread)
+    return ratio, spread, compare(engine, times[other], int(engine.get("repeats", 3)))
+
+
+def interleaved(runs: dict[str, typing.Callable[[], object]], reps: int) -> dict[str, dict[str, float]]:
+    """One warm-up round, then `reps` rounds that run every implementation once each: a slow spell of the machine
+    hits all of them, not only the one that happened to be running. -> {name: best_s, median_s, repeats}."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            times[name].append(timed(fn))
+    return {name: {"best_s": min(ts), "median_s": statistics.median(ts), "repeats": len(ts)}
+            for name, ts in times.items()}
 
 
 def main() -> None:
@@ -197,11 +226,11 @@ def main() -> None:
             "mlsys.model.generate": lambda: generate(model, prompts, n),
             "mlsys.engine": lambda: engine_greedy(engine, prompts, n)}
     with bench.steady_timing():
-        times = {name: bench.best_of(lambda fn=fn: timed(fn), args.reps) for name, fn in runs.items()}
+        times = interleaved(runs, args.reps)
     tokens = args.batch_size * n
     rows = [{"implementation": name, "best_s": t["best_s"], "median_s": t["median_s"],
              "output_tokens_per_s": tokens / t["best_s"]} for name, t in times.items()]
-    print(f"\nbest and median of {args.reps} runs each, {bench.load_average()}")
+    print(f"\nbest and median of {args.reps} rounds (each runs all three once), {bench.load_average()}")
     print(report.table(rows, floatfmt=".4g"))
     vs_hf, hf_spread, hf_verdict = pair_verdict(times, "transformers generate")
     vs_plain, plain_spread, verdict = pair_verdict(times, "mlsys.model.generate")
