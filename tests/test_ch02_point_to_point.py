@@ -522,6 +522,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.long  # two world sizes with a delayed rank, about 15 s: make sweep (and CI) run it
 @pytest.mark.timeout(120)
 def test_a_rank_that_leaves_a_scenario_late_does_not_break_the_next(tmp_path) -> None:
     """On a loaded machine (the sweep's, in CI) one rank can reach a scenario well after the others: at W=2 rank 1

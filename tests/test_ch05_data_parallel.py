@@ -259,6 +259,7 @@ PROFILER_LINES = ("profiled one more overlapped step", "bucket launches in that 
                   "timed from the training thread", "what most kept the all-reduces", "figure:")
 
 
+@pytest.mark.long  # a full 2-rank training run, about 14 s: make sweep (and CI) run it
 @pytest.mark.timeout(120)
 def test_no_profile_prints_the_tables_without_the_profiled_step() -> None:
     """The lesson's opening run (--no-profile) shows only the tables, bytes and self-check; the default run adds
@@ -274,6 +275,7 @@ def test_no_profile_prints_the_tables_without_the_profiled_step() -> None:
     assert bad.returncode == 2, bad.stdout + bad.stderr
 
 
+@pytest.mark.long  # a profiled 2-rank run, about 14 s: make sweep (and CI) run it
 @pytest.mark.timeout(120)
 def test_no_tables_prints_the_profiled_step_without_the_tables() -> None:
     """The lesson's second run (--no-tables) shows the tables of the first one no second time: only the ideal model

@@ -388,6 +388,7 @@ def test_actor_gradient_matches_a_hand_policy_gradient() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long  # a PPO learning run on a second environment, about 15 s: make sweep (and CI) run it
 @pytest.mark.timeout(120)
 def test_ppo_takes_any_classic_control_env_with_discrete_actions(tmp_path_factory) -> None:
     """--env-id (cleanrl's flag): the network as built (the script records each Linear layer of the agent it

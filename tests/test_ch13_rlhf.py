@@ -346,6 +346,7 @@ def test_short_grpo_run_raises_mean_reward() -> None:
     _check_run(history, cfg, models, engine)
 
 
+@pytest.mark.long  # two trainings, about 10 s: make sweep (and CI) run it
 def test_reward_model_weights_do_not_depend_on_the_callers_thread_count() -> None:
     """scripts/train_weights.py (torch's default threads: 2 on a 2-core machine) and reward_model.py (one thread)
     write the same checkpoint; trained under different thread counts they once differed, and PPO's results with
