@@ -28,7 +28,7 @@ How to run
 Prints each part as soon as it is done: the merge example, the equality and bytes table, the work per rank and
 the memory-vs-length table; draws .cache/figures/context_parallel/memory.png, balance.png, ring.gif,
 ring_strip.png and ulysses.png.
-Runtime on 2 cores: about 30 s idle, nearly 2 minutes under load (the memory measurement); --smoke about 3 s.
+Runtime on 2 cores: about 50 s idle, 2 minutes or more under load (the memory measurement); --smoke about 3 s.
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
