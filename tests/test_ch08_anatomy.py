@@ -387,6 +387,54 @@ def test_seats_animation_against_a_plain_scheduler(small_model):
     assert num_steps["continuous"] < num_steps["static"] <= 16
 
 
+@pytest.mark.parametrize("times_ms", [
+    [1.0, 1.5, 2.0, 3.0],  # tokens/s still rising at the longest length (a reader's run: the peak was L = 240)
+    [1.0, 1.2, 3.0, 9.0],  # the peak in the middle, the longest well below it
+    [0.2, 1.0, 3.0, 9.0],  # the peak at the shortest length
+    [1.0, 2.0, 4.0, 8.0],  # a tie all along: the first of equals is the peak
+    [1.0],  # one length only
+])
+def test_prefill_peak_sentence_says_middle_only_strictly_inside(pvd, times_ms):
+    """The sentence after "the most at" calls the peak a middle length only when it lies strictly between the
+    shortest and the longest length measured, and never compares the longest length with itself (a reader's run
+    printed "a middle length: ... at L = 240, and 1.00x that at L = 240", with 240 the longest)."""
+    lens = [8, 16, 32, 64][: len(times_ms)]
+    rows = [dict(prompt_len=n, ms=t, tokens_per_s=n / t * 1e3) for n, t in zip(lens, times_ms)]
+    rate = np.array(lens) / np.array(times_ms)
+    peak, last = int(np.argmax(rate)), len(lens) - 1
+    sentence = pvd.prefill_peak_sentence(rows)
+    assert ("a middle length" in sentence) == (0 < peak < last)
+    assert ("longest length measured" in sentence) == (peak == last > 0)
+    assert ("shortest length measured" in sentence) == (peak == 0 < last)
+    assert sentence.count(f"L = {lens[-1]}") == 1  # the longest length is named once: never set against itself
+    assert f"L = {lens[peak]} (" in sentence
+    if peak < last:
+        assert sentence.endswith(f"got {rate[-1] / rate[peak]:.2f}x that")
+    else:
+        assert "x that" not in sentence
+
+
+def test_roofline_places_each_step_under_the_lower_limit(pvd, monkeypatch, tmp_path):
+    """roofline.png: the roof is min(peak, bandwidth x intensity), bent at peak / bandwidth, and every step sits on
+    it at its intensity, recomputed here from the two limits."""
+    saved = []
+    monkeypatch.setattr(pvd.plot, "save", lambda fig, args, name: saved.append((fig, name)) or tmp_path / name)
+    prefill = [dict(prompt_len=n, intensity=i) for n, i in [(8, 2.0), (64, 30.0), (240, 90.0)]]
+    decode = [dict(batch=b, intensity=i) for b, i in [(1, 0.5), (64, 5.0)]]
+    peak, bandwidth = 40e9, 2e9  # ridge at 20 FLOPs per byte
+    pvd.draw_roofline(prefill, decode, peak, bandwidth, None)
+    (fig, name), = saved
+    ax = fig.axes[0]
+    roof, ridge, prefill_dots, decode_dots = ax.get_lines()
+    assert name == "roofline" and list(ridge.get_xdata()) == [20.0, 20.0]
+    x, y = roof.get_xdata(), roof.get_ydata()
+    assert list(x) == [0.25, 20.0, 180.0] and list(y) == pytest.approx([0.5, 40.0, 40.0])  # GFLOP/s
+    for dots, rows in ((prefill_dots, prefill), (decode_dots, decode)):
+        want = [min(40.0, 2.0 * r["intensity"]) for r in rows]
+        assert list(dots.get_xdata()) == [r["intensity"] for r in rows]
+        assert list(dots.get_ydata()) == pytest.approx(want)
+
+
 def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
     """The lesson quotes prefill_medians_agree (does the prefill peak sit at the same prompt length by the median
     times as by the best ones?) and decode_range_word (is a token at the largest batch cheaper than at B = 1?):
@@ -402,6 +450,10 @@ def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
         assert text == "the medians peak at the same length"
     else:
         assert text.startswith(f"the medians peak at L = {by_median} instead")
+    rates = [r["prompt_len"] / r["ms"] for r in prefill]
+    peak = rates.index(max(rates))
+    assert ("a middle length" in res["prefill_peak_sentence"]) == (0 < peak < len(rates) - 1)
+    assert res["prefill_peak_sentence"].count(f"L = {prefill[-1]['prompt_len']}") == 1
     cheaper = decode[-1]["batch"] / decode[-1]["ms"] > decode[0]["batch"] / decode[0]["ms"]
     assert res["decode_range_word"] == ("cheaper" if cheaper else "no cheaper")
     # the intensity bullet: growth over the decode rows, and the formula B (W + k) / (W + B k) it quotes

@@ -7,7 +7,8 @@ What it shows
        which all B sequences decode: their prefills run first, in one step): the weights are read once per step
        and shared by the B tokens, and every sequence reads its whole KV cache (the kv_mib column).
     3. Arithmetic intensity (FLOPs per byte moved) of every step next to this machine's measured ridge point
-       (peak matmul FLOP/s divided by copy bandwidth): above it a step is compute-bound, below memory-bound.
+       (peak matmul FLOP/s divided by copy bandwidth): above it a step is compute-bound, below memory-bound;
+       roofline.png draws the two limits with every step placed on them.
     Every time is the forward pass of a step as the engine records it, best and median of --reps after a
     warm-up, with the garbage collector held off; the load average is printed beside them.
     The FLOP formula (2 per weight per token, plus the causal attention pairs, L(L+1)/2 for a prefill of L,
@@ -184,6 +185,21 @@ def doubling_verdict(prev: dict, last: dict) -> str:
             f"{'rose' if best < k else 'fell'} at the largest batch")
 
 
+def prefill_peak_sentence(prefill: list[dict]) -> str:
+    """Where the prefill's tokens per second peaked, by the fastest repetitions, to follow "the most at": "a middle
+    length" only when the peak lies strictly between the shortest and the longest length measured, and the
+    longest length compared with the peak only when it is not the peak itself."""
+    i = max(range(len(prefill)), key=lambda j: prefill[j]["tokens_per_s"])
+    peak, last, n = prefill[i], prefill[-1], len(prefill)
+    where = ("the only length measured" if n == 1 else "the longest length measured" if i == n - 1 else
+             "the shortest length measured" if i == 0 else "a middle length")
+    text = f"{where}, L = {peak['prompt_len']} ({peak['tokens_per_s']:,.0f} tokens per second)"
+    if i < n - 1:
+        ratio = last["tokens_per_s"] / peak["tokens_per_s"]
+        text += f", and the longest, L = {last['prompt_len']}, got {ratio:.2f}x that"
+    return text
+
+
 def intensity_growth(decode: list[dict], weights_mib: float) -> dict:
     """What the formula says about the decode rows' intensity, B f / (W + B k) for B sequences of f FLOPs and k KV
     bytes each over W bytes of weights: B times one sequence's only while B k is small next to W. -> the
@@ -235,6 +251,27 @@ def draw(prefill: list[dict], decode: list[dict], ridge: float, args: Settings) 
     axes[2].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)  # outside: the points stay visible
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'prefill_vs_decode')}")
+
+
+def draw_roofline(prefill: list[dict], decode: list[dict], flops_peak: float, bw_peak: float, args: Settings) -> None:
+    """This CPU's roofline: attainable FLOP/s = min(peak, bandwidth x intensity), bent at the ridge. Each measured
+    step sits on it at its counted intensity: where the bound puts it, not its timed speed."""
+    plt = plot.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    roof = lambda i: min(flops_peak, bw_peak * i) / 1e9  # GFLOP/s
+    ridge, xs = flops_peak / bw_peak, [r["intensity"] for r in prefill + decode]
+    ends = [min(xs + [ridge]) / 2, ridge, max(xs + [ridge]) * 2]  # the roof is two straight lines on log axes
+    ax.loglog(ends, [roof(i) for i in ends], "k-", lw=1.5, label="roof: min(peak, bandwidth × intensity)")
+    ax.axvline(ridge, color="k", ls="--", lw=1, label=f"ridge point ({ridge:.1f} FLOPs/byte)")
+    for x, text, ha in ((ridge / 1.2, "← memory-bound", "right"), (ridge * 1.2, "compute-bound →", "left")):
+        ax.text(x, 0.55, text, ha=ha, fontsize=9, transform=ax.get_xaxis_transform())
+    for rows, name in ((prefill, "prefill steps (growing L)"), (decode, "decode steps (growing B)")):
+        ax.plot([r["intensity"] for r in rows], [roof(r["intensity"]) for r in rows], "o", label=name)
+    ax.set(xlabel="arithmetic intensity (FLOPs per byte moved)", ylabel="attainable GFLOP/s",
+           title="the roofline of this CPU")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'roofline')}")
 
 
 def main() -> None:
@@ -291,9 +328,7 @@ def main() -> None:
                           f"at none of the lengths measured, up to L = {p_last['prompt_len']}")
     print(f"prefill of {p_last['prompt_len']} tokens: {p_last['intensity']:.0f} FLOPs/byte, "
           f"{bound(p_last['intensity'])}; prefills are compute-bound {compute_bound_from}")
-    print(f"prefill tokens/s: the most at L={p_peak['prompt_len']} ({p_peak['tokens_per_s']:.0f}); "
-          f"L={p_last['prompt_len']} {p_last['tokens_per_s']:.0f} "
-          f"({p_last['tokens_per_s'] / p_peak['tokens_per_s']:.2f}x the most), by the fastest repetitions; "
+    print(f"prefill tokens/s, by the fastest repetitions: the most at {prefill_peak_sentence(prefill)}; "
           f"{medians_agree}")
     print(f"decode at B=1: {d_first['intensity']:.2f} FLOPs/byte, {bound(d_first['intensity'])}; "
           f"B={d_last['batch']}: {d_last['intensity']:.1f}, {bound(d_last['intensity'])}")
@@ -318,6 +353,7 @@ def main() -> None:
           " so the measured times show per-step overhead more than DRAM traffic; the intensities are the"
           " arithmetic that decides the bound on a GPU-sized model")
     draw(prefill, decode, ridge, args)
+    draw_roofline(prefill, decode, flops_peak, bw_peak, args)
     if args.json:
         report.write_json(args.json, {"num_params": n_params, "weights_mib": n_params * 4 / 2**20,
                                       "peak_gflop_per_s": flops_peak / 1e9, "copy_gb_per_s": bw_peak / 1e9,
@@ -325,6 +361,7 @@ def main() -> None:
                                       "prefill_peak_len": p_peak["prompt_len"],
                                       "prefill_compute_bound_from": compute_bound_from,
                                       "prefill_peak_tokens_per_s": p_peak["tokens_per_s"],
+                                      "prefill_peak_sentence": prefill_peak_sentence(prefill),
                                       "prefill_median_peak_len": p_peak_med["prompt_len"],
                                       "prefill_medians_agree": medians_agree,
                                       "prefill_last_vs_peak": p_last["tokens_per_s"] / p_peak["tokens_per_s"],
