@@ -55,9 +55,10 @@ def tokens(engine: Engine, prompts, params) -> list[list[int]]:
 def test_breakdown_sums_to_step_total(tiny: GPT) -> None:
     engine = decode_engine(tiny, 4, prompt_len=10, max_tokens=12)
     rows = time_decode_steps(engine, 8)
-    for r in rows:  # every step: the stages cover the step, up to the counter updates after them
+    for r in rows:  # every step: the stages lie inside the step; what is left, the counter updates after them, is
+        # bounded above on the median only (one step can be preempted there on a loaded machine)
         assert r["num_seqs"] == 4 and r["num_batched_tokens"] == 4
-        assert sum(r[s] for s in STAGES) <= r["total"] <= sum(r[s] for s in STAGES) + 1e-3
+        assert sum(r[s] for s in STAGES) <= r["total"]
     mean = mean_breakdown(rows)
     assert mean["other"] == pytest.approx(mean["total"] - sum(mean[s] for s in STAGES))
     assert 0 <= mean["median_other"] < 0.05 * mean["total"] + 1e-4
@@ -391,6 +392,27 @@ def test_window_text_flags_a_step_slow_against_its_own_window() -> None:
     assert not bad["window_clean"] and "plain step 1 took 4.8x the others in its window" in bad["window_text"]
     good = mod.timeline_summary({"plain": even, "overlap": even})
     assert good["window_clean"] and good["window_text"].startswith("both drawn windows are clean")
+    assert bad["window_short"].startswith("not clean") and good["window_short"].startswith("clean")
+
+
+@pytest.mark.parametrize("notes", [("", "", "", ""), ("", "noise", "", "noise"), ("noise", "", "noise", "noise"),
+                                   ("noise",) * 4])
+def test_speedup_words_leave_out_the_rows_marked_noise(notes) -> None:
+    """The lesson quotes Table 2's speed-up range from the rows not marked noise (the reader's run quoted a
+    1.71x marked noise as the top of the range). Hand-made rows; the range is worked out here."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    rows = [{"B": b, "speed-up": v, "note": n} for b, v, n in zip((1, 8, 32, 64), (0.59, 1.05, 1.71, 0.9), notes)]
+    kept = [(r["speed-up"], r["B"]) for r in rows if not r["note"]]
+    text = mod.speedup_words(rows)
+    if not kept:
+        assert text.startswith("every row is marked noise")
+    elif len(kept) == 1:
+        assert f"only the B = {kept[0][1]} row" in text and f"{kept[0][0]:.2f}x" in text
+    else:
+        assert f"from {min(kept)[0]:.2f}x (B = {min(kept)[1]}) to {max(kept)[0]:.2f}x (B = {max(kept)[1]})" in text
+        left = len(rows) - len(kept)
+        assert (f"({left} row" in text) == (left > 0)
+    assert "1.71x" not in text or "" == notes[2]  # the old rule (every row) quoted the noisy 1.71x
 
 
 def _line_3_problems(line: str, counted: int, drawn: int) -> list[str]:
@@ -434,6 +456,8 @@ def test_line_3_words_the_overlapped_forward_by_the_counted_overlap(serial: int)
     summ = mod.timeline_summary(tl)
     line = mod.timeline_line(summ, 8, 4, 24)
     assert summ["serial_steps"] == counted and _line_3_problems(line, counted, 4) == []
+    met = 4 - counted  # the lesson's short count under the pictures: the steps that did overlap
+    assert summ["overlap_short"].startswith("none of the 4" if met == 0 else f"{met} of the 4")
     # the old wording planted: it said the main thread scheduled beside the forward whatever the count, which is
     # wrong as soon as one step did not overlap
     old = (f"its forward {summ['overlap_forward_ms']:.2f} ms while the main thread scheduled the next step beside "
@@ -577,7 +601,8 @@ def test_figure_points_counts_the_gaps_above_the_plateau_by_hand() -> None:
     emitted = [[("short-0", 1), ("short-1", 1)] for _ in fast]
     chunk = [("long-0", 10, "prefill"), ("short-0", 1, "decode")]
     plain = [("short-0", 1, "decode")]
-    schedule = [chunk if k in (2, 3, 6) else plain for k in range(len(fast))]
+    long_decode = [("long-0", 1, "decode"), ("short-0", 1, "decode")]  # a long prompt decoding: no prefill, no ring
+    schedule = [chunk if k in (2, 3, 6) else long_decode if k == 5 else plain for k in range(len(fast))]
 
     def run(ms, sched):
         return SimpleNamespace(budget=32, durations=[t / 1e3 for t in ms], emitted=emitted, schedule=sched)
@@ -587,6 +612,9 @@ def test_figure_points_counts_the_gaps_above_the_plateau_by_hand() -> None:
     assert got["plateau_ms"] == pytest.approx(3.0) and got["max_ms"] == pytest.approx(9.0)
     none = mod.figure_points([run(fast, [plain] * len(fast))])
     assert none["plateau_ms"] == pytest.approx(1.0)
+    # itl.png's rings: the gaps ending with steps 2, 3 and 6 (gap k ends with step k + 1), nothing else
+    gaps, ringed = mod.drawn_gaps([run(slow, schedule), run(fast, schedule)])
+    assert list(gaps) == pytest.approx([1, 3, 3, 1, 1, 9, 1]) and list(ringed) == [k + 1 in (2, 3, 6) for k in range(7)]
     assert (none["above"], none["above_text"]) == (3, "3 points lie")  # the 3, 3 and 9 ms gaps: 3 > 2 too
 
 

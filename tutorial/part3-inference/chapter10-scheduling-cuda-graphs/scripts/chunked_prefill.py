@@ -181,17 +181,23 @@ def summary(runs: list[Run]) -> dict:
 # --8<-- [end:clock]
 
 
-def figure_points(runs: list[Run], factor: float = 2.0) -> dict:
-    """The drawn request's (short-0's) gaps under one budget, on the same clock as summary(): the plateau is the
-    median gap of the steps that carried a long prompt's chunk; count the gaps above `factor` times it."""
+def drawn_gaps(runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """The drawn request's (short-0's) gaps under one budget, on the same clock as summary(), and for each gap
+    whether the step that ended it carried (a chunk of) a long prompt's prefill."""
     first = runs[0]
-    durations = np.min([r.durations for r in runs], axis=0)
-    clock = np.cumsum(durations) * 1e3
+    clock = np.cumsum(np.min([r.durations for r in runs], axis=0)) * 1e3
     steps = [k for k, emitted in enumerate(first.emitted) for rid, n in emitted if rid == "short-0" for _ in range(n)]
-    gaps = np.diff(clock[steps])
     chunk = {k for k, sched in enumerate(first.schedule)
              if any(rid.startswith("long") and kind == "prefill" for rid, _, kind in sched)}
-    on_chunk = np.array([g for g, k in zip(gaps, steps[1:]) if k in chunk])
+    return np.diff(clock[steps]), np.array([k in chunk for k in steps[1:]], dtype=bool)
+
+
+def figure_points(runs: list[Run], factor: float = 2.0) -> dict:
+    """The plateau is the median of the drawn request's gaps whose step carried a long prompt's chunk; count the
+    gaps above `factor` times it."""
+    first = runs[0]
+    gaps, on = drawn_gaps(runs)
+    on_chunk = gaps[on]
     plateau = float(np.median(on_chunk)) if len(on_chunk) else float(np.median(gaps))
     above = int((gaps > factor * plateau).sum())
     text = ("no point lies" if above == 0 else "1 point lies" if above == 1 else f"{above} points lie")
@@ -216,7 +222,9 @@ def serve_all(model, args: Settings, device: str) -> dict[int, list[Run]]:
     return {b: [r for r in runs if r.budget == b] for b in args.budgets}
 
 
-def draw(rows: list[dict], args: Settings) -> None:
+def draw(rows: list[dict], whole: list[Run], args: Settings) -> None:
+    """The drawn request's gaps under the largest and the smallest budget; under the largest (`whole`'s), a ring
+    around each gap whose step carried a whole long prompt."""
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for row in (rows[0], rows[-1]):
@@ -224,6 +232,10 @@ def draw(rows: list[dict], args: Settings) -> None:
         # one marker per token, no joining lines: a line would draw a single long gap as a wide triangle
         ax.plot(t[1:] * 1e3, np.diff(t) * 1e3, "o", markersize=3.5, alpha=0.8,
                 label=f"budget {row['budget']} tokens/step")
+    t = np.array(rows[0]["times"]["short-0"])
+    ring = drawn_gaps(whole)[1]
+    ax.plot(t[1:][ring] * 1e3, np.diff(t)[ring] * 1e3, "o", markersize=9, markerfacecolor="none", color="black",
+            label=f"budget {rows[0]['budget']}: a step carrying a whole prompt")
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
            title="inter-token gaps of one short request while long prompts arrive")
     ax.legend()
@@ -312,7 +324,7 @@ def main() -> int:
           f"above {points['factor']:g}x the plateau ({points['plateau_ms']:.2f} ms, the median gap of a step "
           f"carrying a prompt chunk); the longest is {points['max_ms']:.2f} ms.")
     drawn = draw_flat_batches([by_budget[args.budgets[0]][0], by_budget[args.budgets[-1]][0]], args)
-    draw(rows, args)
+    draw(rows, by_budget[args.budgets[0]], args)
     if args.json:
         for r in rows:
             del r["times"]

@@ -317,6 +317,20 @@ def overlap_text(serial: int, drawn: int, slowdown: float) -> str:
             f"step (medians), {ratio}")
 
 
+def speedup_words(rows: list[dict]) -> str:
+    """Table 2's speed-up range over the rows not marked noise, and how many marked rows it leaves out."""
+    kept = [r for r in rows if not r["note"]]
+    left = len(rows) - len(kept)
+    out = f" ({left} row{'s' * (left > 1)} marked noise left out)" if left and kept else ""
+    if not kept:
+        return "every row is marked noise, so no row measured the overlap"
+    lo, hi = (f(kept, key=lambda r: r["speed-up"]) for f in (min, max))
+    if len(kept) == 1:
+        return f"only the B = {lo['B']} row is not marked noise: {lo['speed-up']:.2f}x"
+    return (f"the rows not marked noise range from {lo['speed-up']:.2f}x (B = {lo['B']}) to {hi['speed-up']:.2f}x "
+            f"(B = {hi['B']}){out}")
+
+
 def timeline_line(summ: dict, batch: int, drawn: int, recorded: int) -> str:
     """Line 3 of the output: the drawn timeline's medians, its waits and how many of its steps overlapped."""
     text = summ["overlap_text"]
@@ -351,6 +365,9 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
                               for r in tl["overlap"])
     out["drawn_steps"] = len(tl["overlap"])
     out["overlap_text"] = overlap_text(out["serial_steps"], out["drawn_steps"], out["forward_slowdown"])
+    met = out["drawn_steps"] - out["serial_steps"]  # steps whose box n+1 and forward n shared some time
+    out["overlap_short"] = (f"{'none' if met == 0 else met} of the {out['drawn_steps']} drawn overlapped steps "
+                            f"ran box n+1 while forward n ran")
     # is the drawn window clean? Two tests. (a) Each drawn step against the median of the drawn window's own
     # steps: a step over WINDOW_CLEAN_RATIO times the others was interrupted, even when the whole recording was
     # slow. (b) The window's slowest step against the median of all the engine's recorded steps: above
@@ -374,6 +391,8 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
         parts.append(" and ".join(f"the {label[n]} engine's window" for n in dirty)
                      + f" holds a step that took {max(slow[n] for n in dirty):.1f}x the median of its engine's "
                      f"{recorded} recorded steps: no four steps in a row were free of such a slow step")
+    out["window_short"] = ("clean: no drawn step is an interruption" if out["window_clean"] else
+                           "not clean: a drawn step is over twice as long as it should be")
     out["window_text"] = (
         f"both drawn windows are clean: no drawn step took more than {WINDOW_CLEAN_RATIO:g}x the median of its "
         f"window or of its engine's {recorded} recorded steps (slowest against the recording: plain "
@@ -442,7 +461,8 @@ def main() -> int:
           f"{bench.load_average()}\n   The drawn window: {summ['window_text']}.")
     if args.json:
         lo, hi = (f(rows, key=lambda r: r["speed-up"]) for f in (min, max))
-        speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"]}
+        speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"],
+                         "text": speedup_words(rows)}
         report.write_json(args.json, {"device": device, "same_output": same, "placeholders": ph, "timing": rows,
                                       "speedup_range": speedup_range,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},
