@@ -378,18 +378,6 @@ def test_ring_latency_bound_text_counts_the_sizes_below_the_rings_knee() -> None
     assert rvt.ring_latency_bound_text(0.0, beta, p, sizes).startswith("none of the sizes")
 
 
-def test_tree_footer_of_the_step_picture_is_the_models_byte_count() -> None:
-    """The step picture's tree footer adds up, level by level, to the model's tree bytes factor (read off the built
-    tree), so the picture and the panel titles show one count: 6n on 4 ranks."""
-    rvt = load("ring_vs_tree")
-    assert rvt.tree_bytes_label(4).endswith("up n + 2n, down 2n + n = 6n")
-    for p in range(2, 20):
-        label = rvt.tree_bytes_label(p)
-        terms = label.split(": up ")[1].split(" = ")[0].replace("down ", "").replace(",", " +").split(" + ")
-        total = sum(1 if t.strip() == "n" else int(t.strip()[:-1]) for t in terms)
-        assert total == hand_cost_terms("tree", p)[1] and label.endswith(f"= {total}n"), (p, label)
-
-
 @pytest.mark.parametrize("slower", ["ring", "tree"])
 def test_line_nearer_text_names_what_this_run_shows(slower: str) -> None:
     """"The line follows the faster one" was not true of every run (a reader's -w 3 run: the tree's points at a
@@ -620,6 +608,43 @@ def test_a_fall_is_called_a_limit_only_when_every_round_shows_it(last_rates: lis
     one_round = [[r[0]] for r in rounds]  # one look at it is not two
     assert "fewer than two rounds" in bc.busbw_trend_text(rows, one_round)
     assert bc.busbw_verdict(rows, one_round) == "cannot tell"
+
+
+@pytest.mark.parametrize(("busbw", "round_rates"), [
+    ([0.1, 0.5, 1.0, 2.0], None),  # rising
+    ([0.15, 0.55, 1.5, 0.466, 0.59, 0.877], None),  # a dip that recovers (0.877 / 0.466 = 1.88)
+    ([0.15, 0.55, 1.5, 0.9], [[1.5, 1.2, 0.9, 1.4], [0.9, 0.8, 0.85, 0.7]]),  # a fall in every round
+    ([0.15, 0.55, 1.5, 0.9], [[1.5, 1.2, 0.9, 1.4], [0.9, 0.8, 0.9, 0.7]]),  # round 3: equal, not lower
+    ([0.15, 0.55, 1.5, 0.9], None),  # no rounds: nothing shows the fall twice
+])
+def test_busbw_summary_for_the_lesson_states_the_peak_and_the_verdict(busbw: list[float], round_rates) -> None:
+    """A reader could not tell what to conclude from the whole '# busbw' sentence quoted in the lesson; the lesson
+    now quotes a short summary. Its peak size and its verdict are worked out here from the rates: a limit only when
+    every round has the largest size below the peak size, load when a later size climbs 1.2x above the low."""
+    bc = load("bench_collectives")
+    sizes = [8 * 2**20 // 4 ** (len(busbw) - 1 - k) * 4 for k in range(len(busbw))]
+    rows = [{"size (B)": s, "time (us)": s / (b * 1e3), "busbw (GB/s)": b} for s, b in zip(sizes, busbw)]
+    rounds = None
+    if round_rates:
+        rates = [[b] * 4 for b in busbw[:-2]] + round_rates
+        rounds = [[row["size (B)"] / (r * 1e3) for r in rate] for row, rate in zip(rows, rates)]
+    top = max(range(len(busbw)), key=lambda k: busbw[k])
+    peak = f"{sizes[top] / 2**20:g} MiB" if sizes[top] >= 2**20 else f"{sizes[top] / 2**10:g} KiB"
+    text = bc.busbw_summary_text(rows, rounds)
+    assert bc.reading(rows, 0, rounds)["busbw_summary_text"] == text
+    if top == len(busbw) - 1:
+        assert text == f"was still rising at the largest size, {peak}"
+        return
+    assert text.startswith(f"peaked at {peak}")
+    low = min(range(top + 1, len(busbw)), key=lambda k: busbw[k])
+    recovered = any(b >= 1.2 * busbw[low] for b in busbw[low + 1:])
+    every = bool(round_rates) and all(last < first for first, last in zip(*round_rates))
+    if recovered:
+        assert "dipped and recovered: load" in text
+    elif every:
+        assert text.endswith("in every round: the pattern of a limit")
+    else:
+        assert "not in every round, so this could be load: rerun" in text and "limit" not in text
 
 
 def test_reader_torchrun_fall_is_not_called_a_limit() -> None:

@@ -28,8 +28,9 @@ What it shows
     peak (load); or a fall that stays to the end, where none does (a check the sentence states only when some size
     follows the lowest point; a smaller rise, if any, is named with its factor). A fall is called a limit only when
     every round shows it: in each round the largest size's busbw below the peak size's of the same round;
-    otherwise the line says it cannot tell load from a limit). A fitted time = alpha + size/B line puts the
-    boundary at size = alpha * B (printed in B below 1 KiB, in KiB above), shaded on the figure; it is one
+    otherwise the line says it cannot tell load from a limit). A fitted time = t0 + size/B line (t0: a fixed cost
+    per call) puts the
+    boundary at size = t0 * B (printed in B below 1 KiB, in KiB above), shaded on the figure; it is one
     least-squares line through all the points, each row weighted by 1/time (the relative error (model/time - 1)^2,
     so a fast row counts as much as one a hundred times slower), and the points scatter on both sides of it, so
     its B can be below the peak busbw. The weighting also pulls the line toward the fastest rows: a point above the
@@ -54,7 +55,7 @@ Runtime on 2 cores: about 6-20 s (2 ranks, 8 B .. 32 MiB, 8 rounds), the longer 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --collective all_gather -w 4
         -> the same sweep for all_gather: busbw uses the factor (p-1)/p for p ranks; four ranks on two cores take
-           longer than the default two: up to about a minute under load
+           longer than the default two (each waits for a core), and at a load L on C cores up to about L/C times
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/bench_collectives.py --max-bytes 1024
         -> only the latency-bound end: busbw stays tiny, and the "# fit" line says why it gives no bandwidth
            (one it does print, rarely, is noise that a rerun does not repeat)
@@ -197,23 +198,24 @@ def worker(ctx: RankContext, args: Settings) -> dict:
 
 
 def fit_latency_bandwidth(size_bytes: np.ndarray, time_s: np.ndarray) -> tuple[float, float]:
-    """Least squares of time = alpha + size / B, weighted by 1/time so the microsecond points count as much as
-    the millisecond ones. Returns (alpha in s, B in bytes/s); the two terms are equal at size = alpha * B.
+    """Least squares of time = t0 + size / B, weighted by 1/time so the microsecond points count as much as
+    the millisecond ones. Returns (t0, the fixed cost per call in s, B in bytes/s); the two terms are equal at
+    size = t0 * B.
     B is infinite when the sweep never left the latency-bound regime (no measurable growth with size)."""
     design = np.stack([np.ones_like(size_bytes), size_bytes], axis=1) / time_s[:, None]  # [sizes, 2]
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(time_s), rcond=None)
-    return max(float(alpha), 1e-9), (1.0 / float(beta) if beta > 0 else math.inf)
+    (t0, inv_bandwidth), *_ = np.linalg.lstsq(design, np.ones_like(time_s), rcond=None)
+    return max(float(t0), 1e-9), (1.0 / float(inv_bandwidth) if inv_bandwidth > 0 else math.inf)
 
 
-def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, alpha: float, bandwidth: float) -> bool:
-    """Whether the sweep reaches the bandwidth-bound regime. Four tests, all needed: the fitted boundary alpha * B
+def bandwidth_bound_points(size_bytes: np.ndarray, time_s: np.ndarray, t0: float, bandwidth: float) -> bool:
+    """Whether the sweep reaches the bandwidth-bound regime. Four tests, all needed: the fitted boundary t0 * B
     lies at most half the largest size; at least two measured sizes lie above it; the time rises from the first of
     them to the largest (overall: a loaded row in between may dip); and
     the largest size took at least twice the SLOWEST time at or below the boundary (not merely twice the fastest:
     on a loaded box the latency-bound times alone can spread 4x). A fit through a latency-bound sweep can put the
     boundary inside it with a tiny, noise-made bandwidth (a reader's --max-bytes 1024 run: 435 B, 0.002 GB/s);
     this says no to it."""
-    knee = alpha * bandwidth
+    knee = t0 * bandwidth
     if not (math.isfinite(knee) and size_bytes.min() <= knee <= size_bytes.max() / 2):
         return False
     above, at_or_below = split_at(size_bytes, time_s, knee)
@@ -228,7 +230,7 @@ def split_at(size: np.ndarray, times: np.ndarray, knee: float) -> tuple[np.ndarr
 
 
 def boundary_text(num_bytes: float) -> str:
-    """The boundary alpha * B, whole bytes below 1 KiB (a 435 B boundary is not "0 KiB"), whole KiB above."""
+    """The boundary t0 * B, whole bytes below 1 KiB (a 435 B boundary is not "0 KiB"), whole KiB above."""
     return f"{num_bytes:.0f} B" if num_bytes < 1024 else f"{num_bytes / 1024:.0f} KiB"
 
 
@@ -267,6 +269,7 @@ def reading(rows: list[dict], few_values_below: int = 0, round_times_us: list[li
             "peak_busbw_GBps": peak["busbw (GB/s)"], "peak_busbw_size_text": size_text(peak["size (B)"]),
             "largest_busbw_GBps": last["busbw (GB/s)"], "largest_size_text": size_text(last["size (B)"]),
             "busbw_trend_text": busbw_trend_text(rows, round_times_us, bandwidth_bound),
+            "busbw_summary_text": busbw_summary_text(rows, round_times_us, bandwidth_bound),
             "busbw_pattern": busbw_pattern(rows, round_times_us, bandwidth_bound)[0],
             "busbw_verdict": busbw_verdict(rows, round_times_us, bandwidth_bound), "busbw_recovery_factor": RECOVERY}
 
@@ -387,6 +390,23 @@ def busbw_verdict(rows: list[dict], round_times_us: list[list[float]] | None = N
         pattern == "fall that stays") else ""
 
 
+def busbw_summary_text(rows: list[dict], round_times_us: list[list[float]] | None = None,
+                       bandwidth_bound: bool = True) -> str:
+    """The '# busbw' line's conclusion in a few words, for the lesson: where busbw peaked and what the pattern
+    points to (busbw_pattern, busbw_verdict); the line itself gives the numbers and the rule."""
+    pattern = busbw_pattern(rows, round_times_us, bandwidth_bound)[0]
+    peak = size_text(max(rows, key=lambda r: r["busbw (GB/s)"])["size (B)"])
+    if pattern != "fall that stays":
+        return {"none": "is 0 at every size (one rank: no byte crosses a link)",
+                "one size": "was measured at one size only", "latency-bound": "has no peak: the sweep is latency-bound",
+                "rising": f"was still rising at the largest size, {peak}",
+                "dip that recovers": f"peaked at {peak}, dipped and recovered: load, which moves when you rerun",
+                }[pattern]
+    if busbw_verdict(rows, round_times_us, bandwidth_bound) == "limit":
+        return f"peaked at {peak} and stayed lower to the end in every round: the pattern of a limit"
+    return f"peaked at {peak} and stayed lower to the end, but not in every round, so this could be load: rerun"
+
+
 def above_text(size: np.ndarray, times: np.ndarray, knee: float) -> str:
     """The sizes above the boundary and whether their times rise, for the '# fit' line's reasons."""
     above, _ = split_at(size, times, knee)
@@ -401,46 +421,46 @@ def slowest_ratio(size: np.ndarray, times: np.ndarray, knee: float) -> float:
     return float(times[np.argmax(size)] / split_at(size, times, knee)[1].max())
 
 
-def fit_line(size: np.ndarray, times: np.ndarray, alpha: float, bandwidth: float) -> str:
+def fit_line(size: np.ndarray, times: np.ndarray, t0: float, bandwidth: float) -> str:
     """The '# fit' line. A bandwidth is printed only when the sweep has bandwidth-bound points: in a latency-bound
     sweep the fitted size term is smaller than the noise, and its slope (size / some GB/s) is no bandwidth."""
-    knee = alpha * bandwidth  # where the fixed cost and the size term are equal
+    knee = t0 * bandwidth  # where the fixed cost and the size term are equal
     if len(np.unique(size)) < 2:
         return "# no fit: a line needs at least two sizes (see --min-bytes and --max-bytes)"
     if not math.isfinite(bandwidth):
-        return f"# fit: time = {alpha * 1e6:.1f} us, flat: the whole sweep is latency-bound"
-    if alpha <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
+        return f"# fit: time = {t0 * 1e6:.1f} us, flat: the whole sweep is latency-bound"
+    if t0 <= 1e-9 or knee < size.min():  # no fixed cost left: the size term only fits noise
         return ("# no fit shown: the fitted fixed cost is not positive, so the line says nothing about where the "
                 "regimes meet; the time does not grow clearly with size here (a latency-bound sweep, noisy when "
                 "the machine is loaded)")
     if knee > size.max():
-        return (f"# fit: time = {alpha * 1e6:.1f} us per call, the whole sweep latency-bound: the fitted size term "
+        return (f"# fit: time = {t0 * 1e6:.1f} us per call, the whole sweep latency-bound: the fitted size term "
                 f"would equal that only at about {knee:,.0f} B, beyond the largest size, so within the sweep it is "
                 "smaller than the noise and its slope gives no bandwidth")
-    if not bandwidth_bound_points(size, times, alpha, bandwidth):
+    if not bandwidth_bound_points(size, times, t0, bandwidth):
         return (f"# fit: no bandwidth-bound points in this sweep: all latency-bound. The fitted line (fixed cost "
-                f"{alpha * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
+                f"{t0 * 1e6:.1f} us, terms equal at {knee:,.0f} B) is not trusted: a sweep with bandwidth-bound "
                 f"points has that size at most half its largest ({size.max() / 2:,.0f} B here), at least two sizes "
                 f"above it, the time rising from the first to the largest ({above_text(size, times, knee)}), and "
                 f"its largest size takes "
                 f"at least 2x the slowest time at or below it ({slowest_ratio(size, times, knee):.1f}x here)")
-    return (f"# fit: time = {alpha * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
+    return (f"# fit: time = {t0 * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s -> latency-bound below about "
             f"{boundary_text(knee)}, bandwidth-bound above")
 
 
-def draw(rows: list[dict], alpha: float, bandwidth: float, args: Settings, world_size: int,
+def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_size: int,
          has_bandwidth_bound: bool = True) -> None:
     plt = plot.pyplot()
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
-    label = (f"fit: {alpha * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
-             f"fit: {alpha * 1e6:.0f} us (latency-bound: its slope is noise, no bandwidth)")
+    label = (f"fit: {t0 * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
+             f"fit: {t0 * 1e6:.0f} us (latency-bound: its slope is noise, no bandwidth)")
     if size.min() < size.max():  # one size: no line to fit
-        ax_t.loglog(size, 1e6 * (alpha + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat
+        ax_t.loglog(size, 1e6 * (t0 + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
     for ax in (ax_t, ax_b):
-        knee = alpha * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
+        knee = t0 * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
         if size.min() < size.max():  # one size has no regimes to shade
             ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
             ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
@@ -473,19 +493,19 @@ def main() -> int:
     print(f"# Avg bus bandwidth : {avg:.4f}")  # nccl-tests' closing line: the mean busbw over all sizes
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     times = np.array([r["time (us)"] for r in rows]) * 1e-6
-    alpha, bandwidth = fit_latency_bandwidth(size, times)
-    bound = bandwidth_bound_points(size, times, alpha, bandwidth)  # does the sweep reach the bandwidth-bound regime
+    t0, bandwidth = fit_latency_bandwidth(size, times)
+    bound = bandwidth_bound_points(size, times, t0, bandwidth)  # does the sweep reach the bandwidth-bound regime
     print(busbw_line(rows, result["round_times_us"], bound))
     few_values_below = 2 * args.world_size if args.collective == "all_reduce" and args.backend == "gloo" else 0
-    print(fit_line(size, times, alpha, bandwidth))
-    draw(rows, alpha, bandwidth, args, args.world_size, bound)
+    print(fit_line(size, times, t0, bandwidth))
+    draw(rows, t0, bandwidth, args, args.world_size, bound)
     if args.json:
         report.write_json(args.json, {"collective": args.collective, "world_size": args.world_size,
                                       "backend": args.backend, "rows": rows, "avg_busbw_gbps": avg,
                                       "rounds": args.rounds, "round_times_us": result["round_times_us"],
                                       "median_time_us": result["median_time_us"],
                                       **reading(rows, few_values_below, result["round_times_us"], bound),
-                                      "fit_alpha_s": alpha,
+                                      "fit_t0_s": t0,
                                       "fit_bandwidth_Bps": bandwidth if math.isfinite(bandwidth) else None}, args)
     return 0
 

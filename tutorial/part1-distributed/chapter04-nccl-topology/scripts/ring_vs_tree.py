@@ -51,10 +51,11 @@ Try next
            and 2 receives per rank against the tree's 1 and 1), which the model does not see; a `note:` line, if
            printed, says what in the fit not to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
-        -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores.
+        -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
+           at a load near 2, up to about L/C times that at a load L on C cores (section 2 prints the load).
            Its sweep has an even number of sizes, so the fit takes both of the two largest (1 and 2 MiB)
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 3
-        -> halving-doubling is skipped with a message: it needs a power of two; up to about a minute under load
+        -> halving-doubling is skipped with a message: it needs a power of two
 """
 
 from __future__ import annotations
@@ -158,15 +159,6 @@ def halving_doubling_schedule(world_size: int, numel: int) -> list[dict]:
 # --8<-- [end:schedules]
 
 
-def tree_bytes_label(world_size: int) -> str:
-    """The tree row's footer: the bytes the model charges (cost_terms), level by level: at each level the busiest
-    parent's link carries n per child, up (deepest level first) and down again. '... = 6n' on 4 ranks."""
-    fans = tree_level_fans(world_size)
-    term = lambda k: "n" if k == 1 else f"{k}n"
-    return (f"model's bytes, n per child: up {' + '.join(map(term, reversed(fans)))}, down "
-            f"{' + '.join(map(term, fans))} = {2 * sum(fans)}n")
-
-
 # --8<-- [start:draw_steps]
 def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
     """One row per algorithm, one panel per step: who sends to whom and how much (as a fraction of the n-element
@@ -213,8 +205,7 @@ def draw_steps(world_size: int, args: Settings) -> dict[str, list[dict]]:
                 ax.text((x1 + x2) / 2 + 0.3 * dy, (y1 + y2) / 2 - 0.3 * dx, label, fontsize=7, color=colour,
                         ha="center", va="center")
             ax.set_title(f"{name}, step {step}\n{mine[0]['phase'] if mine else '(done)'}", fontsize=8)
-        footer = (tree_bytes_label(p) if name == "tree" else "bytes sent, per rank: " + ", ".join(
-            f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent)))
+        footer = "bytes sent, per rank: " + ", ".join(f"{r}: {v}n".replace(": 1n", ": n") for r, v in enumerate(sent))
         axes[row, 0].text(0, -0.02, footer, transform=axes[row, 0].transAxes, fontsize=7, ha="left", va="top",
                           clip_on=False)
     fig.suptitle(f"all-reduce on {p} ranks, step by step\norange: the receiver adds it, green: the receiver copies it; "
