@@ -128,6 +128,32 @@ def test_why_the_best_smaller_colocated_count_is_that_count(planner) -> None:
     assert planner.below_reason(10, 4, 2) == "the count below 10 with the lowest peak"  # 8 between allows TP 8
 
 
+def test_colocated_counts_table_from_divisibility(planner) -> None:
+    """The 70B run's table of GPU counts from the best smaller try up to the co-located count, worked out here:
+    a count that does not fit gets the largest TP in 1, 2, 4, 8 that divides it (the engine weights fall as 1/TP,
+    while the KV cache per GPU does not depend on TP), the co-located count gets the smallest TP that fits, and only
+    that last row fits."""
+    args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")
+    result = planner.plan(args)
+    n, below, budget = result["colocated_gpus"], result["colocated_best_below"], result["budget_bytes"]
+    rows = result["colocated_near"]
+
+    def peak(k: int, tp: int) -> float:
+        return max(sum(v.values()) for v in planner.colocated_phases(args, k, tp).values())
+
+    # the table starts at the smaller count whose best TP gives the lowest peak
+    start = min(range(1, n), key=lambda k: min(peak(k, t) for t in (1, 2, 4, 8) if k % t == 0))
+    assert [r["GPUs"] for r in rows] == list(range(start, n + 1))
+
+    for r in rows[:-1]:
+        tp = max(t for t in (1, 2, 4, 8) if r["GPUs"] % t == 0)
+        assert (r["engine TP"], r["fits"]) == (tp, "no"), r
+        assert r["peak GiB"] == pytest.approx(peak(r["GPUs"], tp) / GIB) and peak(r["GPUs"], tp) > budget
+    tp = min(t for t in (1, 2, 4, 8) if n % t == 0 and peak(n, t) <= budget)
+    assert (rows[-1]["engine TP"], rows[-1]["fits"]) == (tp, "yes") == (result["colocated_engine_tp"], "yes")
+    assert rows[0]["peak GiB"] == pytest.approx(below["peak_gib"])
+
+
 def test_rollout_pool_tie_goes_to_the_smaller_tp(planner) -> None:
     """The lesson's 70B sentence: TP 4 (2 engines) and TP 8 (1 engine) both fill 8 rollout GPUs; TP 4 is kept."""
     args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")

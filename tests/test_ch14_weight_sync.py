@@ -203,7 +203,7 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
         assert script[name]["MB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
         assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
     assert (tmp_path / "sync_time.png").stat().st_size > 0
-    reading = res["reading"]  # the generated sentences the lesson quotes
+    reading = res["reading"]  # the generated sentences the output prints
     assert reading["disturbed_text"] and reading["sweep_text"] and reading["sweep_vs_per_tensor_text"]
     assert res["summary"]["smallest"]["per_tensor_disturbed"] == ("tiny" in reading["disturbed"]["per-tensor ms"])
 

@@ -18,8 +18,10 @@ What it shows
                     the rest; the output's "engine TP" is the smallest that fits
       disaggregated trainer GPUs hold actor, critic, reward and reference (ZeRO-3 over them); rollout GPUs hold
                     only the bf16 actor (tensor-parallel when it does not fit on one GPU) and the KV cache
-    and recommends the one that needs fewer GPUs. Figures: roles.png (each model's own memory, unsharded) and
-    memory_phases.png (per-GPU memory in each phase, co-located and disaggregated).
+    and recommends the one that needs fewer GPUs. Under the co-located table, a line and a small table show why
+    fewer GPUs do not fit: each count from the best smaller try up, its engine TP and its peak. Figures: roles.png
+    (each model's own memory, unsharded) and memory_phases.png (per-GPU memory in each phase, co-located and
+    disaggregated).
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py
@@ -254,11 +256,16 @@ def plan(args: Settings) -> dict:
         why = "co-located does not fit" if n_co is None else f"co-located needs {n_co}"
     # the best co-located try below n_co (lowest peak over the smaller counts): why fewer GPUs do not fit
     below = min(((*colocated_peak(args, n, budget), n) for n in range(1, n_co)), default=None) if n_co else None
+    # every count from that try up to n_co: the engine TP each allows and its peak (the table under the line)
+    near = [] if below is None else [
+        {"GPUs": k, "engine TP": tp, "peak GiB": peak / GIB, "fits": "yes" if peak <= budget else "no"}
+        for k in range(below[2], n_co + 1) for peak, tp in [colocated_peak(args, k, budget)]]
     return {"budget_bytes": budget, "colocated_gpus": n_co,
             "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
             "colocated_best_below": None if below is None else
             {"gpus": below[2], "engine_tp": below[1], "peak_gib": below[0] / GIB,
              "reason": below_reason(n_co, below[2], below[1])},
+            "colocated_near": near,
             "trainer_gpus": n_tr, "rollout": pool,
             "disaggregated_gpus": n_dis, "pick": pick, "pick_reason": why}
 
@@ -376,6 +383,9 @@ def main() -> int:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
+            print("Each count from there up, with its best engine TP among those that divide it (the smallest that "
+                  "fits, else the largest) and its peak:")
+            print(report.table(result["colocated_near"], floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "

@@ -34,7 +34,8 @@ Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py -w 3 --iterations 8
         -> one trainer and two rollout ranks (co-located: the table shows which phases each of the three ranks got;
            the default two shards leave rank 2 with training only): the same equality checks; on 2 cores three processes
-           share the CPUs, so read the idle % column before the throughput; up to about a minute under load
+           share the CPUs, so read the idle % column before the throughput; a load beyond the cores slows it roughly by
+           the load average over the core count (both on the Machine: line)
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py --iterations 12
         -> a longer run: the async off-policy gap per iteration, and whether the reward curves separate
 """

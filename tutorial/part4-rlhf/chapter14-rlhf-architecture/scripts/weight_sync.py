@@ -31,7 +31,8 @@ Try next
         -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; the table's buckets column
            rises for the models larger than 1 MB (the sweep does not depend on the flag); the sweep's 1 MB row
            now repeats the table's bucketed sync of the largest model in the same run: their gap is the noise;
-           three processes on 2 cores: about 35-45 s at a load average of 5-8
+           three processes on 2 cores: about 35-45 s at a load average of 5-8, and roughly load average / cores
+           times longer under more load (both on the first line)
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py --bucket-mb 64
         -> fewer, larger buckets: fewer calls, and a bigger temporary buffer on every rank; on the bigger models
            the extra packing copy can make bucketing slower than per-tensor sends
