@@ -273,6 +273,72 @@ def test_bubble_script_reports_formula_and_memory(tmp_path) -> None:
     below = [r for r in res["runs"] if round(100 * r["rel_error"], 1) < 0]
     assert res["replay_below"].startswith("the replay came out below" if below else "no replayed bubble"), res
     assert (tmp_path / "timeline.png").exists() and (tmp_path / "bubble_vs_m.png").exists()
+    # the chain outlined in timeline.png: from the op that ends last back to stage 0's F0, each op preceded by
+    # whichever of its inputs (its stage's previous op, the op that sent its message) ended later
+    for r in (r for r in res["runs"] if r["m"] == 2):
+        ops = {(s, e["kind"], e["mb"]): e for s, stage in enumerate(r["timeline"]) for e in stage}
+        chain = [tuple(c) for c in r["critical_path"]]
+        assert chain[0] == (0, "F", 0) and ops[chain[-1]]["end"] == max(e["end"] for e in ops.values()), chain
+        for before, op in zip(chain, chain[1:]):
+            s, kind, mb = op
+            stage = [(e["kind"], e["mb"]) for e in r["timeline"][s]]
+            inputs = [(s, *stage[stage.index((kind, mb)) - 1])] if stage.index((kind, mb)) else []
+            sender = (s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb)
+            inputs += [sender] if sender in ops else []
+            assert before == max(inputs, key=lambda k: ops[k]["end"]), (chain, op)
+    # the line after the tables counts the wall-clock bubbles above the formula, as the runs table prints them
+    above = sum(round(r["measured"], 3) > round(r["predicted"], 3) for r in res["runs"])
+    assert res["wall_above"] == above
+    assert f"above the formula in {above} of {len(res['runs'])} rows" in proc.stdout
+
+
+def dependencies(events: list[list[dict]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """What each op (stage, index) waits for: its stage's previous op and the op that sends its message."""
+    where = {(s, e["kind"], e["mb"]): (s, j) for s, stage in enumerate(events) for j, e in enumerate(stage)}
+    deps = {}
+    for (s, kind, mb), (_, j) in where.items():
+        sender = where.get((s - 1, "F", mb) if kind == "F" else (s + 1, "B", mb))
+        deps[s, j] = [d for d in ((s, j - 1) if j else None, sender) if d is not None]
+    return deps
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_critical_path_is_the_longest_chain_of_the_ideal_clock(schedule: str) -> None:
+    """On the ideal clock (each op as soon as its inputs are done) the critical path bubble.py outlines must be a
+    chain of dependencies whose op times add up to the step, and the step must be the longest such chain, found
+    here by dynamic programming over every op, with unequal stage times."""
+    bubble = load_script(SCRIPTS / "bubble.py")
+    rng = np.random.default_rng(7)
+    for p, m in [(2, 1), (2, 4), (3, 2), (3, 5), (4, 3), (4, 8)]:
+        for _ in range(5):
+            tf, tb = rng.uniform(0.5, 1.5, p), rng.uniform(1.0, 3.0, p)
+            ev = simulate(schedule, p, m, list(tf), list(tb))
+            deps = dependencies(ev)
+            dur = {(s, j): e["end"] - e["start"] for s, stage in enumerate(ev) for j, e in enumerate(stage)}
+            longest: dict = {}
+            for key in sorted(dur, key=lambda k: ev[k[0]][k[1]]["start"]):  # inputs always start earlier
+                longest[key] = dur[key] + max((longest[d] for d in deps[key]), default=0.0)
+            path = bubble.critical_path(ev)
+            assert path[0] == (0, 0) and all(a in deps[b] for a, b in zip(path, path[1:])), path
+            span = measured_bubble(ev)["span"]
+            assert sum(dur[k] for k in path) == pytest.approx(span) == pytest.approx(max(longest.values()))
+
+
+def test_wall_above_counts_rows_as_the_table_prints_them(capsys) -> None:
+    """The count of wall-clock bubbles above the formula, on hand-made rows: one above, one below, and one above
+    only past the third decimal (the table prints both as 0.500, so it must not count)."""
+    bubble = load_script(SCRIPTS / "bubble.py")
+    args = bubble.Settings(micro_batches=[1, 2], steps=1)
+    runs = [{"schedule": "gpipe", "m": 1, "predicted": 0.5, "measured": 0.5004},
+            {"schedule": "gpipe", "m": 2, "predicted": 1 / 3, "measured": 0.41},
+            {"schedule": "1f1b", "m": 1, "predicted": 0.5, "measured": 0.45},
+            {"schedule": "1f1b", "m": 2, "predicted": 1 / 3, "measured": 0.3}]
+    for r in runs:
+        r.update(replayed=r["predicted"], rel_error=0.0, goal_met=True, memory=[(1, 1024), (1, 1024)])
+    results = {"runs": runs}
+    bubble.print_report(args, 2, [{"a": 1}], [{"a": 1}], results)
+    assert results["wall_above"] == 1
+    assert "above the formula in 1 of 4 rows" in capsys.readouterr().out
 
 
 @pytest.mark.long  # a timing check: make sweep (and CI) run it
@@ -463,7 +529,7 @@ def test_ends_vs_mean_sentence_follows_the_raw_events(trace_run) -> None:
                                  "neither way"),
 ])
 def test_ends_vs_mean_names_a_direction_only_where_the_printed_numbers_differ(values, verdict) -> None:
-    """The Down bullet of the lesson's note quotes this sentence next to its four numbers (printed to 0.01 ms): a
+    """The Either-way bullet of the lesson's note quotes this sentence next to its four numbers (printed to 0.01 ms): a
     direction word must be visible in those numbers, so values that print equal get none."""
     trace = load_script(SCRIPTS / "pipeline_trace.py")
     text = trace.ends_vs_mean(*values)

@@ -1,6 +1,6 @@
 """The two figures of parallel_planner.py, drawn from the candidate layouts it costed (the same dicts it prints):
 layouts.png (every layout's step time split into its components, fitting or not) and stages.png (one pipeline's
-per-stage times, and its 1F1B timeline on an event clock with those times). What each draws is returned as plain
+per-stage times, and its 1F1B timeline on the ideal clock with those times). What each draws is returned as plain
 numbers for the script's --json. A file starting with _ is a helper, not a script."""
 
 from __future__ import annotations
