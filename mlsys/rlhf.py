@@ -59,7 +59,7 @@ class Models:
                 continue
             trainable = any(p.requires_grad for p in m.parameters())
             rows.append({"model": name, "params": sum(p.numel() for p in m.parameters()),
-                         "output": "logits (B,T,V)" if isinstance(m, GPT) else "scalar (B,T)",
+                         "output": "logits (B,T,C)" if isinstance(m, GPT) else "scalar (B,T)",
                          "trained in RLHF": "yes" if trainable else "frozen"})
         return rows
 
@@ -78,7 +78,7 @@ def build_models(sft: GPT, reward_model: ScalarHeadModel, with_critic: bool = Tr
 
 def token_logprobs(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """log pi(ids[:, t+1] | ids[:, :t+1]) for every t: (B, T) -> (B, T-1). One plain forward."""
-    logits, _ = model(ids)  # (B, T, V)
+    logits, _ = model(ids)  # (B, T, C), C the vocabulary size
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V): position t predicts token t+1
     return logp.gather(2, ids[:, 1:, None]).squeeze(2)  # (B, T-1)
 

@@ -398,6 +398,36 @@ def test_ppo_raises_the_rule_score_over_the_sft_model_and_hacks_the_reward_model
     assert sum(valid) / 3 < sft["valid"], (valid, sft["valid"])
 
 
+@pytest.mark.parametrize("before, after, fmt", [
+    (9, 4, ""),             # the lesson's run: fewer four-or-repeated records after training, not more
+    (4, 9, ""), (5, 5, ""),
+    (0.9414, 0.9492, ".0%"), (0.9414, 0.90, ".0%"),
+    (0.9414, 0.9430, ".0%"),  # different values that print alike: no direction to claim
+])
+def test_hacking_words_read_the_direction_from_the_two_values(before: float, after: float, fmt: str) -> None:
+    """The words section 3 prints and the lesson quotes ('fell from 9 to 4'): the direction recomputed here from
+    the numbers as printed, so a sentence that always says the policy learned more ('learns both') fails."""
+    script = load_script(scripts_dir(13) / "rlhf_loop.py")
+    a, b = format(before, fmt), format(after, fmt)
+    want = f"stayed at {a}" if a == b else ("rose" if after > before else "fell") + f" from {a} to {b}"
+    assert script.change(before, after, fmt) == want
+
+
+def test_rlhf_loop_hacking_words_agree_with_its_own_counts(smoke_cache) -> None:
+    """rlhf_loop.py --smoke: the printed and recorded words of section 3 against its recorded numbers."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "rlhf_loop.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    h = proc["json"]["results"]["hacking"]
+    sft, trained = h["sft"], h["trained"]
+    counts = [sum(e["kinds"][k] for k in ("four_plus_langs", "repeated_lang")) for e in (sft, trained)]
+    assert counts == [sft["hacks"], trained["hacks"]]
+    word = "stayed" if counts[0] == counts[1] else "rose" if counts[1] > counts[0] else "fell"
+    assert h["hacks_change"].startswith(word)
+    paid = sft["reward_malformed"] > sft["reward_valid"]  # nan (no malformed record) compares False
+    assert h["sft_malformed_paid"] == ("above" if paid else "not above")
+    assert f"records with four or repeated languages {h['hacks_change']};" in proc["stdout"]
+
+
 def test_response_kind_names_how_a_record_breaks_the_schema() -> None:
     base = '{"name": "ada", "age": 34, "city": "london", "langs": '
     assert rlhf.response_kind(base + '["c", "go"]}') == "well_formed"

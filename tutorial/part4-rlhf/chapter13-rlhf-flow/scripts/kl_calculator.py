@@ -125,7 +125,8 @@ def main() -> int:
         rows = categorical_case(p, q, args.num_samples, gen)
         print(f"1. {name}: p = {[round(v, 3) for v in p.tolist()]}, q = {[round(v, 3) for v in q.tolist()]}, "
               f"{args.num_samples} samples from p")
-        print("   " + report.table(rows, floatfmt=".4f").replace("\n", "\n   ") + "\n")
+        shown = [{**r, "negative %": f"{r['negative %']:.1f}"} for r in rows]  # a share: one decimal
+        print("   " + report.table(shown, floatfmt=".4f").replace("\n", "\n   ") + "\n")
         for r in rows:
             if r["estimator"] in ("k1", "k3"):  # unbiased: the exact expectation IS the KL
                 report.expect_close(f"{name}: E_p[{r['estimator']}] vs KL", r["E_p[k] exact"], r["exact KL"], 1e-9)

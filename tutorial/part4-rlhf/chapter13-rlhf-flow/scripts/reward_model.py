@@ -40,6 +40,7 @@ import torch
 
 from mlsys import cli, plot, report
 from mlsys.reward_model import (
+    TOKENIZER,
     RewardRecipe,
     ScalarHeadModel,
     encode_records,
@@ -161,7 +162,9 @@ def main() -> int:
     # 4. the four models
     models = build_models(sft, rm)
     print("\n4. The four models of PPO-based RLHF:")
-    print("   " + report.table(models.table()).replace("\n", "\n   "))
+    table = models.table()
+    print("   " + report.table(table).replace("\n", "\n   "))
+    print(f"   C = {len(TOKENIZER.itos)}: the vocabulary size, one logit per token")
     if not args.smoke and args.seed == 0 and recipe == RewardRecipe():
         save_checkpoint(reward_model_path("draft"), rm, {"recipe": asdict(recipe), "accuracy": accuracy,
                                                          "final_loss": history[-1]["loss"]})
@@ -169,7 +172,7 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"accuracy": accuracy, "by_kind": rows, "probes": probe_rows,
                                       "first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-                                      "models": models.table()}, args)
+                                      "models": table}, args)
     return 0
 
 

@@ -362,6 +362,13 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     return data
 
 
+def change(before: float, after: float, fmt: str = "") -> str:
+    """'rose from 9 to 12', 'fell from 94% to 90%' or 'stayed at 94%': the direction read from the two values,
+    'stayed' when they print alike in `fmt`, so that the lesson's sentence is true of every run."""
+    a, b = format(before, fmt), format(after, fmt)
+    return f"stayed at {a}" if a == b else f"{'rose' if after > before else 'fell'} from {a} to {b}"
+
+
 # --8<-- [start:hacking]
 def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     """The SFT model and the trained policy on the same prompts and seeds: what the rule (the "human") and the
@@ -372,19 +379,25 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     print("   " + report.table([{"policy": name, **{k: e[k] for k in keys}, **e["kinds"]}
                                 for name, e in (("SFT", sft), ("trained", trained))],
                                floatfmt=".3f").replace("\n", "\n   "))
+    words = {"valid_change": change(sft["valid"], trained["valid"], ".0%"),  # directions read from this run
+             "hacks_change": change(sft["hacks"], trained["hacks"]),
+             "sft_malformed_paid": "above" if sft["reward_malformed"] > sft["reward_valid"] else "not above"}
     print(f"   rule score {sft['rule_score']:.2f} -> {trained['rule_score']:.2f}; well-formed "
-          f"{sft['valid']:.0%} -> {trained['valid']:.0%}. {trained['malformed_above_valid']} of the trained policy's "
+          f"{words['valid_change']}. {trained['malformed_above_valid']} of the trained policy's "
           f"{trained['malformed']} malformed records score above its mean well-formed "
           f"one ({trained['reward_valid']:+.2f}); four or repeated languages ({trained['hacks']} records): "
           f"{trained['reward_hacks']:+.2f} on average")
+    print(f"   records with four or repeated languages {words['hacks_change']}; the SFT model's malformed records "
+          f"score {words['sft_malformed_paid']} its well-formed ones on average ({sft['reward_malformed']:+.2f} "
+          f"against {sft['reward_valid']:+.2f}) before any RL")
     bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rule_score(t) == 0)
     for score, text in bad[::-1][:3]:
         print(f"   malformed, scored {score:+.2f}: {text}")
     print("   the same prompts, SFT then trained:")
     for before, after in list(zip(sft["texts"], trained["texts"]))[:4]:
         print(f"   SFT:     {before}\n   trained: {after}")
-    return {name: {k: v for k, v in e.items() if k not in ("texts", "scores")}
-            for name, e in (("sft", sft), ("trained", trained))}
+    return {**words, **{name: {k: v for k, v in e.items() if k not in ("texts", "scores")}
+                        for name, e in (("sft", sft), ("trained", trained))}}
 # --8<-- [end:hacking]
 
 
@@ -394,7 +407,9 @@ def main() -> int:
     torch.set_num_threads(1)  # tiny model: one thread beats two fighting over small matmuls
     cfg = ppo_config(args)
     models, opts, kl_ctl, engine = setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=args.algo)
-    print("   " + report.table(models.table()).replace("\n", "\n   ") + "\n")
+    table = models.table()
+    print("   " + report.table(table).replace("\n", "\n   "))
+    print(f"   C = {len(TOKENIZER.itos)}: the vocabulary size, one logit per token\n")
     sft_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)  # before training
     engine.reset_prefix_cache()
 
