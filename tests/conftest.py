@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,9 +70,17 @@ def _script_env(env: dict | None) -> dict:
 
 def run(args: list[str | os.PathLike], timeout: float = 120, env: dict | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `python <args>` (or a full command if args[0] is an executable path) and capture its output."""
+    """Run `python <args>` (or a full command if args[0] is an executable path) and capture its output.
+    A chapter script (`tutorial/.../scripts/x.py ARGS`) runs as a fresh child of this worker's preloaded zygote
+    (see Preloaded): the same process a learner's `python x.py ARGS` starts, without importing torch again."""
     full_env = _script_env(env)
     cmd = [str(a) for a in args]
+    runner = _worker_zygote(cmd, cwd or ROOT)
+    if runner is not None:
+        try:
+            return runner.run(cmd, timeout=timeout, env=env, cwd=cwd)
+        finally:
+            _ZYGOTE_LOCK.release()
     if not cmd[0].endswith(("python", "torchrun")) and not Path(cmd[0]).name.startswith("python"):
         cmd = [sys.executable, *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or ROOT)
@@ -121,6 +131,30 @@ class Preloaded:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+_ZYGOTE: list = []  # this worker's Preloaded, started on the first chapter-script `run`
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _worker_zygote(cmd: list[str], cwd: Path) -> Preloaded | None:
+    """This worker's zygote, locked for the caller, if `cmd` is a chapter script's run and the zygote is free (a
+    test running two scripts at once from threads gets a plain process for the second); None otherwise."""
+    if os.environ.get("MLSYS_NO_ZYGOTE") == "1" or not cmd[0].endswith(".py"):
+        return None
+    script = Path(cwd) / cmd[0]  # cmd[0] itself when it is absolute
+    if not script.resolve().is_relative_to(TUTORIAL) or script.parent.name != "scripts":
+        return None
+    if not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    try:
+        if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+            _ZYGOTE[:] = [Preloaded()]
+            atexit.register(_ZYGOTE[0].close)
+    except BaseException:
+        _ZYGOTE_LOCK.release()
+        raise
+    return _ZYGOTE[0]
 
 
 @pytest.fixture(scope="session")
