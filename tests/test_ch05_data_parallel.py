@@ -317,6 +317,23 @@ def test_drawn_launch_calls_are_as_wide_as_measured(monkeypatch) -> None:
     dfs.plot.pyplot().close(drawn["fig"])
 
 
+def test_summed_all_reduce_time_counts_concurrent_gloo_threads_twice_and_the_union_does_not() -> None:
+    """The totals line's "busy" adds the all-reduces' durations, so two running at once on different gloo threads
+    count twice and the sum can exceed the whole step; "at least one ran" is the union, checked on a 1 us grid."""
+    S = dfs.plot.Span
+    spans = _step_spans() + [S("gloo thread 2", 5.0, 38.0, "2", dfs.ALL_REDUCE)]  # beside thread 1's two
+    o = dfs.overlap_summary(spans)
+    comm = [s for s in spans if s.kind == dfs.ALL_REDUCE]
+    grid = np.arange(0, 40, 1e-3) + 5e-4  # midpoints of 1 us cells
+    running = np.zeros_like(grid, dtype=bool)
+    for s in comm:
+        running |= (grid >= s.start) & (grid < s.end)
+    assert o["allreduce_ms"] == pytest.approx(sum(s.end - s.start for s in comm))
+    assert o["allreduce_any_ms"] == pytest.approx(running.sum() * 1e-3, abs=2e-3)
+    assert o["gloo_threads"] == 2 and o["step_ms"] == pytest.approx(40.0)
+    assert o["allreduce_ms"] > o["step_ms"] > o["allreduce_any_ms"]  # 69.4 ms "busy" in a 40 ms step
+
+
 def test_peer_wait_counts_all_reduce_time_before_the_other_rank_launched_outside_the_compute() -> None:
     """Rank 0 launched bucket 0 at 3.5 ms (its all-reduce ran 3.6-30), the other rank at 20 ms: the wait is 3.6-20
     minus the backward's compute up to 6 ms, which excludes the 0.05 ms launch call at 5.5: 14.05 ms. Bucket 1,
@@ -570,3 +587,27 @@ def test_above_noise_says_every_row_when_every_row_is_above_local() -> None:
     above, rows, text = bench._above_noise(med, 200.0)
     assert above == [] and rows == "none" and text.startswith("no median lies above")
 
+
+
+@pytest.mark.parametrize("naive_ms, fastest_ms", [(180.0, 120.0), (180.0, 170.0), (140.0, 110.0)])
+def test_takeaway_gives_naives_cost_and_the_saving_only_beyond_locals_spread(naive_ms, fastest_ms) -> None:
+    """Local's rounds 95-145 ms (spread 50), median 100 ms. The take-away's case and numbers, worked out here:
+    naive above local's slowest round gives its cost; a saving is claimed only when naive minus the fastest other
+    row exceeds the spread; a row below local's median (torch at 90 ms: noise) is never the fastest."""
+    med = {("local", 0.0): 0.100, ("naive", 0.0): naive_ms / 1e3, ("bucketed", 2.0): 0.175,
+           ("overlapped", 2.0): fastest_ms / 1e3, ("torch", 2.0): 0.090}
+    text = bench._takeaway(med, 95.0, 145.0)
+    assert "torch at" not in text, text
+    if naive_ms <= 145.0:
+        assert text.startswith(f"naive's median ({naive_ms:.0f} ms) lies within local's rounds"), text
+        assert "cost" not in text.split(":")[0]
+        return
+    assert text.startswith(f"one all-reduce per parameter (naive) cost {naive_ms - 100:.0f} ms per step over not "
+                           f"communicating ({naive_ms / 100:.2f}x local's median)"), text
+    if naive_ms - fastest_ms > 50.0:
+        assert f"not below local (overlapped at 2 MiB) took {naive_ms - fastest_ms:.0f} ms less than naive" in text
+    else:
+        assert "does not measure what buckets save" in text and "less than naive" not in text, text
+    below = {k: (0.095 if k[0] not in ("local", "naive") else t) for k, t in med.items()}  # every other row noise
+    if naive_ms > 145.0:
+        assert bench._takeaway(below, 95.0, 145.0).endswith("so the run cannot say what buckets saved")

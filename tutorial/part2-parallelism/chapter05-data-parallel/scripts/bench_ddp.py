@@ -19,6 +19,8 @@ What it shows
     constant GOAL, reported as goal_met in --json), or, when every row of overlapped or of torch fell below local,
     names which one and says there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
     The line under the table gives naive against local, and whether every other row's median was below naive's.
+    The line starting "take-away" gives naive's cost over local and what the fastest other row (not below local)
+    saved against naive, each only where it is larger than local's own spread.
     The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
     cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
@@ -183,6 +185,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"what this run shows: {verdict}")
     vs_bucketed = _overlapped_vs_bucketed(med, sorted(set(args.bucket_mb)), max(local_ms) - min(local_ms))
     ctx.print(vs_bucketed)
+    takeaway = _takeaway(med, min(local_ms), max(local_ms))
+    ctx.print(f"take-away: {takeaway}")
     if ctx.is_main:
         draw(args, med, local_ms)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -199,6 +203,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
             "overlapped_vs_bucketed_text": vs_bucketed, "naive_text": naive_text, "verdict_text": verdict,
+            "takeaway_text": takeaway,
             "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
@@ -261,6 +266,30 @@ def _verdict(med: dict, local_min_ms: float, local_max_ms: float) -> str:
     names = ", ".join(k if k == "naive" else f"{k} at {mb:g} MiB" for k, mb in above)
     return (f"a measured cost for {names} only (median above local's slowest round, {local_max_ms:.0f} ms); "
             "the other rows cannot be told from not communicating at all")
+
+
+def _takeaway(med: dict, local_min_ms: float, local_max_ms: float) -> str:
+    """The one number to keep from the run: what naive's per-parameter all-reduces cost over local, and how much of
+    that the fastest bucketed, overlapped or torch row saved, each said only where it exceeds local's own spread."""
+    local, naive = 1e3 * med[("local", 0.0)], 1e3 * med[("naive", 0.0)]
+    rest = {v: 1e3 * t for v, t in med.items() if v[0] not in ("local", "naive") and t >= med[("local", 0.0)]}
+    spread = local_max_ms - local_min_ms  # rows below local's median (noise, see below_floor) are left out of rest
+    if naive <= local_max_ms:
+        return (f"naive's median ({naive:.0f} ms) lies within local's rounds ({local_min_ms:.0f} to "
+                f"{local_max_ms:.0f} ms): at this load the run measured no cost of communicating that stands out "
+                "from the noise, so it gives no number to keep")
+    head = (f"one all-reduce per parameter (naive) cost {naive - local:.0f} ms per step over not communicating "
+            f"({naive / local:.2f}x local's median)")
+    if not rest:
+        return (f"{head}; every other row came out below local's median (noise), so the run cannot say what "
+                "buckets saved")
+    best = min(rest, key=rest.get)
+    if naive - rest[best] > spread:
+        return (f"{head}; the fastest bucketed, overlapped or torch row not below local ({best[0]} at "
+                f"{best[1]:g} MiB) took {naive - rest[best]:.0f} ms less than naive, more than local's own spread "
+                f"({spread:.0f} ms): that is what fewer, larger all-reduces saved here")
+    return (f"{head}; no bucketed, overlapped or torch row was faster than naive by more than local's own spread "
+            f"({spread:.0f} ms), so this run does not measure what buckets save")
 
 
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:
