@@ -65,12 +65,13 @@ def test_block_table_picture_slots(tiny_model, tmp_path) -> None:
 
 
 def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int,
-                  max_model_len: int, budget: int = 512) -> dict:
+                  max_model_len: int, budget: int = 512, first: dict | None = None) -> dict:
     """Brute force, tokens and block counts only: requests (prompt_len, max_tokens) served step by step from a
     pool of num_blocks. Running sequences first, oldest first, each taking blocks for its next tokens; when the
     pool is short the newest running one gives all its blocks back and waits at the front of the queue (it
     recomputes everything later); then waiting ones are admitted in order while seats, token budget and blocks
-    last, but not in a step that preempted. Returns the running count after every step and the preemptions."""
+    last, but not in a step that preempted. Returns the running count after every step and the preemptions.
+    `first` (a dict) receives the queues and blocks held before and after the first step that preempts."""
     prompt, max_tokens = [p for p, _ in work], [m for _, m in work]
     done, gen, held = [0] * len(work), [0] * len(work), [0] * len(work)  # computed, generated, blocks held
     waiting, running, free = deque(range(len(work))), [], num_blocks
@@ -79,8 +80,12 @@ def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int,
     def blocks_for(r: int, n: int) -> int:
         return max(0, -(-(done[r] + n) // block_size) - held[r])
 
+    def state() -> dict:
+        return {"running": list(running), "waiting": list(waiting), "held": {r: h for r, h in enumerate(held) if h}}
+
     while waiting or running:
         left, scheduled, preempted, i = budget, [], False, 0
+        before = state()
         while i < len(running) and left > 0:
             r = running[i]
             n = min(prompt[r] + gen[r] - done[r], left)
@@ -118,6 +123,8 @@ def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int,
                     free, held[r] = free + held[r], 0
                     running.remove(r)
         counts.append(len(running))
+        if first is not None and preempted and not first:
+            first.update(step=len(counts), before=before, after=state())
     return {"steps": len(counts), "preemptions": preemptions, "peak_running": max(counts),
             "mean_running": sum(counts) / len(counts), "preemptions_per_request": per_request,
             "prefill_tokens": prefill}
@@ -179,6 +186,29 @@ def test_preemption_script(preempt: dict) -> None:
     assert roomy["prefill_tokens"] == sum(p for p, _ in work)  # without preemption every prompt once
     assert tight["reasons"] == ["length"] * len(tight["reasons"])  # outputs equal: checked by the script (exit 0)
     assert preempt["recomputed_tokens"] > 0
+
+
+def test_preemption_picture_queues_and_pool(preempt: dict) -> None:
+    """preemption.png: the running and waiting queues and the blocks each request holds, drawn from the scheduler
+    and the pool before and after the first step that preempts, equal the brute-force pool's (victims, newest
+    first, go to the front of the waiting queue, so they wait there in the order they were running)."""
+    mod = load_script(CH09 / "preemption.py")
+    args = mod.Settings()
+    work = [(len(p), args.max_tokens) for p in mod.make_prompts(args.num_requests, args.seed)]
+    want: dict = {}
+    simulate_pool(work, args.num_blocks, args.block_size, args.num_requests, args.max_model_len, first=want)
+    drawn = preempt["tight"]["first_preemption"]
+    assert drawn["step"] == want["step"]
+    for when in ("before", "after"):
+        got, sim = drawn[when], want[when]
+        index = {f"req-{r}": r for r in range(len(work))}  # the engine names requests req-0, req-1, ... in order
+        assert [index[r] for r in got["running"]] == sim["running"], when
+        assert [index[r] for r in got["waiting"]] == sim["waiting"], when
+        held = {index[r]: got["pool"].count(r) for r in set(got["pool"]) - {None}}
+        assert held == sim["held"] and len(got["pool"]) == args.num_blocks, when
+    # the caption's reading: six requests of two blocks and two free; then four of three and 4, 5 at the front
+    assert want["before"]["held"] == {r: 2 for r in range(6)} and want["before"]["waiting"] == []
+    assert want["after"]["held"] == {r: 3 for r in range(4)} and want["after"]["waiting"] == [4, 5]
 
 
 @pytest.mark.timeout(180)
@@ -324,6 +354,8 @@ def test_calculator_row_by_hand() -> None:
     assert b["kv_budget"] == pytest.approx(budget)
     assert row["max tokens"] == int(budget // (131072 * 16)) * 16
     assert row["max requests"] == int(budget // (131072 * 16)) // 128  # 2048 tokens = 128 blocks
+    # the lesson's worked line: blocks of 16 x 128 KiB = 2 MiB, whole blocks in the budget, 128 per request
+    assert (b["block_mib"], b["num_blocks"], b["blocks_per_request"]) == (2.0, int(budget // (2 * kvm.MIB)), 128)
     mqa = mod.model_row(kvm.MODEL_SHAPES["llama-3-8b"], mod.Settings(kv_heads=1), 80 * kvm.GIB)
     assert mqa["_bytes"]["per_token"] == 131072 // 8
 

@@ -126,7 +126,9 @@ def model_row(shape: kvm.ModelShape, args: Settings, gpu_bytes: float) -> dict:
         "KV budget GiB": cap["kv_budget_bytes"] / kvm.GIB, "max tokens": cap["max_tokens"],
         "max requests": cap["max_sequences"],
         "_bytes": {"per_token": per_token, "per_token_mha": mha_per_token, "per_request": per_request,
-                   "weights": weights, "kv_budget": cap["kv_budget_bytes"], "seq_len": seq_len},
+                   "weights": weights, "kv_budget": cap["kv_budget_bytes"], "seq_len": seq_len,
+                   "num_blocks": cap["num_blocks"], "block_mib": per_token * args.block_size / kvm.MIB,
+                   "blocks_per_request": kvm.blocks_for_tokens(seq_len, args.block_size)},
     }
 # --8<-- [end:row]
 
@@ -180,7 +182,7 @@ def main() -> int:
     if args.json:
         results = {"models": {r["model"]: {**{k: v for k, v in r.items() if not k.startswith("_")}, **r["_bytes"]}
                               for r in rows},
-                   "gpu_gib": gpu_gib, "self_check": real}
+                   "gpu_gib": gpu_gib, "usable_gib": gpu_gib * (1 - args.reserve_fraction), "self_check": real}
         report.write_json(args.json, results, args)
     return 0
 

@@ -7,7 +7,8 @@ What it shows
        The small pool preempts by recompute: the newest running sequence loses its blocks, goes back to the
        front of the queue keeping its tokens, and later prefills prompt + generated tokens again. The script
        prints each preemption as it happens, checks the engine's invariants after every step, and compares every
-       request's tokens with the unconstrained run (any difference exits 1).
+       request's tokens with the unconstrained run (any difference exits 1). preemption.png draws the pool and the
+       scheduler's running and waiting queues before and after the first step that preempts.
     2. What a preemption costs, two ways of paying:
        recompute  prefill the n tokens again (2 * params * n FLOPs, one batched pass);
        swap       copy the n tokens' K/V out to host memory and back (2 * n * kv_bytes_per_token over the bus).
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys import kv_memory as kvm
 from mlsys.data import Tokenizer, format_record, sample_record
 from mlsys.engine import Engine, EngineConfig, ModelRunner, SamplingParams
@@ -47,7 +48,7 @@ from mlsys.weights import load_pretrained
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     num_requests: int = 6
     """Requests, all queued at once."""
     max_tokens: int = 60
@@ -102,7 +103,8 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
 # --8<-- [start:serve]
 def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, log: bool) -> dict:
     """Run all requests to completion; print preemptions as they happen (with the running and waiting counts
-    after that step); invariants after every step."""
+    after that step); invariants after every step. Keeps the pool and the queues before and after the first
+    step that preempts (the picture)."""
     cfg = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=len(prompts),
                        max_model_len=args.max_model_len, device=device)
     engine = Engine(model, config=cfg)
@@ -110,14 +112,17 @@ def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, l
     ids = [engine.add_request(p, params) for p in prompts]
     seqs = dict(engine.requests)  # request id -> Sequence, to watch their counters
     seen = {i: 0 for i in ids}
-    final, step, t0 = {}, 0, time.perf_counter()
+    final, step, t0, first = {}, 0, time.perf_counter(), None
     while engine.has_unfinished():
         computed = {i: s.num_computed_tokens for i, s in seqs.items()}
+        before = queues(engine)
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
         step += 1
         engine.check_invariants()
+        if first is None and engine.scheduler.num_preemptions:
+            first = {"step": step, "before": before, "after": queues(engine)}
         for i, s in seqs.items():
             if s.metrics.num_preemptions > seen[i]:
                 seen[i] = s.metrics.num_preemptions
@@ -132,8 +137,40 @@ def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, l
             "preemptions_per_request": [final[i].metrics.num_preemptions for i in ids],
             "num_preemptions": stats["num_preemptions"], "steps": stats["num_steps"],
             "prefill_tokens": stats["num_prefill_tokens"], "num_blocks": stats["num_total_blocks"],
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "first_preemption": first}
 # --8<-- [end:serve]
+
+
+def queues(engine: Engine) -> dict:
+    """The scheduler's real queues (request ids, running oldest first, waiting front first) and each block's owner."""
+    sch, owner = engine.scheduler, [None] * engine.block_manager.pool.num_blocks
+    for seq in sch.running:
+        for b in seq.block_table:
+            owner[b] = seq.request_id
+    return {"running": [s.request_id for s in sch.running], "waiting": [s.request_id for s in sch.waiting],
+            "pool": owner}
+
+
+def draw_preemption(first: dict, args: Settings) -> dict:
+    """The pool (one cell per block, labelled with its owner) and both queues, before and after the step."""
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(10, 2.6))
+    ids = sorted({r for snap in (first["before"], first["after"]) for r in snap["running"] + snap["waiting"]})
+    for ax, when in zip(axes, ("before", "after")):
+        snap = first[when]
+        for b, r in enumerate(snap["pool"]):
+            ax.add_patch(plt.Rectangle((b, 0), 1, 1, ec="0.3", fc=plt.cm.tab10(ids.index(r)) if r else "white",
+                                       alpha=0.5 if r else 1))
+            ax.text(b + 0.5, 0.5, r.removeprefix("req-") if r else "free", ha="center", va="center", fontsize=8)
+        running, waiting = (" ".join(r.removeprefix("req-") for r in snap[q]) or "(empty)"
+                            for q in ("running", "waiting"))
+        ax.set_title(f"{when} step {first['step']}:  running (oldest first) {running}  |  waiting (front first) "
+                     f"{waiting}", fontsize=9, loc="left")
+        ax.set(xlim=(0, len(snap["pool"])), ylim=(0, 1))
+        ax.axis("off")
+    fig.tight_layout()
+    print(f"   figure: {plot.save(fig, args, 'preemption')}")
+    return first
 
 
 def _sync(device: torch.device) -> None:
@@ -209,9 +246,12 @@ def main() -> int:
         report.expect_equal(f"request {i}: tokens with preemption vs without", a, b)
     extra = tight["prefill_tokens"] - roomy["prefill_tokens"]
     print(f"   {tight['steps']} steps, {tight['num_preemptions']} preemptions (per request "
-          f"{tight['preemptions_per_request']}), {extra} tokens recomputed; every request's {args.max_tokens} "
+          f"{tight['preemptions_per_request']}), {extra} tokens recomputed ({tight['prefill_tokens']} prefilled in "
+          f"all, {roomy['prefill_tokens']} in the roomy run); every request's {args.max_tokens} "
           f"tokens equal the roomy run's; invariants held after every step; all {args.num_blocks} blocks free at "
           f"the end.")
+    if tight["first_preemption"]:  # none when the pool is big enough
+        tight["first_preemption"] = draw_preemption(tight["first_preemption"], args)
 
     measured = measure_recompute_vs_swap(model, args.swap_tokens, args.block_size, device)
     llama = kvm.MODEL_SHAPES["llama-3-8b"]
