@@ -392,7 +392,8 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
                      + f" holds a step that took {max(slow[n] for n in dirty):.1f}x the median of its engine's "
                      f"{recorded} recorded steps: no four steps in a row were free of such a slow step")
     out["window_short"] = ("clean: no drawn step is an interruption" if out["window_clean"] else
-                           "not clean: a drawn step is over twice as long as it should be")
+                           f"not clean: a drawn step took over {WINDOW_CLEAN_RATIO:g}x the median of its window "
+                           "or of its engine")
     out["window_text"] = (
         f"both drawn windows are clean: no drawn step took more than {WINDOW_CLEAN_RATIO:g}x the median of its "
         f"window or of its engine's {recorded} recorded steps (slowest against the recording: plain "
