@@ -28,7 +28,8 @@ How to run
 Prints each part as soon as it is done: the merge example, the equality and bytes table, the work per rank and
 the memory-vs-length table; draws .cache/figures/context_parallel/memory.png, balance.png, ring.gif,
 ring_strip.png and ulysses.png.
-Runtime on 2 cores: about 50 s idle, 2 minutes or more under load (the memory measurement); --smoke about 3 s.
+Runtime on 2 cores: about 23 s on 2 idle cores, several times longer under load (most of it the memory
+measurement); --smoke about 3 s.
 
 Try next
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py -w 2
@@ -38,8 +39,9 @@ Try next
         (about as long as the default run, most of it the memory measurement) -> 3 does not divide 8 heads:
            ring attention runs, Ulysses is skipped and the script says why
     python tutorial/part2-parallelism/chapter06-tensor-parallel/scripts/context_parallel.py --lengths 8192 16384
-        (slower than the default run: the 16k measurement is its longest) -> 16k tokens: the one-process peak
-           doubles again, and each rank's stays the same fraction of it
+        (much longer than the default run, most of it the 16k measurement; on a loaded machine add --timeout 600,
+        as the other ranks wait for rank 0's one-process pass) -> the one-process peak doubles from 8k to 16k
+           tokens, and the largest rank's stays about the same fraction of it
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     """Attention heads H; Ulysses needs W to divide it."""
     head_dim: int = 32
     """Width of one head D."""
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     """Sequence lengths for the memory measurement (float32, batch 1)."""
     q_tile: int = 128
     """Query rows the ring kernel scores at a time: the scores held at once are q_tile x (K/V chunk length)."""
@@ -454,7 +456,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
               "forward per rank; sequence_parallel.py's table uses another shape)")
     work = {layout: work_per_rank(ctx, args, layout) for layout in ("contiguous", "zigzag")}
     work_rows = [{"rank": r, "contiguous": work["contiguous"][r], "zigzag": work["zigzag"][r]} for r in range(world)]
-    ctx.print("3. causal work per rank (query-key pairs scored, counted in the kernel; equal to causal_work):")
+    ctx.print("3. causal work per rank (query-key pairs scored, counted in the kernel; equal to cp.causal_work's "
+              "count, the sum over the rank's queries at positions i of i + 1):")
     ctx.print(report.table(work_rows))
     share = max(work["contiguous"]) / min(work["contiguous"])
     ctx.print(f"   contiguous: the busiest rank does {share:.2f}x the least busy one's work; zigzag: "

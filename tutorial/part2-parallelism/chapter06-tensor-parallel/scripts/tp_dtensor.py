@@ -60,14 +60,14 @@ class Settings(cli.DistArgs):
                                      f"{self.world_size}")
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
+def local(dt: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (plain tensors pass through)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return dt.to_local() if hasattr(dt, "to_local") else dt
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
+def full(dt: torch.Tensor) -> torch.Tensor:
     """A replicated (or partial) DTensor as one plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return dt.full_tensor() if hasattr(dt, "full_tensor") else dt
 
 
 def compare(rows: list[dict], case: str, name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:

@@ -99,7 +99,7 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
     y_ref.square().sum().backward()
     check("column: output (gathered)", col(x).detach(), y_ref, rows)
     check("column: input grad", x_col.grad, x_ref.grad, rows)
-    check("column: weight grad rows", col.weight.grad, dense.weight.grad.chunk(t, 0)[r], rows)
+    check("column: weight grad (rows of weight)", col.weight.grad, dense.weight.grad.chunk(t, 0)[r], rows)
 
     # row-parallel: input features split, rank r reads x[..., its C/t slice of 2C]
     ref = torch.nn.Linear(2 * args.hidden, args.hidden).to(device)
@@ -114,7 +114,7 @@ def column_and_row(args: Settings, rows: list[dict], device: torch.device) -> di
     out_ref.square().sum().backward()
     check("row: output (after all-reduce)", out, out_ref, rows)
     check("row: input grad slice", h_mine.grad, h_ref.grad.chunk(t, -1)[r], rows)
-    check("row: weight grad columns", row.weight.grad, ref.weight.grad.chunk(t, 1)[r], rows)
+    check("row: weight grad (columns of weight)", row.weight.grad, ref.weight.grad.chunk(t, 1)[r], rows)
     check("row: bias grad (replicated)", row.bias.grad, ref.bias.grad, rows)
     # where each rank's block sits in A = W^T (in, out): column-parallel owns columns, row-parallel owns rows
     mine = {"column": locate(col.weight.detach().T, dense.weight.detach().T, 1),
