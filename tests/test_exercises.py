@@ -279,13 +279,24 @@ def _exercise_of(wrong) -> exercises.Exercise:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wrong", WRONG, ids=lambda p: f"{p.parents[2].name[:9]}/{p.stem}")
-def test_a_stored_wrong_attempt_fails(wrong) -> None:
+def test_a_stored_wrong_attempt_fails_and_is_pointed_at_hints_about_its_bug(wrong) -> None:
     """exercises/wrong/ex<K>_<mistake>.py holds a plausible mistake (off by one, wrong reduction, forgot to divide
     by the world size...): the checker must FAIL it, with no task before the failure left TODO (a wrong attempt is
-    a whole attempt). The tasks after the first FAIL are not run: the suite only needs to know that it fails."""
-    outcomes = exercises.check(_exercise_of(wrong), target=wrong, time_limit=60, stop_at_fail=True)
+    a whole attempt). The tasks after the first FAIL are not run: the suite only needs to know that it fails.
+    And the first FAIL names FOR=<a function that task checks>, and tagged hints about that function exist: the
+    learner is sent to the hints about the function that failed, not to the whole list. (One checker run serves
+    both: the checker runs the attempt's ranks, seconds each.)"""
+    exercise = _exercise_of(wrong)
+    outcomes = exercises.check(exercise, target=wrong, time_limit=60, stop_at_fail=True)
     statuses = [o.status for o in outcomes]
     assert "FAIL" in statuses and "TODO" not in statuses, outcomes
+    first = statuses.index("FAIL")
+    functions = exercises.task_functions(exercise.checker)[first]
+    pointer = exercises._hint_pointer(exercise, functions)
+    assert "FOR=" in pointer, pointer
+    name = pointer.split("FOR=")[1]
+    assert name in functions, (name, functions)
+    assert any(name in tags for tags, _ in exercises.tagged_hints(exercise)), f"no hint is tagged 'for: {name}'"
 
 
 def test_every_exercise_is_listed_in_its_lesson() -> None:
@@ -402,18 +413,3 @@ def test_every_task_checks_one_function() -> None:
             assert pointer.endswith(f"FOR={written[0]}"), f"{where} checks {written[0]}, its FAIL says: {pointer}"
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("wrong", WRONG, ids=lambda p: f"{p.parents[2].name[:9]}/{p.stem}")
-def test_a_wrong_attempt_is_pointed_at_hints_about_its_bug(wrong) -> None:
-    """The first FAIL of a stored wrong attempt names FOR=<a function that task checks>, and tagged hints about that
-    function exist: the learner is sent to the hints about the function that failed, not to the whole list."""
-
-    exercise = _exercise_of(wrong)
-    outcomes = exercises.check(exercise, target=wrong, time_limit=60, stop_at_fail=True)
-    first = next(i for i, o in enumerate(outcomes) if o.status == "FAIL")
-    functions = exercises.task_functions(exercise.checker)[first]
-    pointer = exercises._hint_pointer(exercise, functions)
-    assert "FOR=" in pointer, pointer
-    name = pointer.split("FOR=")[1]
-    assert name in functions, (name, functions)
-    assert any(name in tags for tags, _ in exercises.tagged_hints(exercise)), f"no hint is tagged 'for: {name}'"
