@@ -476,6 +476,10 @@ def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
         assert res["prefill_compute_bound_from"] == f"from L = {lengths[first]} tokens on"
     else:
         assert res["prefill_compute_bound_from"].startswith("at none of the lengths measured")
+    # "B = ... sequences raised that to ... FLOPs per byte, <decode_last_vs_ridge>": the largest batch's side
+    below = decode[-1]["intensity"] <= ridge
+    assert res["decode_last_vs_ridge"] == ("below the ridge: memory-bound" if below else
+                                           "above the ridge: compute-bound")
 
 
 def test_static_won_names_the_rows_where_static_batching_did_better(smoke_cache):

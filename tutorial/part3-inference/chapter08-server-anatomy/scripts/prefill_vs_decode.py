@@ -360,6 +360,7 @@ def main() -> None:
                                       "ridge_flops_per_byte": ridge, "prefill": prefill, "decode": decode,
                                       "prefill_peak_len": p_peak["prompt_len"],
                                       "prefill_compute_bound_from": compute_bound_from,
+                                      "decode_last_vs_ridge": bound(d_last["intensity"]),
                                       "prefill_peak_tokens_per_s": p_peak["tokens_per_s"],
                                       "prefill_peak_sentence": prefill_peak_sentence(prefill),
                                       "prefill_median_peak_len": p_peak_med["prompt_len"],
