@@ -407,6 +407,23 @@ def test_line_nearer_text_names_what_this_run_shows(slower: str) -> None:
     assert f"the {near}, {word}" in text and f"at {wins} of the {len(sizes)} sizes" in text
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_step_cost_text_divides_each_time_by_its_own_steps(p: int) -> None:
+    """The lesson explains the ring-tree gap and gloo's speed per step: each median time at the smallest size
+    over the steps that algorithm takes, counted here by hand (ring and gloo's ring 2(p-1), tree 2 floor(log2 p)),
+    and over the fitted alpha."""
+    rvt = load("ring_vs_tree")
+    steps = {"ring": 2 * (p - 1), "tree": 2 * int(math.log2(p)), "gloo all_reduce": 2 * (p - 1)}
+    time_of = {("ring", 256): 9000.0, ("tree", 256): 2400.0, ("gloo all_reduce", 256): 1500.0}
+    alpha = 600e-6
+    text = rvt.step_cost_text(time_of, p, 256, alpha)
+    for name, label in (("ring", "our ring"), ("tree", "our tree"), ("gloo all_reduce", "gloo")):
+        per = time_of[name, 256] / steps[name]
+        assert (f"a step of {label} took {per:.0f} us ({time_of[name, 256]:.0f} us over {steps[name]} steps, "
+                f"{per / 600:.2f} alpha)") in text
+    assert "alpha)" not in rvt.step_cost_text(time_of, p, 256, 0.0)
+
+
 @pytest.mark.parametrize(("ring_wins", "kind", "words"), [
     ([True, False, False, False, False, False], "opposite to the model",
      "shows one switch, the opposite way to the model's: the ring was faster up to 256 B, the tree from 1.0 KiB"),
@@ -528,12 +545,12 @@ def test_split_fits_every_other_size_plus_the_largest() -> None:
     # 0.85 / 0.8 = 1.0625: a rise, named with its factor, too small to count; 1 - 0.85 / 1.5 = 43.3%
     ([0.15, 0.55, 1.5, 0.9, 0.8, 0.85], "fall that stays", "ended 43.3% lower, at 0.85 GB/s at the largest size"),
     ([0.15, 0.55, 1.5, 0.9, 0.8, 0.85], "fall that stays",
-     "it rose from 0.80 GB/s at 8 MiB to 0.85 GB/s at 32 MiB, but only 1.06x, under the 1.2x"),
+     "after its low point, 0.80 GB/s at 8 MiB, the best later size (32 MiB) reached only 1.06x it, under the 1.2x"),
     # a reader's run: 8 MiB lower than both 2 and 32 MiB, yet 2.149 / 1.816 = 1.18 < 1.2, so the sentence must
     # show that rise and why it is not a recovery, not only say "a fall that stays"
     ([0.2, 0.9, 2.80, 1.816, 2.149], "fall that stays",
-     "it rose from 1.82 GB/s at 8 MiB to 2.15 GB/s at 32 MiB, but only 1.18x, under the 1.2x that counts as a "
-     "recovery: a fall that stays to the end"),
+     "after its low point, 1.82 GB/s at 8 MiB, the best later size (32 MiB) reached only 1.18x it, under the 1.2x "
+     "that counts as a recovery: a fall that stays to the end"),
     # 1.25 / 1.0 = 1.25: just past the threshold
     ([0.2, 0.9, 2.0, 1.0, 1.25], "dip that recovers", "1.25x the low point (at least 1.2x)"),
     ([0.15, 0.55, 1.5, 0.9, 0.8, 0.7], "fall that stays",

@@ -367,9 +367,9 @@ def busbw_pattern(rows: list[dict], round_times_us: list[list[float]] | None = N
             f"{RECOVERY:g}x): a dip that recovers, not a fall that stays to the end (the pattern of load: rerun "
             "and it moves or goes)")
     drop = 1 - bw[-1] / bw[top]
-    partial = (f"; it rose from {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])} to {bw[best]:.2f} GB/s "
-               f"at {size_text(rows[best]['size (B)'])}, but only {rise:.2f}x, under the {RECOVERY:g}x that counts "
-               "as a recovery" if best != low else "")
+    partial = (f"; after its low point, {bw[low]:.2f} GB/s at {size_text(rows[low]['size (B)'])}, the best later "
+               f"size ({size_text(rows[best]['size (B)'])}) reached only {rise:.2f}x it, under the {RECOVERY:g}x "
+               "that counts as a recovery" if best != low else "")
     # the parenthesis checks the sizes after the lowest point; when the lowest point is the largest size (as
     # when only one size follows the peak) there are none, so it would state a test that tested nothing
     check = (f" (no larger size rose {RECOVERY:g}x above the lowest point after the peak)" if later else "")

@@ -488,6 +488,7 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "more_ranks_crossover_text": more_ranks_text(crossover_at_more_ranks(alpha, beta, more)) if more else
             "no larger rank count to predict",
             "ring_latency_bound_text": ring_latency_bound_text(alpha, beta, world_size, sizes),
+            "step_cost_text": step_cost_text(time_of, world_size, sizes[0], alpha),
             "line_nearer_text": line_nearer_text(points, time_of, sizes)}
 
 
@@ -502,6 +503,17 @@ def ring_latency_bound_text(alpha: float, beta: float, world_size: int, sizes: l
     return f"{len(below)} of the {len(sizes)} sizes{knee}"
 
 
+def step_cost_text(time_of: dict, world_size: int, size: int, alpha: float) -> str:
+    """Each algorithm's median time at `size` over the steps it takes (gloo's ring: 2(p-1), as ours), also in
+    units of the fitted alpha: a model with one cost per step would give every algorithm the same."""
+    steps = {"ring": cost_terms("ring", world_size)[0], "tree": cost_terms("tree", world_size)[0],
+             "gloo all_reduce": 2 * (world_size - 1)}
+    return f"at {size_text(size)}, " + ", ".join(
+        f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {time_of[name, size] / a:.0f} us "
+        f"({time_of[name, size]:.0f} us over {a} steps" + (f", {time_of[name, size] / a / (alpha * 1e6):.2f} alpha)"
+                                                         if alpha > 0 else ")") for name, a in steps.items())
+
+
 def line_nearer_text(points: list[dict], time_of: dict, sizes: list[int]) -> str:
     """Which of the ring's and the tree's points the one fitted line passes nearer (the smaller median of
     |log(measured/model)|), and which of the two had the lower median time at more sizes: both read off the run,
@@ -514,7 +526,7 @@ def line_nearer_text(points: list[dict], time_of: dict, sizes: list[int]) -> str
               else "neither the faster nor the slower of the two")
     return (f"the line passes nearer the {near}'s points (median {float(np.median(ratio[near])):.2f}x the line) "
             f"than the {far}'s ({float(np.median(ratio[far])):.2f}x); the {near}, {faster}, had the lower median "
-            f"time at {wins[near]} of the {len(sizes)} sizes")
+            f"time at {wins[near]} of the {len(sizes)} sizes (medians only; section 2's ties compare ranges)")
 
 
 def draw_times(rows: list[dict], world_size: int, args: Settings) -> None:
@@ -727,6 +739,7 @@ def print_model(summary: dict, w: int) -> None:
     print(f"fit: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, beta = {summary['beta_s_per_byte'] * 1e9:.3f} "
           "ns per byte " + (f"(1/beta = {summary['fit_bandwidth_GBps']:.2f} GB/s)" if summary["fit_bandwidth_GBps"]
                             else "(no per-byte cost: the fit put all of every time into alpha)"))
+    print(f"time per step, measured: {summary['step_cost_text']}")
     ratio = {(p["algorithm"], p["size (B)"]): p["measured/model"] for p in summary["model_points"]}
     names = list(dict.fromkeys(p["algorithm"] for p in summary["model_points"]))
     print(report.table([{"size (B)": s, "ring, tree points": "fit" if s in fit else "held out",
