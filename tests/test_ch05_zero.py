@@ -287,3 +287,34 @@ def test_zero_step_frames_change_only_what_each_collective_writes(zero_run: dict
         assert changed["all-gather"].isdisjoint(mine)
         assert len((changed["update"] | changed["all-gather"]) & set(range(psi))) > 0.99 * psi
         assert not changed["backward"] and not changed["reduce-scatter"]
+
+
+@pytest.mark.parametrize("world_size", range(1, 10))
+def test_zero_grid_never_draws_a_rank_shard_in_the_full_copy_grey(world_size: int) -> None:
+    """The grid's title says grey is a full copy and a colour is a rank's own shard: at every world size the script
+    accepts (1..8, and one more), each rank's shard gets its own colour, none of them a grey (red, green and blue
+    within a few hundredths of each other), and full copies are grey."""
+    from matplotlib.colors import to_rgb
+
+    from mlsys import plot
+
+    n = 8
+    layouts = [{"units": [(0, n * world_size)],
+                "params": {"held": [(0, n * world_size)], "changed": []},  # a full copy
+                "grads": {"held": [], "changed": []},
+                "optimizer": {"held": [(r * n, r * n + n // 2)], "changed": []}}  # part of rank r's slice
+               for r in range(world_size)]
+    plt = plot.pyplot()
+    fig, ax = plt.subplots()
+    drawn = common.draw_rank_rows(ax, layouts)
+    plt.close(fig)
+
+    def grey(c) -> bool:
+        rgb = to_rgb(c)
+        return max(rgb) - min(rgb) < 0.05
+
+    own = {b["rank"]: to_rgb(b["colour"]) for b in drawn if b["own"]}
+    assert sorted(own) == list(range(world_size))
+    assert len(set(own.values())) == world_size  # one colour per rank
+    assert not any(grey(c) for c in own.values()), own
+    assert all(grey(b["colour"]) for b in drawn if not b["own"])

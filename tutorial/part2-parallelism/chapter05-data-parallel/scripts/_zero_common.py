@@ -180,6 +180,18 @@ def _unit_sizes(layout: dict) -> set[tuple[int, int]]:
     return {tuple(u) for u in layout["units"]}
 
 
+FULL_COPY = "0.8"  # the grid's colour for a full copy of a unit: light grey, never a rank's colour
+
+
+def rank_colours(world_size: int) -> list:
+    """One colour per rank from the book's palette, leaving out its grey (equal red, green and blue), which the
+    grid keeps for full copies; the palette has 9 other colours, enough for the script's 8 ranks."""
+    from mlsys import plot
+
+    palette = plot.colours(f"c{i}" for i in range(10)).values()
+    return [c for c in palette if max(c) - min(c) > 0.05][:world_size]
+
+
 def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | None = None,
                    precision: str = "fp32") -> list[dict]:
     """One row per rank, three blocks side by side (parameters, gradients, Adam state), each block the flat
@@ -188,12 +200,10 @@ def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | 
     at this moment get a black hatch. Returns the boxes it drew (rank, kind, start, end, own): the tests read them."""
     from matplotlib.patches import Rectangle
 
-    from mlsys import plot
-
     W = len(layouts)
     total = max(b for _, b in layouts[0]["units"])
     gap = 0.08 * total
-    colour = plot.colours([f"rank {r}" for r in range(W)])
+    colour = rank_colours(W)
     drawn = []
     for r, layout in enumerate(layouts):
         y = W - 1 - r
@@ -203,9 +213,10 @@ def draw_rank_rows(ax, layouts: list[dict], key: str = "held", highlight: str | 
             ax.add_patch(Rectangle((x0, y - 0.4), total, 0.8, fill=False, edgecolor="0.6", linewidth=0.5))
             for a, b in layout[kind][key]:
                 own = (a, b) not in units  # a whole unit is a full copy; anything else is this rank's slice
-                ax.add_patch(Rectangle((x0 + a, y - 0.4), b - a, 0.8, color=colour[f"rank {r}"] if own else "0.8",
+                ax.add_patch(Rectangle((x0 + a, y - 0.4), b - a, 0.8, color=colour[r] if own else FULL_COPY,
                                        linewidth=0))
-                drawn.append({"rank": r, "kind": kind, "start": a, "end": b, "own": own})
+                drawn.append({"rank": r, "kind": kind, "start": a, "end": b, "own": own,
+                              "colour": tuple(colour[r]) if own else FULL_COPY})
             if highlight:
                 for a, b in layout[kind]["changed"]:
                     ax.add_patch(Rectangle((x0 + a, y - 0.4), b - a, 0.8, fill=False, hatch="////",
