@@ -8,6 +8,7 @@ Fast tests use the `tiny` preset with random weights (no training); the GPU ones
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -393,6 +394,49 @@ def test_window_text_flags_a_step_slow_against_its_own_window() -> None:
     good = mod.timeline_summary({"plain": even, "overlap": even})
     assert good["window_clean"] and good["window_text"].startswith("both drawn windows are clean")
     assert bad["window_short"].startswith("not clean") and good["window_short"].startswith("clean")
+
+
+def test_window_text_flags_a_box_slow_against_its_engine_s_recorded_boxes() -> None:
+    """The reader's window: two of four plain steps interrupted, step 1 in its schedule + prepare (5 ms against
+    0.4 ms) and step 2 in its forward (8 ms against 1.7 ms). They lift the window's median step so far that no step
+    is 2x it, yet each slow box is several times its kind's median over the whole recording. Hand-made spans; which
+    boxes stand out is worked out here (over 3x the recorded median box, by more than a quarter of a median step)."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    box_median = {"schedule + prepare": 0.4, "forward": 1.7, "sample + detokenize": 0.2}
+    step_median = 5.0  # ms, of all 24 recorded steps: half the recording was slowed too
+
+    def rows(boxes):
+        return [{"start": 10.0 * i, "stages": {"total": (sp + f + sd) / 1e3, "schedule": sp / 2e3, "prepare": sp / 2e3,
+                                              "sample": sd / 1e3, "detokenize": 0.0, "launch": 0.0,
+                                              "overlapped": sp / 1e3, "forward": f / 1e3},
+                 "forward": [10.0 * i + sp, 10.0 * i + sp + f], "recorded_median_ms": step_median, "recorded": 24,
+                 "box_median_ms": box_median} for i, (sp, f, sd) in enumerate(boxes)]
+    plain = [(0.4, 1.7, 0.2), (5.0, 1.7, 0.2), (0.4, 8.0, 0.2), (0.5, 1.6, 0.2)]
+    even = rows([(0.4, 1.7, 0.2)] * 4)
+    summ = mod.timeline_summary({"plain": rows(plain), "overlap": even})
+    want = [(n, kind) for n, b in enumerate(plain) for kind, ms in zip(box_median, b)
+            if ms > 3 * box_median[kind] and ms - box_median[kind] > 0.25 * step_median]
+    assert want == [(1, "schedule + prepare"), (2, "forward")]
+    assert not summ["window_clean"] and summ["window_short"].startswith("not clean")
+    for n, kind in want:
+        assert f"plain step {n}'s {kind} box took" in summ["window_text"]
+    # the old rule (steps against the window's own median and the recording's median step) called it clean
+    totals = [sum(b) for b in plain]
+    assert max(totals) <= 2 * statistics.median(totals) and max(totals) <= 2 * step_median
+    assert mod.timeline_summary({"plain": even, "overlap": even})["window_clean"]
+
+
+@pytest.mark.parametrize("plain,overlap,sched", [(8.54, 39.24, 1.0), (14.11, 16.41, 2.14), (42.95, 5.1, 2.2),
+                                                 (8.91, 11.02, 2.46), (3.0, 6.5, 0.5), (3.0, 3.2, 0.5)])
+def test_noise_note_marks_an_implausible_loss_as_well_as_an_implausible_gain(plain, overlap, sched) -> None:
+    """A row is noise if it saved more than the plain sched+prep (all that can hide), or lost more than a whole
+    plain step (the reader's --threads 2 row, 8.54 ms plain against 39.24 ms overlapped, went unmarked under the old
+    rule, which looked at gains only). Hand-made rows; the bounds are applied here."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    saved = plain - overlap
+    row = {"plain ms": plain, "overlap ms": overlap, "saved ms": saved, "plain sched+prep ms": sched}
+    assert bool(mod.noise_note(row)) == (saved > sched or -saved > plain)
+    assert ("lost" in mod.noise_note(row)) == (-saved > plain)
 
 
 @pytest.mark.parametrize("notes", [("", "", "", ""), ("", "noise", "", "noise"), ("noise", "", "noise", "noise"),

@@ -11,7 +11,8 @@ What it shows
     2. The effect, per batch size: B sequences decoding, each engine timed over the same number of steps,
        the two engines alternating in rounds so that both see the same machine load. Printed: ms per step
        for each, the time saved per step, and the CPU work (schedule + prepare) each engine does: in line in
-       the plain one, while the forward runs in the overlapped one.
+       the plain one, while the forward runs in the overlapped one. A row that saved more than the plain
+       sched+prep, or lost more than a whole plain step, is marked noise.
        On a CPU the forward runs in a worker thread and the scheduler's Python can run only while that
        thread is inside a kernel (PyTorch releases the GIL there), not while the forward's own Python
        dispatches ops. On a GPU the forward is an asynchronous launch, so the CPU work hides behind the GPU's
@@ -21,7 +22,8 @@ What it shows
        sequences (of 24 recorded, the 4 consecutive steps whose slowest step is the fastest, so that an
        interrupted step stays out of the picture whenever the run has 4 uninterrupted steps in a row; the output
        says whether the drawn window is clean: no drawn step over 2x the median of its own window, nor over 2x its
-       engine's median recorded step, so a recording slowed evenly throughout passes; it names a step that fails) on two
+       engine's median recorded step, and no drawn box over 3x its engine's median box of that kind over all
+       recorded steps, so a recording slowed evenly throughout passes; it names a step or box that fails) on two
        lanes, the main thread (from the engines' own stage timings) and the
        forward (when the runner's forward really ran, timed in the thread that ran it); printed: each engine's
        median step and forward, how long after the launch the worker started the forward (its start delay), and
@@ -196,14 +198,33 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
         g, go = med["graphs"], med["graphs+overlap"]
         row |= {"graphs ms": g["total"] * 1e3, "graphs+overlap ms": go["total"] * 1e3,
                 "speed-up w/ graphs": g["total"] / go["total"]}
-    # only the plain engine's sched+prep can hide behind the forward: a saving above it is load noise
-    row["note"] = "noise: saved > sched+prep" if row["saved ms"] > row["plain sched+prep ms"] else ""
+    row["note"] = noise_note(row)
     return row
+
+
+def noise_note(row: dict) -> str:
+    """Table 2's note: only the plain engine's sched+prep can hide behind the forward, so a saving above it is load
+    noise; an overlapped step does the plain step's work (at worst one thread after the other) plus two waits, so a
+    loss of more than a whole plain step is load noise too."""
+    if row["saved ms"] > row["plain sched+prep ms"]:
+        return "noise: saved > sched+prep"
+    return "noise: lost > plain step" if -row["saved ms"] > row["plain ms"] else ""
 # --8<-- [end:timing]
 
 
 TIMELINE_TRIES = 6  # windows of recorded steps per drawn window: 4 drawn steps of 24 recorded
 WINDOW_CLEAN_RATIO = 2.0  # a drawn step slower than this many times its engine's median step was interrupted
+BOX_CLEAN_RATIO = 3.0  # a drawn box this many times its engine's median box of that kind was interrupted, if it
+BOX_VISIBLE = 0.25  # also outlasts that median by this share of the engine's median step (tiny boxes jitter)
+
+
+def box_ms(name: str, row: dict) -> dict[str, float]:
+    """One recorded step's drawn boxes by kind, in ms: its schedule + prepare (for the overlapped engine, step
+    n+1's, run beside forward n), its forward as really run, and its sample + detokenize."""
+    st = row["stages"]
+    sp = st.get("overlapped", 0.0) if name == "overlap" else st.get("schedule", 0.0) + st.get("prepare", 0.0)
+    return {"schedule + prepare": sp * 1e3, "forward": row["forward"][1] - row["forward"][0],
+            "sample + detokenize": (st.get("sample", 0.0) + st.get("detokenize", 0.0)) * 1e3}
 
 
 def record_timeline(model, args: Settings, device: str, steps: int = 4,
@@ -245,9 +266,11 @@ def record_timeline(model, args: Settings, device: str, steps: int = 4,
                 key=lambda i: (max(totals[i : i + steps]), sum(totals[i : i + steps])))
         t0 = rows[k]["start"]
         median_ms = statistics.median(totals) * 1e3  # of all recorded steps: what an uninterrupted step takes
+        boxes = [box_ms(name, r) for r in rows]  # per kind: a few steps slowed in different boxes lift no median
+        box_median = {kind: statistics.median(b[kind] for b in boxes) for kind in boxes[0]}
         out[name] = [{"start": r["start"] - t0, "stages": r["stages"], "forward": [r["forward"][0] - t0,
                                                                                    r["forward"][1] - t0],
-                      "recorded_median_ms": median_ms, "recorded": recorded}
+                      "recorded_median_ms": median_ms, "recorded": recorded, "box_median_ms": box_median}
                      for r in rows[k : k + steps]]
     return out
 
@@ -382,21 +405,34 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
         others = statistics.median(t for i, t in enumerate(totals) if i != n_max) if len(totals) > 1 else own
         if totals[n_max] > WINDOW_CLEAN_RATIO * own:
             outlier[name] = (n_max, totals[n_max] / others)
+    # (c) each drawn box against its engine's median box of that kind over all recorded steps: two slow steps of
+    # four lift the window's own median; slowed in different boxes, they leave each box's recorded median low
+    boxes = []
+    for name, rows in tl.items():
+        med, floor = rows[0].get("box_median_ms", {}), BOX_VISIBLE * rows[0].get("recorded_median_ms", 0.0)
+        boxes += [(name, n, kind, ms, med[kind]) for n, r in enumerate(rows) for kind, ms in box_ms(name, r).items()
+                  if kind in med and ms > BOX_CLEAN_RATIO * med[kind] and ms - med[kind] > floor]
     dirty = [n for n in slow if not slow[n] <= WINDOW_CLEAN_RATIO]
     recorded = tl["plain"][0].get("recorded", len(tl["plain"]))
-    out["window_clean"] = not dirty and not outlier
+    out["window_clean"] = not dirty and not outlier and not boxes
     label = {"plain": "plain", "overlap": "overlapped"}
     parts = [f"{label[n]} step {k} took {r:.1f}x the others in its window" for n, (k, r) in outlier.items()]
     if dirty:
         parts.append(" and ".join(f"the {label[n]} engine's window" for n in dirty)
                      + f" holds a step that took {max(slow[n] for n in dirty):.1f}x the median of its engine's "
                      f"{recorded} recorded steps: no four steps in a row were free of such a slow step")
-    out["window_short"] = ("clean: no drawn step is an interruption" if out["window_clean"] else
+    parts += [f"{label[n]} step {k}'s {kind} box took {ms:.2f} ms against a median of {m:.2f} ms for that box "
+              f"over the engine's {recorded} recorded steps" for n, k, kind, ms, m in boxes[:3]]
+    if len(boxes) > 3:
+        parts.append(f"{len(boxes) - 3} more such box{'es' * (len(boxes) > 4)}")
+    out["window_short"] = ("clean: no drawn step or box is an interruption" if out["window_clean"] else
                            f"not clean: a drawn step took over {WINDOW_CLEAN_RATIO:g}x the median of its window "
-                           "or of its engine")
+                           f"or of its engine, or a drawn box over {BOX_CLEAN_RATIO:g}x its engine's median box of "
+                           "that kind")
     out["window_text"] = (
         f"both drawn windows are clean: no drawn step took more than {WINDOW_CLEAN_RATIO:g}x the median of its "
-        f"window or of its engine's {recorded} recorded steps (slowest against the recording: plain "
+        f"window or of its engine's {recorded} recorded steps, and no drawn box more than {BOX_CLEAN_RATIO:g}x its "
+        f"engine's median box of that kind (slowest step against the recording: plain "
         f"{slow['plain']:.2f}x, overlapped {slow['overlap']:.2f}x); a recording slowed evenly throughout by the "
         "machine's load would pass this test too"
         if out["window_clean"] else
@@ -455,7 +491,8 @@ def main() -> int:
     print("   saved: plain - overlap per step. Only the plain engine's sched+prep is CPU work that can hide behind the"
           " forward (overlap sched+prep: the same work plus moving the sequences past step n, run beside the forward"
           " and sharing the cores and the GIL with it), so a row that saved more than it (note: noise) measured the"
-          " machine's load, not the overlap")
+          " machine's load, not the overlap; so did a row that lost more than a whole plain step (an overlapped step"
+          " does the plain step's work, at worst one thread after the other, plus the two waits of line 3)")
     tl = record_timeline(model, args, device)
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
     print(f"{timeline_line(summ, args.timeline_batch, len(tl['plain']), TIMELINE_TRIES * len(tl['plain']))} "

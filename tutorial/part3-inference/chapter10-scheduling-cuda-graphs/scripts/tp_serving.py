@@ -334,7 +334,9 @@ def main() -> int:
         table_ms = next((r["step_ms"] for r in runs if r["tp"] == traced), None)
         if table_ms:
             print(f"   the drawn step is {picture['step_ms'] / table_ms:.2f}x the table's median step at TP={traced} "
-                  f"({table_ms:.3g} ms): one traced step, under the profiler, against the median of many")
+                  f"({table_ms:.3g} ms): one traced step, under the profiler, against the median of many. The "
+                  "profiler slows each op, but the machine's load moves between the table's steps and this one, "
+                  "so the traced step can also come out faster than the median")
             picture |= {"table_step_ms": table_ms, "vs_table": picture["step_ms"] / table_ms}
         picture |= {"tp": traced, "spans": [vars(s) for s in spans]}
         print(f"figure: {draw_step(spans, picture, traced, args)}")
