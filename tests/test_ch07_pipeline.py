@@ -506,6 +506,9 @@ def test_ends_vs_mean_sentence_follows_the_raw_events(trace_run) -> None:
     words = ["shorter than" if a < b else "longer than" if a > b else "as long as"
              for a, b in zip(shown[:2], shown[2:])]
     text = res["ends_vs_mean"]
+    shares = round(res["measured"]["mean"], 3), round(res["ideal"], 3)  # as printed
+    vs = "above" if shares[0] > shares[1] else "below" if shares[0] < shares[1] else "equal to"
+    assert res["net_pull"] == load_script(SCRIPTS / "pipeline_trace.py").net_pull(vs, text)
     assert text.startswith(f"stage 0's first forward took {shown[0]:.2f} ms against a mean forward of "
                            f"{shown[2]:.2f} ms, its last backward {shown[1]:.2f} ms against a mean backward of "
                            f"{shown[3]:.2f} ms: "), text
@@ -536,3 +539,32 @@ def test_ends_vs_mean_names_a_direction_only_where_the_printed_numbers_differ(va
     shown = [f"{x:.2f}" for x in values]
     assert text == (f"stage 0's first forward took {shown[0]} ms against a mean forward of {shown[2]} ms, its last "
                     f"backward {shown[1]} ms against a mean backward of {shown[3]} ms: {verdict}"), text
+
+
+@pytest.mark.parametrize("durations", [(6.0, 9.0, 7.0, 10.0), (8.0, 11.0, 7.0, 10.0), (7.31, 9.55, 7.02, 9.61),
+                                       (7.001, 9.598, 7.0, 9.601), (6.5, 9.604, 7.0, 9.601)])
+@pytest.mark.parametrize("shares", [(0.319, 0.2), (0.15, 0.2), (0.2, 0.2)])
+def test_net_pull_names_the_winner_the_two_comparisons_imply(durations, shares) -> None:
+    """The note's last sentence (net_pull) says which pull won. Up only adds idle time, so: a measured share above
+    the ideal one with only shorter ends means Up outweighed them; below it, the shorter ends outweighed Up; below it
+    with no shorter end, the note's two pulls cannot explain it. Decided here from the numbers as printed."""
+    trace = load_script(SCRIPTS / "pipeline_trace.py")
+    shown = [round(x, 2) for x in durations]
+    short = sum(a < b for a, b in zip(shown[:2], shown[2:]))
+    long_ = sum(a > b for a, b in zip(shown[:2], shown[2:]))
+    measured, ideal = shares
+    vs = "above" if measured > ideal else "below" if measured < ideal else "equal to"
+    text = trace.net_pull(vs, trace.ends_vs_mean(*durations))
+    if vs == "equal to":
+        expected = "the pulls cancelled out"
+    elif vs == "above":
+        expected = ("Up and the longer end outweighed the shorter one" if short and long_
+                    else "Up outweighed the ends' pull down" if short
+                    else "Up and the ends both pushed it up" if long_ else "Up alone pushed it up")
+    else:
+        expected = ("the shorter end outweighed Up and the longer end" if short and long_
+                    else "the ends' pull down outweighed Up" if short
+                    else "something this note leaves out pulled it down")
+    assert text.endswith(expected), text
+    if vs != "equal to":
+        assert text.startswith(f"the measured share came out {vs} the ideal one, "), text

@@ -244,7 +244,8 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
             "forward_ms": fwd, "backward_ms": bwd, "ends_vs_mean": ends,
             # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
             "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
-            "measured_vs_ideal": vs, "cores": len(os.sched_getaffinity(0))}  # the ranks share these cores
+            "measured_vs_ideal": vs, "net_pull": net_pull(vs, ends),
+            "cores": len(os.sched_getaffinity(0))}  # the ranks share these cores
 
 
 def ends_vs_mean(first_forward: float, last_backward: float, forward: float, backward: float) -> str:
@@ -275,6 +276,24 @@ def ends_vs_mean(first_forward: float, last_backward: float, forward: float, bac
             effect = (f"so only the {end} pulled the measured share down" if "shorter" in words
                       else f"so only the {end} pushed the measured share up")
     return f"{numbers}: {verdict}, {effect}"
+
+
+def net_pull(vs: str, ends: str) -> str:
+    """The note's verdict on which pull won, from the measured-vs-ideal word and the ends_vs_mean sentence. Up only
+    adds idle time, so a share above the ideal one despite ends that pulled it down means Up was the larger pull,
+    and a share below it means the shorter ends outweighed Up."""
+    pull = ("opposite" if "opposite" in ends else "down" if "share down" in ends
+            else "up" if "share up" in ends else "neither")
+    if vs == "equal to":
+        return "the measured share equals the ideal one as printed, so the pulls cancelled out"
+    verdict = {("above", "down"): "so Up outweighed the ends' pull down",
+               ("above", "up"): "so Up and the ends both pushed it up",
+               ("above", "neither"): "so Up alone pushed it up",
+               ("above", "opposite"): "so Up and the longer end outweighed the shorter one",
+               ("below", "down"): "so the ends' pull down outweighed Up",
+               ("below", "opposite"): "so the shorter end outweighed Up and the longer end"}
+    return f"the measured share came out {vs} the ideal one, " + verdict.get(
+        (vs, pull), "yet no end was shorter than its mean, so something this note leaves out pulled it down")
 
 
 def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
