@@ -229,8 +229,8 @@ def below_reason(n_co: int, gpus: int, tp: int) -> str:
         return f"the count just below {n_co}"
     widest = max(t for n in between for t in (1, 2, 4, 8) if n % t == 0)
     if widest < tp:
-        return (f"the largest count below {n_co} that TP {tp} divides; the counts between allow at most TP {widest}, "
-                f"{tp // widest}x the engine weights per GPU")
+        return (f"{gpus} is the largest count below {n_co} that TP {tp} divides; {gpus + 1} to {n_co - 1} allow at "
+                f"most TP {widest}, at least {tp // widest}x the engine weights per GPU")
     return f"the count below {n_co} with the lowest peak"
 
 
@@ -383,8 +383,8 @@ def main() -> int:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
-            print("Each count from there up, with its best engine TP among those that divide it (the smallest that "
-                  "fits, else the largest) and its peak:")
+            print("Each count from there up, with its peak at its best engine TP: of the TPs that divide the count, "
+                  "the smallest that fits, or if none fits, the one with the lowest peak:")
             print(report.table(result["colocated_near"], floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
