@@ -423,9 +423,15 @@ def test_rlhf_loop_hacking_words_agree_with_its_own_counts(smoke_cache) -> None:
     assert counts == [sft["hacks"], trained["hacks"]]
     word = "stayed" if counts[0] == counts[1] else "rose" if counts[1] > counts[0] else "fell"
     assert h["hacks_change"].startswith(word)
+    a, b = (format(e["rule_score"], ".2f") for e in (sft, trained))  # the rule score as printed
+    assert h["rule_change"] == (f"stayed at {a}" if a == b else
+                                f"{'rose' if trained['rule_score'] > sft['rule_score'] else 'fell'} from {a} to {b}")
+    assert f"rule score {h['rule_change']};" in proc["stdout"]
     paid = sft["reward_malformed"] > sft["reward_valid"]  # nan (no malformed record) compares False
     assert h["sft_malformed_paid"] == ("above" if paid else "not above")
     assert f"records with four or repeated languages {h['hacks_change']};" in proc["stdout"]
+    settings = proc["json"]["settings"]  # section 2's header names the controller the run used (--k-beta shows)
+    assert f"KL target {settings['kl_target']}, gain K_beta {settings['k_beta']})" in proc["stdout"]
 
 
 def test_response_kind_names_how_a_record_breaks_the_schema() -> None:

@@ -42,7 +42,7 @@ def check_k1(ex) -> None:
     _unbiased("k1", ex.kl_k1)
 
 
-@task("kl_k3: (r - 1) - log r per token, >= 0 everywhere, exactly 0 where pi = pi_ref, unbiased")
+@task("kl_k3: (w - 1) - log w per token, >= 0 everywhere, exactly 0 where pi = pi_ref, unbiased")
 def check_k3(ex) -> None:
     logp, ref = _samples()
     k3 = ex.kl_k3(logp, ref)
@@ -50,7 +50,7 @@ def check_k3(ex) -> None:
     assert (k3 >= 0).all(), f"k3 has {(k3 < 0).sum().item()} negative values, e.g. {k3.min().item():.4f}"
     assert torch.equal(ex.kl_k3(logp, logp), torch.zeros_like(logp)), "k3 must be exactly 0 where pi = pi_ref"
     assert torch.allclose(k3, rlhf.kl_estimators(logp, ref)["k3"], rtol=1e-5, atol=1e-6), \
-        "k3 differs from (r - 1) - log r"
+        "k3 differs from (w - 1) - log w"
     _unbiased("k3", ex.kl_k3)
 
 

@@ -1,10 +1,10 @@
 """Exercise ch13.1 — the KL penalty of RLHF: two estimators and per-token reward shaping.
 
 The policy pi sampled a response; for each of its tokens you have log pi(token) and log pi_ref(token) under the
-frozen reference. With log r = log pi_ref - log pi (one number per token):
+frozen reference. With log w = log pi_ref - log pi (one number per token; `log_r` in the code):
 
-    k1 = -log r               unbiased estimate of KL(pi || pi_ref), but a single token's value can be negative
-    k3 = (r - 1) - log r      also unbiased (E_pi[r] = 1), and never negative
+    k1 = -log w               unbiased estimate of KL(pi || pi_ref), but a single token's value can be negative
+    k3 = (w - 1) - log w      also unbiased (E_pi[w] = 1), and never negative
 
 PPO-based RLHF then turns the reward model's one score per response into one reward per token: every real token
 pays -beta * kl_t, and the last real token also receives the score. Padding positions (mask 0) get 0.

@@ -1,8 +1,8 @@
 """Exercise ch13.3 — extend: a third KL estimator, its bias and variance measured exactly, and the adaptive beta.
 
-With log r = log pi_ref - log pi per sampled token (ch13.1): k1 = -log r, k3 = (r - 1) - log r, and
+With log w = log pi_ref - log pi per sampled token (ch13.1): k1 = -log w, k3 = (w - 1) - log w, and
 
-    k2 = (log r)^2 / 2      never negative, low variance, but BIASED: E_pi[k2] != KL(pi || pi_ref) in general
+    k2 = (log w)^2 / 2      never negative, low variance, but BIASED: E_pi[k2] != KL(pi || pi_ref) in general
 
 For a categorical pi and pi_ref you can measure each estimator exactly, without sampling: its mean under pi is
 sum_x pi(x) k(x), its bias that mean minus the true KL, its variance sum_x pi(x) (k(x) - mean)^2.

@@ -156,18 +156,18 @@ def plot_loop(batch: RolloutBatch, stats: dict, args: Settings) -> None:
     top, bottom, cols = 2.6, 0.6, (1.2, 5.0, 8.8)  # box centres: top row left to right, bottom right to left
     boxes = [
         (cols[0], top, f"1. generate\nmlsys.engine, temperature 1\nids (B, T) = ({B}, {T})\n"
-                       f"mean {stats['response_len']:.0f} response tokens"),
+                       f"mean {stats['response_len']:.1f} response tokens"),
         (cols[1], top, f"2. score: forward passes\nactor, reference: log pi (B, L)\n"
-                       f"(B, L) = ({B}, {L})\n{critic}reward model R (B,): mean {stats['reward']:+.2f}"),
+                       f"(B, L) = ({B}, {L})\n{critic}reward model R (B,): mean {stats['reward']:+.3f}"),
         (cols[2], top, "3. KL penalty\nk1_t = log pi - log pi_ref\n" + (
-                       f"r_t = -beta k1_t, plus R at the end\nbeta = {stats['beta']:.2f}" if args.algo == "ppo"
-                       else f"sum of k1 moves beta;\nbeta x mean k3 goes into the loss\nbeta = {stats['beta']:.2f}")),
+                       f"r_t = -beta k1_t, plus R at the end\nbeta = {stats['beta']:.3f}" if args.algo == "ppo"
+                       else f"sum of k1 moves beta;\nbeta x mean k3 goes into the loss\nbeta = {stats['beta']:.3f}")),
         (cols[2], bottom, "4. advantages\n" + ("GAE over response tokens\n(gamma 1, lambda 0.95), whitened"
                                                if args.algo == "ppo" else "R minus its group's mean,\n"
                                                f"over its std (groups of {args.group_size})")),
         (cols[1], bottom, f"5. update\n{PPOConfig.ppo_epochs} epochs x {PPOConfig.num_minibatches} minibatches\n"
                           "clipped loss on the actor" + ("\nvalue loss on the critic" if args.algo == "ppo" else "")
-                          + f"\nclip fraction {stats['clip_frac']:.2f}"),
+                          + f"\nclip fraction {stats['clip_frac']:.3f}"),  # as section 1 prints them
         (cols[0], bottom, "6. sync\nEngine.load_weights(actor)\nthe next batch samples\nfrom the new policy"),
     ]
     fig, ax = plt.subplots(figsize=(12, 4.6))
@@ -379,10 +379,11 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     print("   " + report.table([{"policy": name, **{k: e[k] for k in keys}, **e["kinds"]}
                                 for name, e in (("SFT", sft), ("trained", trained))],
                                floatfmt=".3f").replace("\n", "\n   "))
-    words = {"valid_change": change(sft["valid"], trained["valid"], ".0%"),  # directions read from this run
+    words = {"rule_change": change(sft["rule_score"], trained["rule_score"], ".2f"),  # directions read from this run
+             "valid_change": change(sft["valid"], trained["valid"], ".0%"),
              "hacks_change": change(sft["hacks"], trained["hacks"]),
              "sft_malformed_paid": "above" if sft["reward_malformed"] > sft["reward_valid"] else "not above"}
-    print(f"   rule score {sft['rule_score']:.2f} -> {trained['rule_score']:.2f}; well-formed "
+    print(f"   rule score {words['rule_change']}; well-formed "
           f"{words['valid_change']}. {trained['malformed_above_valid']} of the trained policy's "
           f"{trained['malformed']} malformed records score above its mean well-formed "
           f"one ({trained['reward_valid']:+.2f}); four or repeated languages ({trained['hacks']} records): "
@@ -427,8 +428,11 @@ def main() -> int:
     # 2. the loop
     from tqdm import tqdm
 
+    control = "fixed beta"
+    if args.kl_target:  # the controller's target and gain, so that --k-beta shows in the output
+        control = f"adaptive beta, KL target {args.kl_target}, gain K_beta {args.k_beta}"
     print(f"\n2. {args.iterations} iterations of {args.num_rollouts} rollouts ({args.algo}, actor lr {args.actor_lr}, "
-          f"{'adaptive beta, KL target ' + str(args.kl_target) if args.kl_target else 'fixed beta'}):")
+          f"{control}):")
     for i in tqdm(range(1, args.iterations), desc=args.algo, unit="it", leave=False, disable=None):  # on a tty
         stats, batch = rlhf_iteration(engine, models, opts, kl_ctl, cfg, args.num_rollouts, args.max_tokens,
                                       seed=args.seed * 10_000 + i, algo=args.algo)

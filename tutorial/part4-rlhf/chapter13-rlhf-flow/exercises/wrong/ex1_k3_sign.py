@@ -1,4 +1,4 @@
-"""Mistake for ch13.1: k3 built from log r = log pi - log pi_ref, the ratio upside down (biased, wrong expectation)."""
+"""Mistake for ch13.1: k3 built from log w = log pi - log pi_ref, the ratio upside down (biased, wrong expectation)."""
 
 from __future__ import annotations
 
