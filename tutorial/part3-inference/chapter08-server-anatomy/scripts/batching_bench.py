@@ -35,7 +35,7 @@ Try next
         -> no long answers: static batches drain evenly, and the gap between the schedulers closes or reverses
            (static batching may now win rows: with answers of similar length, 4-24 tokens, it wastes few seats)
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --max-num-batched-tokens 2048
-        -> a bigger token budget: the first step admits all 32 seats at once instead of about 15
+        -> a bigger token budget: the first step admits all 32 seats at once, not only those the default budget fits
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py --request-rate 10 --repeats 1
         -> slow arrivals: both servers keep up, throughput just tracks the arrival rate, TTFT tells them apart
 """
