@@ -157,24 +157,12 @@ def _worker_zygote(cmd: list[str], cwd: Path) -> Preloaded | None:
     return _ZYGOTE[0]
 
 
-@pytest.fixture(scope="session")
-def preloaded():
-    """A Preloaded runner for this test process (one per pytest-xdist worker); plain `run` if MLSYS_NO_ZYGOTE=1."""
-    if os.environ.get("MLSYS_NO_ZYGOTE") == "1":
-        yield None
-        return
-    runner = Preloaded()
-    yield runner
-    runner.close()
-
-
-def timed_run(name: str, args: list, record_property=None, runner: Preloaded | None = None,
-              **kw) -> subprocess.CompletedProcess:
-    """`run` (or `runner.run`), timed. Pass the test's `record_property` fixture: the time then travels with the
+def timed_run(name: str, args: list, record_property=None, **kw) -> subprocess.CompletedProcess:
+    """`run`, timed. Pass the test's `record_property` fixture: the time then travels with the
     test's report, so the summary below lists it under pytest-xdist too (workers' module globals never reach the
     controller)."""
     start = time.perf_counter()
-    proc = (runner.run if runner is not None else run)(args, **kw)
+    proc = run(args, **kw)
     seconds = time.perf_counter() - start
     SMOKE_TIMES[name] = seconds
     if record_property is not None:
@@ -192,7 +180,7 @@ def smoke_cache(tmp_path_factory) -> Path:
     return folder
 
 
-def smoke_run(cache: Path, script: Path, runner: Preloaded | None = None, record_property=None) -> dict:
+def smoke_run(cache: Path, script: Path, record_property=None) -> dict:
     """`script --smoke --json OUT [--plot-dir DIR]`, run once per test run, whichever test (on whichever worker)
     asks first; the others wait for it and read the same result. The smoke test checks the contract on it, and an
     oracle test that needs exactly the smoke run's JSON reads it instead of running the script again.
@@ -210,7 +198,7 @@ def smoke_run(cache: Path, script: Path, runner: Preloaded | None = None, record
             plot_dir = folder / "figures" if "PlotArgs" in script.read_text() else None
             if plot_dir is not None:
                 args += ["--plot-dir", plot_dir]
-            proc = timed_run(script_id(script), args, record_property, runner=runner, timeout=170)
+            proc = timed_run(script_id(script), args, record_property, timeout=170)
             record = {"code": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
                       "plot_dir": str(plot_dir) if plot_dir else None}
             done.write_text(json.dumps(record))

@@ -370,11 +370,8 @@ def test_chat_with_a_checkpoint_template_renders_as_transformers_does(tmp_path) 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "ids-only"])
-def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer, preloaded) -> None:
-    from conftest import run as plain_run
-    from conftest import scripts_dir
-
-    run = preloaded.run if preloaded is not None else plain_run
+def test_serve_py_serves_a_checkpoint_folder(tmp_path, with_tokenizer) -> None:
+    from conftest import run, scripts_dir
 
     build_with("qwen2-gqa", tmp_path / "tiny-qwen", vocab_size=300)
     if with_tokenizer:

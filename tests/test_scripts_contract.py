@@ -61,10 +61,10 @@ def test_help_and_bad_flags_in_a_real_process(name) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
-def test_smoke_run(script, record_property, preloaded, smoke_cache) -> None:
+def test_smoke_run(script, record_property, smoke_cache) -> None:
     """--smoke --json [--plot-dir]: exit 0, non-empty results, a figure where the script draws. The run is shared
     (conftest.smoke_run) with any oracle test that reads the smoke run's JSON."""
-    proc = smoke_run(smoke_cache, script, runner=preloaded, record_property=record_property)
+    proc = smoke_run(smoke_cache, script, record_property=record_property)
     assert proc["code"] == 0, f"exit {proc['code']}\nstdout:\n{proc['stdout']}\nstderr:\n{proc['stderr']}"
     doc = proc["json"]
     assert doc["results"], "the JSON results are empty"
