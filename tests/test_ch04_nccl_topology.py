@@ -51,7 +51,7 @@ def test_halving_doubling_only_for_powers_of_two() -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 13])
 def test_tree_reaches_every_rank_once_within_log_depth(world_size: int) -> None:
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     seen, frontier, depth = [0], [0], 0
     while frontier:
         frontier = [c for r in frontier for c in rvt.tree_children(r, world_size)]
@@ -92,7 +92,7 @@ def test_element_counts_split_evenly() -> None:
 # ------------------------------------------------------------------------------------------ cost model
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_alpha_beta_fit_recovers_known_values(world_size: int) -> None:
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     alpha, beta = 40e-6, 2.5e-9  # 40 us per step, 0.4 GB/s
     sizes = np.array([2.0**k for k in range(8, 24, 2)])
     terms = [rvt.cost_terms(name, world_size) for name in ("ring", "tree")]
@@ -108,7 +108,7 @@ def test_alpha_beta_fit_recovers_known_values(world_size: int) -> None:
 
 
 def test_alpha_beta_fit_stays_non_negative() -> None:
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     sizes = np.array([2.0**k for k in range(8, 24, 2)])
     steps, moved = np.full(sizes.size, 6.0), 1.5 * sizes
     shrinking = 1e-2 - 1e-10 * moved  # bigger messages measured faster: plain least squares gives beta < 0
@@ -119,7 +119,7 @@ def test_alpha_beta_fit_stays_non_negative() -> None:
 
 def model_rows(time_of) -> list[dict]:
     """Synthetic ring, tree and gloo rows at 256 B .. 4 MiB on 4 ranks, each time time_of(steps, bytes moved)."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     rows = []
     for k in range(8):
         size = 256 * 4**k
@@ -134,7 +134,7 @@ def test_fit_that_pins_alpha_at_zero_prints_a_note(capsys) -> None:
     """A reader's -w 2 run under load (12.9) got alpha = 0.0 us per step and held-out factors up to 75379x, with
     nothing saying why. Timings whose best alpha is negative (the ring's extra steps cost less than nothing) must
     pin alpha at 0 and print a note that the small sizes' factors are meaningless; a sound fit prints none."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     summary = rvt.summarise(model_rows(lambda steps, moved: 1e-7 * moved - 1e-6 * steps), 4)
     assert summary["alpha_s"] == 0.0 and summary["beta_s_per_byte"] > 0 and summary["alpha_pinned_at_zero"]
     rvt.print_model(summary, 4)
@@ -151,7 +151,7 @@ def test_fit_that_pins_beta_at_zero_prints_a_note(capsys) -> None:
     """A reader's -w 2 run under load got beta = 0 ("no per-byte cost") with no `note:` line, while the lesson
     described only alpha at 0. Timings that shrink with the bytes pin beta at 0 and must print a note saying the
     model gives every size the same time; the alpha note stays silent."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     summary = rvt.summarise(model_rows(lambda steps, moved: 1e-4 * steps - 1e-12 * moved), 4)
     assert summary["beta_s_per_byte"] == 0.0 and summary["alpha_s"] > 0
     rvt.print_model(summary, 4)
@@ -165,7 +165,7 @@ def test_fit_that_pins_beta_at_zero_prints_a_note(capsys) -> None:
 def test_ring_over_gloo_label_agrees_with_the_printed_ratio(ratio: float, shown: str, word: str) -> None:
     """A reader's run printed "1.00 (below 1: ...)" for 12290/12347 = 0.995: the label followed the raw ratio,
     the number its two-digit rounding. Three digits are printed and the label is read off them."""
-    printed, label = load("ring_vs_tree").ring_vs_gloo(ratio, "8.0 MiB")
+    printed, label = load("_rvt_model").ring_vs_gloo(ratio, "8.0 MiB")
     assert printed == shown and label.startswith(word + ":")
 
 
@@ -173,7 +173,7 @@ def critical_path_of_built_tree(p: int) -> tuple[int, int]:
     """(steps, bytes in units of n) on the tree's critical path, read off the parent links the script builds: walk
     each rank up to the root for its depth; at every depth the busiest parent takes one n per child (up) and
     sends one n per child (down)."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
 
     def depth(r: int) -> int:
         return 0 if rvt.tree_parent(r) is None else 1 + depth(rvt.tree_parent(r))
@@ -248,7 +248,7 @@ def test_tree_cost_terms_match_the_tree_that_is_built(wire) -> None:
 
     levels = max(depth(r) for r in range(p))
     fan = [max(len(children[r]) for r in range(p) if depth(r) == d) for d in range(levels)]
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     assert rvt.cost_terms("tree", p) == (2 * levels, 2 * sum(fan))
     assert rvt.cost_terms("ring", p) == (2 * (p - 1), 2 * (p - 1) / p)
     assert levels <= math.log2(p)
@@ -294,22 +294,22 @@ def check_drawn_steps(drawn: dict, world_size: int, numel: int) -> None:
 def test_drawn_steps_replay_to_the_sum(tmp_path) -> None:
     """The figure's messages (drawn at p = 4, as in the lesson), and the same schedules at other sizes and uneven
     lengths, replayed in numpy."""
-    rvt = load("ring_vs_tree")
-    drawn = rvt.draw_steps(4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    rvt, model, draw = load("ring_vs_tree"), load("_rvt_model"), load("_rvt_draw")
+    drawn = draw.draw_steps(4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
     check_drawn_steps(drawn, 4, 64)
     assert (tmp_path / "steps.png").exists()
     for p in (2, 3, 5, 8):
-        check_drawn_steps({"tree": rvt.tree_schedule(p, 16 * p)} | ({"halving-doubling": rvt.halving_doubling_schedule(
-            p, 16 * p)} if p & (p - 1) == 0 else {}), p, 16 * p)
+        check_drawn_steps({"tree": model.tree_schedule(p, 16 * p)} | (
+            {"halving-doubling": model.halving_doubling_schedule(p, 16 * p)} if p & (p - 1) == 0 else {}), p, 16 * p)
     for p in (2, 3, 4, 5, 8):
         for numel in (1, 7, 1001):  # uneven halves: the schedule must still sum every element exactly once
-            replay(rvt.tree_schedule(p, numel), p, numel)
+            replay(model.tree_schedule(p, numel), p, numel)
             if p & (p - 1) == 0:
-                replay(rvt.halving_doubling_schedule(p, numel), p, numel)
+                replay(model.halving_doubling_schedule(p, numel), p, numel)
 
 
 def test_crossover_solves_the_two_models_equal() -> None:
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     assert rvt.cost_terms("halving-doubling", 8) == (6, 1.75)
     alpha, beta = 1e-4, 1e-9
     for p in (3, 4, 5, 8):
@@ -325,7 +325,7 @@ def test_crossover_solves_the_two_models_equal() -> None:
 def test_crossover_at_more_ranks_is_where_the_model_lines_cross() -> None:
     """The printed n* for 8, 64 and 512 ranks, with one fitted alpha and beta, against a brute-force search for the
     sign change of the two model times (the lesson's step and byte counts, the tree's read off the built tree)."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     alpha, beta = 150e-6, 0.4e-9
     got = rvt.crossover_at_more_ranks(alpha, beta)
     assert list(got) == [8, 64, 512]
@@ -346,7 +346,7 @@ def test_more_ranks_line_says_what_this_box_can_and_cannot_show(world_size: int)
     """The printed line lists only rank counts above the run's own (a -w 8 run does not print its own n* again as
     '8 ranks'), and says what is true of a run here: the box can start that many ranks, but they share its cores,
     so no run here times that many real links. Nothing is printed once the run has 512 ranks."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     alpha, beta = 150e-6, 0.4e-9
     rows = [{"algorithm": name, "size (B)": size, "time (us)": 1e6 * (a * alpha + b * size * beta),
              "busbw (GB/s)": 1.0}
@@ -367,7 +367,7 @@ def test_more_ranks_line_says_what_this_box_can_and_cannot_show(world_size: int)
 def test_ring_latency_bound_text_counts_the_sizes_below_the_rings_knee() -> None:
     """'the ring's steps cost more than its bytes at k of the m sizes': k counted here from the lesson's ring terms,
     at sizes on both sides of the knee 6 alpha / (1.5 beta) on 4 ranks."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     alpha, beta, p = 100e-6, 1e-9, 4
     a, b = hand_cost_terms("ring", p)
     knee = a * alpha / (b * beta)
@@ -383,7 +383,7 @@ def test_line_nearer_text_names_what_this_run_shows(slower: str) -> None:
     """"The line follows the faster one" was not true of every run (a reader's -w 3 run: the tree's points at a
     median 0.77x the line). The sentence now names the algorithm whose points the line passes nearer and whether it
     was the faster one, both worked out here from the run's own points."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     rng, p = np.random.default_rng(3), 4
     rows = []
     for k in range(7):
@@ -412,7 +412,7 @@ def test_step_cost_text_divides_each_time_by_its_own_steps(p: int) -> None:
     """The lesson explains the ring-tree gap and gloo's speed per step: each median time at the smallest size
     over the steps that algorithm takes, counted here by hand (ring and gloo's ring 2(p-1), tree 2 floor(log2 p)),
     and over the fitted alpha."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     steps = {"ring": 2 * (p - 1), "tree": 2 * int(math.log2(p)), "gloo all_reduce": 2 * (p - 1)}
     time_of = {("ring", 256): 9000.0, ("tree", 256): 2400.0, ("gloo all_reduce", 256): 1500.0}
     alpha = 600e-6
@@ -436,7 +436,7 @@ def test_step_cost_text_divides_each_time_by_its_own_steps(p: int) -> None:
 def test_measured_crossover_is_classified_from_the_timings(ring_wins: list[bool], kind: str, words: str) -> None:
     """On synthetic timings: which of ring and tree was faster at each size decides the lesson's sentence; a single
     switch from ring to tree is named as the opposite of the model's, not as flipping back and forth."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     rows = []
     for k, ring_first in enumerate(ring_wins):
         size = 256 * 4**k
@@ -477,7 +477,7 @@ TIE = ([36000.0, 36645.0, 37500.0], [35900.0, 36825.0, 37100.0])  # medians 0.5%
 def test_ties_within_the_rounds_spread_are_not_called_a_win(rounds, kind: str, words: str) -> None:
     """Where the ring's and the tree's ranges over the rounds overlap, neither is named faster: the crossover is
     read off the sizes with a clear winner, and the tie is named in the sentence."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     summary = rvt.summarise(rows_with_rounds(rounds), 4)
     assert summary["crossover_kind"] == kind
     assert words in summary["crossover_measured_text"]
@@ -504,7 +504,7 @@ def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypa
     """Clear tree wins at 256 B to 16 KiB, ties at 64 and 256 KiB: "even above the model's n*" is said only when
     a clear tree win lies above the model's crossover; when every size above it is a tie, the sentence says the
     run does not test the crossover (not that the tree won everywhere the model expected it to)."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     monkeypatch.setattr(rvt, "crossover_bytes", lambda alpha, beta, world_size: float(cross))
     summary = rvt.summarise(rows_with_rounds([CLEAR_TREE] * 4 + [TIE, TIE]), 4)
     assert summary["crossover_kind"] == "tree everywhere"
@@ -518,7 +518,7 @@ def test_tree_everywhere_says_even_above_n_star_only_for_a_win_above_it(monkeypa
 
 def test_widest_gap_names_the_size_and_the_two_algorithms() -> None:
     """The reading guide names this run's most outlying size: the largest fastest-to-slowest ratio at one size."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     rows = rows_with_rounds([CLEAR_TREE] * 3)
     for r in rows:
         if r["algorithm"] == "tree" and r["size (B)"] == 4096:
@@ -530,7 +530,7 @@ def test_widest_gap_names_the_size_and_the_two_algorithms() -> None:
 def test_split_fits_every_other_size_plus_the_largest() -> None:
     """The lesson's words for the split: every other size from the smallest, plus the largest; with an even number
     of sizes the two largest are both fitted (a reader's -w 8 --max-bytes 2097152 run fitted 1 MiB and 2 MiB)."""
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     assert rvt.split_sizes([1, 2, 3, 4, 5]) == ([1, 3, 5], [2, 4])
     assert rvt.split_sizes([1, 2, 3, 4]) == ([1, 3, 4], [2])
 
@@ -774,7 +774,7 @@ def test_a_boundary_below_one_kib_is_printed_in_bytes() -> None:
     assert "about 373 KiB," in bc.fit_line(size, 161.9e-6 + size / 2.362e9, 161.9e-6, 2.362e9)  # 382,408 B
 
 def test_fitted_bandwidth_is_compared_with_the_ceilings() -> None:
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     ceiling = {"loopback_tcp_GBps": 2.0, "memcpy_GBps": 8.0}
     text = rvt.fit_vs_ceilings(3.0, ceiling, 0.75)
     assert "above the loopback TCP ceiling (2.00 GB/s)" in text and "below the memcpy one (8.00 GB/s)" in text
@@ -810,7 +810,7 @@ def test_ring_sends_twice_the_trees_messages_at_two_ranks() -> None:
     for name, want in (("ring", 2), ("tree", 1)):
         assert [sum(src == r for _, src, _, _ in msgs[name]) for r in (0, 1)] == [want, want], name  # sent
         assert [sum(dst == r for _, _, dst, _ in msgs[name]) for r in (0, 1)] == [want, want], name  # received
-    rvt = load("ring_vs_tree")
+    rvt = load("_rvt_model")
     assert rvt.cost_terms("ring", 2)[0] == rvt.cost_terms("tree", 2)[0] == 2  # the same steps in the model
 
 
@@ -1038,11 +1038,11 @@ def test_alpha_beta_figure_is_fitted_on_other_sizes_than_it_predicts(ring_vs_tre
 def test_halving_doubling_is_only_ever_predicted(tmp_path) -> None:
     """At p = 4, on synthetic timings, the figure as drawn: the fit sees the ring and the tree at every other size,
     never halving-doubling, whose model times are the lesson's 2 log2(p) alpha + 2(p-1)/p n beta."""
-    rvt = load("ring_vs_tree")
+    rvt, model, draw = load("ring_vs_tree"), load("_rvt_model"), load("_rvt_draw")
     rng = np.random.default_rng(1)
     rows = [{"algorithm": name, "size (B)": 256 * 4**k, "time (us)": float(rng.uniform(50, 5e4)),
              "busbw (GB/s)": 1.0} for k in range(6) for name in ("ring", "tree", "halving-doubling", "gloo all_reduce")]
-    drawn = rvt.draw_alpha_beta(rvt.summarise(rows, 4), 4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    drawn = draw.draw_alpha_beta(model.summarise(rows, 4), 4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
     check_alpha_beta_figure(drawn, rows, 4)
     assert drawn["fit_sizes"] == [256, 4096, 65536, 262144] and drawn["held_out_sizes"] == [1024, 16384]
     assert (tmp_path / "alpha_beta.png").exists()
@@ -1052,7 +1052,7 @@ def test_halving_doubling_is_only_ever_predicted(tmp_path) -> None:
 def test_drawn_crossover_is_where_the_model_lines_cross(tmp_path, p: int) -> None:
     """Timings made from known alpha and beta (scaled by noise): the ring-and-tree panel marks n* where the two
     fitted model lines cross (checked by brute force), and none at two ranks, where the lines never cross."""
-    rvt = load("ring_vs_tree")
+    rvt, model, draw = load("ring_vs_tree"), load("_rvt_model"), load("_rvt_draw")
     rng, alpha, beta = np.random.default_rng(p), 100e-6, 0.5e-9
     rows = []
     for k in range(8):
@@ -1060,7 +1060,7 @@ def test_drawn_crossover_is_where_the_model_lines_cross(tmp_path, p: int) -> Non
             a, b = hand_cost_terms("ring" if name == "gloo all_reduce" else name, p)
             rows.append({"algorithm": name, "size (B)": 256 * 4**k, "busbw (GB/s)": 1.0,
                          "time (us)": 1e6 * (a * alpha + b * 256 * 4**k * beta) * float(rng.uniform(0.8, 1.3))})
-    drawn = rvt.draw_alpha_beta(rvt.summarise(rows, p), p, rvt.Settings(world_size=p, plot_dir=str(tmp_path)))
+    drawn = draw.draw_alpha_beta(model.summarise(rows, p), p, rvt.Settings(world_size=p, plot_dir=str(tmp_path)))
     check_alpha_beta_figure(drawn, rows, p)
     assert (drawn["crossover"]["n_star_bytes"] is None) == (p == 2)
 
