@@ -1,7 +1,7 @@
 """KL calculator: the k1, k2, k3 estimators of KL(pi || pi_ref) against the exact value, then on real tokens.
 
 What it shows
-    1. A small categorical: policy p and reference q over 5 tokens, close together and far apart. The exact
+    1. A small categorical: policy p and reference q over 5 tokens, close together (1a) and far apart (1b). The exact
        KL(p||q) = sum_x p(x) log p(x)/q(x); the exact expectation of each estimator under p (sum over the 5
        outcomes, no sampling); and --num-samples draws from p: sample mean, standard deviation, and how many
        single samples are negative. k1 and k3 are unbiased, k2 is not; only k1 goes negative.
@@ -120,10 +120,10 @@ def main() -> int:
     cases = {"close": ([2.0, 1.0, 0.5, 0.0, -1.0], [1.8, 1.1, 0.6, 0.1, -0.9]),
              "far": ([3.0, 1.0, 0.0, -1.0, -2.0], [0.0, 0.5, 1.0, 1.5, 2.0])}  # logits of p and q
     results: dict = {"categorical": {}, "distributions": {}}
-    for name, (lp, lq) in cases.items():
+    for label, (name, (lp, lq)) in zip("ab", cases.items()):
         p, q = (torch.tensor(v, dtype=torch.float64).softmax(0) for v in (lp, lq))
         rows = categorical_case(p, q, args.num_samples, gen)
-        print(f"1. {name}: p = {[round(v, 3) for v in p.tolist()]}, q = {[round(v, 3) for v in q.tolist()]}, "
+        print(f"1{label}. {name}: p = {[round(v, 3) for v in p.tolist()]}, q = {[round(v, 3) for v in q.tolist()]}, "
               f"{args.num_samples} samples from p")
         shown = [{**r, "negative %": f"{r['negative %']:.1f}"} for r in rows]  # a share: one decimal
         print("   " + report.table(shown, floatfmt=".4f").replace("\n", "\n   ") + "\n")
