@@ -348,10 +348,11 @@ def test_placeholder_trace_is_the_engine_s_own_write_back(tiny: GPT) -> None:
     assert ph["positions"] == [15] * 3  # a 14-token prompt, then step n's token at 14: n+1's input sits at 15
 
 
-def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
+def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT, tmp_path, monkeypatch) -> None:
     """overlap_scheduling.py's timeline: each engine's forward boxes are its runner's real calls, one per step;
     the plain engine prepares step n before n's forward starts, the overlapped one prepares step n+1 after n's
-    forward was launched, and each step's boxes stay inside the step."""
+    forward was launched, and each step's boxes stay inside the step. The figure's one legend names every box
+    colour of both panels, and calls the boxes too thin for a number (launch, sample + detokenize) thin."""
     mod = load_script(CH10 / "overlap_scheduling.py")
     args = mod.Settings(timeline_batch=3, prompt_len=8)
     tl = mod.record_timeline(tiny, args, "cpu", steps=3)
@@ -377,6 +378,17 @@ def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT) -> None:
     late = sorted(w.end - f.end for w, f in zip(waits, fwd))
     assert len(waits) == 3 and late[0] >= -1e-3
     assert mod.timeline_summary(tl)["overlap_handback_ms"] == pytest.approx(late[1])
+    from matplotlib.colors import to_hex
+
+    figures = []
+    monkeypatch.setattr(mod.plot, "save", lambda fig, a, name: figures.append(fig) or tmp_path / f"{name}.png")
+    mod.draw_timeline(tl, args)
+    (fig,) = figures
+    (legend,) = fig.legends
+    named = {t.get_text(): to_hex(h.get_facecolor()) for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    drawn = {to_hex(p.get_facecolor()) for ax in fig.axes for p in ax.patches}
+    assert drawn <= set(named.values()) and len(set(named.values())) == len(named)
+    assert {k for k in named if "thin" in k} == {"launch (thin box)", "sample + detokenize (thin box)"}
 
 
 def test_window_text_flags_a_step_slow_against_its_own_window() -> None:

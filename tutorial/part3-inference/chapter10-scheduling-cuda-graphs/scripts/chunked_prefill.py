@@ -238,7 +238,7 @@ def draw(rows: list[dict], whole: list[Run], args: Settings) -> None:
             label=f"budget {rows[0]['budget']}: a step carrying a whole prompt")
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
            title="inter-token gaps of one short request while long prompts arrive")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # outside: it hid points
     print(f"figure: {plot.save(fig, args, 'itl')}")
 
 

@@ -444,6 +444,8 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
 
 def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
     """The two engines' steps on a shared time axis, drawn from `timeline_spans`; returns the spans drawn."""
+    from matplotlib.patches import Patch
+
     plt = plot.pyplot()
     spans = timeline_spans(tl)
     palette = plot.colours(["schedule + prepare", "forward", "sample + detokenize", "launch",
@@ -452,7 +454,7 @@ def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
     fig, axes = plt.subplots(2, 1, figsize=(11, 3.8), sharex=True)
     for ax, name in zip(axes, tl):
         plot.timeline(ax, [s for s in spans if s.lane.startswith(name)], [f"{name}: main thread", f"{name}: forward"],
-                      palette=palette, legend=ax is axes[-1])
+                      palette=palette, legend=False)
         ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding (numbers: the step each box works for)",
                      fontsize=9)
     # a launch takes a tiny fraction of a step: draw each one at least 0.6% of the axis wide, over its own box
@@ -464,6 +466,11 @@ def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
                         color=palette["launch"], edgecolor="black", linewidth=0.5, zorder=3)
     axes[1].set_xlabel("time (ms) from the first drawn step's start")
     fig.tight_layout()
+    # one legend for both engines, naming the boxes too thin to carry a label
+    thin = {"launch", "sample + detokenize"}
+    fig.legend(handles=[Patch(facecolor=c, edgecolor="black", label=f"{k} (thin box)" if k in thin else k)
+                        for k, c in palette.items()], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+               frameon=False)
     print(f"figure: {plot.save(fig, args, 'timeline')}")
     return spans
 
