@@ -667,6 +667,24 @@ def test_vs_transformers_verdict_is_about_equal_only_near_one_and_within_the_spr
         assert 0.9 <= ratio <= 1.1
 
 
+def test_the_lesson_lists_every_verdict_vs_transformers_can_print():
+    """The lesson's list of verdicts (the bullets after "The script prints one of these:") must be exactly the
+    strings `compare` returns. Timings are built here for each case of the rule: medians that do not overlap the
+    other's best (either way), overlapping runs with best runs 5% and 30% apart, and too few runs."""
+    vt = load_script(CH08 / "vs_transformers.py")
+    cases = [({"best_s": 1.0, "median_s": 1.1}, {"best_s": 1.5, "median_s": 1.6}, 5),  # engine faster
+             ({"best_s": 1.5, "median_s": 1.6}, {"best_s": 1.0, "median_s": 1.1}, 5),  # engine slower
+             ({"best_s": 1.0, "median_s": 1.5}, {"best_s": 1.05, "median_s": 1.5}, 5),  # overlap, 5% apart
+             ({"best_s": 1.0, "median_s": 2.0}, {"best_s": 1.3, "median_s": 2.0}, 5),  # overlap, 30% apart
+             ({"best_s": 1.0, "median_s": 1.1}, {"best_s": 1.5, "median_s": 1.6}, 2)]  # two runs each
+    printed = {vt.compare(engine, other, repeats) for engine, other, repeats in cases}
+    assert len(printed) == len(cases)  # every case reached a different branch
+    lesson = (CH08.parent / "README.md").read_text(encoding="utf-8")
+    bullets = lesson.split("The script prints one of these:\n\n", 1)[1].split("\n\n", 1)[0]
+    listed = {line.split("`")[1] for line in bullets.splitlines() if line.startswith("- `")}
+    assert listed == printed
+
+
 def test_vs_transformers_runs_the_implementations_in_rounds():
     """A slow spell of the machine must hit all three implementations, not the one that happened to be running:
     one warm-up round, then every round runs each implementation once, in the same order."""
