@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -252,6 +253,27 @@ def test_tree_cost_terms_match_the_tree_that_is_built(wire) -> None:
     assert rvt.cost_terms("tree", p) == (2 * levels, 2 * sum(fan))
     assert rvt.cost_terms("ring", p) == (2 * (p - 1), 2 * (p - 1) / p)
     assert levels <= math.log2(p)
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_lesson_table_of_k_is_the_heap_tree(p: int) -> None:
+    """The lesson's table of K: for each level, every parent with children and those children, and the most
+    children on one parent's link, against the heap tree built here from (c - 1) // 2; their sum is the model's K."""
+    readme = (CH04.parent / "README.md").read_text(encoding="utf-8")
+    rows = [m.groups() for m in re.finditer(r"^\| (\d+) \| (\d+) \| ([^|]+) \| (\d+) \|$", readme, re.M)
+            if int(m.group(1)) == p]
+    parent = {c: (c - 1) // 2 for c in range(1, p)}
+    depth = {0: 0} | {c: 0 for c in parent}
+    for c in range(1, p):
+        depth[c] = depth[parent[c]] + 1
+    levels = max(depth.values())
+    assert [int(level) for _, level, _, _ in rows] == list(range(1, levels + 1))
+    for _, level, links, most in rows:
+        drawn = {int(a): sorted(map(int, b.split(","))) for a, b in re.findall(r"(\d+) ← \{([\d, ]+)\}", links)}
+        want = {r: [c for c in parent if parent[c] == r] for r in range(p) if depth[r] == int(level) - 1}
+        assert drawn == {r: cs for r, cs in want.items() if cs}
+        assert int(most) == max(len(cs) for cs in want.values())
+    assert 2 * sum(int(most) for *_, most in rows) == load("_rvt_model").cost_terms("tree", p)[1]
 
 
 def replay(schedule: list[dict], world_size: int, numel: int) -> tuple[np.ndarray, np.ndarray]:
@@ -958,6 +980,16 @@ def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
     for name in ("ring_vs_tree", "alpha_beta", "ceiling", "steps"):
         assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])
+    # the lesson shows sections 1-2, 3 and 4 apart, from the JSON: together they are exactly what was printed
+    shown = [line for line in proc.stdout.strip("\n").split("\n") if not line.startswith("figure: ")]
+    sections = doc["printed"]
+    assert "\n\n".join(sections[k] for k in ("measured", "model", "ceiling")).split("\n") == shown
+    assert sections["measured"].startswith("note: halving-doubling needs a power-of-two world size")
+    assert sections["model"].startswith("3. alpha-beta model") and sections["ceiling"].startswith("4. ceiling")
+    # the lesson's per-step times: each median at the smallest size over the steps counted here by hand (p = 3)
+    t = {r["algorithm"]: r["time (us)"] for r in doc["rows"] if r["size (B)"] == 256}
+    assert doc["step_us"] == pytest.approx({"ring": t["ring"] / 4, "tree": t["tree"] / 2,
+                                            "gloo all_reduce": t["gloo all_reduce"] / 4})
 
 
 def hand_cost_terms(algorithm: str, p: int) -> tuple[float, float]:

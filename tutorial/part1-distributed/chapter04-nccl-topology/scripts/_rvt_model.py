@@ -271,6 +271,7 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "no larger rank count to predict",
             "ring_latency_bound_text": ring_latency_bound_text(alpha, beta, world_size, sizes),
             "step_cost_text": step_cost_text(time_of, world_size, sizes[0], alpha),
+            "step_us": {name: time_of[name, sizes[0]] / a for name, a in steps_taken(world_size).items()},
             "line_nearer_text": line_nearer_text(points, time_of, sizes)}
 
 
@@ -285,11 +286,16 @@ def ring_latency_bound_text(alpha: float, beta: float, world_size: int, sizes: l
     return f"{len(below)} of the {len(sizes)} sizes{knee}"
 
 
+def steps_taken(world_size: int) -> dict[str, int]:
+    """The steps of each timed algorithm: ours from the model, gloo's ring 2(p-1), as ours."""
+    return {"ring": cost_terms("ring", world_size)[0], "tree": cost_terms("tree", world_size)[0],
+            "gloo all_reduce": 2 * (world_size - 1)}
+
+
 def step_cost_text(time_of: dict, world_size: int, size: int, alpha: float) -> str:
-    """Each algorithm's median time at `size` over the steps it takes (gloo's ring: 2(p-1), as ours), also in
-    units of the fitted alpha: a model with one cost per step would give every algorithm the same."""
-    steps = {"ring": cost_terms("ring", world_size)[0], "tree": cost_terms("tree", world_size)[0],
-             "gloo all_reduce": 2 * (world_size - 1)}
+    """Each algorithm's median time at `size` over the steps it takes, also in units of the fitted alpha: a model
+    with one cost per step would give every algorithm the same."""
+    steps = steps_taken(world_size)
     return f"at {size_text(size)}, " + ", ".join(
         f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {time_of[name, size] / a:.0f} us "
         f"({time_of[name, size]:.0f} us over {a} steps" + (f", {time_of[name, size] / a / (alpha * 1e6):.2f} alpha)"
@@ -364,35 +370,39 @@ def ring_vs_gloo(ratio: float, largest: str) -> tuple[str, str]:
     return shown, label
 
 
-def print_model(summary: dict, w: int) -> None:
-    """Section 3 of the output: the fit, measured/model at every size, and the model's crossover."""
+def print_model(summary: dict, w: int) -> str:
+    """Section 3 of the output: the fit, measured/model at every size, and the model's crossover. Prints it and
+    returns it (the run's JSON keeps it, so the lesson can show it beside the model's explanation)."""
+    out = []
     fit, held = summary["fit_sizes"], summary["held_out_sizes"]
-    print(f"\n3. alpha-beta model: one (alpha, beta) fitted to the ring's and the tree's times at "
-          f"{', '.join(map(size_text, fit))}; held out: " + (", ".join(map(size_text, held)) or "no size")
-          + (" and every halving-doubling point" if any(p["algorithm"] == "halving-doubling"
-                                                          for p in summary["model_points"]) else ""))
-    print(f"fit: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, beta = {summary['beta_s_per_byte'] * 1e9:.3f} "
-          "ns per byte " + (f"(1/beta = {summary['fit_bandwidth_GBps']:.2f} GB/s)" if summary["fit_bandwidth_GBps"]
-                            else "(no per-byte cost: the fit put all of every time into alpha)"))
-    print(f"time per step, measured: {summary['step_cost_text']}")
+    out.append(f"\n3. alpha-beta model: one (alpha, beta) fitted to the ring's and the tree's times at "
+               f"{', '.join(map(size_text, fit))}; held out: " + (", ".join(map(size_text, held)) or "no size")
+               + (" and every halving-doubling point" if any(p["algorithm"] == "halving-doubling"
+                                                               for p in summary["model_points"]) else ""))
+    out.append(f"fit: alpha = {summary['alpha_s'] * 1e6:.1f} us per step, "
+               f"beta = {summary['beta_s_per_byte'] * 1e9:.3f} ns per byte "
+               + (f"(1/beta = {summary['fit_bandwidth_GBps']:.2f} GB/s)" if summary["fit_bandwidth_GBps"]
+                  else "(no per-byte cost: the fit put all of every time into alpha)"))
+    out.append(f"time per step, measured: {summary['step_cost_text']}")
     ratio = {(p["algorithm"], p["size (B)"]): p["measured/model"] for p in summary["model_points"]}
     names = list(dict.fromkeys(p["algorithm"] for p in summary["model_points"]))
-    print(report.table([{"size (B)": s, "ring, tree points": "fit" if s in fit else "held out",
-                         **{f"{n} measured/model": ratio[n, s] for n in names}} for s in sorted(fit + held)],
-                       floatfmt=".2f"))
+    out.append(report.table([{"size (B)": s, "ring, tree points": "fit" if s in fit else "held out",
+                              **{f"{n} measured/model": ratio[n, s] for n in names}} for s in sorted(fit + held)],
+                            floatfmt=".2f"))
     if summary["held_out_points"]:
-        print(f"held out: {summary['held_out_points']} points, measured/model off by a factor of "
-              f"{summary['held_out_median_factor']:.2f} (median) and {summary['held_out_worst_factor']:.2f} at worst;"
-              f" {summary['held_out_off_by_2x']} of them more than 2x off (on the fitted points themselves: "
-              f"{summary['fit_worst_factor']:.2f} at worst)")
+        out.append(f"held out: {summary['held_out_points']} points, measured/model off by a factor of "
+                   f"{summary['held_out_median_factor']:.2f} (median) and "
+                   f"{summary['held_out_worst_factor']:.2f} at worst; {summary['held_out_off_by_2x']} of them"
+                   " more than 2x off (on the fitted points themselves: "
+                   f"{summary['fit_worst_factor']:.2f} at worst)")
     for note in (alpha_pinned_note(summary), beta_pinned_note(summary)):
         if note:
-            print(note)
-    print("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"
-                                                                  for n in names))
+            out.append(note)
+    out.append("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"
+                                                                       for n in names))
     (a_ring, _), (a_tree, _) = cost_terms("ring", w), cost_terms("tree", w)
     cross = summary["predicted_crossover_bytes"]
-    print("the model's ring-vs-tree crossover: " + (
+    out.append("the model's ring-vs-tree crossover: " + (
         f"{size_text(cross)} (tree faster below, ring above); measured: {summary['measured_text']}" if cross else
         f"none: with {w} ranks the ring takes {a_ring} steps, the tree {a_tree}, and the ring moves fewer bytes, so "
         "in the model (not necessarily in the measurement) the ring is never slower" if a_ring <= a_tree else
@@ -401,5 +411,7 @@ def print_model(summary: dict, w: int) -> None:
         "none: the fit found no per-byte cost (beta = 0), so the model has the ring slower at every size"))
     line = more_ranks_line(summary, w, os.cpu_count())
     if line:
-        print(line)
-    print(f"the one line against the two algorithms: {summary['line_nearer_text']}")
+        out.append(line)
+    out.append(f"the one line against the two algorithms: {summary['line_nearer_text']}")
+    print("\n".join(out))
+    return "\n".join(out).strip("\n")

@@ -31,7 +31,8 @@ What it shows
     two all-reduces follow; kept in the JSON as "steps"), ring_vs_tree.png (the measured times), alpha_beta.png
     (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded, and
     below, the ring's and the tree's model lines on one set of axes with the crossover n* marked) and
-    ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures".
+    ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures", and the text of
+    sections 1-2, 3 and 4 under "printed" (the lesson shows each section beside its explanation).
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
     This file runs the ranks and prints; the schedules, the model and the sentences printed from the times are in
@@ -178,35 +179,38 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"world_size": 2, "max_bytes": 64 * 2**10, "max_iters": 3,
                                                "rounds": 1}, world_sizes=lambda w: w >= 2,
                      world_sizes_text=">= 2 (one rank has nothing to reduce)")
+    # the output by section (1-2, 3, 4), kept in the JSON: the lesson shows each beside its explanation
+    printed = {"measured": [], "model": [], "ceiling": []}
+    out12, out4 = (lambda text, k=k: (print(text), printed[k].append(text)) for k in ("measured", "ceiling"))
     if not is_power_of_two(args.world_size):
-        print(f"note: halving-doubling needs a power-of-two world size; skipped for {args.world_size} ranks")
+        out12(f"note: halving-doubling needs a power-of-two world size; skipped for {args.world_size} ranks")
     result = launch(worker, args)
     if result is None:
         return 0
     rows, w = result["rows"], args.world_size
-    print(f"1. correctness vs dist.all_reduce (max abs error over {args.check_numel} elements): "
+    out12(f"1. correctness vs dist.all_reduce (max abs error over {args.check_numel} elements): "
           + ", ".join(f"{k} {v:.1e}" for k, v in result["max_abs_error"].items()))
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     time_of = {(r["algorithm"], r["size (B)"]): r["time (us)"] for r in rows}
     summary = summarise(rows, w)
     spread = {(r["algorithm"], r["size (B)"]): (f"{min(r['rounds (us)']):.0f}-{max(r['rounds (us)']):.0f}"
                                                 if r.get("rounds (us)") else "-") for r in rows}
-    print(f"\n2. time per all-reduce (us), the median of {args.rounds} round(s), the algorithms taking turns; "
+    out12(f"\n2. time per all-reduce (us), the median of {args.rounds} round(s), the algorithms taking turns; "
           f"{load_average()}\n   ring / tree range: fastest-slowest round; ring vs tree: the faster median, or tie "
           "where the two ranges overlap")
-    print(report.table([{"size (B)": s, **{n: time_of[n, s] for n in names},
+    out12(report.table([{"size (B)": s, **{n: time_of[n, s] for n in names},
                          "fastest": min(names, key=lambda n: time_of[n, s]),
                          "ring range": spread["ring", s], "tree range": spread["tree", s],
                          "ring vs tree": ("tie" if s in summary["tied_sizes"] else
                                           "ring" if time_of["ring", s] < time_of["tree", s] else "tree")}
                         for s in sorted({r["size (B)"] for r in rows})], floatfmt=".0f"))
-    print(f"measured, ring against tree (a tie where the two's ranges over the {args.rounds} round(s) overlap): "
+    out12(f"measured, ring against tree (a tie where the two's ranges over the {args.rounds} round(s) overlap): "
           f"{summary['measured_text']}")
     shown, summary["ring_vs_gloo_text"] = ring_vs_gloo(summary["ring_over_gloo_busbw"],
                                                        size_text(summary["largest_size"]))
-    print(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: {shown} "
+    out12(f"ring busbw / gloo all_reduce busbw at {size_text(summary['largest_size'])}: {shown} "
           f"({summary['ring_vs_gloo_text']})")
-    print_model(summary, w)
+    printed["model"].append(print_model(summary, w))
     ceiling = {"memcpy_GBps": memcpy_bandwidth() / 1e9, "loopback_tcp_GBps": loopback_tcp_bandwidth() / 1e9}
     best = max((r for r in rows if r["size (B)"] == summary["largest_size"]), key=lambda r: r["busbw (GB/s)"])
     summary.update(ceiling, best_busbw_GBps=best["busbw (GB/s)"], best_busbw_algorithm=best["algorithm"],
@@ -214,14 +218,14 @@ def main() -> int:
                    fraction_of_memcpy=best["busbw (GB/s)"] / ceiling["memcpy_GBps"])
     summary["fit_bandwidth_text"] = (f"{summary['fit_bandwidth_GBps']:.2f} GB/s" if summary["fit_bandwidth_GBps"]
                                      else "unbounded: the fit found no per-byte cost")
-    print(f"\n4. ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} "
+    out4(f"\n4. ceiling: memcpy {ceiling['memcpy_GBps']:.2f} GB/s, loopback TCP {ceiling['loopback_tcp_GBps']:.2f} "
           f"GB/s; best busbw at {size_text(summary['largest_size'])} = {best['busbw (GB/s)']:.3f} GB/s "
           f"({best['algorithm']}) = {summary['fraction_of_tcp']:.1%} of TCP, {summary['fraction_of_memcpy']:.1%} "
           "of memcpy")
     summary["fit_vs_ceilings_text"] = fit_vs_ceilings(summary["fit_bandwidth_GBps"], ceiling, best["busbw (GB/s)"])
-    print(f"fitted 1/beta against them: {summary['fit_vs_ceilings_text']}")
+    out4(f"fitted 1/beta against them: {summary['fit_vs_ceilings_text']}")
     if summary["fit_bandwidth_GBps"] and summary["fit_bandwidth_GBps"] > ceiling["memcpy_GBps"]:
-        print(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
+        out4(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
               "nothing on this box moves bytes faster than a memory copy, so the fit's beta is not a speed here")
     draw_times(rows, w, args)
     figures = {"alpha_beta": draw_alpha_beta(summary, w, args), "ceiling": draw_ceiling(rows, ceiling, w, args)}
@@ -229,7 +233,8 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
                                       "check_numel": args.check_numel, "check_output_rank0": result["check_output"],
-                                      "steps_numel": 16 * w, "steps": steps, "figures": figures, **summary}, args)
+                                      "steps_numel": 16 * w, "steps": steps, "figures": figures, **summary,
+                                      "printed": {k: "\n".join(v).strip("\n") for k, v in printed.items()}}, args)
     return 0
 
 
