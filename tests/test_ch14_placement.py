@@ -155,6 +155,53 @@ def test_colocated_counts_table_from_divisibility(planner) -> None:
     assert rows[0]["peak GiB"] == pytest.approx(below["peak_gib"])
 
 
+def test_smaller_engine_tps_overflow_by_the_printed_amount(planner) -> None:
+    """The lesson's Try next (--rollout-batch 1024 --recompute selective) picks engine TP 4 on 8 GPUs because TP 1
+    and TP 2 overflow, TP 2 by a few MiB only, less than the rounding of the one-decimal table. The generation peak
+    of each TP is summed here from the parameter counts, independently of colocated_phases."""
+    args = settings(planner, rollout_batch=1024, recompute="selective")
+    result = planner.plan(args)
+    s, n, budget = kvm.MODEL_SHAPES["llama-3-8b"], 8, 80 * GIB * 0.9
+    n_a = s.num_params
+    n_c = n_a - s.vocab_size * s.hidden_size + s.hidden_size + 1  # critic and reward model: scalar head
+
+    def gen(tp: int) -> float:  # ZeRO-3 shards (16 B trained, 2 B frozen) + engine bf16 / tp + this GPU's KV cache
+        kv = 131072 * 2048 * (1024 * tp / n) / tp
+        return (18 * n_a + 18 * n_c) / n + 2 * n_a / tp + kv
+
+    assert (result["colocated_gpus"], result["colocated_engine_tp"]) == (n, 4)
+    assert gen(4) <= budget < gen(2) < gen(1)
+    tried = result["colocated_smaller_tps"]
+    assert [t["engine_tp"] for t in tried] == [1, 2]
+    for t in tried:
+        want = gen(t["engine_tp"])
+        assert t["phase"] == "generation"
+        assert t["peak_gib"] * GIB == pytest.approx(want, rel=1e-12)
+        assert sum(t["parts_gib"].values()) * GIB == pytest.approx(want, rel=1e-12)
+        assert t["over_bytes"] == pytest.approx(want - budget, rel=1e-9)
+    over2 = gen(2) - budget
+    assert 2**20 < over2 < 0.05 * GIB  # a few MiB: one-decimal GiB columns cannot show it
+    text = planner.tp_overflow_text(n, tried, budget)
+    assert f"= {gen(2) / GIB:.3f} GiB, {over2 / 2**20:.0f} MiB over" in text
+    assert f"= {gen(1) / GIB:.3f} GiB, {(gen(1) - budget) / GIB:.2f} GiB over" in text
+    assert planner.plan(settings(planner))["colocated_smaller_tps"] == []  # the lesson's run: TP 1, nothing smaller
+    # the lesson's Try next: keep back a little less (budget 72.08 GiB) and that smaller TP fits
+    roomier = settings(planner, rollout_batch=1024, recompute="selective", reserve_fraction=0.099)
+    assert 80 * GIB * (1 - 0.099) >= gen(2) and planner.plan(roomier)["colocated_engine_tp"] == 2
+
+
+def test_scoring_working_set_is_one_layer_plus_the_logits(planner, smoke_cache) -> None:
+    """Section 2's scoring formula, 34 s b h + 4 b s V bytes for the actor, by hand, against the JSON the lesson
+    quotes and the scoring row's activations of the default run."""
+    res = smoke_run(smoke_cache, CH14 / "memory_planner.py")["json"]["results"]
+    s, b, seq = kvm.MODEL_SHAPES["llama-3-8b"], 2, 2048
+    layer, logits = 34 * seq * b * s.hidden_size, 4 * b * seq * s.vocab_size
+    assert res["scoring_gib"] == pytest.approx({"layer": layer / GIB, "logits": logits / GIB,
+                                                "total": (layer + logits) / GIB}, rel=1e-12)
+    row = planner.colocated_phases(settings(planner), res["colocated_gpus"])["scoring"]["activations"]
+    assert row == pytest.approx(layer + logits, rel=1e-12)
+
+
 def test_rollout_pool_tie_goes_to_the_smaller_tp(planner) -> None:
     """The lesson's 70B sentence: TP 4 (2 engines) and TP 8 (1 engine) both fill 8 rollout GPUs; TP 4 is kept."""
     args = settings(planner, actor="llama-3-70b", critic="llama-3-8b")
@@ -177,6 +224,10 @@ def test_planner_script_runs_and_writes_json(tmp_path_factory) -> None:
     assert (plots / "memory_phases.png").exists() and (plots / "roles.png").exists()
     _check_roles(res["roles"], "llama-3-70b", "llama-3-8b")  # the critic and reward model stay 8B
     assert res["colocated_gpus"] % res["colocated_engine_tp"] == 0  # the engine's TP divides the GPU count
+    tried = res["colocated_smaller_tps"]  # every smaller TP that divides the count, each over the budget
+    assert [t["engine_tp"] for t in tried] == [t for t in (1, 2, 4, 8)
+                                               if t < res["colocated_engine_tp"] and res["colocated_gpus"] % t == 0]
+    assert all(t["over_bytes"] > 0 for t in tried)
 
 
 def test_fp32_logits_against_checkpointed_layer_inputs_8b_and_70b(planner) -> None:

@@ -147,10 +147,10 @@ def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() ->
     text = mod.disturbed_text(rows)
     assert text.startswith("no row took longer than the larger model below it")
     assert "smallest model's ratio" in text
-    sweep = [{"bucket MB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MB": 0.25, "buckets": 67, "ms": 26.7},
-             {"bucket MB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MB": 16.0, "buckets": 4, "ms": 33.9}]
-    assert [(a["bucket MB"], b["bucket MB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]
-    assert "16 MB (4 calls, 33.9 ms) took longer than 4 MB (17 calls, 20.3 ms)" in mod.sweep_order_text(sweep)
+    sweep = [{"bucket MiB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MiB": 0.25, "buckets": 67, "ms": 26.7},
+             {"bucket MiB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MiB": 16.0, "buckets": 4, "ms": 33.9}]
+    assert [(a["bucket MiB"], b["bucket MiB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]
+    assert "16 MiB (4 calls, 33.9 ms) took longer than 4 MiB (17 calls, 20.3 ms)" in mod.sweep_order_text(sweep)
     sweep[-1]["ms"] = 15.0  # the order holds; equal call counts (67, 67) never count as a break
     assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
 
@@ -167,9 +167,9 @@ def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:
     sizes = [t.numel() * t.element_size() for t in params.values()]
     alone = [n for n in sizes if n > cap]  # by hand: every tensor over the capacity gets a bucket of its own
     assert sum(b.nbytes > cap for b in plan) == len(alone)
-    first = {"bucket MB": 0.0625, "buckets": len(plan), "alone": len(alone), "MB alone": sum(alone) / mod.MB,
+    first = {"bucket MiB": 0.0625, "buckets": len(plan), "alone": len(alone), "MiB alone": sum(alone) / mod.MB,
              "ms": 76.0}
-    big = {"tensors": len(params), "MB": sum(sizes) / mod.MB, "per-tensor ms": 44.3}
+    big = {"tensors": len(params), "MiB": sum(sizes) / mod.MB, "per-tensor ms": 44.3}
     saved = len(params) - len(plan)
     text = mod.sweep_vs_per_tensor_text(first, big)
     assert f"{len(alone)} of the {len(params)} tensors" in text and f"saves just {saved} calls" in text
@@ -180,8 +180,8 @@ def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:
     text = mod.sweep_vs_per_tensor_text(first, big)
     assert "was faster than the per-tensor sync (30.0 ms against 44.3 ms)" in text
     assert "took longer" not in text
-    first.update({"alone": 0, "MB alone": 0.0})  # every tensor fits: no 'travel alone' clause
-    assert mod.sweep_vs_per_tensor_text(first, big).startswith("at 0.0625 MB every tensor fits in a bucket")
+    first.update({"alone": 0, "MiB alone": 0.0})  # every tensor fits: no 'travel alone' clause
+    assert mod.sweep_vs_per_tensor_text(first, big).startswith("at 0.0625 MiB every tensor fits in a bucket")
 
 
 @pytest.mark.timeout(150)
@@ -200,7 +200,7 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
     for name in ("tiny", "small"):
         params = unique_parameters(GPT(GPTConfig.preset(name)))
         assert script[name]["tensors"] == len(params)
-        assert script[name]["MB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
+        assert script[name]["MiB"] == pytest.approx(sum(t.numel() * 4 for t in params.values()) / 2**20)
         assert script[name]["buckets"] == len(plan_buckets(named_meta(params), 4 << 20))
     assert (tmp_path / "sync_time.png").stat().st_size > 0
     reading = res["reading"]  # the generated sentences the output prints

@@ -10,7 +10,8 @@ What it shows
                                            2 B, GQA's kv_heads, times sequences in flight times their full length
       activations (training)               mlsys.memory.activation_bytes_per_layer (Korthikanti et al.) * layers,
                                            plus the fp32 logits over the vocabulary for the actor
-      forward working set (scoring)        the fp32 logits of one micro-batch plus one layer's activations
+      forward working set (scoring)        the fp32 logits of one micro-batch (4*b*s*V B) plus one layer's
+                                           activations at the selective count, 34*s*b*h B (no attention scores)
     Then it sizes two placements on --gpu:
       co-located    every GPU holds a ZeRO-3 shard of all four models and runs every phase in turn, with the
                     inference engine's bf16 actor during generation (the "hybrid engine" of verl): a whole copy on
@@ -18,10 +19,11 @@ What it shows
                     the rest; the output's "engine TP" is the smallest that fits
       disaggregated trainer GPUs hold actor, critic, reward and reference (ZeRO-3 over them); rollout GPUs hold
                     only the bf16 actor (tensor-parallel when it does not fit on one GPU) and the KV cache
-    and recommends the one that needs fewer GPUs. Under the co-located table, a line and a small table show why
-    fewer GPUs do not fit: each count from the best smaller try up, its engine TP and its peak. Figures: roles.png
-    (each model's own memory, unsharded) and memory_phases.png (per-GPU memory in each phase, co-located and
-    disaggregated).
+    and recommends the one that needs fewer GPUs. Under the co-located table, a line gives each smaller engine TP
+    on the same GPUs, its peak as the sum of its parts and how far it overflows (unrounded: an overflow of a few MiB
+    hides in the table's one-decimal columns); another line and a small table show why fewer GPUs do not fit:
+    each count from the best smaller try up, its engine TP and its peak. Figures: roles.png (each model's own
+    memory, unsharded) and memory_phases.png (per-GPU memory in each phase, co-located and disaggregated).
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py
@@ -34,7 +36,8 @@ the same with --smoke.
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py \\
         --rollout-batch 1024 --recompute selective
-        -> four times the rollouts in flight and more activations kept: a bigger KV cache and training peak
+        -> four times the rollouts in flight and more activations kept: a bigger KV cache and training peak;
+           the line under the co-located table says by how much each smaller engine TP overflows
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/memory_planner.py \\
         --actor llama-3-70b --critic llama-3-8b
         -> the lesson's second run: a 70B actor with an 8B critic and reward model shifts where the memory goes
@@ -234,6 +237,29 @@ def below_reason(n_co: int, gpus: int, tp: int) -> str:
     return f"the count below {n_co} with the lowest peak"
 
 
+def tp_overflow(args: Settings, num_gpus: int, tp: int, budget: float) -> dict:
+    """A co-located try that does not fit: its peak phase, that phase's per-GPU parts and the excess, unrounded."""
+    phases = colocated_phases(args, num_gpus, tp)
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    peak = sum(phases[phase].values())
+    return {"engine_tp": tp, "phase": phase, "parts_gib": {k: v / GIB for k, v in phases[phase].items() if v},
+            "peak_gib": peak / GIB, "over_bytes": peak - budget, "over_mib": (peak - budget) / 2**20}
+
+
+def tp_overflow_text(num_gpus: int, tried: list[dict], budget: float) -> str:
+    """Why the smaller engine TPs at the chosen count were rejected, at enough precision to see it: each one's
+    peak phase as the sum of its parts, and the excess over the usable memory (in MiB below 1 GiB)."""
+    parts = []
+    for t in tried:
+        over = t["over_bytes"]
+        excess = f"{over / GIB:.2f} GiB" if over >= GIB else f"{over / 2**20:.0f} MiB" if over >= 2**20 else \
+            f"{over:,.0f} bytes"
+        parts.append(f"TP {t['engine_tp']} peaks in {t['phase']} at "
+                     f"{' + '.join(f'{v:.2f}' for v in t['parts_gib'].values())} = {t['peak_gib']:.3f} GiB, "
+                     f"{excess} over")
+    return f"Smaller engine TPs on {num_gpus} GPUs, against {budget / GIB:.3f} GiB usable: " + "; ".join(parts) + "."
+
+
 def plan(args: Settings) -> dict:
     budget = kvm.GPU_MEMORY_GIB[args.gpu] * GIB * (1 - args.reserve_fraction)
     # co-located: not a bisection, since the peak is not monotone in n (the engine's tp must divide n: 5 GPUs allow
@@ -260,8 +286,11 @@ def plan(args: Settings) -> dict:
     near = [] if below is None else [
         {"GPUs": k, "engine TP": tp, "peak GiB": peak / GIB, "fits": "yes" if peak <= budget else "no"}
         for k in range(below[2], n_co + 1) for peak, tp in [colocated_peak(args, k, budget)]]
-    return {"budget_bytes": budget, "colocated_gpus": n_co,
-            "colocated_engine_tp": colocated_peak(args, n_co, budget)[1] if n_co else None,
+    tp_co = colocated_peak(args, n_co, budget)[1] if n_co else None
+    # the TPs below the chosen one that divide n_co: each overflows (the chosen TP is the smallest that fits)
+    tried = [tp_overflow(args, n_co, t, budget) for t in (1, 2, 4, 8) if n_co and t < tp_co and n_co % t == 0]
+    return {"budget_bytes": budget, "colocated_gpus": n_co, "colocated_engine_tp": tp_co,
+            "colocated_smaller_tps": tried,
             "colocated_best_below": None if below is None else
             {"gpus": below[2], "engine_tp": below[1], "peak_gib": below[0] / GIB,
              "reason": below_reason(n_co, below[2], below[1])},
@@ -379,6 +408,8 @@ def main() -> int:
         print(report.table([{k: r.get(k, 0.0) for k in ["phase", "weights", "grads", "optimizer", "engine weights",
                                                          "KV cache", "activations", "total"]} for r in rows],
                            floatfmt=".1f"))
+        if result["colocated_smaller_tps"]:
+            print(tp_overflow_text(n, result["colocated_smaller_tps"], result["budget_bytes"]))
         if result["colocated_best_below"] is not None:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
@@ -401,7 +432,12 @@ def main() -> int:
         pool_gib = None if pool is None else {
             "weights": pool["weights"] / GIB, "free": (result["budget_bytes"] - pool["weights"]) / GIB,
             "kv": pool["KV cache"] / GIB}
+        # the actor's scoring working set, in its two terms (the lesson's formula): one layer and the fp32 logits
+        logits = logits_bytes(args.micro_batch, seq, actor.vocab_size)
+        score = forward_bytes(actor, args.micro_batch, seq, lm_head=True)
+        scoring = {"layer": (score - logits) / GIB, "logits": logits / GIB, "total": score / GIB}
         report.write_json(args.json, {**result, "models": model_rows(args), "roles": roles, "kv_total_bytes": kv_total,
+                                      "scoring_gib": scoring,
                                       "budget_gib": result["budget_bytes"] / GIB, "kv_total_gib": kv_total / GIB,
                                       "rollout_gib": pool_gib},
                           args)

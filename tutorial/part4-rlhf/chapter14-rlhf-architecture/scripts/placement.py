@@ -284,7 +284,8 @@ def main() -> int:
           "per rank (idle = wall - generate - score - train):")
     print(report.table(tables, floatfmt=".2f"))
     print("\nfinal reward, final KL: the last iteration's mean reward-model score and its KL to the reference "
-          "(nats per response, summed over its tokens)")
+          "(nats per response, summed over its tokens); well-formed: the share of responses that are well-formed "
+          "records (chapter 13's valid), averaged over the iterations")
     print(report.table([{"placement": n, "wall s": s["wall_s"], "s / iteration": s["wall_s"] / args.iterations,
                          "rollouts/s": s["rollouts_per_s"], "final reward": s["stats"][-1]["reward"],
                          "final KL": s["stats"][-1]["kl"],

@@ -323,11 +323,13 @@ def main() -> int:
     print(f"\nMachine: {os.cpu_count()} cores, load average {load:.1f} before the run. Ray: ray.init {init_s:.2f} s, "
           f"an empty actor {ping_s:.2f} s, {threads} torch thread(s) per actor")
     print(report.table([{"placement": n, **row} for n, r in results.items() for row in r["ranks"]], floatfmt=".2f"))
-    print("\n" + report.table([{"placement": n, "groups start s": r["start_s"], "wall s": r["wall_s"],
-                                "s / iteration": r["s_per_iteration"], "final reward": r["stats"][-1]["reward"],
-                                "final KL": r["stats"][-1]["kl"], "weights MiB": r["object_store"]["bytes"] / 2**20,
-                                "put s": r["object_store"]["put_s"], "get s": r["object_store"]["get_s"]}
-                               for n, r in results.items()], floatfmt=".3f"))
+    print("\nput s, get s: the driver's ray.put of the final actor-model weights into the object store, and its "
+          "ray.get of them back")
+    print(report.table([{"placement": n, "groups start s": r["start_s"], "wall s": r["wall_s"],
+                         "s / iteration": r["s_per_iteration"], "final reward": r["stats"][-1]["reward"],
+                         "final KL": r["stats"][-1]["kl"], "weights MiB": r["object_store"]["bytes"] / 2**20,
+                         "put s": r["object_store"]["put_s"], "get s": r["object_store"]["get_s"]}
+                        for n, r in results.items()], floatfmt=".3f"))
     overhead, work = init_s + sum(r["start_s"] for r in results.values()), sum(r["wall_s"] for r in results.values())
     summary = {**results, "ray": {"init_s": init_s, "empty_actor_s": ping_s, "load_avg": load, "threads": threads,
                                   "version": ray.__version__, "overhead_s": overhead, "work_s": work,

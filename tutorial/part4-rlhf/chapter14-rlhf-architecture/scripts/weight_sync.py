@@ -3,11 +3,11 @@
 What it shows
     Rank 0 is the trainer, ranks 1.. are rollout workers holding stale copies of the same architecture. For each
     model size (the book's GPT presets plus two wider synthetic configs), the trainer takes one real AdamW step, then
-    1. sends the new weights with one dist.broadcast per tensor, and again packed into buckets of --bucket-mb MB
+    1. sends the new weights with one dist.broadcast per tensor, and again packed into buckets of --bucket-mb MiB
        (mlsys/weight_sync.py); after each, every receiving rank checks torch.equal on every tensor against a
        reference that travelled by a different road (pickled with broadcast_object_list);
     2. times both ways, the two taking turns (slowest rank, best of --iters after a warm-up,
-       mlsys.bench.time_collective), and reports ms per MB and the ratio of the two times;
+       mlsys.bench.time_collective), and reports ms per MiB and the ratio of the two times;
     3. sweeps the bucket size on the largest model;
     4. on the last rollout rank, loads the received weights into the inference engine (Engine.load_weights) and
        checks that its greedy completions equal the trainer's own generate().
@@ -20,7 +20,7 @@ How to run
     torchrun --nproc-per-node 2 tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
-Prints a table (model, MB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MB of each), the checks, the
+Prints a table (model, MiB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MiB of each), the checks, the
 rows that the bytes-only-grow rule flags as disturbed, the sweep rows where fewer calls took longer, and what the
 smallest buckets saved against the per-tensor sync (the sweep's `alone` column: tensors larger than a bucket).
 Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
@@ -28,8 +28,8 @@ loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/weight_sync.py -w 3 --bucket-mb 1
-        -> two rollout ranks and 1 MB buckets: every receiver checks bit for bit; the table's buckets column
-           rises for the models larger than 1 MB (the sweep does not depend on the flag); the sweep's 1 MB row
+        -> two rollout ranks and 1 MiB buckets: every receiver checks bit for bit; the table's buckets column
+           rises for the models larger than 1 MiB (the sweep does not depend on the flag); the sweep's 1 MiB row
            now repeats the table's bucketed sync of the largest model in the same run: their gap is the noise;
            three processes on 2 cores: about 35-45 s at a load average of 5-8, and roughly load average / cores
            times longer under more load (both on the first line)
@@ -57,8 +57,8 @@ from mlsys.weight_sync import (
     unique_parameters,
 )
 
-MB = 1 << 20
-# The book's presets plus two wider ones, so the sizes span ~0.1 MB to ~60 MB of fp32 weights.
+MB = 1 << 20  # the --bucket-mb flags and every "MiB" printed: 2**20 bytes
+# The book's presets plus two wider ones, so the sizes span ~0.1 MiB to ~60 MiB of fp32 weights.
 SIZES: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=64),
     "draft": dict(n_layer=2, n_head=2, n_embd=64, block_size=256),
@@ -73,9 +73,9 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     models: list[str] = field(default_factory=lambda: list(SIZES))
     """Model sizes to sync, from: tiny draft small medium large."""
     bucket_mb: float = 4.0
-    """Bucket size in MB (2**20 bytes) for the bucketed sync."""
+    """Bucket size in MiB (2**20 bytes) for the bucketed sync."""
     sweep_mb: list[float] = field(default_factory=lambda: [0.0625, 0.25, 1.0, 4.0, 16.0])
-    """Bucket sizes (MB) tried on the largest model; empty to skip."""
+    """Bucket sizes (MiB) tried on the largest model; empty to skip."""
     figure_bucket_kb: float = 96.0
     """Bucket size (KiB) of the packing figure buckets.png, drawn for the 'draft' model."""
     iters: int = 7
@@ -161,10 +161,10 @@ def sync_one_size(ctx: RankContext, args: Settings, size: str) -> dict:
 
     t_tensor, t_bucket = fastest([lambda: broadcast_per_tensor(params, 0),
                                   lambda: broadcast_bucketed(params, plan, 0)], args.iters, ctx.device)
-    return {"model": size, "params": sum(t.numel() for t in params.values()), "MB": nbytes / MB,
+    return {"model": size, "params": sum(t.numel() for t in params.values()), "MiB": nbytes / MB,
             "tensors": len(params), "buckets": len(plan), "per-tensor ms": t_tensor * 1e3,
-            "bucketed ms": t_bucket * 1e3, "per-tensor ms/MB": t_tensor * 1e3 / (nbytes / MB),
-            "bucketed ms/MB": t_bucket * 1e3 / (nbytes / MB), "_model": model}
+            "bucketed ms": t_bucket * 1e3, "per-tensor ms/MiB": t_tensor * 1e3 / (nbytes / MB),
+            "bucketed ms/MiB": t_bucket * 1e3 / (nbytes / MB), "_model": model}
 
 
 def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
@@ -173,10 +173,10 @@ def bucket_sweep(ctx: RankContext, args: Settings, model: GPT) -> list[dict]:
     plans = [plan_buckets(named_meta(params), int(mb * MB)) for mb in args.sweep_mb]
     times = fastest([lambda p=p: broadcast_bucketed(params, p, 0) for p in plans], args.iters, ctx.device)
     # alone: buckets that hold one tensor larger than the capacity (sent with the same bytes as per tensor, plus the
-    # copies in and out of the bucket's buffer); MB alone: their bytes
-    rows = [{"bucket MB": mb, "buckets": len(p), "alone": sum(b.nbytes > mb * MB for b in p),
-             "MB alone": sum(b.nbytes for b in p if b.nbytes > mb * MB) / MB, "ms": t * 1e3,
-             "ms/MB": t * 1e3 / (nbytes / MB)}
+    # copies in and out of the bucket's buffer); MiB alone: their bytes
+    rows = [{"bucket MiB": mb, "buckets": len(p), "alone": sum(b.nbytes > mb * MB for b in p),
+             "MiB alone": sum(b.nbytes for b in p if b.nbytes > mb * MB) / MB, "ms": t * 1e3,
+             "ms/MiB": t * 1e3 / (nbytes / MB)}
             for mb, p, t in zip(args.sweep_mb, plans, times)]
     return rows
 
@@ -218,8 +218,8 @@ def sweep_order_text(sweep: list[dict]) -> str:
     breaks = sweep_order_breaks(sweep)
     if not breaks:
         return "every row with fewer calls than the row above it also took less time"
-    pairs = [f"{b['bucket MB']:g} MB ({b['buckets']} calls, {b['ms']:.1f} ms) took longer than "
-             f"{a['bucket MB']:g} MB ({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks]
+    pairs = [f"{b['bucket MiB']:g} MiB ({b['buckets']} calls, {b['ms']:.1f} ms) took longer than "
+             f"{a['bucket MiB']:g} MiB ({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks]
     return "fewer calls did not mean less time everywhere: " + "; ".join(pairs)
 
 
@@ -230,12 +230,12 @@ def sweep_vs_per_tensor_text(first: dict, big: dict) -> str:
     saved = big["tensors"] - first["buckets"]
     copies = "while it still copies every byte into a fresh buffer and out again"
     if first["alone"]:
-        reason = (f"at {first['bucket MB']:g} MB, {first['alone']} of the {big['tensors']} tensors "
-                  f"({first['MB alone']:.1f} of {big['MB']:.1f} MB) are larger than a bucket and travel alone, one "
+        reason = (f"at {first['bucket MiB']:g} MiB, {first['alone']} of the {big['tensors']} tensors "
+                  f"({first['MiB alone']:.1f} of {big['MiB']:.1f} MiB) are larger than a bucket and travel alone, one "
                   f"call each as in the per-tensor sync, so only smaller neighbours share buckets and bucketing saves "
                   f"just {saved} calls, {copies}")
     else:
-        reason = (f"at {first['bucket MB']:g} MB every tensor fits in a bucket, and bucketing saves {saved} calls, "
+        reason = (f"at {first['bucket MiB']:g} MiB every tensor fits in a bucket, and bucketing saves {saved} calls, "
                   f"{copies}")
     times = f"{first['ms']:.1f} ms against {big['per-tensor ms']:.1f} ms"
     if first["ms"] > big["per-tensor ms"]:
@@ -272,7 +272,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     rows = []
     for size in args.models:
         rows.append(sync_one_size(ctx, args, size))
-        ctx.print(f"  {size}: {rows[-1]['MB']:.2f} MB, bitwise equal on every rank after both syncs")
+        ctx.print(f"  {size}: {rows[-1]['MiB']:.2f} MiB, bitwise equal on every rank after both syncs")
     largest = rows[-1]["_model"]
     sweep = bucket_sweep(ctx, args, largest) if args.sweep_mb else []
     served = check_engine_serves_new_weights(ctx, rows[0]["_model"])
@@ -331,12 +331,12 @@ def draw_buckets(args: Settings, size: str = "draft") -> dict:
 def draw(rows: list[dict], args: Settings, receivers: int) -> None:
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    mbs = [r["MB"] for r in rows]
+    mbs = [r["MiB"] for r in rows]
     ax.loglog(mbs, [r["per-tensor ms"] for r in rows], "o-", label="one broadcast per tensor")
-    ax.loglog(mbs, [r["bucketed ms"] for r in rows], "s-", label=f"bucketed ({args.bucket_mb:g} MB buckets)")
+    ax.loglog(mbs, [r["bucketed ms"] for r in rows], "s-", label=f"bucketed ({args.bucket_mb:g} MiB buckets)")
     for r in rows:
-        ax.annotate(r["model"], (r["MB"], r["bucketed ms"]), textcoords="offset points", xytext=(4, -12), fontsize=8)
-    ax.set_xlabel("fp32 weights sent (MB)")
+        ax.annotate(r["model"], (r["MiB"], r["bucketed ms"]), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xlabel("fp32 weights sent (MiB)")
     ax.set_ylabel("sync time (ms, slowest rank)")
     ax.set_title(f"Trainer -> {receivers} rollout rank(s), {args.backend}")
     ax.legend()
@@ -356,29 +356,29 @@ def main() -> int:
     rows, sweep = out["rows"], out["sweep"]
     print("\n" + report.table(rows, floatfmt=".3g"))
     if sweep:
-        print(f"\nBucket size sweep on {rows[-1]['model']} ({rows[-1]['MB']:.1f} MB):")
+        print(f"\nBucket size sweep on {rows[-1]['model']} ({rows[-1]['MiB']:.1f} MiB):")
         print(report.table(sweep, floatfmt=".3g"))
     if out["served"]["engine_tokens"] != out["served"]["trainer_tokens"]:
         raise cli.SelfCheckFailed("the engine on the rollout rank generated other tokens than the trainer's model")
     print(f"\nEngine.load_weights on rank {args.world_size - 1}: greedy completions equal the trainer's  OK")
     big = rows[-1]
     speedup = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}  # > 1: bucketing was faster
-    print(f"{big['model']}: bucketed {big['bucketed ms/MB']:.2f} ms/MB vs per tensor {big['per-tensor ms/MB']:.2f} "
-          f"ms/MB ({big['tensors']} tensors in {big['buckets']} buckets): per-tensor time / bucketed time "
+    print(f"{big['model']}: bucketed {big['bucketed ms/MiB']:.2f} ms/MiB vs per tensor {big['per-tensor ms/MiB']:.2f} "
+          f"ms/MiB ({big['tensors']} tensors in {big['buckets']} buckets): per-tensor time / bucketed time "
           f"{speedup[big['model']]:.2f} (smallest model, {rows[0]['model']}: {speedup[rows[0]['model']]:.2f})")
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
     print(f"Disturbed table rows: {reading['disturbed_text']}")
     if sweep:
-        reading["sweep_breaks"] = [[a["bucket MB"], b["bucket MB"]] for a, b in sweep_order_breaks(sweep)]
+        reading["sweep_breaks"] = [[a["bucket MiB"], b["bucket MiB"]] for a, b in sweep_order_breaks(sweep)]
         reading["sweep_text"] = sweep_order_text(sweep)
         reading["sweep_vs_per_tensor_text"] = sweep_vs_per_tensor_text(sweep[0], big)
         print(f"Bucket sweep, calls against time: {reading['sweep_text']}")
         print(f"Smallest buckets against per tensor: {reading['sweep_vs_per_tensor_text']}")
     draw(rows, args, args.world_size - 1)
     if args.json:
-        summary = {"largest": {"model": big["model"], "MB": big["MB"], "speedup": speedup[big["model"]]},
-                   "smallest": {"model": rows[0]["model"], "MB": rows[0]["MB"], "speedup": speedup[rows[0]["model"]],
+        summary = {"largest": {"model": big["model"], "MiB": big["MiB"], "speedup": speedup[big["model"]]},
+                   "smallest": {"model": rows[0]["model"], "MiB": rows[0]["MiB"], "speedup": speedup[rows[0]["model"]],
                                 "per_tensor_disturbed": rows[0]["model"] in reading["disturbed"]["per-tensor ms"]}}
         report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "served": out["served"],
                                       "packing": packing, "reading": reading},
