@@ -26,7 +26,8 @@ book build on loaded cores), 5 s with --smoke.
 
 Try next
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 4
-        -> FSDP2's torch.chunk leaves the last rank short on small tensors: its optimizer bytes come out lowest
+        -> FSDP2's torch.chunk leaves the last rank short on the 47-row token embedding: its optimizer bytes come
+           out lowest
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/zero_torch.py -w 3 --layers 2
         -> three ranks: compare the per-rank shares of both: which one comes out uneven depends on the tensor
            sizes (whole tensors for ZeroRedundancyOptimizer, torch.chunk rows for fully_shard)
