@@ -82,6 +82,30 @@ def test_token_cost_words_follow_the_rows() -> None:
         "was lowest at B = 1, and every larger batch paid more per token than that")
 
 
+@pytest.mark.parametrize("forwards", [(1.0, 3.0, 4.0, 6.0), (1.0, 3.0, 6.5, 5.1), (1.0, 3.0, 1.5, 2.0),
+                                      (1.0, 7.0, 6.5, 5.1), (1.0, 2.0, 3.0, 3.0)])
+def test_top_growth_says_shrank_when_the_larger_batch_s_forward_was_quicker(forwards) -> None:
+    """The step-breakdown sentence's verb comes from the two forwards: 'grew' only if the larger batch's forward took
+    at least as long, 'shrank' (with the smaller row named as slowed) otherwise, and then a second comparison from
+    the row before. Oracle: the ratio and its direction computed here from the rows."""
+    mod = load_script(CH10 / "step_breakdown.py")
+    rows = [{"batch_size": b, "forward": f, "total": 2 * f} for b, f in zip((8, 16, 32, 64), forwards)]
+    text = mod.top_growth(rows)["text"]
+    ratio = forwards[-1] / forwards[-2]
+    verb = "shrank to" if forwards[-1] < forwards[-2] else "grew"
+    assert text.startswith(f"{verb} {ratio:.2f}x from B = 32 to B = 64 (2x the batch)")
+    if forwards[-1] < forwards[-2]:
+        assert "the B = 32 row's forward was slowed" in text
+        earlier = forwards[-1] / forwards[-3]
+        verb2 = "shrank to" if earlier < 1 else "grew"
+        assert f"; over two rows, it {verb2} {earlier:.2f}x from B = 16 to B = 64 (4x the batch)" in text
+    else:
+        assert "shrank" not in text and "slowed" not in text and "over two rows" not in text
+        want = ("faster than the batch" if ratio > 1.1 * 2 else "about in proportion to the batch"
+                if ratio >= 0.9 * 2 else "more slowly than the batch")
+        assert text.endswith(want)
+
+
 def test_op_count_does_not_depend_on_batch_size(tiny: GPT) -> None:
     counts = []
     for B in (1, 6):
@@ -389,6 +413,39 @@ def test_overlap_timeline_spans_follow_the_recorded_steps(tiny: GPT, tmp_path, m
     drawn = {to_hex(p.get_facecolor()) for ax in fig.axes for p in ax.patches}
     assert drawn <= set(named.values()) and len(set(named.values())) == len(named)
     assert {k for k in named if "thin" in k} == {"launch (thin box)", "sample + detokenize (thin box)"}
+
+
+def test_overlap_schematic_hides_box_n_plus_1_inside_forward_n(tiny: GPT, tmp_path, monkeypatch) -> None:
+    """schematic.png: the recorded engines' stages re-timed by a model of an asynchronous device. Oracle: the step
+    times of the lesson's formula, worked out here from the model's stage times (plain: sched+prep + forward +
+    sample + detok; overlap: launch + max(sched+prep, forward) + sample + detok); every box n+1 lies inside
+    forward n's span; the stages drawn are ones the engines really record."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    args = mod.Settings(timeline_batch=3, prompt_len=8)
+    tl = mod.record_timeline(tiny, args, "cpu", steps=2, tries=1)
+    u = {"schedule": 0.3, "prepare": 0.5, "launch": 0.1, "forward": 2.0, "sample": 0.25, "detokenize": 0.05}
+    sch = mod.schematic_timeline(tl, u, steps=3)
+    sp, after = u["schedule"] + u["prepare"], u["sample"] + u["detokenize"]
+    want = {"plain": sp + u["forward"] + after, "overlap": u["launch"] + max(sp, u["forward"]) + after}
+    for name, rows in sch.items():
+        assert len(rows) == 3 and set(rows[0]["stages"]) <= set(tl[name][0]["stages"])
+        for n, row in enumerate(rows):
+            assert row["stages"]["total"] * 1e3 == pytest.approx(want[name])
+            assert row["start"] == pytest.approx(n * want[name])
+    spans = mod.timeline_spans(sch)
+    fwd = {s.label: s for s in spans if s.lane == "overlap: forward"}
+    boxes = [s for s in spans if s.lane == "overlap: main thread" and s.kind == "schedule + prepare"]
+    for box in boxes:  # box n+1 starts after launch n and ends before forward n does
+        f = fwd[str(int(box.label) - 1)]
+        assert f.start - 1e-9 <= box.start and box.end <= f.end + 1e-9
+    plain_prep = [s for s in spans if s.lane == "plain: main thread" and s.kind == "schedule + prepare"]
+    plain_fwd = {s.label: s for s in spans if s.lane == "plain: forward"}
+    assert all(p.end <= plain_fwd[p.label].start + 1e-9 for p in plain_prep)  # plain: nothing beside the forward
+    names = []
+    monkeypatch.setattr(mod.plot, "save", lambda fig, a, name: names.append(name) or tmp_path / f"{name}.png")
+    assert mod.draw_timeline(sch, args, "schematic") == spans and names == ["schematic"]
+    with pytest.raises(mod.cli.SelfCheckFailed):  # an engine that no longer records these stages is refused
+        mod.schematic_timeline({"plain": [{"stages": {"total": 1.0}}]}, u)
 
 
 def test_window_text_flags_a_step_slow_against_its_own_window() -> None:

@@ -443,7 +443,8 @@ def main() -> int:
           f"takes {d['tiny_op_us']:.1f} us; a batch-1 decode forward makes {d['python_ops']} op calls from Python "
           f"({d['aten_ops']} aten ops in all) in {d['forward_ms']:.2f} ms: ops x per-op cost / forward = "
           f"{d['overhead_ratio']:.2f}, "
-          + (f"so about {100 * d['overhead_share']:.0f}% of it is per-op fixed cost, the part a graph replay removes"
+          + (f"so about {100 * d['overhead_share']:.0f}% of it is per-op fixed cost, the part a graph replay "
+             + ("removes" if device == "cuda" else "would remove if this CPU had graphs")
              if d["overhead_ratio"] <= 1 else
              "above 1, so the share is capped at 100%: the tiny op and the forward were timed under different load,"
              " and the estimate is too rough to say more than that fixed cost is most of the forward")

@@ -34,6 +34,8 @@ What it shows
        the GIL and the cores. It says which forward ran slower (the overlapped forward's median over the plain
        one's, 10% apart or more): a plain forward slower than the overlapped one is a slow plain recording,
        not a gain from overlap.
+    4. FIGURE schematic.png: overlap working, as a schematic (not measured): the same engines' stages in the same
+       drawing, timed by a model of an asynchronous device (a GPU with graphs), where box n+1 fits inside forward n.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/overlap_scheduling.py
@@ -49,9 +51,9 @@ Try next
            the machine's load, which the table's load average shows
     python .../overlap_scheduling.py --threads 2 --plot-dir /tmp/threads2
         -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores (--plot-dir
-           keeps the default run's timeline.png): compare plain ms with a default run made just before. On a
-           busy 2-core machine the plain engine's 2-thread forward can slow far more than the overlapped one,
-           giving a large speed-up flagged noise that says nothing about overlap.
+           keeps the default run's timeline.png): compare plain ms with a default run made just before. Either
+           run may have a row flagged noise (the load decides which); line 3 says which forward ran slower, and a
+           slower plain 2-thread forward is its second thread waiting for a core, not a gain from overlap.
            The main thread and the worker thread each have their own OpenMP pool, and two pools spinning while
            idle would fill the 2 cores, so the script sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle
            OpenMP threads sleep instead
@@ -300,6 +302,38 @@ def timeline_spans(tl: dict[str, list[dict]]) -> list[plot.Span]:
     return spans
 
 
+# the schematic's stage times, in model units, not measured: a GPU forward with CUDA graphs (one short launch,
+# then the device computes for longer than the host takes to schedule and prepare the next step)
+SCHEMATIC = {"schedule": 0.4, "prepare": 0.6, "launch": 0.05, "forward": 1.6, "sample": 0.2, "detokenize": 0.15}
+
+
+def schematic_timeline(tl: dict[str, list[dict]], u: dict = SCHEMATIC, steps: int = 3) -> dict[str, list[dict]]:
+    """Overlap working, as a schematic: rows shaped like `record_timeline`'s (the engines' own stage names, drawn
+    by `timeline_spans` in the engines' order), timed by a model of an asynchronous device: every stage takes its
+    `u` time, forward n runs on the device from its launch (plain: once its batch is prepared), and nothing
+    waits for a core or a lock. Per step: plain = sched+prep + forward + sample; overlap = launch +
+    max(sched+prep, forward) + sample."""
+    sp = u["schedule"] + u["prepare"]
+    out = {}
+    for name, rows in tl.items():
+        t, new = 0.0, []
+        for _ in range(steps):
+            if name == "plain":
+                st, f0 = {"schedule": u["schedule"], "prepare": u["prepare"], "forward": u["forward"]}, t + sp
+            else:  # launch n; step n+1's schedule + prepare while the device runs n; wait for what is left of n
+                st = {"launch": u["launch"], "overlapped": sp, "forward": max(0.0, u["forward"] - sp)}
+                f0 = t + u["launch"]
+            st.update(sample=u["sample"], detokenize=u["detokenize"])
+            if not set(st) <= set(rows[0]["stages"]):
+                raise cli.SelfCheckFailed(f"the schematic's stages {sorted(st)} are not all the {name} engine's")
+            total = sum(st.values())
+            new.append({"start": t, "stages": {**{k: v / 1e3 for k, v in st.items()}, "total": total / 1e3},
+                        "forward": [f0, f0 + u["forward"]]})
+            t += total
+        out[name] = new
+    return out
+
+
 FORWARD_SAME = 1.1  # forwards within 10% of each other's time read as "about as long"
 
 
@@ -315,8 +349,8 @@ def forward_ratio_words(ratio: float) -> str:
     return f"the two forwards took about as long ({ratio:.2f}x, overlapped over plain)"
 
 
-NO_OVERLAP_HINT = ("timeline.png shows no overlap this time; try --timeline-batch 64, whose longer steps give box "
-                   "n+1 more time to meet forward n")
+NO_OVERLAP_HINT = ("timeline.png shows no overlap this time (schematic.png draws the idea working); "
+                   "--timeline-batch 64's longer forwards may leave box n+1 room to meet forward n")
 
 
 def overlap_text(serial: int, drawn: int, slowdown: float) -> str:
@@ -442,8 +476,9 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
 
 
 
-def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
-    """The two engines' steps on a shared time axis, drawn from `timeline_spans`; returns the spans drawn."""
+def draw_timeline(tl: dict, args: Settings, fname: str = "timeline") -> list[plot.Span]:
+    """The two engines' steps on a shared time axis, drawn from `timeline_spans`; returns the spans drawn.
+    fname "schematic": the rows of `schematic_timeline`, in model units."""
     from matplotlib.patches import Patch
 
     plt = plot.pyplot()
@@ -455,8 +490,9 @@ def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
     for ax, name in zip(axes, tl):
         plot.timeline(ax, [s for s in spans if s.lane.startswith(name)], [f"{name}: main thread", f"{name}: forward"],
                       palette=palette, legend=False)
-        ax.set_title(f"{name} engine, {args.timeline_batch} sequences decoding (numbers: the step each box works for)",
-                     fontsize=9)
+        what = ("schematic, stage times from a model of an asynchronous device, not measured" if fname == "schematic"
+                else f"{args.timeline_batch} sequences decoding")
+        ax.set_title(f"{name} engine, {what} (numbers: the step each box works for)", fontsize=9)
     # a launch takes a tiny fraction of a step: draw each one at least 0.6% of the axis wide, over its own box
     x0, x1 = axes[1].get_xlim()
     for ax, name in zip(axes, tl):
@@ -464,14 +500,15 @@ def draw_timeline(tl: dict, args: Settings) -> list[plot.Span]:
             if s.kind == "launch" and s.lane == f"{name}: main thread":
                 ax.barh(1, max(s.end - s.start, 0.006 * (x1 - x0)), left=s.start, height=0.8,
                         color=palette["launch"], edgecolor="black", linewidth=0.5, zorder=3)
-    axes[1].set_xlabel("time (ms) from the first drawn step's start")
+    axes[1].set_xlabel("model time units (a schematic)" if fname == "schematic" else
+                       "time (ms) from the first drawn step's start")
     fig.tight_layout()
     # one legend for both engines, naming the boxes too thin to carry a label
-    thin = {"launch", "sample + detokenize"}
+    thin = {"launch"} if fname == "schematic" else {"launch", "sample + detokenize"}
     fig.legend(handles=[Patch(facecolor=c, edgecolor="black", label=f"{k} (thin box)" if k in thin else k)
                         for k, c in palette.items()], loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
                frameon=False)
-    print(f"figure: {plot.save(fig, args, 'timeline')}")
+    print(f"figure: {plot.save(fig, args, fname)}")
     return spans
 
 
@@ -501,6 +538,7 @@ def main() -> int:
           " machine's load, not the overlap; so did a row that lost more than a whole plain step (an overlapped step"
           " does the plain step's work, at worst one thread after the other, plus the two waits of line 3)")
     tl = record_timeline(model, args, device)
+    schematic = draw_timeline(schematic_timeline(tl), args, "schematic")  # overlap working, modelled: no timing
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
     print(f"{timeline_line(summ, args.timeline_batch, len(tl['plain']), TIMELINE_TRIES * len(tl['plain']))} "
           f"{bench.load_average()}\n   The drawn window: {summ['window_text']}.")
@@ -511,6 +549,7 @@ def main() -> int:
         report.write_json(args.json, {"device": device, "same_output": same, "placeholders": ph, "timing": rows,
                                       "speedup_range": speedup_range,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},
+                                      "schematic": {"units": SCHEMATIC, "spans": [vars(s) for s in schematic]},
                                       "load_average": bench.load_average()}, args)
     return 0
 

@@ -113,19 +113,32 @@ def forward_ops(model, batch_size: int, args: Settings, device: str) -> dict:
 # --8<-- [end:profile]
 
 
-def top_growth(rows: list[dict]) -> dict:
-    """How the forward grew between the two largest batch sizes, and where a token was cheapest, in words
-    derived from this run (the direction at large B changes from run to run)."""
-    a, b = rows[-2] if len(rows) > 1 else rows[-1], rows[-1]
+def growth_words(a: dict, b: dict) -> str:
+    """How the forward changed from row a to row b (b the larger batch), verb and comparison from the values."""
     batch_ratio, forward_ratio = b["batch_size"] / a["batch_size"], b["forward"] / a["forward"]
+    span = f"from B = {a['batch_size']} to B = {b['batch_size']} ({batch_ratio:g}x the batch)"
+    if forward_ratio < 1:  # more sequences, less time: the smaller batch's row was slowed by the machine, not its work
+        return (f"shrank to {forward_ratio:.2f}x {span}, although the batch grew: a larger batch does no less work, "
+                f"so the B = {a['batch_size']} row's forward was slowed by the machine's load (an interrupted row)")
     if forward_ratio > 1.1 * batch_ratio:
-        text = "faster than the batch"
+        how = "faster than the batch"
     elif forward_ratio >= 0.9 * batch_ratio:
-        text = "about in proportion to the batch"
+        how = "about in proportion to the batch"
     else:
-        text = "more slowly than the batch"
-    return {"from": a["batch_size"], "to": b["batch_size"], "batch_ratio": batch_ratio,
-            "forward_ratio": forward_ratio, "text": text, "token_cost_text": token_cost_words(rows)}
+        how = "more slowly than the batch"
+    return f"grew {forward_ratio:.2f}x {span}, {how}"
+
+
+def top_growth(rows: list[dict]) -> dict:
+    """How the forward changed between the two largest batch sizes (and, if it shrank there, from the row before),
+    and where a token was cheapest, in words derived from this run (the direction at large B changes from run to
+    run)."""
+    a, b = rows[-2] if len(rows) > 1 else rows[-1], rows[-1]
+    text = growth_words(a, b)
+    if b["forward"] < a["forward"] and len(rows) > 2:
+        text += f"; over two rows, it {growth_words(rows[-3], b)}"
+    return {"from": a["batch_size"], "to": b["batch_size"], "batch_ratio": b["batch_size"] / a["batch_size"],
+            "forward_ratio": b["forward"] / a["forward"], "text": text, "token_cost_text": token_cost_words(rows)}
 
 
 def token_cost_words(rows: list[dict]) -> str:
@@ -195,8 +208,7 @@ def main() -> int:
     print(f"   B {b0} -> {b1}: {b1 / b0:g}x the tokens, {step_growth:.2f}x the step time, so a token costs "
           f"{token_cost_ratio:.2f}x as much; {bench.load_average()}")
     top = top_growth(rows)
-    print(f"   B {top['from']} -> {top['to']}: {top['batch_ratio']:g}x the batch, {top['forward_ratio']:.2f}x the "
-          f"forward ({top['text']}); ms/token {top['token_cost_text']}")
+    print(f"   The forward {top['text']}; ms/token {top['token_cost_text']}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)

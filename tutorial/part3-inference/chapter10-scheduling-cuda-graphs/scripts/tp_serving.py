@@ -133,6 +133,7 @@ def measure(model, prompts: list[list[int]], args: Settings, size: int, device: 
 
 # --8<-- [start:trace]
 STEP, FORWARD, SEND = "decode step", "forward on rank 0's shard", "runner.execute"
+ENGINE_REGIONS = ("prepare", "embed", "head", "sample", "detokenize")  # rank 0's labelled work outside the layers
 TRIES = 3  # decode steps traced; the picture keeps the fastest (on a shared machine one may be interrupted)
 ALL_REDUCE = ReduceFromTP.__name__  # the profiler names an autograd Function's forward after its class
 
@@ -148,7 +149,7 @@ def labelled(fn, name: str):
 def trace_decode_step(model, prompts: list[list[int]], args: Settings, size: int, trace_path: Path) -> None:
     """TRIES full-batch decode steps of a TP=`size` engine under torch.profiler, as rank 0 runs them, written as a
     Chrome trace. Rank 0's shard labels its sublayers ("layer i attention", "layer i MLP"), embedding and head;
-    the runner's execute (broadcast of the batch, then the forward) is labelled too."""
+    the engine its sample and detokenize, and the runner's execute (broadcast of the batch, then the forward)."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # quiet: the profiler logs every start and stop otherwise
     engine = Engine(model, Tokenizer(), EngineConfig(tensor_parallel_size=size, max_num_seqs=args.batch_size))
     try:
@@ -163,6 +164,8 @@ def trace_decode_step(model, prompts: list[list[int]], args: Settings, size: int
         shard.embed, shard.head = labelled(shard.embed, "embed"), labelled(shard.head, "head")
         runner.local.execute = labelled(runner.local.execute, FORWARD)
         runner.execute, runner.prepare = labelled(runner.execute, SEND), labelled(runner.prepare, "prepare")
+        # after the forward, rank 0 alone samples and detokenizes (the engine's own stages, by their names)
+        engine._sample, engine._update = labelled(engine._sample, "sample"), labelled(engine._update, "detokenize")
         for p in prompts:
             engine.add_request(p, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         full = lambda t: t["num_seqs"] == t["num_batched_tokens"] == args.batch_size  # a full-batch decode step
@@ -192,7 +195,7 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
     raw = plot.trace_spans(trace_path, lane_of=lambda e: str(e.get("tid")), kind_of=lambda e: "")
     step = min((s for s in raw if s.label == STEP), key=lambda s: s.end - s.start)
     main = [s for s in raw if s.lane == step.lane and step.start <= s.start and s.end <= step.end]
-    regions = [s for s in main if s.label.startswith("layer ") or s.label in ("prepare", "embed", "head")]
+    regions = [s for s in main if s.label.startswith("layer ") or s.label in ENGINE_REGIONS]
     forward = next(s for s in main if s.label == FORWARD)
     send = next(s for s in main if s.label == SEND)
     waits = [plot.Span("collective", send.start, forward.start, "batch", "broadcast")]
@@ -223,7 +226,7 @@ def step_spans(trace_path: Path) -> tuple[list[plot.Span], dict]:
             layers.setdefault(int(r.label.split()[1]), r.start)
     edges = [step.start, *layers.values(), max(r.end for r in regions if r.label.startswith("layer ")), step.end]
     # short layer names, so that a narrow layer's box still has room for its label
-    names = ["prepare, send batch", *(f"L{i}" for i in layers), "head, sample"]
+    names = ["prepare, send batch", *(f"L{i}" for i in layers), "head, sample, detokenize"]
     parts = [plot.Span("step", a, b, n, "engine" if i in (0, len(names) - 1) else f"layer {i % 2}")
              for i, (a, b, n) in enumerate(zip(edges, edges[1:], names))]
     spans = [plot.Span(s.lane, s.start - step.start, s.end - step.start, s.label, s.kind)
@@ -275,7 +278,7 @@ def draw_step(spans: list[plot.Span], summary: dict, size: int, args: Settings) 
 
     shown = ["attention", "MLP", "other", "all-reduce", "broadcast", "gloo runs the collective"]
     ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k if k != "other" else
-                             "prepare, embed, head") for k in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                             ", ".join(ENGINE_REGIONS)) for k in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize=7, frameon=False)
     ax.set_xlim(0, summary["step_ms"])
     ax.set_title(f"The fastest of {TRIES} decode steps at TP={size} on this CPU, from rank 0's torch.profiler "
