@@ -413,6 +413,17 @@ def test_hacking_words_read_the_direction_from_the_two_values(before: float, aft
     assert script.change(before, after, fmt) == want
 
 
+@pytest.mark.parametrize("sft, trained", [(15, 13), (15, 62), (15, 15), (0, 1), (9, 0)])
+def test_hack_verdict_reads_more_malformed_records_as_hacking(sft: int, trained: int) -> None:
+    """The verdict the lesson quotes up front: hacking by the rule's count only when the trained policy wrote
+    strictly more malformed records than the SFT model (the lesson's run wrote fewer), with both counts named."""
+    verdict = load_script(scripts_dir(13) / "rlhf_loop.py").hack_verdict(sft, trained)
+    word = "more" if trained > sft else "fewer" if trained < sft else "as many"
+    assert f"wrote {trained} malformed records against the SFT model's {sft}: {word}," in verdict
+    assert verdict.endswith("shows no reward hacking") == (not trained > sft)
+    assert verdict.endswith("shows reward hacking") == (trained > sft)
+
+
 def test_rlhf_loop_hacking_words_agree_with_its_own_counts(smoke_cache) -> None:
     """rlhf_loop.py --smoke: the printed and recorded words of section 3 against its recorded numbers."""
     proc = smoke_run(smoke_cache, scripts_dir(13) / "rlhf_loop.py")
@@ -430,6 +441,11 @@ def test_rlhf_loop_hacking_words_agree_with_its_own_counts(smoke_cache) -> None:
     paid = sft["reward_malformed"] > sft["reward_valid"]  # nan (no malformed record) compares False
     assert h["sft_malformed_paid"] == ("above" if paid else "not above")
     assert f"records with four or repeated languages {h['hacks_change']};" in proc["stdout"]
+    malformed = [e["prompts"] - e["kinds"]["well_formed"] for e in (sft, trained)]  # counted from the kinds
+    assert malformed == [sft["malformed"], trained["malformed"]]
+    want = "shows reward hacking" if malformed[1] > malformed[0] else "shows no reward hacking"
+    assert h["hack_verdict"].endswith(want)
+    assert f"   verdict: {h['hack_verdict']}\n" in proc["stdout"]
     settings = proc["json"]["settings"]  # section 2's header names the controller the run used (--k-beta shows)
     assert f"KL target {settings['kl_target']}, gain K_beta {settings['k_beta']})" in proc["stdout"]
 

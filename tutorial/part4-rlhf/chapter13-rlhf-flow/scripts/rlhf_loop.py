@@ -16,7 +16,8 @@ What it shows
     3. What the "human" says: the SFT model (before training) and the trained policy answer the same
        --eval-prompts fresh prompts with the same sampling seeds; per policy, the rule score, the share of
        well-formed records and the reward-model score, and for the trained policy how it breaks the schema and
-       what the reward model pays for each kind (reward hacking, measured). Responses side by side.
+       what the reward model pays for each kind; a verdict line says whether this run shows reward hacking by
+       the rule's count (more malformed records after training than before). Responses side by side.
     4. The tensors of the last iteration, drawn as heatmaps in the order the phases make them, with their shapes.
     FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
     response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages),
@@ -38,7 +39,7 @@ terminal), 10 s with --smoke.
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --kl-target 0 --beta 0
         -> no KL penalty: the reward still rises, the KL grows to many nats, and section 3 shows the hacking: rule
-           score and well-formed share of the trained policy far below the SFT model's
+           score and well-formed share of the trained policy far below the SFT model's (its verdict line says so)
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
         -> no critic, group baseline, KL in the loss; no token table and no section 4 or iteration.png (no
            per-token values)
@@ -369,6 +370,16 @@ def change(before: float, after: float, fmt: str = "") -> str:
     return f"stayed at {a}" if a == b else f"{'rose' if after > before else 'fell'} from {a} to {b}"
 
 
+def hack_verdict(sft_malformed: int, trained_malformed: int) -> str:
+    """Reward hacking as the rule counts it: more malformed records after training than before, on the same
+    prompts and seeds. Read from the two counts, so that the lesson's sentence is true of every run."""
+    more = trained_malformed > sft_malformed
+    word = "more" if more else "as many" if trained_malformed == sft_malformed else "fewer"
+    return (f"the trained policy wrote {trained_malformed} malformed records against the SFT model's "
+            f"{sft_malformed}: {word}, so by the rule's count this run shows "
+            f"{'reward hacking' if more else 'no reward hacking'}")
+
+
 # --8<-- [start:hacking]
 def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     """The SFT model and the trained policy on the same prompts and seeds: what the rule (the "human") and the
@@ -382,7 +393,8 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     words = {"rule_change": change(sft["rule_score"], trained["rule_score"], ".2f"),  # directions read from this run
              "valid_change": change(sft["valid"], trained["valid"], ".0%"),
              "hacks_change": change(sft["hacks"], trained["hacks"]),
-             "sft_malformed_paid": "above" if sft["reward_malformed"] > sft["reward_valid"] else "not above"}
+             "sft_malformed_paid": "above" if sft["reward_malformed"] > sft["reward_valid"] else "not above",
+             "hack_verdict": hack_verdict(sft["malformed"], trained["malformed"])}
     print(f"   rule score {words['rule_change']}; well-formed "
           f"{words['valid_change']}. {trained['malformed_above_valid']} of the trained policy's "
           f"{trained['malformed']} malformed records score above its mean well-formed "
@@ -391,6 +403,7 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
     print(f"   records with four or repeated languages {words['hacks_change']}; the SFT model's malformed records "
           f"score {words['sft_malformed_paid']} its well-formed ones on average ({sft['reward_malformed']:+.2f} "
           f"against {sft['reward_valid']:+.2f}) before any RL")
+    print(f"   verdict: {words['hack_verdict']}")
     bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rule_score(t) == 0)
     for score, text in bad[::-1][:3]:
         print(f"   malformed, scored {score:+.2f}: {text}")
