@@ -977,7 +977,7 @@ def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
     assert word == ("about 1" if f"{doc['ring_over_gloo_busbw']:.3f}" == "1.000" else
                     "above 1" if t["ring"] < t["gloo all_reduce"] else "below 1")
     assert f"gloo all_reduce busbw at 64.0 KiB: {doc['ring_over_gloo_busbw']:.3f} ({word}:" in proc.stdout
-    for name in ("ring_vs_tree", "alpha_beta", "ceiling", "steps"):
+    for name in ("ring_vs_tree", "alpha_beta", "crossover", "ceiling", "steps"):
         assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])
     # the lesson shows sections 1-2, 3 and 4 apart, from the JSON: together they are exactly what was printed
@@ -1078,6 +1078,7 @@ def test_halving_doubling_is_only_ever_predicted(tmp_path) -> None:
     check_alpha_beta_figure(drawn, rows, 4)
     assert drawn["fit_sizes"] == [256, 4096, 65536, 262144] and drawn["held_out_sizes"] == [1024, 16384]
     assert (tmp_path / "alpha_beta.png").exists()
+    assert (tmp_path / "crossover.png").exists()  # the crossover, a figure of its own
 
 
 @pytest.mark.parametrize("p", [2, 4, 5])
@@ -1118,7 +1119,7 @@ def test_topology_reports_this_machine(tmp_path) -> None:
     import torch
 
     out = tmp_path / "t.json"
-    proc = run([CH04 / "topology.py", "--smoke", "--json", out])
+    proc = run([CH04 / "topology.py", "--smoke", "--json", out, "--plot-dir", tmp_path / "fig"])
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())["results"]
     assert doc["cpu"]["logical_cpus"] == os.cpu_count()
@@ -1137,6 +1138,59 @@ def test_topology_reports_this_machine(tmp_path) -> None:
                                                          "NCCL_SOCKET_IFNAME"}
     if not torch.cuda.is_available():
         assert "no CUDA GPU on this machine" in proc.stdout
+    # the picture: sockets -> NUMA nodes -> cores and threads, against lscpu's own per-CPU list
+    drawn = doc["figure"]
+    assert (tmp_path / "fig" / "topology.png").exists()
+    assert drawn["no_gpu"] == (not torch.cuda.is_available())
+    if shutil.which("lscpu"):
+        parsed = [line.split(",") for line in subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET,NODE"],
+                  capture_output=True, text=True, check=True).stdout.splitlines() if not line.startswith("#")]
+        want: dict = {}
+        for _, core, socket, node in parsed:
+            entry = want.setdefault((int(socket), int(node or 0)), [set(), 0])
+            entry[0].add(core)
+            entry[1] += 1
+        got = {(s["socket"], n["node"]): [n["cores"], n["threads"]] for s in drawn["sockets"] for n in s["numa_nodes"]}
+        assert got == {k: [len(cores), threads] for k, (cores, threads) in want.items()}
+
+
+TOPO_TEXT = """\tGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV4\tSYS\tPIX\t0-3\t0\t\tN/A
+GPU1\tNV4\t X \tSYS\tPXB\t0-3\t0\t\tN/A
+GPU2\tSYS\tSYS\t X \tNODE\t4-7\t1\t\tN/A
+NIC0\tPIX\tPXB\tNODE\t X \t\t\t\t
+
+Legend:
+
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+
+NIC Legend:
+
+  NIC0: mlx5_0
+"""
+
+
+def test_topology_parses_an_nvidia_smi_matrix(tmp_path) -> None:
+    """A small `nvidia-smi topo -m` written here: every pair once, with its code, and each GPU's affinities."""
+    draw = load("_topo_draw")
+    m = draw.parse_topo_matrix(TOPO_TEXT)
+    assert m["devices"] == ["GPU0", "GPU1", "GPU2", "NIC0"]
+    assert {(x["a"], x["b"]): x["code"] for x in m["links"]} == {
+        ("GPU0", "GPU1"): "NV4", ("GPU0", "GPU2"): "SYS", ("GPU0", "NIC0"): "PIX", ("GPU1", "GPU2"): "SYS",
+        ("GPU1", "NIC0"): "PXB", ("GPU2", "NIC0"): "NODE"}
+    assert m["cpu_affinity"] == {"GPU0": "0-3", "GPU1": "0-3", "GPU2": "4-7"}
+    assert m["numa_affinity"] == {"GPU0": "0", "GPU1": "0", "GPU2": "1"}
+    assert draw.parse_topo_matrix("nvidia-smi not found")["devices"] == []
+    threads = [{"cpu": c, "socket": c // 4, "core": c % 4 // 2, "node": c // 4} for c in range(8)]  # 2 threads/core
+    numa = [{"node": 0, "cpus": "0-3", "memory_GiB": 8.0}, {"node": 1, "cpus": "4-7", "memory_GiB": 8.0}]
+    drawn = draw.draw_topology(threads, numa, {"devices": [{}, {}, {}], "nvidia_smi_topo": TOPO_TEXT},
+                               load("topology").Settings(plot_dir=str(tmp_path)))
+    assert [(s["socket"], [(n["node"], n["cores"], n["threads"]) for n in s["numa_nodes"]]) for s in drawn["sockets"]] \
+        == [(0, [(0, 2, 4)]), (1, [(1, 2, 4)])]
+    assert drawn["gpus"] == [{"gpu": "GPU0", "numa_node": "0"}, {"gpu": "GPU1", "numa_node": "0"},
+                             {"gpu": "GPU2", "numa_node": "1"}]
+    assert not drawn["no_gpu"] and (tmp_path / "topology.png").exists()
 
 
 def test_topology_reads_the_kernels_cpu_lists() -> None:

@@ -87,14 +87,14 @@ def draw_alpha_beta(summary: dict, world_size: int, args: cli.PlotArgs) -> dict:
     """Top row, one panel per modelled algorithm: its measured points (filled: seen by the fit; hollow: held out,
     with measured/model written beside them), the model a*alpha + b*n*beta (dashed) and its two terms (dotted), and
     the sizes where the latency term is the larger (latency-bound) or the byte term (bandwidth-bound) shaded.
-    Bottom, across the width: the ring's and the tree's model lines on one set of axes, their measured medians as
-    dots, and the model's crossover n* (the printed one, summary["predicted_crossover_bytes"]) marked, the size
-    range widened to include it. Returns what it drew."""
+    A second figure, crossover.png: the ring's and the tree's model lines on one set of axes, their measured
+    medians as dots, and the model's crossover n* (the printed one, summary["predicted_crossover_bytes"]) marked,
+    the size range widened to include it. Returns what it drew, both figures."""
     plt = plot.pyplot()
     alpha, beta, points = summary["alpha_s"], summary["beta_s_per_byte"], summary["model_points"]
     names = list(dict.fromkeys(p["algorithm"] for p in points))
-    fig = plt.figure(figsize=(max(4.3 * len(names), 9.0), 8.6))
-    grid_spec = fig.add_gridspec(3, len(names), height_ratios=[4.0, 0.45, 3.6])
+    fig = plt.figure(figsize=(max(4.3 * len(names), 9.0), 5.0))
+    grid_spec = fig.add_gridspec(2, len(names), height_ratios=[4.0, 0.45])
     axes = np.array([[fig.add_subplot(grid_spec[0, i]) for i in range(len(names))]])
     for ax in axes[0, 1:]:
         ax.sharey(axes[0, 0])
@@ -143,7 +143,6 @@ def draw_alpha_beta(summary: dict, world_size: int, args: cli.PlotArgs) -> dict:
     legend_ax = fig.add_subplot(grid_spec[1, :])  # the top row's legend, right under it
     legend_ax.axis("off")
     legend_ax.legend(list(handles.values()), list(handles), loc="center", ncol=4, fontsize=8, frameon=False)
-    crossover = draw_ring_and_tree(fig.add_subplot(grid_spec[2, :]), summary, world_size, lo, hi)
     bandwidth = f"1/β = {1 / beta / 1e9:.2f} GB/s" if beta > 0 else "β = 0"
     fig.suptitle(f"one alpha-beta model, fitted to ring and tree at {len(summary['fit_sizes'])} of "
                  f"{len(summary['fit_sizes']) + len(summary['held_out_sizes'])} sizes: α = {alpha * 1e6:.0f} us "
@@ -151,6 +150,10 @@ def draw_alpha_beta(summary: dict, world_size: int, args: cli.PlotArgs) -> dict:
     fig.tight_layout()
     _separate_labels(fig, ratios)
     print(f"figure: {plot.save(fig, args, 'alpha_beta')}")
+    fig2, ax2 = plt.subplots(figsize=(8.0, 4.2))  # the crossover, a figure of its own
+    crossover = draw_ring_and_tree(ax2, summary, world_size, lo, hi)
+    fig2.tight_layout()
+    print(f"figure: {plot.save(fig2, args, 'crossover')}")
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "fit_sizes": summary["fit_sizes"],
             "held_out_sizes": summary["held_out_sizes"], "panels": panels, "crossover": crossover}
 

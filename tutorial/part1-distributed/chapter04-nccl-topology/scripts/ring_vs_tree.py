@@ -50,9 +50,11 @@ Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
-        -> two ranks: equal steps, so the model has no crossover; the ring sends twice as many messages (2 sends
-           and 2 receives per rank against the tree's 1 and 1), which the model does not see; a `note:` line, if
-           printed, says what in the fit not to trust
+        -> two ranks: equal steps, so the model has no crossover; but each ring step is a two-way swap (both ranks
+           post a send and a receive, then wait for both: 2 sends and 2 receives per rank in all) and each tree
+           step one message one way (1 and 1), which the model does not see: the `time per step` line shows the
+           cost of each, and the gap can be well over two-to-one; a `note:` line, if printed, says what in the fit
+           not to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
            at a load near 2, up to about L/C times that at a load L on C cores (section 2 prints the load).

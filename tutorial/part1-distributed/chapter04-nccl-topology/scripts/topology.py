@@ -14,6 +14,10 @@ What it shows
       NCCL     the environment knobs that steer NCCL (NCCL_ALGO, NCCL_PROTO, NCCL_DEBUG, ...) and their values in
                this environment, and, with 2 or more GPUs, a measurement: chapter 4's bench_collectives.py run in
                a subprocess once per NCCL_ALGO value (Ring, Tree), busbw side by side.
+    Figure: topology.png, the machine drawn from what was detected: sockets holding their NUMA nodes (cores,
+    threads, memory) and, with GPUs, each GPU under its NUMA node with every pair's `nvidia-smi topo -m` code
+    (_topo_draw.py parses the matrix and draws; the JSON keeps what was drawn under "figure"). Without a GPU the
+    picture says so.
     It checks its own counts against independent sources (the sysfs thread count vs os.cpu_count(), the GPU list vs
     torch.cuda.device_count()).
 
@@ -26,8 +30,9 @@ Contract flags: --smoke skips the NCCL subprocess runs; --seed changes nothing.
 Runtime on 2 cores: about 2 s (no GPU); with GPUs add about 20 s for the Ring/Tree runs.
 
 Try next
-    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py --json /tmp/topo.json
-        -> the same report, and every count in /tmp/topo.json
+    python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py \
+        --json /tmp/topo.json --plot-dir /tmp/topo
+        -> the same report, every count in /tmp/topo.json, and the picture in /tmp/topo/topology.png
     NCCL_ALGO=Tree python tutorial/part1-distributed/chapter04-nccl-topology/scripts/topology.py
         -> the knob table shows NCCL_ALGO=Tree (with 2+ GPUs, the Ring/Tree runs set it per run)
     lscpu; nproc
@@ -45,6 +50,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from _topo_draw import draw_topology
 
 from mlsys import cli, report
 
@@ -72,7 +79,7 @@ NCCL_KNOBS = {
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     nccl_max_bytes: int = 64 * 2**20
     """Largest size of the NCCL_ALGO=Ring vs Tree runs (GPU machines only)."""
     skip_nccl_runs: bool = False
@@ -99,20 +106,22 @@ def parse_cpu_list(text: str) -> list[int]:
     return cpus
 
 
-def cpu_info() -> dict:
+def cpu_info(numa: list[dict]) -> dict:
     online = parse_cpu_list(read("/sys/devices/system/cpu/online"))
-    packages, cores = set(), set()
+    node_of = {cpu: n["node"] for n in numa for cpu in parse_cpu_list(n["cpus"])}
+    packages, cores, threads = set(), set(), []
     for cpu in online:  # each hardware thread says which socket (package) and which core it belongs to
         topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
         package, core = read(f"{topo}/physical_package_id"), read(f"{topo}/core_id")
         packages.add(package)
         cores.add((package, core))
+        threads.append({"cpu": cpu, "socket": int(package or 0), "core": int(core or 0), "node": node_of.get(cpu, 0)})
     model = next((line.split(":", 1)[1].strip() for line in read("/proc/cpuinfo").splitlines()
                   if line.startswith("model name")), platform.processor() or "unknown")
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online
     return {"model": model, "sockets": len(packages), "physical_cores": len(cores), "hardware_threads": len(online),
             "logical_cpus": os.cpu_count(), "usable_by_this_process": len(affinity),
-            "threads_per_core": len(online) // max(1, len(cores))}
+            "threads_per_core": len(online) // max(1, len(cores)), "threads": threads}
 
 
 def numa_nodes() -> list[dict]:
@@ -188,7 +197,8 @@ def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"skip_nccl_runs": True})
     import torch
 
-    cpu, numa, gpus = cpu_info(), numa_nodes(), gpu_info()
+    numa = numa_nodes()
+    cpu, gpus = cpu_info(numa), gpu_info()
     knobs = [{"variable": k, "value": os.environ.get(k, "(unset)"), "what it does": v} for k, v in NCCL_KNOBS.items()]
     print(f"CPU     {cpu['model']}: {cpu['sockets']} socket(s), {cpu['physical_cores']} physical core(s), "
           f"{cpu['hardware_threads']} hardware thread(s) ({cpu['threads_per_core']} per core); this process may use "
@@ -228,9 +238,11 @@ def main() -> int:
     report.expect_equal("hardware threads (sysfs) vs os.cpu_count()", cpu["hardware_threads"], os.cpu_count())
     report.expect_equal("GPUs listed vs torch.cuda.device_count()", len(gpus.get("devices", [])),
                         torch.cuda.device_count())
+    drawn = draw_topology(cpu["threads"], numa, gpus, args)  # the picture, from what was detected above
     if args.json:
-        report.write_json(args.json, {"cpu": cpu, "numa_nodes": numa, "memory_GiB": memory_gib(), "lscpu": lscpu,
-                                      "gpus": gpus, "nccl_env": knobs, "nccl_algo_runs": algo_rows}, args)
+        report.write_json(args.json, {"figure": drawn, "cpu": cpu, "numa_nodes": numa, "memory_GiB": memory_gib(),
+                                      "lscpu": lscpu, "gpus": gpus, "nccl_env": knobs,
+                                      "nccl_algo_runs": algo_rows}, args)
     return 0
 
 

@@ -1,0 +1,111 @@
+"""topology.py's picture: the machine as topology.py detected it, and a parser for `nvidia-smi topo -m`.
+
+`parse_topo_matrix(text)` reads the matrix nvidia-smi prints (a header of device names, one row per device, a
+link code per pair, then the CPU and NUMA affinity columns) into devices, pairs and affinities.
+`draw_topology(...)` draws sockets -> NUMA nodes (cores, hardware threads, memory) and, when there are GPUs, one
+box per GPU under the NUMA node nvidia-smi gives for it, a line per GPU pair labelled with its code. It returns
+what it drew; topology.py keeps that in its --json so that a test can compare it with the kernel's own lists.
+"""
+
+from __future__ import annotations
+
+from mlsys import cli, plot
+
+
+# --8<-- [start:parse]
+def parse_topo_matrix(text: str) -> dict:
+    """`nvidia-smi topo -m` -> {"devices": [...], "links": [{"a", "b", "code"}], "cpu_affinity": {dev: "0-7"},
+    "numa_affinity": {dev: "0"}}. Rows are the devices (GPU0.., NIC0.., mlx5_0..); a cell is X on the diagonal,
+    else the path code (NV#, PIX, PXB, PHB, NODE, SYS). The Legend below the matrix is skipped."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.split()[0].startswith("GPU") and "X" not in ln.split()), None)
+    if start is None:
+        return {"devices": [], "links": [], "cpu_affinity": {}, "numa_affinity": {}}
+    rows = []
+    for line in lines[start + 1:]:
+        cells = line.split()
+        if not cells or cells[0] not in lines[start].split():  # the end of the matrix (Legend:, NIC Legend:)
+            break
+        rows.append(cells)
+    devices = [cells[0] for cells in rows]
+    n, links, cpu, numa = len(devices), [], {}, {}
+    for i, cells in enumerate(rows):
+        for j in range(i + 1, n):
+            links.append({"a": devices[i], "b": devices[j], "code": cells[1 + j]})
+        extra = cells[1 + n:]  # GPUs: CPU affinity, NUMA affinity (and GPU NUMA ID); NICs: nothing
+        if extra:
+            cpu[devices[i]] = extra[0]
+        if len(extra) > 1:
+            numa[devices[i]] = extra[1]
+    return {"devices": devices, "links": links, "cpu_affinity": cpu, "numa_affinity": numa}
+# --8<-- [end:parse]
+
+
+def layout(threads: list[dict], numa: list[dict]) -> list[dict]:
+    """Sockets, each with its NUMA nodes and their cores and hardware threads, from topology.py's per-thread list
+    ({cpu, socket, core, node}) and its NUMA nodes (for their memory)."""
+    memory = {n["node"]: n["memory_GiB"] for n in numa}
+    sockets: dict = {}
+    for t in threads:
+        node = sockets.setdefault(t["socket"], {}).setdefault(t["node"], {"cores": set(), "cpus": []})
+        node["cores"].add(t["core"])
+        node["cpus"].append(t["cpu"])
+    return [{"socket": s, "numa_nodes": [{"node": k, "cores": len(v["cores"]), "threads": len(v["cpus"]),
+                                          "memory_GiB": memory.get(k, 0.0)} for k, v in sorted(nodes.items())]}
+            for s, nodes in sorted(sockets.items())]
+
+
+# --8<-- [start:draw]
+def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.PlotArgs) -> dict:
+    """Boxes: a socket holds its NUMA nodes, a node its cores, threads and memory; below, the GPUs (if any), each
+    under its NUMA node, joined pair by pair with the code `nvidia-smi topo -m` printed. Returns what it drew."""
+    plt = plot.pyplot()
+    sockets = layout(threads, numa)
+    matrix = parse_topo_matrix(gpus.get("nvidia_smi_topo", "")) if gpus.get("devices") else None
+    gpu_names = [d for d in (matrix or {}).get("devices", []) if d.startswith("GPU")]
+    slots = [(s["socket"], n) for s in sockets for n in s["numa_nodes"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 3.2 * len(slots)), 4.6 if gpu_names or not matrix else 3.2))
+    ax.set_axis_off()
+    x = 0.0
+    centre = {}
+    for s in sockets:
+        width = 3.0 * len(s["numa_nodes"])
+        ax.add_patch(plt.Rectangle((x, 2.0), width - 0.2, 2.2, fill=False, ec="0.3", lw=1.6))
+        ax.text(x + 0.1, 4.05, f"socket {s['socket']}", va="top", fontsize=10, weight="bold")
+        for k, node in enumerate(s["numa_nodes"]):
+            nx = x + 3.0 * k + 0.15
+            ax.add_patch(plt.Rectangle((nx, 2.15), 2.5, 1.5, color="C0", alpha=0.15))
+            ax.text(nx + 1.25, 2.9, f"NUMA node {node['node']}\n{node['cores']} core(s), {node['threads']} thread(s)"
+                    f"\nmemory {node['memory_GiB']:.1f} GiB", ha="center", va="center", fontsize=9)
+            centre[str(node["node"])] = nx + 1.25
+        x += width
+    drawn_gpus = []
+    if gpu_names:
+        per_node: dict = {}
+        for name in gpu_names:  # under its NUMA node when nvidia-smi says which, else in a row of their own
+            per_node.setdefault(matrix["numa_affinity"].get(name, "N/A"), []).append(name)
+        spots = {}
+        for node, names in per_node.items():
+            mid = centre.get(node, x / 2)
+            for i, name in enumerate(names):
+                spots[name] = (mid + 0.9 * (i - (len(names) - 1) / 2), 0.6)
+                ax.add_patch(plt.Rectangle((spots[name][0] - 0.35, 0.35), 0.7, 0.5, color="C2", alpha=0.3))
+                ax.text(*spots[name], name, ha="center", va="center", fontsize=8)
+                drawn_gpus.append({"gpu": name, "numa_node": node})
+        for link in matrix["links"]:
+            if link["a"] in spots and link["b"] in spots:
+                (xa, ya), (xb, yb) = spots[link["a"]], spots[link["b"]]
+                ax.annotate("", (xb, yb - 0.25), (xa, ya - 0.25), arrowprops={"arrowstyle": "-", "color": "0.4",
+                            "connectionstyle": "arc3,rad=0.35"})
+                ax.text((xa + xb) / 2, -0.05 - 0.1 * abs(xb - xa), link["code"], ha="center", fontsize=7)
+    else:
+        ax.text(x / 2, 1.2, "no CUDA GPU on this machine: no GPUs, NVLink or PCIe paths to draw"
+                if not gpus.get("devices") else "GPUs found, but no `nvidia-smi topo -m` matrix to read links from",
+                ha="center", va="center", fontsize=9, style="italic", color="0.35")
+    ax.set_xlim(-0.2, x + 0.2)
+    ax.set_ylim(-0.9 if gpu_names else 0.6, 4.4)
+    ax.set_title("this machine, as topology.py detected it", fontsize=10)
+    print(f"figure: {plot.save(fig, args, 'topology')}")
+    return {"sockets": sockets, "gpus": drawn_gpus, "links": matrix["links"] if matrix else [],
+            "no_gpu": not gpus.get("devices")}
+# --8<-- [end:draw]
