@@ -19,8 +19,8 @@ What it shows
        engine / transformers and engine / mlsys.model, each with a verdict from that pair's own runs: faster or
        slower only when one's median run beat the other's best (the runs do not overlap), "about equal" when
        they overlap and the best runs lie within 10% of each other, "undecided" when they overlap with a
-       larger gap (a third implementation's noise does not blur the pair); for engine / transformers whether it
-       reached the speed goal of 1x in this run (a target for the engine's per-step overhead, not a check: a
+       larger gap (a third implementation's noise does not blur the pair); last, whether the engine's best run
+       reached the speed goal of 1x transformers' best (a target for its per-step overhead, not a check: a
        static batch gives the engine's machinery nothing to do, so below 1x means its scheduler, block tables and
        detokenizer cost more per step than transformers' loop on this tiny model). Timings never fail the run;
        a token mismatch does (exit 1).
@@ -238,9 +238,10 @@ def main() -> None:
     gap = abs(vs_plain - 1)
     goal = "met" if vs_hf >= 1 else "not met"  # the goal: at least transformers' tokens/s
     print(f"\nmedians sit up to {spread:.0%} above the best runs; each verdict uses its own pair's spread only")
-    print(f"engine / transformers tokens/s: {vs_hf:.3f}x (spread {hf_spread:.0%}): {hf_verdict}; speed goal "
-          f"(>= 1x, not a check) {goal} in this run")
+    print(f"engine / transformers tokens/s: {vs_hf:.3f}x (spread {hf_spread:.0%}): {hf_verdict}")
     print(f"engine / mlsys.model.generate tokens/s: {vs_plain:.2f}x (spread {plain_spread:.0%}): {verdict}")
+    print(f"speed goal (a target, not a check), judged on the best runs alone: engine >= 1x transformers' "
+          f"tokens/s: {vs_hf:.3f}x, {goal} in this run")
     engine.check_invariants()
     if args.json:
         report.write_json(args.json, {"model": args.model, "rows_equal": same_rows, "batch_size": args.batch_size,
