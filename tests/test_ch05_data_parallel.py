@@ -611,3 +611,17 @@ def test_takeaway_gives_naives_cost_and_the_saving_only_beyond_locals_spread(nai
     below = {k: (0.095 if k[0] not in ("local", "naive") else t) for k, t in med.items()}  # every other row noise
     if naive_ms > 145.0:
         assert bench._takeaway(below, 95.0, 145.0).endswith("so the run cannot say what buckets saved")
+
+
+@pytest.mark.parametrize("fastest", [("overlapped", 16.0), ("overlapped", 2.0), ("bucketed", 16.0)])
+def test_takeaway_says_nothing_overlapped_when_the_fastest_overlapped_row_has_one_bucket(fastest) -> None:
+    """bench_ddp's default sizes: 16 MiB holds the whole gradient in one bucket, 2 MiB several. The take-away may
+    name an overlapped row as the fastest only with the warning that a single bucket overlaps nothing; whether the
+    warning is due is worked out here from the bucket counts."""
+    buckets = {2.0: 6, 16.0: 1}
+    med = {("local", 0.0): 0.100, ("naive", 0.0): 0.200} | {
+        (k, mb): 0.170 for k in ("bucketed", "overlapped", "torch") for mb in buckets} | {fastest: 0.120}
+    text = bench._takeaway(med, 95.0, 105.0, buckets)
+    assert f"({fastest[0]} at {fastest[1]:g} MiB" in text, text
+    warned = fastest[0] == "overlapped" and buckets[fastest[1]] == 1
+    assert ("nothing overlapped there" in text) == warned, text

@@ -103,6 +103,10 @@ def test_fsdp2_bf16_policies_halve_the_bytes_and_track_fp32(smoke_cache) -> None
     assert result["fsdp_bf16_all_bytes_ratio"] == 0.5
     assert result["max_gap"] <= 0.05
     assert result["bf16_zero"] == 0.0  # bf16 has fp32's exponent range
+    # GradScaler starts at its default init_scale and, far fewer steps than its growth_interval (2000) in, can only
+    # have halved once per skipped step: the line the lesson reads gives both ends
+    assert result["fp16_scale_start"] == torch.amp.GradScaler("cpu").get_scale() == 2.0**16
+    assert result["fp16_scale_end"] == result["fp16_scale_start"] / 2 ** len(result["fp16_skipped_steps"])
 
 
 # ----------------------------------------------------------------------------------------------- local SGD, DiLoCo

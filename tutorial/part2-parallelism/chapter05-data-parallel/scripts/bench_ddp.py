@@ -20,7 +20,8 @@ What it shows
     names which one and says there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
     The line under the table gives naive against local, and whether every other row's median was below naive's.
     The line starting "take-away" gives naive's cost over local and what the fastest other row (not below local)
-    saved against naive, each only where it is larger than local's own spread.
+    saved against naive, each only where it is larger than local's own spread (an overlapped row with a single
+    bucket is named as such: nothing overlapped there).
     The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
     cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
@@ -185,7 +186,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"what this run shows: {verdict}")
     vs_bucketed = _overlapped_vs_bucketed(med, sorted(set(args.bucket_mb)), max(local_ms) - min(local_ms))
     ctx.print(vs_bucketed)
-    takeaway = _takeaway(med, min(local_ms), max(local_ms))
+    takeaway = _takeaway(med, min(local_ms), max(local_ms),
+                         {mb: len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))})
     ctx.print(f"take-away: {takeaway}")
     if ctx.is_main:
         draw(args, med, local_ms)
@@ -268,9 +270,11 @@ def _verdict(med: dict, local_min_ms: float, local_max_ms: float) -> str:
             "the other rows cannot be told from not communicating at all")
 
 
-def _takeaway(med: dict, local_min_ms: float, local_max_ms: float) -> str:
+def _takeaway(med: dict, local_min_ms: float, local_max_ms: float, buckets: dict | None = None) -> str:
     """The one number to keep from the run: what naive's per-parameter all-reduces cost over local, and how much of
-    that the fastest bucketed, overlapped or torch row saved, each said only where it exceeds local's own spread."""
+    that the fastest bucketed, overlapped or torch row saved, each said only where it exceeds local's own spread.
+    `buckets` (bucket MiB -> the hand-written versions' bucket count): an overlapped row with one bucket is named
+    with the warning that nothing overlapped there (its one all-reduce starts when the backward ends)."""
     local, naive = 1e3 * med[("local", 0.0)], 1e3 * med[("naive", 0.0)]
     rest = {v: 1e3 * t for v, t in med.items() if v[0] not in ("local", "naive") and t >= med[("local", 0.0)]}
     spread = local_max_ms - local_min_ms  # rows below local's median (noise, see below_floor) are left out of rest
@@ -284,9 +288,11 @@ def _takeaway(med: dict, local_min_ms: float, local_max_ms: float) -> str:
         return (f"{head}; every other row came out below local's median (noise), so the run cannot say what "
                 "buckets saved")
     best = min(rest, key=rest.get)
+    one = (", one bucket: nothing overlapped there"
+           if best[0] == "overlapped" and (buckets or {}).get(best[1]) == 1 else "")
     if naive - rest[best] > spread:
         return (f"{head}; the fastest bucketed, overlapped or torch row not below local ({best[0]} at "
-                f"{best[1]:g} MiB) took {naive - rest[best]:.0f} ms less than naive, more than local's own spread "
+                f"{best[1]:g} MiB{one}) took {naive - rest[best]:.0f} ms less than naive, more than local's own spread "
                 f"({spread:.0f} ms): that is what fewer, larger all-reduces saved here")
     return (f"{head}; no bucketed, overlapped or torch row was faster than naive by more than local's own spread "
             f"({spread:.0f} ms), so this run does not measure what buckets save")

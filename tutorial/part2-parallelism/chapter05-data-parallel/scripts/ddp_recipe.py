@@ -113,7 +113,6 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             loss.backward()
             opt.step()
             total, steps = total + loss.item(), steps + 1
-        # --8<-- [end:recipe]
         every = check_epoch(ctx, list(sampler), len(dataset), epoch)
         orders.append(every)  # the whole epoch's order, every rank's share: rank 0's alone can repeat by chance
         mean = torch.tensor(total / steps)
@@ -122,6 +121,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         for r, part in enumerate(every):
             rows.append({"epoch": epoch, "rank": r, "windows": len(part), "steps": -(-len(part) // args.batch_size),
                          "first indices": " ".join(map(str, part[:5]))})
+    # --8<-- [end:recipe]
     ctx.print(f"{len(dataset)} windows of {model.config.block_size + 1} tokens, W={ctx.world_size}, "
               f"{args.batch_size} windows per rank per step")
     ctx.print(report.table(rows))

@@ -118,7 +118,8 @@ class CollectiveBytes(TorchDispatchMode):
 # --8<-- [start:runs]
 def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str, skip: frozenset = frozenset()) -> dict:
     """One run: fully_shard every block and the root, then --steps AdamW steps on this rank's batches (none at the
-    steps in `skip`). Returns the losses, the collective bytes, the final loss scale and the steps it skipped."""
+    steps in `skip`). Returns the losses, the collective bytes, the loss scale at the start and at the end, and the
+    steps it skipped."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -132,7 +133,8 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str, skip
         fully_shard(block, mesh=mesh, **({"mp_policy": policy} if policy else {}))
     fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
     opt = make_optimizer(model.parameters(), args)  # AdamW on the fp32 shards: the master weights
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=run == "autocast-fp16")
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=run == "autocast-fp16")  # init_scale: 2^16 by default
+    start = scaler.get_scale() if scaler.is_enabled() else 1.0
     losses, skipped, counter = [], [], CollectiveBytes()
     for step in range(args.steps):
         x, y = (t.to(ctx.device) for t in rank_batch(tokens, ctx.rank, ctx.world_size, step, args))
@@ -150,7 +152,7 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, run: str, skip
         dist.all_reduce(mean)  # the global batch's loss, for the comparison between runs
         losses.append(mean.item() / ctx.world_size)
     return {"losses": losses, "bytes": counter.bytes, "scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
-            "skipped": skipped}
+            "start_scale": start, "skipped": skipped}
 # --8<-- [end:runs]
 
 
@@ -196,7 +198,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(f"\n{args.steps} AdamW steps on {ctx.world_size} rank(s) with FSDP2; bytes are the full buffers of "
               "every all-gather and reduce-scatter of the run")
     ctx.print(report.table(rows, floatfmt=".4g"))
-    ctx.print(f"autocast-fp16's dynamic loss scale at the end: {runs['autocast-fp16']['scale']:g}"
+    fp16 = runs["autocast-fp16"]
+    ctx.print(f"autocast-fp16's dynamic loss scale: {fp16['start_scale']:g} at the start (GradScaler's default), "
+              f"{fp16['scale']:g} at the end"
               + (f"; it skipped step(s) {[k + 1 for k in skipped]} (overflow), so its gap is to fp32 skipping them too"
                  if skipped else ""))
     if ctx.is_main:
@@ -206,7 +210,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "fp32_skipping_fp16_skips": refs["autocast-fp16"]["losses"],
             "fsdp_bf16_bytes_ratio": rows[3]["vs fp32 bytes"], "fsdp_bf16_all_bytes_ratio": rows[4]["vs fp32 bytes"],
             "fp16_zero_unscaled": under[0]["zero"], "fp16_subnormal_unscaled": under[0]["subnormal"],
-            "fp16_zero_scaled_2_16": under[2]["zero"],
+            "fp16_zero_scaled_2_16": under[2]["zero"], "fp16_scale_start": fp16["start_scale"],
+            "fp16_scale_end": fp16["scale"],
             "bf16_zero": under[3]["zero"], "max_gap": max(r["max |loss - fp32|"] for r in rows)}
 
 
