@@ -414,8 +414,8 @@ def main() -> int:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
-            print("Each count from there up, with its peak at its best engine TP: of the TPs that divide the count, "
-                  "the smallest that fits, or if none fits, the one with the lowest peak:")
+            print("Every GPU count from there up, each at its best engine TP (the smallest TP dividing the count "
+                  "that fits; if none fits, the lowest peak):")
             print(report.table(result["colocated_near"], floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:

@@ -38,9 +38,11 @@ the reward model (see placement.py).
 
 Try next
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py --fault generate
-        -> a generation actor is killed mid-iteration: on stderr one line names its role, pid and node and says
-           the fault was planted; exit 1; nothing left. Before it, Ray's own "(raylet)" paragraph on stdout lists
-           likely causes of any unexpected worker death (an OOM kill first): a guess, not a diagnosis
+        -> the first generating actor is killed mid-iteration: all-0, since the co-located placement runs
+           first (rollout-1 with --placements disaggregated async); on stderr one line names its role, pid and
+           node and says the fault was planted; exit 1; nothing left. Before it, Ray's own "(raylet)" paragraph
+           on stdout lists likely causes of any unexpected worker death (an OOM kill first): a guess, not a
+           diagnosis
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/ray_placement.py \\
         --placements disaggregated async --iterations 8
         -> only the disaggregated pools: compare the s / iteration column with placement.py's (same settings:
@@ -74,7 +76,7 @@ class Settings(PlacementSettings, cli.PlotArgs):
     rollout_on: str = ""
     """The same for the rollout pool."""
     fault: typing.Literal["none", "generate", "train"] = "none"
-    """Planted fault: kill the first generation actor (generate) or the trainer (train) mid-iteration."""
+    """Planted fault: kill the first generating actor by rank (generate) or the trainer (train) mid-iteration."""
     fault_iteration: int = 1
     """The iteration in which --fault strikes."""
 
