@@ -1,12 +1,13 @@
-"""ring_vs_tree.py's figures: the tree's and halving-doubling's messages step by step, the measured times, the
-alpha-beta model against its points, and busbw under the box's ceilings."""
+"""ring_vs_tree.py's figures: the tree's and halving-doubling's messages step by step, what each rank waits for in
+one ring step and one tree step, the measured times, the alpha-beta model against its points, and busbw under the
+box's ceilings."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from _rvt_model import cost_terms, halving_doubling_schedule, size_text, tree_schedule
+from _rvt_model import cost_terms, halving_doubling_schedule, ring_schedule, size_text, tree_schedule
 
 from mlsys import cli, plot
 from mlsys.collectives import is_power_of_two
@@ -67,6 +68,37 @@ def draw_steps(world_size: int, args: cli.PlotArgs) -> dict[str, list[dict]]:
     print(f"figure: {plot.save(fig, args, 'steps')}")
     return drawn
 # --8<-- [end:draw_steps]
+
+
+def draw_waits(world_size: int, args: cli.PlotArgs) -> dict[str, dict[int, list[str]]]:
+    """Step 0 of the ring beside step 0 of the tree, one lane per rank: the step's messages (arrows, sender to
+    receiver) and, on each lane, what that rank posted and must wait for before its step is over. From ring_schedule
+    and tree_schedule; a sketch of who waits for what, not a measured time. Returns each rank's waits."""
+    p, plt = world_size, plot.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 0.6 * p + 1.4))
+    waits = {}
+    for ax, (name, sched) in zip(axes, (("ring", ring_schedule(p, 16 * p)), ("tree", tree_schedule(p, 16 * p)))):
+        step = [m for m in sched if m["step"] == 0]
+        waits[name] = {r: [f"send to {m['dst']}" for m in step if m["src"] == r]
+                       + [f"recv from {m['src']}" for m in step if m["dst"] == r] for r in range(p)}
+        for r, items in waits[name].items():  # a lane per rank; its bar: busy in this step, darker for two waits
+            ax.axhline(-r, color="0.85", lw=1, zorder=0)
+            if items:
+                ax.barh(-r, 1.0, height=0.45, color="C3" if len(items) > 1 else "C1", alpha=0.35)
+            ax.text(1.08, -r, " + ".join(items) or "nothing to do", va="center", fontsize=8)
+            ax.text(-0.06, -r, f"rank {r}", ha="right", va="center", fontsize=8)
+        for i, m in enumerate(step):  # one arrow per message, spread along the step
+            x = 0.1 + 0.8 * (i + 0.5) / len(step)
+            ax.annotate("", (x, -m["dst"]), (x, -m["src"]), arrowprops={"arrowstyle": "-|>", "color": "C0"})
+        most = max(map(len, waits[name].values()))
+        ax.set(xlim=(-0.45, 2.5), ylim=(-p + 0.5, 0.7))
+        ax.set_axis_off()
+        ax.set_title(f"{name}, step 0: {len(step)} message(s); a rank waits for up to {most}", fontsize=9)
+    fig.suptitle(f"one step on {p} ranks: what each rank posts and waits for (a sketch from the schedules, "
+                 "not measured times)", fontsize=9)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'waits')}")
+    return waits
 
 
 def draw_times(rows: list[dict], world_size: int, args: cli.PlotArgs) -> None:
@@ -150,7 +182,7 @@ def draw_alpha_beta(summary: dict, world_size: int, args: cli.PlotArgs) -> dict:
     fig.tight_layout()
     _separate_labels(fig, ratios)
     print(f"figure: {plot.save(fig, args, 'alpha_beta')}")
-    fig2, ax2 = plt.subplots(figsize=(8.0, 4.2))  # the crossover, a figure of its own
+    fig2, ax2 = plt.subplots(figsize=(10.0, 4.2))  # the crossover, a figure of its own
     crossover = draw_ring_and_tree(ax2, summary, world_size, lo, hi)
     fig2.tight_layout()
     print(f"figure: {plot.save(fig2, args, 'crossover')}")
@@ -179,7 +211,7 @@ def draw_ring_and_tree(ax, summary: dict, world_size: int, lo: float, hi: float)
     ax.set_title("ring and tree models on one set of axes: tree faster left of n*, ring right of it" if cross else
                  "ring and tree models on one set of axes: no crossover in the model", fontsize=10)
     ax.set(xlabel="message size n (bytes)", ylabel="time per all-reduce (us)", xlim=(left, right))
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the data
     return {"n_star_bytes": cross, "size_range": [float(left), float(right)]}
 # --8<-- [end:draw_model]
 

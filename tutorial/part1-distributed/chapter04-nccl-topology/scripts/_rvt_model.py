@@ -16,6 +16,21 @@ FITTED = ("ring", "tree")  # the algorithms whose points the alpha-beta fit sees
 MODELLED = ("ring", "tree", "halving-doubling")  # the algorithms the model gives a time for
 
 
+def ring_schedule(world_size: int, numel: int) -> list[dict]:
+    """Every message ring_all_reduce sends (mlsys/collectives.py): the buffer cut like torch.tensor_split into p
+    chunks; at step s of the reduce-scatter rank r sends chunk (r-s) to r+1 (the receiver adds it), at step s of the
+    all-gather chunk (r+1-s) (the receiver copies it). Same dicts as tree_schedule below."""
+    p, out = world_size, []
+    edge = [k * (numel // p) + min(k, numel % p) for k in range(p + 1)]  # chunk k is [edge[k], edge[k+1])
+    for s in range(2 * (p - 1)):
+        reduce = s < p - 1
+        for r in range(p):
+            k = (r - s) % p if reduce else (r + 1 - (s - (p - 1))) % p
+            out.append({"step": s, "phase": "reduce-scatter" if reduce else "all-gather", "src": r,
+                        "dst": (r + 1) % p, "lo": edge[k], "hi": edge[k + 1], "op": "add" if reduce else "copy"})
+    return out
+
+
 # --8<-- [start:schedules]
 def tree_schedule(world_size: int, numel: int) -> list[dict]:
     """Every message tree_all_reduce sends, from the same tree_parent/tree_children: a rank sends its subtree's sum
@@ -236,6 +251,7 @@ def summarise(rows: list[dict], world_size: int) -> dict:
         "does not show a clean crossover: which of the two was faster flips back and forth between "
         f"neighbouring sizes{tie_note}")
     more = tuple(p for p in MORE_RANKS if p > world_size)  # a -w 8 run's own n* is not printed again as 8's
+    step_sizes = latency_bound_sizes(alpha, beta, world_size, sizes)
     gloo_beaten = [s for s in sizes if time_of["tree", s] < time_of["gloo all_reduce", s]]
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     gap = lambda s: max(time_of[n, s] for n in names) / min(time_of[n, s] for n in names)
@@ -270,8 +286,8 @@ def summarise(rows: list[dict], world_size: int) -> dict:
             "more_ranks_crossover_text": more_ranks_text(crossover_at_more_ranks(alpha, beta, more)) if more else
             "no larger rank count to predict",
             "ring_latency_bound_text": ring_latency_bound_text(alpha, beta, world_size, sizes),
-            "step_cost_text": step_cost_text(time_of, world_size, sizes[0], alpha),
-            "step_us": {name: time_of[name, sizes[0]] / a for name, a in steps_taken(world_size).items()},
+            "step_cost_text": step_cost_text(time_of, world_size, step_sizes, alpha),
+            "step_sizes": step_sizes, "step_us": step_us(time_of, world_size, step_sizes),
             "line_nearer_text": line_nearer_text(points, time_of, sizes)}
 
 
@@ -292,14 +308,31 @@ def steps_taken(world_size: int) -> dict[str, int]:
             "gloo all_reduce": 2 * (world_size - 1)}
 
 
-def step_cost_text(time_of: dict, world_size: int, size: int, alpha: float) -> str:
-    """Each algorithm's median time at `size` over the steps it takes, also in units of the fitted alpha: a model
-    with one cost per step would give every algorithm the same."""
-    steps = steps_taken(world_size)
-    return f"at {size_text(size)}, " + ", ".join(
-        f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {time_of[name, size] / a:.0f} us "
-        f"({time_of[name, size]:.0f} us over {a} steps" + (f", {time_of[name, size] / a / (alpha * 1e6):.2f} alpha)"
-                                                         if alpha > 0 else ")") for name, a in steps.items())
+def latency_bound_sizes(alpha: float, beta: float, world_size: int, sizes: list[int]) -> list[int]:
+    """The sizes where the fitted model puts both the ring and the tree below their knee (steps cost more than
+    bytes): a time per step is read there, over several sizes, so that one noisy size cannot set it. When the fit
+    pinned alpha at 0 no size is latency-bound in the model: then the smaller half of the sweep."""
+    terms = [cost_terms(name, world_size) for name in FITTED]
+    below = [s for s in sizes if alpha > 0 and all(a * alpha > b * s * beta for a, b in terms)]
+    return below or sizes[:max(1, len(sizes) // 2)]
+
+
+def step_us(time_of: dict, world_size: int, sizes: list[int]) -> dict[str, float]:
+    """Each algorithm's median, over `sizes`, of its time per all-reduce divided by the steps it takes (us)."""
+    return {name: float(np.median([time_of[name, s] / a for s in sizes]))
+            for name, a in steps_taken(world_size).items()}
+
+
+def step_cost_text(time_of: dict, world_size: int, sizes: list[int], alpha: float) -> str:
+    """The median time per step of each algorithm over the latency-bound `sizes`, also in units of the fitted
+    alpha (a model with one cost per step would give every algorithm the same), and the ring's step over the tree's."""
+    steps, per = steps_taken(world_size), step_us(time_of, world_size, sizes)
+    where = (f"at {size_text(sizes[0])}" if len(sizes) == 1 else
+             f"median over the {len(sizes)} sizes {size_text(sizes[0])} to {size_text(sizes[-1])}")
+    return (f"{where}, where the fit has ring and tree latency-bound: " + ", ".join(
+        f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {per[name]:.0f} us "
+        f"({a} steps" + (f", {per[name] / (alpha * 1e6):.2f} alpha)" if alpha > 0 else ")")
+        for name, a in steps.items()) + f"; a step of our ring took {per['ring'] / per['tree']:.1f}x one of our tree")
 
 
 def line_nearer_text(points: list[dict], time_of: dict, sizes: list[int]) -> str:

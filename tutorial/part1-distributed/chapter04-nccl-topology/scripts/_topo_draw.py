@@ -2,9 +2,11 @@
 
 `parse_topo_matrix(text)` reads the matrix nvidia-smi prints (a header of device names, one row per device, a
 link code per pair, then the CPU and NUMA affinity columns) into devices, pairs and affinities.
-`draw_topology(...)` draws sockets -> NUMA nodes (cores, hardware threads, memory) and, when there are GPUs, one
-box per GPU under the NUMA node nvidia-smi gives for it, a line per GPU pair labelled with its code. It returns
-what it drew; topology.py keeps that in its --json so that a test can compare it with the kernel's own lists.
+`example_machine(matrix)` makes CPU boxes from a matrix's affinity columns, for the example picture drawn from
+_topo_example.txt (an example matrix, not any machine's). `draw_topology(...)` draws sockets -> NUMA nodes (cores,
+hardware threads, memory) and, when there are GPUs, one box per GPU under the NUMA node nvidia-smi gives for it, a
+line per GPU pair labelled with its code. It returns what it drew; topology.py keeps that in its --json so that a
+test can compare it with the kernel's own lists.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ def parse_topo_matrix(text: str) -> dict:
 # --8<-- [end:parse]
 
 
+def example_machine(matrix: dict) -> tuple[list[dict], list[dict]]:
+    """For the example picture: CPU threads and NUMA nodes made from a matrix's own affinity columns (each CPU of a
+    GPU's CPU Affinity list on that GPU's NUMA node, one socket per node, one thread per core, memory unknown)."""
+    cpus = {}
+    for dev, text in matrix["cpu_affinity"].items():  # "0-7" or "0-3,8-11", the kernel's list format
+        for lo, _, hi in (part.partition("-") for part in text.split(",") if part):
+            cpus.update(dict.fromkeys(range(int(lo), int(hi or lo) + 1), int(matrix["numa_affinity"].get(dev, 0))))
+    threads = [{"cpu": c, "socket": n, "core": c, "node": n} for c, n in sorted(cpus.items())]
+    return threads, [{"node": n, "memory_GiB": None} for n in sorted(set(cpus.values()))]
+
+
 def layout(threads: list[dict], numa: list[dict]) -> list[dict]:
     """Sockets, each with its NUMA nodes and their cores and hardware threads, from topology.py's per-thread list
     ({cpu, socket, core, node}) and its NUMA nodes (for their memory)."""
@@ -56,7 +69,8 @@ def layout(threads: list[dict], numa: list[dict]) -> list[dict]:
 
 
 # --8<-- [start:draw]
-def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.PlotArgs) -> dict:
+def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.PlotArgs,
+                  title: str = "this machine, as topology.py detected it", file_name: str = "topology") -> dict:
     """Boxes: a socket holds its NUMA nodes, a node its cores, threads and memory; below, the GPUs (if any), each
     under its NUMA node, joined pair by pair with the code `nvidia-smi topo -m` printed. Returns what it drew."""
     plt = plot.pyplot()
@@ -76,7 +90,8 @@ def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.P
             nx = x + 3.0 * k + 0.15
             ax.add_patch(plt.Rectangle((nx, 2.15), 2.5, 1.5, color="C0", alpha=0.15))
             ax.text(nx + 1.25, 2.9, f"NUMA node {node['node']}\n{node['cores']} core(s), {node['threads']} thread(s)"
-                    f"\nmemory {node['memory_GiB']:.1f} GiB", ha="center", va="center", fontsize=9)
+                    + (f"\nmemory {node['memory_GiB']:.1f} GiB" if node["memory_GiB"] is not None else ""),
+                    ha="center", va="center", fontsize=9)
             centre[str(node["node"])] = nx + 1.25
         x += width
     drawn_gpus = []
@@ -104,8 +119,8 @@ def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.P
                 ha="center", va="center", fontsize=9, style="italic", color="0.35")
     ax.set_xlim(-0.2, x + 0.2)
     ax.set_ylim(-0.9 if gpu_names else 0.6, 4.4)
-    ax.set_title("this machine, as topology.py detected it", fontsize=10)
-    print(f"figure: {plot.save(fig, args, 'topology')}")
+    ax.set_title(title, fontsize=10)
+    print(f"figure: {plot.save(fig, args, file_name)}")
     return {"sockets": sockets, "gpus": drawn_gpus, "links": matrix["links"] if matrix else [],
             "no_gpu": not gpus.get("devices")}
 # --8<-- [end:draw]

@@ -28,7 +28,8 @@ What it shows
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
-    two all-reduces follow; kept in the JSON as "steps"), ring_vs_tree.png (the measured times), alpha_beta.png
+    two all-reduces follow; kept in the JSON as "steps"), waits.png (step 0 of the ring beside step 0 of the tree: what
+    each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured times), alpha_beta.png
     (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded, and
     below, the ring's and the tree's model lines on one set of axes with the crossover n* marked) and
     ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures", and the text of
@@ -52,9 +53,9 @@ Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
         -> two ranks: equal steps, so the model has no crossover; but each ring step is a two-way swap (both ranks
            post a send and a receive, then wait for both: 2 sends and 2 receives per rank in all) and each tree
-           step one message one way (1 and 1), which the model does not see: the `time per step` line shows the
-           cost of each, and the gap can be well over two-to-one; a `note:` line, if printed, says what in the fit
-           not to trust
+           step one message one way (1 and 1), which the model does not see: the `time per step` line prints the
+           median cost of each over the latency-bound sizes and the ring's step over the tree's, to hold against the
+           two-to-one of their messages; a `note:` line, if printed, says what in the fit not to trust
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
            at a load near 2, up to about L/C times that at a load L on C cores (section 2 prints the load).
@@ -70,7 +71,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from _rvt_draw import draw_alpha_beta, draw_ceiling, draw_steps, draw_times
+from _rvt_draw import draw_alpha_beta, draw_ceiling, draw_steps, draw_times, draw_waits
 from _rvt_model import fit_vs_ceilings, print_model, ring_vs_gloo, size_text, summarise
 
 from mlsys import cli, report
@@ -232,10 +233,12 @@ def main() -> int:
     draw_times(rows, w, args)
     figures = {"alpha_beta": draw_alpha_beta(summary, w, args), "ceiling": draw_ceiling(rows, ceiling, w, args)}
     steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
+    waits = draw_waits(w, args)  # one ring step beside one tree step: what each rank waits for
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
                                       "check_numel": args.check_numel, "check_output_rank0": result["check_output"],
-                                      "steps_numel": 16 * w, "steps": steps, "figures": figures, **summary,
+                                      "steps_numel": 16 * w, "steps": steps, "waits": waits, "figures": figures,
+                                      **summary,
                                       "printed": {k: "\n".join(v).strip("\n") for k, v in printed.items()}}, args)
     return 0
 

@@ -17,7 +17,9 @@ What it shows
     Figure: topology.png, the machine drawn from what was detected: sockets holding their NUMA nodes (cores,
     threads, memory) and, with GPUs, each GPU under its NUMA node with every pair's `nvidia-smi topo -m` code
     (_topo_draw.py parses the matrix and draws; the JSON keeps what was drawn under "figure"). Without a GPU the
-    picture says so.
+    picture says so. topology_example.png: the same drawing code on an EXAMPLE matrix kept beside this script
+    (_topo_example.txt: four GPUs on two NUMA nodes; not this machine, not measured), to show how the codes read
+    ("example_figure" in the JSON).
     It checks its own counts against independent sources (the sysfs thread count vs os.cpu_count(), the GPU list vs
     torch.cuda.device_count()).
 
@@ -51,11 +53,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from _topo_draw import draw_topology
+from _topo_draw import draw_topology, example_machine, parse_topo_matrix
 
 from mlsys import cli, report
 
 BENCH = Path(__file__).resolve().parent / "bench_collectives.py"
+EXAMPLE = Path(__file__).resolve().parent / "_topo_example.txt"  # an example `nvidia-smi topo -m`, not measured
 
 # --8<-- [start:knobs]
 NCCL_KNOBS = {
@@ -239,8 +242,15 @@ def main() -> int:
     report.expect_equal("GPUs listed vs torch.cuda.device_count()", len(gpus.get("devices", [])),
                         torch.cuda.device_count())
     drawn = draw_topology(cpu["threads"], numa, gpus, args)  # the picture, from what was detected above
+    # the same drawing code on the example matrix kept beside this script: how to read the codes, on any machine
+    example = parse_topo_matrix(EXAMPLE.read_text())
+    example_drawn = draw_topology(*example_machine(example), {"devices": example["devices"],
+                                                              "nvidia_smi_topo": EXAMPLE.read_text()}, args,
+                                  title="EXAMPLE, not this machine, not measured: _topo_example.txt",
+                                  file_name="topology_example")
     if args.json:
-        report.write_json(args.json, {"figure": drawn, "cpu": cpu, "numa_nodes": numa, "memory_GiB": memory_gib(),
+        report.write_json(args.json, {"figure": drawn, "example_figure": example_drawn, "cpu": cpu,
+                                      "numa_nodes": numa, "memory_GiB": memory_gib(),
                                       "lscpu": lscpu, "gpus": gpus, "nccl_env": knobs,
                                       "nccl_algo_runs": algo_rows}, args)
     return 0
