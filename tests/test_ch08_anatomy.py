@@ -403,6 +403,37 @@ def test_seats_animation_against_a_plain_scheduler(small_model):
     assert num_steps["continuous"] < num_steps["static"] <= 16
 
 
+@pytest.mark.parametrize("best, median", [
+    ([10.0, 12.0, 20.0, 42.2], [10.0, 13.0, 21.0, 49.0]),  # a reader's default run: 2.11x and 2.33x for 2x
+    ([10.0, 12.0, 20.0, 38.0], [10.0, 13.0, 21.0, 45.0]),  # 1.9x and 2.14x: one below 2x, so not shown
+    ([10.0, 10.0, 25.0, 50.0], [10.0, 10.0, 24.0, 45.0]),  # last doubling 2x and 1.88x; from the peak at B=16: 5x
+    ([10.0, 10.0, 25.0, 38.0], [10.0, 10.0, 24.0, 45.0]),  # from the peak at B=16, 3.8x and 4.5x: not shown
+    ([1.0, 10.0, 20.0, 41.0], [1.0, 10.0, 20.0, 39.0]),  # peak at B=8; last doubling mixed, from the peak: shown
+    ([10.0, 16.0, 24.0, 30.0], [10.0, 16.0, 24.0, 30.0]),  # tokens per second rising all along: not shown
+])
+def test_memory_side_sentence_from_synthetic_timings(pvd, best, median):
+    """"The decode times show/do not show the memory side" is generated from the rows: shown exactly when the last
+    doubling, or the span from the tokens-per-second peak to the largest batch, grew the step time by more than
+    its batch ratio by the fastest repetitions and by the medians. The lesson once said "These times do not show
+    the memory bound" beside a run that took 2.11x and 2.33x the step time for 2x the sequences."""
+    batches = [8, 16, 32, 64]
+    rows = [dict(batch=b, ms=t, median_ms=m, tokens_per_s=b / t * 1e3) for b, t, m in zip(batches, best, median)]
+    peak = int(np.argmax(np.array(batches) / np.array(best)))
+    shown = []
+    for i in sorted({len(batches) - 2, peak} - {len(batches) - 1}):
+        k = batches[-1] / batches[i]
+        if best[-1] / best[i] > k and median[-1] / median[i] > k:
+            shown.append((i, k))
+    sentence = pvd.memory_side(rows)
+    if shown:
+        i, k = shown[0]
+        assert sentence.startswith(f"show the memory side, from B={batches[i]} to B=64: {k:g}x the sequences took "
+                                   f"{best[-1] / best[i]:.2f}x the step time")
+        assert f"{median[-1] / median[i]:.2f}x by the medians" in sentence
+    else:
+        assert sentence.startswith("do not show the memory side")
+
+
 @pytest.mark.parametrize("times_ms", [
     [1.0, 1.5, 2.0, 3.0],  # tokens/s still rising at the longest length (a reader's run: the peak was L = 240)
     [1.0, 1.2, 3.0, 9.0],  # the peak in the middle, the longest well below it

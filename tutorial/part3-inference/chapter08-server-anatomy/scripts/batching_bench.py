@@ -491,7 +491,8 @@ def main() -> None:
     print(f"\ngreedy outputs identical under both schedulers: {same}/{len(workload)}")
     gain, gain_short = throughput_sentence(rows, every)
     print(f"continuous batching: {gain}; static / continuous engine steps: {steps_ratio:.2f}x")
-    print(f"first step: static ran {s['first_step_seqs']} sequences, continuous {c['first_step_seqs']} "
+    first = s["first_step_seqs"]
+    print(f"first step: static ran {first} sequence{'s' * (first != 1)}, continuous {c['first_step_seqs']} "
           f"(token budget {args.max_num_batched_tokens} per step, {args.max_num_seqs} seats)")
     draw(results, args, n_long)
     if args.json:

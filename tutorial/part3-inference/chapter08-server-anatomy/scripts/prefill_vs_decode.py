@@ -25,8 +25,8 @@ Runtime on 2 idle cores: about 5 s, 5 s with --smoke (two or three times that on
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
         -> longer contexts: each sequence's KV cache is about 3x bigger, so the kv_mib column and the
-           per-sequence cost grow; watch whether tokens/s now level off at a smaller batch, and whether the
-           last doubling now takes more than twice the step time
+           per-sequence cost grow; watch whether tokens/s now peak at a smaller batch, and what the
+           `decode times` line says about the memory side
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --batch-sizes 1 4 16 64 128
         -> past the batch sizes of the default run: see whether tokens/s keep falling once the KV cache and
            the activations outgrow the CPU's caches
@@ -185,6 +185,22 @@ def doubling_verdict(prev: dict, last: dict) -> str:
             f"{'rose' if best < k else 'fell'} at the largest batch")
 
 
+def memory_side(decode: list[dict]) -> str:
+    """Do the decode times show the memory side? A step's FLOPs grow exactly with B and its counted bytes more
+    slowly, so a span of batches whose step time grew by more than its batch ratio, by the fastest repetitions
+    and by the medians, is what neither count explains. The spans checked: the last doubling, and the span from
+    the tokens-per-second peak to the largest batch. -> the rest of "the decode times ...", from the rows."""
+    last = decode[-1]
+    peak = max(decode, key=lambda r: r["tokens_per_s"])
+    for prev in [r for r in decode[-2:-1] + [peak] if r is not last]:
+        k, best, median = last["batch"] / prev["batch"], last["ms"] / prev["ms"], last["median_ms"] / prev["median_ms"]
+        if best > k and median > k:
+            return (f"show the memory side, from B={prev['batch']} to B={last['batch']}: {k:g}x the sequences took "
+                    f"{best:.2f}x the step time by the fastest repetitions and {median:.2f}x by the medians")
+    return ("do not show the memory side: no span checked (the last doubling, the span from the tokens-per-second "
+            "peak) grew faster than the sequences by both the fastest repetitions and the medians")
+
+
 def prefill_peak_sentence(prefill: list[dict]) -> str:
     """Where the prefill's tokens per second peaked, by the fastest repetitions, to follow "the most at": "a middle
     length" only when the peak lies strictly between the shortest and the longest length measured, and the
@@ -268,7 +284,7 @@ def draw_roofline(prefill: list[dict], decode: list[dict], flops_peak: float, bw
     for rows, name in ((prefill, "prefill steps (growing L)"), (decode, "decode steps (growing B)")):
         ax.plot([r["intensity"] for r in rows], [roof(r["intensity"]) for r in rows], "o", label=name)
     ax.set(xlabel="arithmetic intensity (FLOPs per byte moved)", ylabel="attainable GFLOP/s",
-           title="the roofline of this CPU")
+           title="the roofline of this CPU (dots: counted, not timed)")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'roofline')}")
@@ -349,6 +365,7 @@ def main() -> None:
               f"{d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
               f"moved ({peak['kv_mib']:.1f} -> {d_last['kv_mib']:.1f} MiB; the weights stay "
               f"{n_params * 4 / 2**20:.1f} MiB)")
+    print(f"decode times: they {memory_side(decode)}")
     print("note: this model's weights (3 MiB) fit in the CPU's caches and each step is dozens of small kernel calls,"
           " so the measured times show per-step overhead more than DRAM traffic; the intensities are the"
           " arithmetic that decides the bound on a GPU-sized model")
@@ -375,6 +392,7 @@ def main() -> None:
                                       "last_doubling_tokens_per_s": "fell" if d_last["tokens_per_s"] < before_last[
                                           "tokens_per_s"] else "rose",
                                       "last_doubling": doubling_verdict(before_last, d_last),
+                                      "memory_side": memory_side(decode),
                                       "decode_range_word": "cheaper" if d_last["tokens_per_s"] > d_first[
                                           "tokens_per_s"] else "no cheaper",
                                       **intensity_growth(decode, n_params * 4 / 2**20),
