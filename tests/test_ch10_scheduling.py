@@ -771,6 +771,24 @@ def test_cuda_graphs_direction_text_follows_the_printed_tokens_per_second(smoke_
         assert text.startswith("faster than" if graphs > eager else "slower than"), (graphs, eager, text)
 
 
+def test_lesson_compares_the_recorded_profiled_forward_with_the_unprofiled_one_the_right_way() -> None:
+    """The lesson's H200 trace note says whether the profiled eager forward (cuda_graphs.json, launches.eager.ms)
+    took longer or shorter than the unprofiled B = 8 forward of step_breakdown.py (its forward, in seconds): the
+    word must follow the two recorded values, not be typed from a guess (an earlier page said 'slower' of a CPU run
+    where it was not)."""
+    import json
+
+    results = CH10.parent / "results" / "h200"
+    profiled_ms = json.loads((results / "cuda_graphs.json").read_text())["results"]["launches"]["eager"]["ms"]
+    rows = json.loads((results / "step_breakdown.json").read_text())["results"]["breakdown"]
+    unprofiled_ms = 1e3 * next(r["forward"] for r in rows if r["batch_size"] == 8)
+    assert profiled_ms != unprofiled_ms
+    lesson = " ".join((CH10.parent / "README.md").read_text(encoding="utf-8").split())
+    words = re.findall(r"the profiled eager forward took (\w+) than the same B = 8 forward timed without the "
+                       r"profiler", lesson)
+    assert words == ["longer" if profiled_ms > unprofiled_ms else "shorter"], (words, profiled_ms, unprofiled_ms)
+
+
 # ------------------------------------------------------------------------------------------ graphs: padding
 def test_capture_sizes_and_pick() -> None:
     assert default_capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]

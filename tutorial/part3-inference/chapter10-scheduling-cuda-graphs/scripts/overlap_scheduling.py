@@ -51,9 +51,10 @@ Try next
            the machine's load, which the table's load average shows
     python .../overlap_scheduling.py --threads 2 --plot-dir /tmp/threads2
         -> the forward's two torch threads and the scheduler's thread now compete for the 2 cores (--plot-dir
-           keeps the default run's timeline.png): compare plain ms with a default run made just before. Either
-           run may have a row flagged noise (the load decides which); line 3 says which forward ran slower, and a
-           slower plain 2-thread forward is its second thread waiting for a core, not a gain from overlap.
+           keeps the default run's timeline.png): line 1 still matches token for token and line 2 says torch
+           threads: 2; the times have no fixed answer on 2 shared cores. Compare plain ms with a default run made
+           just before; line 3 says which forward ran slower, and a slower plain 2-thread forward is load on the
+           cores (its second thread waiting for one), not a gain from overlap.
            The main thread and the worker thread each have their own OpenMP pool, and two pools spinning while
            idle would fill the 2 cores, so the script sets OMP_WAIT_POLICY=PASSIVE (unless you set it): idle
            OpenMP threads sleep instead
@@ -536,7 +537,7 @@ def main() -> int:
           " forward (overlap sched+prep: the same work plus moving the sequences past step n, run beside the forward"
           " and sharing the cores and the GIL with it), so a row that saved more than it (note: noise) measured the"
           " machine's load, not the overlap; so did a row that lost more than a whole plain step (an overlapped step"
-          " does the plain step's work, at worst one thread after the other, plus the two waits of line 3)")
+          " does the plain step's work, at worst one thread after the other, plus the two waits line 3 times)")
     tl = record_timeline(model, args, device)
     schematic = draw_timeline(schematic_timeline(tl), args, "schematic")  # overlap working, modelled: no timing
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
