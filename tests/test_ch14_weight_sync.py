@@ -131,7 +131,7 @@ def test_reading_flags_rows_that_break_the_bytes_and_calls_order() -> None:
     assert mod.disturbed_text(rows) == ("tiny's per-tensor sync took longer than draft's, a larger model, so it "
                                         "was disturbed; so the ratio of tiny, the smallest model, is too high as well")
     rows[0]["per-tensor ms"] = 1.0
-    assert mod.disturbed_text(rows).startswith("no row")
+    assert mod.disturbed_text(rows).startswith("none: no row was slower")
     rows[1]["bucketed ms"] = 2.0  # draft, not the smallest model, is flagged: the smallest model's ratio stands
     assert mod.disturbed_text(rows).endswith("the rule leaves the smallest model's ratio standing")
     rows[0]["bucketed ms"] = 3.0  # tiny's bucketed sync is flagged too: its ratio is too low
@@ -145,14 +145,32 @@ def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() ->
     rows = [{"model": "tiny", "per-tensor ms": 1.0, "bucketed ms": 0.4},
             {"model": "draft", "per-tensor ms": 2.2, "bucketed ms": 0.6}]
     text = mod.disturbed_text(rows)
-    assert text.startswith("no row took longer than the larger model below it")
-    assert "smallest model's ratio" in text
+    assert text == ("none: no row was slower than the larger model below it, so no time is flagged (the smallest "
+                    "model's ratio included)")
     sweep = [{"bucket MiB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MiB": 0.25, "buckets": 67, "ms": 26.7},
              {"bucket MiB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MiB": 16.0, "buckets": 4, "ms": 33.9}]
     assert [(a["bucket MiB"], b["bucket MiB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]
     assert "16 MiB (4 calls, 33.9 ms) took longer than 4 MiB (17 calls, 20.3 ms)" in mod.sweep_order_text(sweep)
     sweep[-1]["ms"] = 15.0  # the order holds; equal call counts (67, 67) never count as a break
     assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
+
+
+def test_formula_estimate_names_the_larger_term_per_model() -> None:
+    """Section 1's worked estimate: alpha = the smallest model's per-tensor ms / its tensors, 1/beta = the largest
+    model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/beta, computed here by hand."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "MiB": 0.111, "tensors": 28, "per-tensor ms": 5.6},
+            {"model": "small", "MiB": 3.17, "tensors": 52},
+            {"model": "medium", "MiB": 18.4, "tensors": 76},
+            {"model": "large", "MiB": 54.6, "tensors": 100, "bucketed ms/MiB": 0.75}]
+    est = mod.formula_estimate(rows)
+    assert est["alpha_ms"] == pytest.approx(0.2) and est["ms_per_mib"] == 0.75
+    # by hand: tiny 5.6 vs 0.083, small 10.4 vs 2.38, medium 15.2 vs 13.8 (calls); large 20.0 vs 40.95 (bytes)
+    assert [t["larger"] for t in est["terms"]] == ["calls", "calls", "calls", "bytes"]
+    assert est["calls_larger"] == "tiny, small, medium" and est["bytes_larger"] == "large"
+    assert "medium 15.20 vs 13.80 ms (calls)" in est["text"] and "large 20.00 vs 40.95 ms (bytes)" in est["text"]
+    rows[0]["per-tensor ms"] = 56.0  # alpha 2 ms: every model's calls outweigh its bytes
+    assert mod.formula_estimate(rows)["bytes_larger"] == "no model"
 
 
 def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:

@@ -21,8 +21,9 @@ How to run
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
 Prints a table (model, MiB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MiB of each), the checks, the
-rows that the bytes-only-grow rule flags as disturbed, the sweep rows where fewer calls took longer, and what the
-smallest buckets saved against the per-tensor sync (the sweep's `alone` column: tensors larger than a bucket).
+rows that the bytes-only-grow rule flags as disturbed, the formula's two terms per model (section 1's estimate), the
+sweep rows where fewer calls took longer, and what the smallest buckets saved against the per-tensor sync (the
+sweep's `alone` column: tensors larger than a bucket).
 Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
 loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 11 s at load 5.
 
@@ -196,8 +197,8 @@ def disturbed_text(rows: list[dict]) -> str:
              for how, key in (("per-tensor", "per-tensor ms"), ("bucketed", "bucketed ms"))
              for m in disturbed_rows(rows, key)]
     if not parts:
-        return ("no row took longer than the larger model below it, in either method, so the rule flags no time in "
-                "the table, and not the smallest model's ratio either")
+        return ("none: no row was slower than the larger model below it, so no time is flagged (the smallest "
+                "model's ratio included)")
     small = rows[0]["model"]
     per, buck = (small in disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms"))
     ratio = {(True, False): f"so the ratio of {small}, the smallest model, is too high as well",
@@ -206,6 +207,22 @@ def disturbed_text(rows: list[dict]) -> str:
              (False, False): f"neither of {small}'s syncs is flagged, so the rule leaves the smallest model's ratio "
                              "standing"}[per, buck]
     return "; ".join(parts) + "; " + ratio
+
+
+def formula_estimate(rows: list[dict]) -> dict:
+    """Section 1's formula with constants read off the table, each a rough upper bound: alpha, the smallest model's
+    per-tensor time over its calls (its bytes taken as free); 1/beta, the largest model's bucketed ms/MiB (the row
+    with the fewest calls per byte). Then, per model, the calls term N*alpha against the bytes term S/beta."""
+    alpha, per_mib = rows[0]["per-tensor ms"] / rows[0]["tensors"], rows[-1]["bucketed ms/MiB"]
+    terms = [{"model": r["model"], "calls ms": r["tensors"] * alpha, "bytes ms": r["MiB"] * per_mib} for r in rows]
+    for t in terms:
+        t["larger"] = "calls" if t["calls ms"] > t["bytes ms"] else "bytes"
+    named = {k: ", ".join(t["model"] for t in terms if t["larger"] == k) or "no model" for k in ("calls", "bytes")}
+    text = (f"alpha ~ {alpha:.3f} ms per call ({rows[0]['model']}'s per-tensor ms / {rows[0]['tensors']} tensors), "
+            f"1/beta ~ {per_mib:.3f} ms/MiB ({rows[-1]['model']}'s bucketed ms/MiB); N*alpha vs S/beta: "
+            + ", ".join(f"{t['model']} {t['calls ms']:.2f} vs {t['bytes ms']:.2f} ms ({t['larger']})" for t in terms))
+    return {"alpha_ms": alpha, "ms_per_mib": per_mib, "terms": terms, "calls_larger": named["calls"],
+            "bytes_larger": named["bytes"], "text": text}
 
 
 def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
@@ -369,6 +386,8 @@ def main() -> int:
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
     print(f"Disturbed table rows: {reading['disturbed_text']}")
+    estimate = formula_estimate(rows)
+    print(f"Formula estimate: {estimate['text']}")
     if sweep:
         reading["sweep_breaks"] = [[a["bucket MiB"], b["bucket MiB"]] for a, b in sweep_order_breaks(sweep)]
         reading["sweep_text"] = sweep_order_text(sweep)
@@ -381,7 +400,7 @@ def main() -> int:
                    "smallest": {"model": rows[0]["model"], "MiB": rows[0]["MiB"], "speedup": speedup[rows[0]["model"]],
                                 "per_tensor_disturbed": rows[0]["model"] in reading["disturbed"]["per-tensor ms"]}}
         report.write_json(args.json, {"summary": summary, "rows": rows, "sweep": sweep, "served": out["served"],
-                                      "packing": packing, "reading": reading},
+                                      "packing": packing, "reading": reading, "estimate": estimate},
                           args)
     return 0
 
