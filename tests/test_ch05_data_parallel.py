@@ -334,6 +334,32 @@ def test_summed_all_reduce_time_counts_concurrent_gloo_threads_twice_and_the_uni
     assert o["allreduce_ms"] > o["step_ms"] > o["allreduce_any_ms"]  # 69.4 ms "busy" in a 40 ms step
 
 
+def test_final_wait_splits_into_all_reduce_running_copying_back_and_neither() -> None:
+    """The wait (6-40 ms) is not all all-reduce: here the last box ends at 33, and the training thread copies sums
+    back into .grad at 31-31.5 (under an open box: counts as running), 33.5-34 and 36-36.2. Each part is counted
+    here on a 1 us grid; labelling the whole wait "for the last all-reduces" (running = wait) fails."""
+    S = dfs.plot.Span
+    spans = [s for s in _step_spans() if s.label != "1"] + [S("gloo thread 1", 30, 33, "1", dfs.ALL_REDUCE)]
+    copies = [(31, 31.5), (33.5, 34), (36, 36.2)]
+    spans += [S("copy back", a, b, "", "copy back") for a, b in copies]
+    o = dfs.overlap_summary(spans)
+    grid = np.arange(6, 40, 1e-3) + 5e-4
+    running = np.zeros_like(grid, dtype=bool)
+    for s in spans:
+        if s.kind == dfs.ALL_REDUCE:
+            running |= (grid >= s.start) & (grid < s.end)
+    copying = np.zeros_like(grid, dtype=bool)
+    for a, b in copies:
+        copying |= (grid >= a) & (grid < b)
+    expect = {"wait_running_ms": running.sum() * 1e-3, "wait_copy_ms": (copying & ~running).sum() * 1e-3,
+              "wait_neither_ms": (~copying & ~running).sum() * 1e-3}
+    for key, ms in expect.items():
+        assert o[key] == pytest.approx(ms, abs=2e-3), key
+    assert o["wait_ms"] == pytest.approx(34.0) and expect["wait_neither_ms"] > 5  # 6.3 ms with nothing running
+    assert o["wait_text"].startswith(f"34.0 ms: an all-reduce still running for {expect['wait_running_ms']:.1f} ms")
+    assert f"neither for {expect['wait_neither_ms']:.1f} ms" in o["wait_text"]
+
+
 def test_peer_wait_counts_all_reduce_time_before_the_other_rank_launched_outside_the_compute() -> None:
     """Rank 0 launched bucket 0 at 3.5 ms (its all-reduce ran 3.6-30), the other rank at 20 ms: the wait is 3.6-20
     minus the backward's compute up to 6 ms, which excludes the 0.05 ms launch call at 5.5: 14.05 ms. Bucket 1,
@@ -625,3 +651,19 @@ def test_takeaway_says_nothing_overlapped_when_the_fastest_overlapped_row_has_on
     assert f"({fastest[0]} at {fastest[1]:g} MiB" in text, text
     warned = fastest[0] == "overlapped" and buckets[fastest[1]] == 1
     assert ("nothing overlapped there" in text) == warned, text
+
+
+@pytest.mark.parametrize("overlapped_ms, spread", [(113.0, 67.0), (113.0, 10.0), (140.0, 67.0)])
+def test_one_bucket_sentence_calls_the_gap_noise_only_within_locals_spread(overlapped_ms, spread) -> None:
+    """The figure's 16 MiB point: one bucket, so overlapped and bucketed do the same work there. The read run had
+    overlapped 18 ms below bucketed with local's rounds spread over 67 ms; whether the sentence may say "noise",
+    and the gap's direction, are worked out here."""
+    med = {("bucketed", 2.0): 0.127, ("overlapped", 2.0): 0.116, ("bucketed", 16.0): 0.131,
+           ("overlapped", 16.0): overlapped_ms / 1e3}
+    text = bench._one_bucket(med, {2.0: 7, 16.0: 1}, spread)
+    gap = 131.0 - overlapped_ms
+    assert text.startswith("at 16 MiB all the gradients fit in one bucket"), text
+    assert f"lies {abs(gap):.0f} ms {'below' if gap > 0 else 'above'} bucketed's" in text, text
+    assert ("noise" in text) == (abs(gap) <= spread), text
+    assert "2 MiB" not in text
+    assert bench._one_bucket(med, {2.0: 7, 16.0: 2}, spread).startswith("no bucket size of this run holds")

@@ -78,6 +78,8 @@ def draw_overlap(args, spans: list[plot.Span]):
     named = sorted((s for s in spans if s.lane == "compute"), key=lambda s: s.start)  # the training thread's ranges
     boxes = []
     for s in spans:
+        if s.lane == "copy back":  # the wait's copies into .grad: microseconds each, too thin to draw
+            continue
         if s.lane == "launch":  # the hook's launch call, on the training thread: drawn on the compute row
             boxes.append(plot.Span("compute", s.start, s.end, "", LAUNCH))  # named by its dotted "launch k" line
         elif s.lane == "compute":  # a range minus the launch calls inside it; its name is written above the row

@@ -244,6 +244,14 @@ def draw_grid(args, runs: dict, precision: str = "fp32") -> tuple[object, list[d
         drawn = draw_rank_rows(ax, runs[f"stage{stage}_{precision}"]["layout"], precision=precision)
         boxes += [b | {"stage": stage} for b in drawn]
         ax.set_title(f"stage {stage}", fontsize=9, loc="left")
+        layouts = runs[f"stage{stage}_{precision}"]["layout"]
+        units = layouts[0]["units"]
+        if len(units) > 1:  # stage 3: name each unit's slice (make_units' order: the root, then the blocks)
+            total, top = max(b for _, b in units), len(layouts) - 0.4
+            for k in range(len(KINDS)):
+                for (a, b), name in zip(units, ["root"] + [f"blk{i}" for i in range(len(units) - 1)]):
+                    ax.text(k * 1.08 * total + (a + b) / 2, top, name, ha="center", va="bottom", fontsize=6)
+            ax.set_ylim(-0.6, top + 0.55)
     fig.suptitle(f"What each rank holds between steps, {precision} run (grey: a full copy; colour: the rank's own "
                  "shard)", fontsize=10)
     fig.tight_layout()

@@ -21,7 +21,9 @@ What it shows
     The line under the table gives naive against local, and whether every other row's median was below naive's.
     The line starting "take-away" gives naive's cost over local and what the fastest other row (not below local)
     saved against naive, each only where it is larger than local's own spread (an overlapped row with a single
-    bucket is named as such: nothing overlapped there).
+    bucket is named as such: nothing overlapped there). The line starting "one bucket" compares overlapped with
+    bucketed at the largest size that holds the gradients in one bucket, where both do the same work: a gap within
+    local's own spread is called noise.
     The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
     cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
@@ -189,6 +191,9 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     takeaway = _takeaway(med, min(local_ms), max(local_ms),
                          {mb: len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))})
     ctx.print(f"take-away: {takeaway}")
+    one_bucket = _one_bucket(med, {mb: len(built[("overlapped", mb)][1].buckets) for mb in sorted(set(args.bucket_mb))},
+                             max(local_ms) - min(local_ms))
+    ctx.print(f"one bucket: {one_bucket}")
     if ctx.is_main:
         draw(args, med, local_ms)
     return {"num_params": num_params(model), "grad_bytes": grad_bytes, "rows": rows,
@@ -205,7 +210,7 @@ def worker(ctx: RankContext, args: Settings) -> dict:
             "overlapped_over_bucketed": {f"{mb:g}": med[("overlapped", mb)] / med[("bucketed", mb)]
                                          for mb in sorted(set(args.bucket_mb))},
             "overlapped_vs_bucketed_text": vs_bucketed, "naive_text": naive_text, "verdict_text": verdict,
-            "takeaway_text": takeaway,
+            "takeaway_text": takeaway, "one_bucket_text": one_bucket,
             "grad_mib": grad_bytes / 2**20, "local_min_ms": min(local_ms), "local_max_ms": max(local_ms),
             "best_ms": {k: 1e3 * med[(k, best[k])] for k in best if best[k] is not None}
             | {k: 1e3 * med[(k, 0.0)] for k in ("local", "naive")},
@@ -296,6 +301,22 @@ def _takeaway(med: dict, local_min_ms: float, local_max_ms: float, buckets: dict
                 f"({spread:.0f} ms): that is what fewer, larger all-reduces saved here")
     return (f"{head}; no bucketed, overlapped or torch row was faster than naive by more than local's own spread "
             f"({spread:.0f} ms), so this run does not measure what buckets save")
+
+
+def _one_bucket(med: dict, buckets: dict, spread_ms: float) -> str:
+    """Overlapped against bucketed at the largest size with one bucket (launched when the backward ends: nothing
+    overlaps, so both do the same work); the gap is called noise when it is within local's own spread."""
+    single = [mb for mb, n in buckets.items() if n == 1]
+    if not single:
+        return "no bucket size of this run holds all the gradients in one bucket"
+    mb = max(single)
+    gap = 1e3 * (med[("bucketed", mb)] - med[("overlapped", mb)])  # > 0: overlapped's median lower
+    head = (f"at {mb:g} MiB all the gradients fit in one bucket, launched when the backward ends, so overlapped has "
+            f"nothing to overlap; its median lies {abs(gap):.0f} ms {'below' if gap > 0 else 'above'} bucketed's")
+    if round(abs(gap)) <= round(spread_ms):  # as printed
+        return f"{head}, within local's own spread ({spread_ms:.0f} ms): noise between rounds"
+    return (f"{head}, more than local's own spread ({spread_ms:.0f} ms), though the two did the same work there: "
+            "a gap this run does not explain")
 
 
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:

@@ -23,6 +23,8 @@ What it shows
        segments minus the launch calls). A last line names the largest measured part of what kept the rest from
        running beside that compute: waiting for another rank to launch the same bucket (every rank's launch
        times, gathered to rank 0), waiting for a core inside the launch calls, or the rest of the launch calls.
+       The line starting "final wait" splits the wait at the end of the step (each bucket's handle.wait(), then the
+       copy of its sums back into .grad) into time with an all-reduce still running, copying, and neither.
     4a. Before the profiled step (and only with it), a model of the ideal overlap, not a measurement, drawn as
        ideal_overlap_vs_bucketed_model.png: the tiny GPT's real bucket plan (mlsys.ddp.assign_buckets on its
        parameters in reverse registration order, at --bucket-mb), each tensor's backward lasting in proportion to
@@ -289,12 +291,16 @@ def overlap_spans(trace_path) -> list[plot.Span]:
             return "compute"
         if name == "c10d::allreduce_":  # the hook's launch call, on the training thread
             return "launch"
+        if name == "aten::copy_":  # kept below only inside the wait: a bucket's sums copied back into .grad
+            return "copy"
         return "all-reduce" if name == "gloo:all_reduce" else None
 
     raw = plot.trace_spans(trace_path, lane_of=lambda e: lane_of(e) and f"{lane_of(e)} {e.get('tid')}")
     compute = sorted((s for s in raw if s.lane.startswith("compute")), key=lambda s: s.start)
     comm = sorted((s for s in raw if s.lane.startswith("all-reduce")), key=lambda s: s.start)
     launches = sorted((s for s in raw if s.lane.startswith("launch")), key=lambda s: s.start)
+    wait = next(s for s in compute if s.label == "wait for all-reduces")
+    copies = [s for s in raw if s.lane == f"copy {wait.lane.split()[-1]}" and wait.start <= s.start < wait.end]
     t0 = min(s.start for s in compute)  # time 0: the profiled step's forward starts
     for s in raw:
         s.start, s.end = s.start - t0, s.end - t0
@@ -310,7 +316,7 @@ def overlap_spans(trace_path) -> list[plot.Span]:
     for k, s in enumerate(comm):
         spans.append(plot.Span(f"gloo thread {threads.index(s.lane) + 1}", s.start, s.end, str(k), ALL_REDUCE))
     spans += [plot.Span("launch", s.start, s.end, f"bucket {k}", "launch") for k, s in enumerate(launches)]
-    return spans
+    return spans + [plot.Span("copy back", s.start, s.end, "", "copy back") for s in copies]
 
 
 def backward_compute(spans: list[plot.Span]) -> list[tuple[float, float]]:
@@ -337,8 +343,18 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
             merged.append([s.start, s.end])
     computing = backward_compute(spans)
     hidden = sum(max(0.0, min(s.end, b) - max(s.start, a)) for s in comm for a, b in computing)
-    wait = next((s.end - s.start for s in spans if s.label == "wait for all-reduces"), 0.0)
+    waits = [(s.start, s.end) for s in spans if s.label == "wait for all-reduces"]
+    wait = sum(b - a for a, b in waits)
+    # the final wait split three ways: an all-reduce box still open; else a copy back into .grad; else neither
+    no_comm = minus(waits, [(a, b) for a, b in merged])
+    neither = sum(b - a for a, b in minus(no_comm, [(s.start, s.end) for s in spans if s.lane == "copy back"]))
+    copying = sum(b - a for a, b in no_comm) - neither
     return {"buckets": len(comm), "backward_ms": end - start, "allreduce_ms": busy, "wait_ms": wait,
+            "wait_running_ms": wait - copying - neither, "wait_copy_ms": copying, "wait_neither_ms": neither,
+            "wait_text": f"{wait:.1f} ms: an all-reduce still running for {wait - copying - neither:.1f} ms of it, "
+                         f"copying sums back into the gradients for {copying:.1f} ms, and neither for {neither:.1f} ms "
+                         "(the training thread inside handle.wait() or in Python between the copies, with no "
+                         "all-reduce box open)",
             "allreduce_any_ms": sum(b - a for a, b in merged), "gloo_threads": len({s.lane for s in comm}),
             "step_ms": max(s.end for s in spans) - min(s.start for s in spans),
             "hidden_share": hidden / busy if busy else 0.0, "launch_ms": sum(s.end - s.start for s in launches),
@@ -487,8 +503,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
                   f"{'s' * (o['gloo_threads'] != 1)}, at least one ran for {o['allreduce_any_ms']:.1f} ms), "
                   f"{o['hidden_share']:.0%} of it while the training thread computed the backward; the "
                   f"hooks' launch calls held it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
-                  f"final wait {o['wait_ms']:.1f} ms; gloo started a launched bucket up to "
-                  f"{o['max_start_delay_ms']:.2f} ms late")
+                  f"gloo started a launched bucket up to {o['max_start_delay_ms']:.2f} ms late")
+        ctx.print(f"final wait {o['wait_text']}")
         ctx.print(f"the same launch calls timed from the training thread around the whole Python call: "
                   f"{o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
                   f"{o['launch_cpu_ms']:.2f} ms on a core"
