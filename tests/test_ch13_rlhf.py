@@ -686,3 +686,58 @@ def test_grpo_vs_ppo_first_group_advantages_against_numpy(smoke_cache) -> None:
     line = next(ln for ln in proc["stdout"].splitlines() if ln.startswith("GRPO's first group"))
     printed = [float(v) for v in line.split("(std + 1e-6) ")[1].split(", on all")[0].split()]
     np.testing.assert_allclose(printed, want, atol=0.006)  # the printed line, rounded to 2 decimals
+
+
+def nearer_by_hand(ppo: float, grpo: float, target: float) -> str:
+    """Whose KL the lesson may call nearer the target: distances of the two KLs as printed (2 decimals), exact."""
+    from decimal import Decimal
+
+    off = [abs(Decimal(f"{x:.2f}") - Decimal(str(target))) for x in (ppo, grpo)]
+    if off[0] == off[1]:
+        return "both equally near it" if target else "equal"
+    return f"{'PPO' if off[0] < off[1] else 'GRPO'}'s is {'nearer' if target else 'lower'}"
+
+
+@pytest.mark.parametrize("ppo, grpo, target", [
+    (1.648, 2.207, 1.0),   # the lesson's kind of run: both above the target
+    (0.5, 1.2, 1.0),       # the lower KL is the farther one
+    (1.9, 0.3, 1.0),
+    (0.799, 1.204, 1.0),   # printed 0.80 and 1.20: equally near, though the raw numbers are not
+    (1.0, 2.0, 0.0),       # --kl-target 0: no target, the lower one
+    (10.0, 9.0, 0.0),      # compared as numbers, not as the printed strings
+    (3.001, 2.999, 0.0),
+])
+def test_kl_verdict_names_the_kl_nearer_the_target(ppo: float, grpo: float, target: float) -> None:
+    """The sentence the lesson quotes under GRPO for the two `kl` columns: whose KL, averaged over the last five
+    iterations, ended nearer the target, read from the two KLs as printed; checked against distances computed
+    here with exact decimals."""
+    text = load_script(scripts_dir(13) / "grpo_vs_ppo.py").kl_verdict(ppo, grpo, target)
+    assert text.startswith(f"PPO {ppo:.2f}, GRPO {grpo:.2f} nats, ")
+    assert text.endswith(": " + nearer_by_hand(ppo, grpo, target))
+
+
+def test_grpo_vs_ppo_kl_verdict_reads_its_own_kl_columns(smoke_cache) -> None:
+    """grpo_vs_ppo.py --smoke: the KL sentence, as printed and recorded, names the algorithm whose `kl` column
+    (the mean over the last iterations) is nearer the run's target."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "grpo_vs_ppo.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    results, target = proc["json"]["results"], proc["json"]["settings"]["kl_target"]
+    kl = [results[algo]["summary"]["kl"] for algo in ("ppo", "grpo")]
+    assert results["kl_text"].endswith(": " + nearer_by_hand(*kl, target))
+    assert f"iterations: {results['kl_text']}\n" in proc["stdout"]
+
+
+def test_rlhf_loop_printed_parts_joined_are_the_whole_output(smoke_cache) -> None:
+    """rlhf_loop.py --smoke: the lesson shows the output part by part, beside the text that reads each part, from
+    the JSON's "printed"; together, in order, the parts are exactly what the run printed (less the `figure:` lines,
+    whose paths are the machine's)."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "rlhf_loop.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    parts = proc["json"]["results"]["printed"]
+    assert list(parts) == ["models", "phases", "loop", "hacking", "response", "tensors"]
+    shown = [line for line in proc["stdout"].strip("\n").split("\n") if not line.startswith("figure: ")]
+    assert "\n\n".join(parts.values()).split("\n") == shown
+    starts = {"models": "   model ", "phases": "1. ", "loop": "2. ", "hacking": "3. ",
+              "response": "   One response of iteration", "tensors": "4. "}
+    assert all(parts[k].startswith(v) for k, v in starts.items())
+    assert "reward model  " in parts["models"] and "read at the last token: (B,)" in parts["models"]

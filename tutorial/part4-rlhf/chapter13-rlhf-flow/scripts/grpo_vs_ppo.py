@@ -9,9 +9,10 @@ What it shows
     (--beta 0.04 --kl-target 0 runs that).
     Both runs start from the same models, see the same prompts and sampling seeds, and their iterations are
     interleaved (PPO i, GRPO i, PPO i+1, ...) so that both meet the same machine load. Printed: reward, rule score,
-    share of well-formed records and KL averaged over the last iterations; median seconds per iteration by
-    phase (generate, score, train); the models each one keeps in memory; GRPO's first group of iteration 1 worked
-    through (scores -> mean and std -> the advantage on every token of each response). A figure of reward and KL
+    share of well-formed records and KL averaged over the last iterations (and whose KL ended nearer the
+    target); median seconds per iteration by phase (generate, score, train); the models each one keeps in
+    memory; GRPO's first group of iteration 1 worked through (scores -> mean and std -> the advantage on every
+    token of each response). A figure of reward and KL
     per iteration (into --plot-dir, or .cache/figures/grpo_vs_ppo/).
 
 How to run
@@ -125,6 +126,18 @@ def final_beta_verdict(ppo: float, grpo: float, step: float) -> str:
     return "close" if high < low * (1 + step) else "different"
 
 
+def kl_verdict(ppo: float, grpo: float, target: float) -> str:
+    """Which algorithm's KL, averaged over the last iterations, ended nearer the controller's target (with no
+    target, --kl-target 0: which is lower), read from the two KLs as printed, so the lesson's sentence holds."""
+    a, b = f"{ppo:.2f}", f"{grpo:.2f}"
+    off = [round(abs(float(x) - target), 6) for x in (a, b)]  # distance from the target (0: the KL itself)
+    near = "lower" if not target else "nearer"
+    word = f"{'PPO' if off[0] < off[1] else 'GRPO'}'s is {near}"
+    if off[0] == off[1]:
+        word = "both equally near it" if target else "equal"
+    return f"PPO {a}, GRPO {b} nats, " + (f"target {target:g}: {word}" if target else f"no target: {word}")
+
+
 def first_group(batch, group_size: int) -> dict:
     """The first prompt's group of GRPO's iteration 1, as its update used it: the G reward-model scores, their
     mean and std (torch's default, n - 1 in the denominator), and the advantage on each response's tokens."""
@@ -167,6 +180,8 @@ def main() -> int:
           f"prompts x {args.group_size}), interleaved; quality averaged over the last {len(tail)} iterations, "
           f"time per iteration as medians:")
     print(report.table(rows, floatfmt=".3f"))
+    results["kl_text"] = kl_verdict(rows[0]["kl"], rows[1]["kl"], args.kl_target)
+    print(f"KL, mean of the last {len(tail)} iterations: {results['kl_text']}")
     def fmt(values: list[float]) -> str:
         return " ".join(f"{v:+.2f}" for v in values)
 

@@ -18,8 +18,8 @@ What it prints
     A few responses with their rule score and kind, then the count of responses per rule score (0 to 3) and the
     count of malformed ones per kind.
 
-Runtime on 2 cores: about 4 s (most of it imports); --smoke about 3 s. The first run trains and caches the draft
-GPT (a few minutes, once).
+Runtime on 2 cores: about 4 s on an idle machine (most of it imports), two or three times that on a busy one;
+--smoke about 3 s. The first run trains and caches the draft GPT (a few minutes, once).
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/preference_rule.py --max-tokens 40

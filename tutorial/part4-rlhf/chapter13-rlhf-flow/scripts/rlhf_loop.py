@@ -19,6 +19,8 @@ What it shows
        what the reward model pays for each kind; a verdict line says whether this run shows reward hacking by
        the rule's count (more malformed records after training than before). Responses side by side.
     4. The tensors of the last iteration, drawn as heatmaps in the order the phases make them, with their shapes.
+    --json keeps the printed text too, part by part under "printed" (models, phases, loop, hacking, and for PPO
+    response and tensors), so that the lesson can show each part beside the text that reads it.
     FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
     response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages),
     iteration.png (every tensor of the last iteration: ids, log-probs, values, scores, k1, rewards, advantages).
@@ -42,7 +44,7 @@ Try next
            score and well-formed share of the trained policy far below the SFT model's (its verdict line says so)
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
         -> no critic, group baseline, KL in the loss; no token table and no section 4 or iteration.png (no
-           per-token values)
+           per-token values); with the penalty on, section 3's verdict line can still show reward hacking
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --k-beta 2
         -> a controller four times as quick (beta moves up to 40% per iteration): compare the KL column and beta
            with the default run's, and section 3's rule score and well-formed share: a KL nearer its target need
@@ -52,7 +54,10 @@ Try next
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import sys
 import typing
 from dataclasses import dataclass
 
@@ -96,6 +101,25 @@ class Settings(cli.Args, cli.PlotArgs):
             value = getattr(self, name)
             if not 0 <= value < math.inf or (name == "actor_lr" and value == 0):
                 raise cli.UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0 (lr > 0), got {value}")
+
+
+class Printed(io.StringIO):
+    """Passes what is printed on to the terminal and keeps it, part by part: cut() files what was printed since
+    the last cut under a name, less the `figure:` lines (their paths are this machine's)."""
+
+    def __init__(self, out: typing.TextIO) -> None:
+        super().__init__()
+        self.out, self.parts = out, {}
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        return super().write(text)
+
+    def cut(self, name: str) -> None:
+        lines = [line for line in self.getvalue().split("\n") if not line.startswith("figure: ")]
+        self.parts[name] = "\n".join(lines).strip("\n")
+        self.seek(0)
+        self.truncate()
 
 
 def ppo_config(args: Settings) -> PPOConfig:
@@ -417,13 +441,21 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
 
 def main() -> int:
     args = cli.parse(Settings, __doc__, smoke={"iterations": 2, "num_rollouts": 8, "max_tokens": 48, "eval_prompts": 8})
+    printed = Printed(sys.stdout)
+    with contextlib.redirect_stdout(printed):
+        return run_loop(args, printed)
+
+
+def run_loop(args: Settings, printed: Printed) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # tiny model: one thread beats two fighting over small matmuls
     cfg = ppo_config(args)
     models, opts, kl_ctl, engine = setup_rlhf(cfg, max_num_seqs=args.num_rollouts, algo=args.algo)
-    table = models.table()
+    table = [{**row, "output": "scalar (B,T), read at the last token: (B,)"} if row["model"] == "reward model"
+             else row for row in models.table()]  # the reward model's one score per response
     print("   " + report.table(table).replace("\n", "\n   "))
     print(f"   C = {len(TOKENIZER.itos)}: the vocabulary size, one logit per token\n")
+    printed.cut("models")
     sft_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)  # before training
     engine.reset_prefix_cache()
 
@@ -436,6 +468,7 @@ def main() -> int:
     report.expect_close("engine log-probs vs the trainer's recomputation", gap, 0.0, atol=1e-4)
     print(f"   The engine's log-prob of each token it sampled, recomputed by the trainer with a plain forward: "
           f"max difference {gap:.1e} over {int(batch.mask.sum())} tokens.")
+    printed.cut("phases")
     history = [stats]
 
     # 2. the loop
@@ -462,10 +495,12 @@ def main() -> int:
           f"{final['reward']:+.3f}, "
           f"rule score {history[0]['rule_score']:.2f} -> {final['rule_score']:.2f}, response length "
           f"{history[0]['response_len']:.1f} -> {final['response_len']:.1f} tokens, KL {final['kl']:.2f} nats")
+    printed.cut("loop")
 
     # 3. what the "human" says: the SFT model and the trained policy on the same fresh prompts
     final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)
     hacking = print_hacking(sft_eval, final_eval, args)
+    printed.cut("hacking")
     checked, response, tensors = {}, {}, {}
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
@@ -476,6 +511,7 @@ def main() -> int:
               f"{response['delta_max_t']} {response['delta_max_token']} (r_t {response['delta_max_reward']:+.3f}), "
               f"last delta = r_T - V_T {response['delta_last']:+.3f}; {response['whitened_negative']} of "
               f"{response['num_tokens']} negative after whitening")
+        printed.cut("response")
         lengths = batch.mask.sum(1).long()
         B, L = batch.mask.shape
         print(f"\n4. The tensors of iteration {len(history)} (iteration.png): ids {tuple(batch.ids.shape)} (B, T); "
@@ -483,6 +519,7 @@ def main() -> int:
               f"rewards, advantages, returns; scores ({B},). Responses of {int(lengths.min())} to "
               f"{int(lengths.max())} tokens, {int(lengths.sum())} real of the grid's {B * L} cells (the rest padding).")
         drawn = draw_iteration(batch, history[-1], len(history), args)
+        printed.cut("tensors")
         tensors = {"iteration": len(history), "shapes": drawn["shapes"], "response_lengths": lengths.tolist(),
                    "prompt_lengths": batch.prompt_lens.tolist(), "ids": str(tuple(batch.ids.shape)),
                    "grid": str((B, L)), "scores": str(tuple(batch.extra["scores"].shape))}  # as the lesson quotes them
@@ -492,7 +529,7 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"history": history, "final": final, "kl_above_target": kl_above,
                                       "hacking": hacking, "anatomy": checked,
-                                      "response": response, "tensors": tensors}, args)
+                                      "response": response, "tensors": tensors, "printed": printed.parts}, args)
     return 0
 
 
