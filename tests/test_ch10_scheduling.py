@@ -619,6 +619,56 @@ def test_line_3_says_which_forward_ran_slower(serial: int, overlap_fwd: float) -
     assert _ratio_problems(old, plain_fwd, overlap_fwd) != []
 
 
+def _verdict_problems(text: str, plain: list[tuple], over: list[tuple]) -> list[str]:
+    """What is wrong with a recording's verdict, worked out here from its (step, sched+prep, forward) ms per step: the
+    medians' direction, 10% apart or more, and a gain that exceeds the plain sched+prep or comes with a plain forward
+    10% slower than the overlapped one named a slow plain recording."""
+    p, o = (statistics.median(s[0] for s in x) for x in (plain, over))
+    sp = statistics.median(s[1] for s in plain)
+    pf, of = (statistics.median(s[2] for s in x) for x in (plain, over))
+    if o >= 1.1 * p:
+        want = "overlap lost"
+    elif p < 1.1 * o:
+        want = "about as long"
+    elif p - o > sp or pf >= 1.1 * of:
+        want = "slow plain recording"
+    else:
+        want = "overlap gained"
+    problems = [] if want in text and f"{o / p:.2f}x the plain step's time" in text else [f"does not say {want!r}"]
+    return problems + [f"says {k!r}" for k in ("overlap lost", "about as long", "slow plain recording",
+                                               "overlap gained") if k != want and k in text]
+
+
+@pytest.mark.parametrize("plain,over", [
+    ([(46.0, 3.0, 40.0)] * 4, [(24.0, 3.5, 19.0)] * 4),  # the reader's 64-sequence picture: plain forwards slowed
+    ([(10.0, 2.0, 7.0)] * 4, [(8.5, 2.4, 7.1)] * 4),  # a real gain: under the plain sched+prep, same forwards
+    ([(10.0, 1.0, 7.0)] * 4, [(8.5, 1.2, 7.1)] * 4),  # saved 1.5 ms of a 1 ms sched+prep: load, not overlap
+    ([(10.0, 2.0, 7.0)] * 4, [(12.0, 2.4, 8.0)] * 4),  # Table 2's usual CPU row: overlap lost
+    ([(10.0, 2.0, 7.0), (11.0, 2.0, 7.5), (30.0, 2.0, 27.0), (10.5, 2.0, 7.2)], [(10.2, 2.4, 7.3)] * 4)])
+def test_timeline_verdict_compares_this_recording_s_own_steps(plain, over) -> None:
+    """Each timeline recording prints its own verdict on its medians (the reader's B = 64 picture looked like a 2x
+    win while Table 2's B = 64 row lost). Hand-made spans: plain steps are sched+prep then forward, overlapped steps
+    launch, box n+1, forward; the verdict is worked out here from the made-up times."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+
+    def rows(steps, engine):
+        out = []
+        for i, (total, sp, fwd) in enumerate(steps):
+            t = 50.0 * i
+            f0 = t + (sp if engine == "plain" else 0.1)
+            out.append({"start": t, "forward": [f0, f0 + fwd], "recorded_median_ms": total, "recorded": 24,
+                        "stages": {"total": total / 1e3, "schedule": sp / 2e3, "prepare": sp / 2e3,
+                                   "launch": 1e-4, "overlapped": sp / 1e3, "forward": fwd / 1e3}})
+        return out
+    summ = mod.timeline_summary({"plain": rows(plain, "plain"), "overlap": rows(over, "overlap")})
+    assert _verdict_problems(summ["step_verdict"], plain, over) == [], summ["step_verdict"]
+    # the old rule planted: the picture read alone, a shorter overlapped step taken for a gain from overlap
+    p, o = summ["plain_step_ms"], summ["overlap_step_ms"]
+    old = f"the overlapped step took {o / p:.2f}x the plain step's time: overlap " + ("gained" if o < p else "lost")
+    if "slow plain recording" in summ["step_verdict"]:  # the reader's picture and the over-large saving
+        assert _verdict_problems(old, plain, over) != []
+
+
 # ------------------------------------------------------------------------------------------ chunked prefill
 def test_chunked_prefill_equals_unchunked(tiny: GPT) -> None:
     long_prompts = [(LINES[i] + LINES[i + 1])[:110] for i in range(3)] + PROMPTS[:4]

@@ -8,9 +8,10 @@ What it shows
     decoding request waits for it: one long gap between two of its tokens. With a smaller budget the
     scheduler gives the decodes their token first and the prompt the rest, one chunk per step.
     Printed per budget: ITL (inter-token latency) p50 and p99 of the short requests, TTFT of the long ones,
-    steps and throughput; the figure (chunked_prefill/itl.png) shows one short request's gaps over time, and
-    a line counts its gaps under the smallest budget that lie above twice the plateau (the median gap of a
-    step carrying a prompt chunk).
+    steps and throughput; the figure (chunked_prefill/itl.png) shows one short request's gaps over time (a ring
+    marks a gap whose step carried a whole prompt, a square one whose step carried a chunk), and a line counts
+    its gaps under the smallest budget that lie above twice the plateau (the median gap of a step carrying a
+    prompt chunk).
     FIGURE flat_batch.png: what the scheduler put in each step's flat batch (its own SchedulerOutput, recorded
     per step) around the first long prompt's arrival, for the largest and the smallest budget: the decodes'
     one token each and the prompt's chunk, stacked against the budget.
@@ -222,9 +223,10 @@ def serve_all(model, args: Settings, device: str) -> dict[int, list[Run]]:
     return {b: [r for r in runs if r.budget == b] for b in args.budgets}
 
 
-def draw(rows: list[dict], whole: list[Run], args: Settings) -> None:
+def draw(rows: list[dict], whole: list[Run], chunked: list[Run], args: Settings) -> None:
     """The drawn request's gaps under the largest and the smallest budget; under the largest (`whole`'s), a ring
-    around each gap whose step carried a whole long prompt."""
+    around each gap whose step carried a whole long prompt, under the smallest (`chunked`'s) a square around each
+    gap whose step carried a chunk of one."""
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.6))
     for row in (rows[0], rows[-1]):
@@ -232,10 +234,10 @@ def draw(rows: list[dict], whole: list[Run], args: Settings) -> None:
         # one marker per token, no joining lines: a line would draw a single long gap as a wide triangle
         ax.plot(t[1:] * 1e3, np.diff(t) * 1e3, "o", markersize=3.5, alpha=0.8,
                 label=f"budget {row['budget']} tokens/step")
-    t = np.array(rows[0]["times"]["short-0"])
-    ring = drawn_gaps(whole)[1]
-    ax.plot(t[1:][ring] * 1e3, np.diff(t)[ring] * 1e3, "o", markersize=9, markerfacecolor="none", color="black",
-            label=f"budget {rows[0]['budget']}: a step carrying a whole prompt")
+    for row, runs, mark, what in ((rows[0], whole, "o", "a whole prompt"), (rows[-1], chunked, "s", "a prompt chunk")):
+        t, ring = np.array(row["times"]["short-0"]), drawn_gaps(runs)[1]
+        ax.plot(t[1:][ring] * 1e3, np.diff(t)[ring] * 1e3, mark, markersize=9, markerfacecolor="none", color="black",
+                label=f"budget {row['budget']}: a step carrying {what}")
     ax.set(xlabel="engine time (ms)", ylabel="gap before this token (ms)",
            title="inter-token gaps of one short request while long prompts arrive")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # outside: it hid points
@@ -324,7 +326,7 @@ def main() -> int:
           f"above {points['factor']:g}x the plateau ({points['plateau_ms']:.2f} ms, the median gap of a step "
           f"carrying a prompt chunk); the longest is {points['max_ms']:.2f} ms.")
     drawn = draw_flat_batches([by_budget[args.budgets[0]][0], by_budget[args.budgets[-1]][0]], args)
-    draw(rows, by_budget[args.budgets[0]], args)
+    draw(rows, by_budget[args.budgets[0]], by_budget[args.budgets[-1]], args)
     if args.json:
         for r in rows:
             del r["times"]

@@ -18,9 +18,9 @@ What it shows
     3. On a GPU: eager vs graph time of one decode step (host preparation + forward) for each captured
        batch size, and the engine with graphs generating exactly the eager engine's tokens.
        On a CPU there is no graph to capture; the script says so and measures the CPU analogue: the fixed
-       cost of dispatching one op (a 1-element add), the number of ops one decode forward calls from Python
-       (profiler), and the share of the batch-1 forward that this per-op cost explains, which is the part a
-       graph replay removes on a GPU.
+       cost of dispatching one op (a 1-element add; the median of 5 timings, with their range), the number of
+       ops one decode forward calls from Python (profiler), and the share of the batch-1 forward that this per-op
+       cost explains, which is the part a graph replay removes on a GPU.
 
 How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/cuda_graphs.py
@@ -204,13 +204,17 @@ def graph_speedups(model, args: Settings) -> list[dict]:
 # --8<-- [end:speedup]
 
 
+TINY_TRIES = 5  # timings of the tiny op; the median is the per-op cost
+
+
 # --8<-- [start:analogue]
 def dispatch_overhead(model, args: Settings, device: str) -> dict:
     """The fixed cost per op, the ops of a batch-1 decode forward, and the share of it they explain:
     overhead share = (ops called from Python x seconds per tiny op) / forward seconds."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    per_op = time_tiny_op(device)
+    tiny = sorted(time_tiny_op(device) for _ in range(TINY_TRIES))  # one timing can land on a burst of load
+    per_op = statistics.median(tiny)
     engine = decode_engine(model, 1, args.prompt_len, max_tokens=4, device=device)
     runner, inputs = engine.runner, decode_step_inputs(engine)
     batch = runner.prepare(*inputs)
@@ -220,7 +224,8 @@ def dispatch_overhead(model, args: Settings, device: str) -> dict:
         runner.execute(batch)
     a = torch.randn(512, 512, device=device)
     matmul = median_time(lambda: a @ a, 20, device)
-    return {"tiny_op_us": per_op * 1e6, "forward_ms": forward * 1e3, "python_ops": ops["python_ops"],
+    return {"tiny_op_us": per_op * 1e6, "tiny_op_min_us": tiny[0] * 1e6, "tiny_op_max_us": tiny[-1] * 1e6,
+            "forward_ms": forward * 1e3, "python_ops": ops["python_ops"],
             "aten_ops": ops["aten_ops"], "kernels": ops["kernels"],
             "overhead_ratio": ops["python_ops"] * per_op / forward,  # raw; above 1 when the timings disagree
             "overhead_share": min(1.0, ops["python_ops"] * per_op / forward),
@@ -440,7 +445,8 @@ def main() -> int:
         print(report.table(results["speedups"], floatfmt=".3f"))
     results["dispatch"] = d = dispatch_overhead(model, args, device)
     print(f"\n{'4' if device == 'cuda' else '3'}. Dispatch overhead on {device}: one op on 1-element tensors "
-          f"takes {d['tiny_op_us']:.1f} us; a batch-1 decode forward makes {d['python_ops']} op calls from Python "
+          f"takes {d['tiny_op_us']:.1f} us (median of {TINY_TRIES} timings, {d['tiny_op_min_us']:.1f} to "
+          f"{d['tiny_op_max_us']:.1f} us); a batch-1 decode forward makes {d['python_ops']} op calls from Python "
           f"({d['aten_ops']} aten ops in all) in {d['forward_ms']:.2f} ms: ops x per-op cost / forward = "
           f"{d['overhead_ratio']:.2f}, "
           + (f"so about {100 * d['overhead_share']:.0f}% of it is per-op fixed cost, the part a graph replay "

@@ -33,7 +33,10 @@ What it shows
        thread beside it, so only there can a slower overlapped forward come from the two threads competing for
        the GIL and the cores. It says which forward ran slower (the overlapped forward's median over the plain
        one's, 10% apart or more): a plain forward slower than the overlapped one is a slow plain recording,
-       not a gain from overlap.
+       not a gain from overlap. A last line gives this recording's own verdict (it is not Table 2's recording,
+       so the two can disagree): which engine's median step was quicker, 10% apart or more, with a gain flagged
+       as a slow plain recording when it exceeds the plain step's schedule + prepare or the plain forward ran
+       slower.
     4. FIGURE schematic.png: overlap working, as a schematic (not measured): the same engines' stages in the same
        drawing, timed by a model of an asynchronous device (a GPU with graphs), where box n+1 fits inside forward n.
 
@@ -70,6 +73,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -389,6 +393,26 @@ def speedup_words(rows: list[dict]) -> str:
             f"(B = {hi['B']}){out}")
 
 
+def step_verdict(summ: dict) -> str:
+    """This recording's own verdict on overlap, from its drawn steps' medians (Table 2 times other steps, so the two
+    can disagree): which engine's step was quicker, 10% apart or more. A gain is a slow plain recording when it
+    exceeds the plain step's schedule + prepare (all that overlap can hide), or when the plain forward, the same
+    forward as the overlapped one, ran slower."""
+    p, o, sp = summ["plain_step_ms"], summ["overlap_step_ms"], summ["plain_sched_prep_ms"]
+    head = f"the overlapped step took {o / p:.2f}x the plain step's time ({o:.2f} against {p:.2f} ms)"
+    if o >= FORWARD_SAME * p:
+        return head + ": overlap lost in this recording"
+    if p < FORWARD_SAME * o:
+        return head + ": about as long, no gain from overlap in this recording"
+    why = [f"it saved {p - o:.2f} ms, more than the plain step's whole schedule + prepare ({sp:.2f} ms)"] * (p - o > sp)
+    if summ["forward_slowdown"] <= 1 / FORWARD_SAME:
+        why.append(f"the plain forward ran {1 / summ['forward_slowdown']:.2f}x as long as the overlapped one")
+    if why:
+        return (head + ": quicker, but " + " and ".join(why) + ", so this is a slow plain recording, not a gain "
+                "from overlap")
+    return head + ": overlap gained in this recording"
+
+
 def timeline_line(summ: dict, batch: int, drawn: int, recorded: int) -> str:
     """Line 3 of the output: the drawn timeline's medians, its waits and how many of its steps overlapped."""
     text = summ["overlap_text"]
@@ -409,6 +433,8 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
     for name, rows in tl.items():
         out[f"{name}_step_ms"] = statistics.median(r["stages"]["total"] * 1e3 for r in rows)
         out[f"{name}_forward_ms"] = statistics.median(r["forward"][1] - r["forward"][0] for r in rows)
+    out["plain_sched_prep_ms"] = statistics.median(1e3 * (r["stages"].get("schedule", 0.0)
+                                                          + r["stages"].get("prepare", 0.0)) for r in tl["plain"])
     out["forward_slowdown"] = out["overlap_forward_ms"] / out["plain_forward_ms"]
     # the overlapped main thread's wait ends when it has the forward's result: how long after the forward returned
     late = [r["start"] + 1e3 * (r["stages"]["launch"] + r["stages"]["overlapped"] + r["stages"]["forward"])
@@ -423,6 +449,7 @@ def timeline_summary(tl: dict[str, list[dict]]) -> dict:
                               for r in tl["overlap"])
     out["drawn_steps"] = len(tl["overlap"])
     out["overlap_text"] = overlap_text(out["serial_steps"], out["drawn_steps"], out["forward_slowdown"])
+    out["step_verdict"] = step_verdict(out)
     met = out["drawn_steps"] - out["serial_steps"]  # steps whose box n+1 and forward n shared some time
     out["overlap_short"] = (f"{'none' if met == 0 else met} of the {out['drawn_steps']} drawn overlapped steps "
                             f"ran box n+1 while forward n ran")
@@ -530,24 +557,24 @@ def main() -> int:
     rows = [compare(model, B, args, device) for B in args.batch_sizes]
     where = "forward in a worker thread, GIL released inside kernels" if device == "cpu" else "asynchronous launch"
     print(f"2. Decode steps on {device} ({where}; torch threads: {torch.get_num_threads()}); median of "
-          f"{args.rounds} alternating rounds of {args.steps} steps")
+          f"{args.rounds} alternating rounds of {args.steps} steps; Python's GIL switch interval: "
+          f"{sys.getswitchinterval() * 1e3:g} ms")
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
-    print("   saved: plain - overlap per step. Only the plain engine's sched+prep is CPU work that can hide behind the"
-          " forward (overlap sched+prep: the same work plus moving the sequences past step n, run beside the forward"
-          " and sharing the cores and the GIL with it), so a row that saved more than it (note: noise) measured the"
-          " machine's load, not the overlap; so did a row that lost more than a whole plain step (an overlapped step"
-          " does the plain step's work, at worst one thread after the other, plus the two waits line 3 times)")
+    print("   saved: plain - overlap per step. note: noise marks a row that saved more than the plain sched+prep (all"
+          " that can hide) or lost more than a whole plain step: the machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     schematic = draw_timeline(schematic_timeline(tl), args, "schematic")  # overlap working, modelled: no timing
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
     print(f"{timeline_line(summ, args.timeline_batch, len(tl['plain']), TIMELINE_TRIES * len(tl['plain']))} "
-          f"{bench.load_average()}\n   The drawn window: {summ['window_text']}.")
+          f"{bench.load_average()}\n   The drawn window: {summ['window_text']}.\n   This recording's verdict "
+          f"(Table 2 timed other steps): {summ['step_verdict']}.")
     if args.json:
         lo, hi = (f(rows, key=lambda r: r["speed-up"]) for f in (min, max))
         speedup_range = {"min": lo["speed-up"], "min_b": lo["B"], "max": hi["speed-up"], "max_b": hi["B"],
                          "text": speedup_words(rows)}
-        report.write_json(args.json, {"device": device, "same_output": same, "placeholders": ph, "timing": rows,
+        report.write_json(args.json, {"device": device, "switch_interval_ms": sys.getswitchinterval() * 1e3,
+                                      "same_output": same, "placeholders": ph, "timing": rows,
                                       "speedup_range": speedup_range,
                                       "timeline": {**summ, "spans": [vars(s) for s in spans]},
                                       "schematic": {"units": SCHEMATIC, "spans": [vars(s) for s in schematic]},
