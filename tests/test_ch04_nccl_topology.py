@@ -446,7 +446,8 @@ def test_step_cost_text_divides_each_time_by_its_own_steps(p: int) -> None:
     assert text.startswith("median over the 3 sizes 256 B to 4.0 KiB, where the fit has ring and tree latency-bound")
     per = {name: sorted(ts)[1] / steps[name] for name, ts in times.items()}  # the middle of three
     for name, label in (("ring", "our ring"), ("tree", "our tree"), ("gloo all_reduce", "gloo")):
-        assert f"a step of {label} took {per[name]:.0f} us ({steps[name]} steps, {per[name] / 600:.2f} alpha)" in text
+        want = f"a step of {label} took {per[name]:.0f} us ({steps[name]} steps, each {per[name] / 600:.2f} alpha)"
+        assert want in text
     assert text.endswith(f"a step of our ring took {per['ring'] / per['tree']:.1f}x one of our tree")
     assert "alpha)" not in rvt.step_cost_text(time_of, p, [256], 0.0)
 
@@ -1157,6 +1158,28 @@ def test_ceiling_figure_draws_busbw_under_the_two_ceilings(ring_vs_tree_run) -> 
     assert doc["fraction_of_tcp"] == pytest.approx(best / drawn["loopback_tcp_GBps"])
 
 
+def test_times_figure_draws_each_median_with_its_rounds_range(tmp_path, ring_vs_tree_run) -> None:
+    """ring_vs_tree.png: per algorithm and size the median and a bar from the fastest to the slowest round (read
+    here from synthetic rounds), so the sizes where the ring's and the tree's bars overlap are the table's ties."""
+    rvt, model, draw = load("ring_vs_tree"), load("_rvt_model"), load("_rvt_draw")
+    rng = np.random.default_rng(4)
+    rows = []
+    for k in range(6):
+        for name, centre in (("ring", 1000.0), ("tree", 1000.0 if k % 2 else 300.0), ("gloo all_reduce", 200.0)):
+            rounds = sorted(float(t) for t in centre * rng.uniform(0.9, 1.1, 3))
+            rows.append({"algorithm": name, "size (B)": 256 * 4**k, "time (us)": rounds[1], "rounds (us)": rounds,
+                         "busbw (GB/s)": 1.0})
+    drawn = draw.draw_times(rows, 4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    assert (tmp_path / "ring_vs_tree.png").exists()
+    for r in rows:
+        assert [r["size (B)"], r["rounds (us)"][0], r["rounds (us)"][1], r["rounds (us)"][2]] in drawn[r["algorithm"]]
+    bars = {name: {row[0]: (row[1], row[3]) for row in drawn[name]} for name in ("ring", "tree")}
+    overlap = [s for s in sorted(bars["ring"]) if not (bars["ring"][s][1] < bars["tree"][s][0]
+                                                       or bars["tree"][s][1] < bars["ring"][s][0])]
+    assert overlap == [256 * 4**k for k in (1, 3, 5)] == model.summarise(rows, 4)["tied_sizes"]
+    assert set(ring_vs_tree_run[1]["figures"]["times"]) == {"ring", "tree", "gloo all_reduce"}  # the real run's
+
+
 @pytest.mark.timeout(120)
 def test_topology_reports_this_machine(tmp_path) -> None:
     import torch
@@ -1233,6 +1256,7 @@ def test_topology_parses_an_nvidia_smi_matrix(tmp_path) -> None:
         == [(0, [(0, 2, 4)]), (1, [(1, 2, 4)])]
     assert drawn["gpus"] == [{"gpu": "GPU0", "numa_node": "0"}, {"gpu": "GPU1", "numa_node": "0"},
                              {"gpu": "GPU2", "numa_node": "1"}]
+    assert drawn["nics"] == [{"nic": "NIC0", "near": ["GPU0"], "code": "PIX"}]
     assert not drawn["no_gpu"] and (tmp_path / "topology.png").exists()
 
 
@@ -1251,6 +1275,22 @@ def test_topology_example_is_drawn_from_the_chapters_example_matrix(tmp_path) ->
     assert {(x["a"], x["b"]): x["code"] for x in drawn["links"]} == want
     node = {g[0]: g[1 + names.index("NUMA Affinity")] for g in gpus}
     assert drawn["gpus"] == [{"gpu": g, "numa_node": node[g]} for g in node]
+    # the NIC is drawn, joined to the GPU(s) with its nearest code in the legend's order, and only to those
+    nic = next(ln.split("\t") for ln in lines[1:] if ln.startswith("NIC"))
+    codes = {names[j]: nic[1 + j].strip() for j in range(len(names)) if names[j] in node}
+    rank = ["NV", "PIX", "PXB", "PHB", "NODE", "SYS"]
+    best = min(codes.values(), key=lambda c: [c.startswith(r) for r in rank].index(True))
+    assert drawn["nics"] == [{"nic": nic[0], "near": [g for g, c in codes.items() if c == best], "code": best}]
+    # one label per GPU pair and per NIC line, each on a point of its own line (pixels), no two labels overlapping
+    assert sorted(b["text"] for b in drawn["labels"]) == sorted(
+        [c for (a, b), c in want.items() if b.startswith("GPU")] + [best] * len(drawn["nics"][0]["near"]))
+    for label in drawn["labels"]:
+        (x0, y0, x1, y1), pts = label["box"], np.array(label["line"])
+        dense = [p + (q - p) * f for p, q in zip(pts[:-1], pts[1:]) for f in np.linspace(0, 1, 21)]
+        assert any(x0 <= x <= x1 and y0 <= y <= y1 for x, y in dense), label
+    boxes = [b["box"] for b in drawn["labels"]]
+    assert all(p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1]
+               for i, p in enumerate(boxes) for q in boxes[i + 1:]), boxes
     assert "EXAMPLE, not this machine, not measured" in (CH04 / "topology.py").read_text()
 
 

@@ -81,10 +81,10 @@ def draw_waits(world_size: int, args: cli.PlotArgs) -> dict[str, dict[int, list[
         step = [m for m in sched if m["step"] == 0]
         waits[name] = {r: [f"send to {m['dst']}" for m in step if m["src"] == r]
                        + [f"recv from {m['src']}" for m in step if m["dst"] == r] for r in range(p)}
-        for r, items in waits[name].items():  # a lane per rank; its bar: busy in this step, darker for two waits
+        for r, items in waits[name].items():  # a lane per rank; its bar: red for two waits, orange for one
             ax.axhline(-r, color="0.85", lw=1, zorder=0)
             if items:
-                ax.barh(-r, 1.0, height=0.45, color="C3" if len(items) > 1 else "C1", alpha=0.35)
+                ax.barh(-r, 1.0, height=0.45, color="#cc0000" if len(items) > 1 else "#ff9900", alpha=0.55)
             ax.text(1.08, -r, " + ".join(items) or "nothing to do", va="center", fontsize=8)
             ax.text(-0.06, -r, f"rank {r}", ha="right", va="center", fontsize=8)
         for i, m in enumerate(step):  # one arrow per message, spread along the step
@@ -101,17 +101,23 @@ def draw_waits(world_size: int, args: cli.PlotArgs) -> dict[str, dict[int, list[
     return waits
 
 
-def draw_times(rows: list[dict], world_size: int, args: cli.PlotArgs) -> None:
-    """Time per all-reduce of every algorithm against size, as measured (no model)."""
+def draw_times(rows: list[dict], world_size: int, args: cli.PlotArgs) -> dict[str, list[list[float]]]:
+    """Time per all-reduce of every algorithm against size, as measured (no model): the median, and a bar from the
+    fastest to the slowest round. Returns [size, fastest, median, slowest] per algorithm."""
     plt = plot.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    drawn = {}
     for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):
-        mine = sorted((r["size (B)"], r["time (us)"]) for r in rows if r["algorithm"] == name)
-        ax.loglog(*zip(*mine), "o-", color=f"C{i}", label=name)
-    ax.set(xlabel="message size (bytes)", ylabel="time per all-reduce (us), median")
+        drawn[name] = [[r["size (B)"], min(r.get("rounds (us)") or [r["time (us)"]]), r["time (us)"],
+                        max(r.get("rounds (us)") or [r["time (us)"]])] for r in rows if r["algorithm"] == name]
+        n, lo, mid, hi = np.array(sorted(drawn[name])).T
+        ax.errorbar(n * 1.06**i, mid, yerr=[mid - lo, hi - mid], fmt="o-", color=f"C{i}", capsize=2, label=name)
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time per all-reduce (us)")
     ax.legend(fontsize=8)
-    ax.set_title(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (measured)", fontsize=10)
+    ax.set_title(f"all-reduce algorithms, {world_size} ranks, gloo on CPU (measured): dot the median, "
+                 "bar fastest to slowest round", fontsize=9)
     print(f"figure: {plot.save(fig, args, 'ring_vs_tree')}")
+    return drawn
 
 
 # --8<-- [start:draw_model]

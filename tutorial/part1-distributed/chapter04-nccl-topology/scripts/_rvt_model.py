@@ -331,7 +331,7 @@ def step_cost_text(time_of: dict, world_size: int, sizes: list[int], alpha: floa
              f"median over the {len(sizes)} sizes {size_text(sizes[0])} to {size_text(sizes[-1])}")
     return (f"{where}, where the fit has ring and tree latency-bound: " + ", ".join(
         f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {per[name]:.0f} us "
-        f"({a} steps" + (f", {per[name] / (alpha * 1e6):.2f} alpha)" if alpha > 0 else ")")
+        f"({a} steps" + (f", each {per[name] / (alpha * 1e6):.2f} alpha)" if alpha > 0 else ")")
         for name, a in steps.items()) + f"; a step of our ring took {per['ring'] / per['tree']:.1f}x one of our tree")
 
 

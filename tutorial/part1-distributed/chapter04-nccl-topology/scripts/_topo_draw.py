@@ -5,13 +5,17 @@ link code per pair, then the CPU and NUMA affinity columns) into devices, pairs 
 `example_machine(matrix)` makes CPU boxes from a matrix's affinity columns, for the example picture drawn from
 _topo_example.txt (an example matrix, not any machine's). `draw_topology(...)` draws sockets -> NUMA nodes (cores,
 hardware threads, memory) and, when there are GPUs, one box per GPU under the NUMA node nvidia-smi gives for it, a
-line per GPU pair labelled with its code. It returns what it drew; topology.py keeps that in its --json so that a
-test can compare it with the kernel's own lists.
+line per GPU pair labelled with its code, and above them each NIC joined only to its nearest GPU(s). It returns
+what it drew; topology.py keeps that in its --json so that a test can compare it with the kernel's own lists.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from mlsys import cli, plot
+
+NEAR = ("NV", "PIX", "PXB", "PHB", "NODE", "SYS")  # nvidia-smi's path codes, nearest first
 
 
 # --8<-- [start:parse]
@@ -94,7 +98,7 @@ def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.P
                     ha="center", va="center", fontsize=9)
             centre[str(node["node"])] = nx + 1.25
         x += width
-    drawn_gpus = []
+    drawn_gpus, drawn_nics, labels = [], [], []
     if gpu_names:
         per_node: dict = {}
         for name in gpu_names:  # under its NUMA node when nvidia-smi says which, else in a row of their own
@@ -107,12 +111,26 @@ def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.P
                 ax.add_patch(plt.Rectangle((spots[name][0] - 0.35, 0.35), 0.7, 0.5, color="C2", alpha=0.3))
                 ax.text(*spots[name], name, ha="center", va="center", fontsize=8)
                 drawn_gpus.append({"gpu": name, "numa_node": node})
-        for link in matrix["links"]:
+        for link in matrix["links"]:  # GPU pairs: an arc below the row, its code on the arc's lowest point
             if link["a"] in spots and link["b"] in spots:
-                (xa, ya), (xb, yb) = spots[link["a"]], spots[link["b"]]
-                ax.annotate("", (xb, yb - 0.25), (xa, ya - 0.25), arrowprops={"arrowstyle": "-", "color": "0.4",
-                            "connectionstyle": "arc3,rad=0.35"})
-                ax.text((xa + xb) / 2, -0.05 - 0.1 * abs(xb - xa), link["code"], ha="center", fontsize=7)
+                (xa, ya), (xb, _) = spots[link["a"]], spots[link["b"]]
+                depth, u = 0.2 * abs(xb - xa), np.linspace(0, 1, 50)
+                line = ax.plot(xa + (xb - xa) * u, ya - 0.25 - depth * 4 * u * (1 - u), color="0.4", lw=1)[0]
+                labels.append((ax.text((xa + xb) / 2, ya - 0.25 - depth, link["code"], ha="center", va="center",
+                                       fontsize=7, bbox={"fc": "white", "ec": "none", "pad": 0.5}), line))
+        for nic in [d for d in matrix["devices"] if not d.startswith("GPU")]:  # a row above: each NIC, joined
+            codes = {(lk["b"] if lk["a"] == nic else lk["a"]): lk["code"] for lk in matrix["links"]  # to its
+                     if nic in (lk["a"], lk["b"]) and (lk["a"] in spots or lk["b"] in spots)}  # nearest GPU(s)
+            best = min(codes.values(), key=lambda c: next((k for k, p in enumerate(NEAR) if c.startswith(p)), 9))
+            near = [g for g, c in codes.items() if c == best]
+            cx = sum(spots[g][0] for g in near) / len(near) + 0.8 * sum(d["near"] == near for d in drawn_nics)
+            ax.add_patch(plt.Rectangle((cx - 0.35, 1.3), 0.7, 0.4, color="C1", alpha=0.3))
+            ax.text(cx, 1.5, nic, ha="center", va="center", fontsize=8)
+            for g in near:
+                line = ax.plot([cx, spots[g][0]], [1.3, 0.85], color="0.4", lw=1)[0]
+                labels.append((ax.text((cx + spots[g][0]) / 2, 1.075, best, ha="center", va="center", fontsize=7,
+                                       bbox={"fc": "white", "ec": "none", "pad": 0.5}), line))
+            drawn_nics.append({"nic": nic, "near": near, "code": best})
     else:
         ax.text(x / 2, 1.2, "no CUDA GPU on this machine: no GPUs, NVLink or PCIe paths to draw"
                 if not gpus.get("devices") else "GPUs found, but no `nvidia-smi topo -m` matrix to read links from",
@@ -120,7 +138,10 @@ def draw_topology(threads: list[dict], numa: list[dict], gpus: dict, args: cli.P
     ax.set_xlim(-0.2, x + 0.2)
     ax.set_ylim(-0.9 if gpu_names else 0.6, 4.4)
     ax.set_title(title, fontsize=10)
+    fig.canvas.draw()  # each label's box and its line in pixels: a test checks it sits on its line, on no other label
+    boxes = [{"text": t.get_text(), "box": [round(v, 1) for v in t.get_window_extent().extents],
+              "line": ax.transData.transform(line.get_xydata()).round(1).tolist()} for t, line in labels]
     print(f"figure: {plot.save(fig, args, file_name)}")
-    return {"sockets": sockets, "gpus": drawn_gpus, "links": matrix["links"] if matrix else [],
-            "no_gpu": not gpus.get("devices")}
+    return {"sockets": sockets, "gpus": drawn_gpus, "nics": drawn_nics, "labels": boxes,
+            "links": matrix["links"] if matrix else [], "no_gpu": not gpus.get("devices")}
 # --8<-- [end:draw]

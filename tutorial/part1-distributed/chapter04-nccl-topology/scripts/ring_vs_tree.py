@@ -29,10 +29,11 @@ What it shows
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
     two all-reduces follow; kept in the JSON as "steps"), waits.png (step 0 of the ring beside step 0 of the tree: what
-    each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured times), alpha_beta.png
-    (the model against the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded, and
-    below, the ring's and the tree's model lines on one set of axes with the crossover n* marked) and
-    ceiling.png (busbw under the two ceilings); the last two are kept in the JSON under "figures", and the text of
+    each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured medians, a bar from each
+    one's fastest to its slowest round), alpha_beta.png (the model against the points, fitted and held out, with
+    its latency- and bandwidth-bound ranges shaded), crossover.png (the ring's and the tree's model lines on one set
+    of axes with the crossover n* marked) and ceiling.png (busbw under the two ceilings); ring_vs_tree, alpha_beta
+    (with crossover) and ceiling are kept in the JSON under "figures", and the text of
     sections 1-2, 3 and 4 under "printed" (the lesson shows each section beside its explanation).
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
@@ -230,8 +231,8 @@ def main() -> int:
     if summary["fit_bandwidth_GBps"] and summary["fit_bandwidth_GBps"] > ceiling["memcpy_GBps"]:
         out4(f"note: the fitted 1/beta ({summary['fit_bandwidth_GBps']:.2f} GB/s) is above the memcpy ceiling; "
               "nothing on this box moves bytes faster than a memory copy, so the fit's beta is not a speed here")
-    draw_times(rows, w, args)
-    figures = {"alpha_beta": draw_alpha_beta(summary, w, args), "ceiling": draw_ceiling(rows, ceiling, w, args)}
+    figures = {"times": draw_times(rows, w, args), "alpha_beta": draw_alpha_beta(summary, w, args),
+               "ceiling": draw_ceiling(rows, ceiling, w, args)}
     steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
     waits = draw_waits(w, args)  # one ring step beside one tree step: what each rank waits for
     if args.json:
