@@ -412,10 +412,10 @@ def test_seats_animation_against_a_plain_scheduler(small_model):
     ([10.0, 16.0, 24.0, 30.0], [10.0, 16.0, 24.0, 30.0]),  # tokens per second rising all along: not shown
 ])
 def test_memory_side_sentence_from_synthetic_timings(pvd, best, median):
-    """"The decode times show/do not show the memory side" is generated from the rows: shown exactly when the last
-    doubling, or the span from the tokens-per-second peak to the largest batch, grew the step time by more than
-    its batch ratio by the fastest repetitions and by the medians. The lesson once said "These times do not show
-    the memory bound" beside a run that took 2.11x and 2.33x the step time for 2x the sequences."""
+    """"The decode times show/do not show the memory side" is generated from the rows: shown exactly when, from
+    the batch before the largest or from the batch of the most tokens per second to the largest, the step time
+    grew by more than the batch ratio by the fastest repetitions and by the medians. The lesson once said "These
+    times do not show the memory bound" beside a run that took 2.11x and 2.33x the step time for 2x the sequences."""
     batches = [8, 16, 32, 64]
     rows = [dict(batch=b, ms=t, median_ms=m, tokens_per_s=b / t * 1e3) for b, t, m in zip(batches, best, median)]
     peak = int(np.argmax(np.array(batches) / np.array(best)))
@@ -427,11 +427,14 @@ def test_memory_side_sentence_from_synthetic_timings(pvd, best, median):
     sentence = pvd.memory_side(rows)
     if shown:
         i, k = shown[0]
-        assert sentence.startswith(f"show the memory side, from B={batches[i]} to B=64: {k:g}x the sequences took "
+        assert sentence.startswith(f"show the memory side: from B={batches[i]} to B=64, {k:g}x the sequences took "
                                    f"{best[-1] / best[i]:.2f}x the step time")
         assert f"{median[-1] / median[i]:.2f}x by the medians" in sentence
-    else:
-        assert sentence.startswith("do not show the memory side")
+    else:  # names every batch compared with the largest, and no "span" a reader must decode
+        assert sentence.startswith("do not show the memory side: from B=32")
+        assert "span" not in sentence
+        for i in {len(batches) - 2, peak} - {len(batches) - 1}:
+            assert f"B={batches[i]}" in sentence
 
 
 @pytest.mark.parametrize("times_ms", [

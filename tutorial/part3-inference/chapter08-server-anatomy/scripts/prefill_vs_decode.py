@@ -187,18 +187,23 @@ def doubling_verdict(prev: dict, last: dict) -> str:
 
 def memory_side(decode: list[dict]) -> str:
     """Do the decode times show the memory side? A step's FLOPs grow exactly with B and its counted bytes more
-    slowly, so a span of batches whose step time grew by more than its batch ratio, by the fastest repetitions
-    and by the medians, is what neither count explains. The spans checked: the last doubling, and the span from
-    the tokens-per-second peak to the largest batch. -> the rest of "the decode times ...", from the rows."""
+    slowly, so a step time that grew faster than the number of sequences, by the fastest repetitions and by the
+    medians alike, is what neither count explains. The largest batch is compared with the batch before it and
+    with the batch of the most tokens per second. -> the rest of "the decode times ...", from the rows."""
     last = decode[-1]
     peak = max(decode, key=lambda r: r["tokens_per_s"])
-    for prev in [r for r in decode[-2:-1] + [peak] if r is not last]:
+    froms = decode[-2:-1] + ([peak] if peak is not last and peak not in decode[-2:-1] else [])
+    for prev in froms:
         k, best, median = last["batch"] / prev["batch"], last["ms"] / prev["ms"], last["median_ms"] / prev["median_ms"]
         if best > k and median > k:
-            return (f"show the memory side, from B={prev['batch']} to B={last['batch']}: {k:g}x the sequences took "
+            return (f"show the memory side: from B={prev['batch']} to B={last['batch']}, {k:g}x the sequences took "
                     f"{best:.2f}x the step time by the fastest repetitions and {median:.2f}x by the medians")
-    return ("do not show the memory side: no span checked (the last doubling, the span from the tokens-per-second "
-            "peak) grew faster than the sequences by both the fastest repetitions and the medians")
+    if not froms:
+        return "do not show the memory side: only one batch size was measured"
+    named = [f"B={r['batch']}" + (" (the most tokens per second)" if r is peak else "") for r in froms]
+    return (f"do not show the memory side: from {', and from '.join(named)} to "
+            f"B={last['batch']}, the step time never grew faster than the number of sequences by the fastest "
+            "repetitions and the medians alike")
 
 
 def prefill_peak_sentence(prefill: list[dict]) -> str:

@@ -37,7 +37,7 @@ Try next
         -> (server running) a 400 in OpenAI's error format: prompt + max_tokens exceed the 256 positions
            (the message counts the prompt "{" as 2 tokens: <bos> is one of them)
     curl http://127.0.0.1:8000/health
-        -> (server running) the engine's counters: running and waiting requests, free KV blocks
+        -> (server running) its state: running and waiting requests, free and total KV blocks
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
          -d '{"model": "mlsys-small", "messages": [{"role": "user", "content": "{"}], "max_tokens": 40}'
         -> (server running) the chat form: the book's model is prompted with the last user message
@@ -180,8 +180,9 @@ class StopSignals:
     def handle(self, signum: int, _frame: object) -> None:
         if self.received is None:
             self.received = signum
+            again = "Ctrl-C or SIGTERM" if signum == signal.SIGINT else "SIGTERM or Ctrl-C"
             print(f"\n{signal.Signals(signum).name}: not accepting new connections; letting requests in flight "
-                  f"finish (a second Ctrl-C cuts them)", flush=True)
+                  f"finish (a second signal, {again}, cuts them)", flush=True)
             self.event.set()
         elif self.server is not None:
             print(f"{signal.Signals(signum).name} again: cutting the requests still in flight", flush=True)
