@@ -155,6 +155,24 @@ def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() ->
     assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
 
 
+def test_ratio_evidence_is_the_largest_ratio_of_the_unflagged_rows() -> None:
+    """The lesson quotes this as the evidence that bucketing gains most on small models, so a row the Disturbed line
+    flags must not supply it: here tiny's per-tensor time is above draft's (flagged, ratio too high), and the
+    quoted ratio is the largest among the other rows, found here by hand, with tiny named as left out."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "MiB": 0.11, "per-tensor ms": 2.91, "bucketed ms": 0.46},  # 6.33, flagged
+            {"model": "draft", "MiB": 0.9, "per-tensor ms": 2.22, "bucketed ms": 0.57},  # 3.89
+            {"model": "small", "MiB": 3.17, "per-tensor ms": 5.99, "bucketed ms": 1.84}]  # 3.26
+    ev = mod.ratio_evidence(rows)
+    assert (ev["model"], round(ev["speedup"], 2)) == ("draft", 3.89)
+    assert ev["text"] == ("the largest ratio among the rows not flagged as disturbed is draft's 3.89 (0.90 MiB); "
+                          "tiny's 6.33, the smallest model's, is left out: its row was disturbed")
+    rows[1]["bucketed ms"] = 2.0  # now draft's bucketed time is flagged (above small's 1.84) and tiny is not:
+    rows[0]["per-tensor ms"] = 1.8  # tiny 3.91 against small 3.26
+    ev = mod.ratio_evidence(rows)
+    assert ev["model"] == "tiny" and "left out" not in ev["text"]
+
+
 def test_formula_estimate_names_the_larger_term_per_model() -> None:
     """Section 1's worked estimate: alpha = the smallest model's per-tensor ms / its tensors, 1/beta = the largest
     model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/beta, computed here by hand."""
@@ -223,7 +241,8 @@ def test_script_syncs_gpt_weights_and_the_engine_serves_them(tmp_path) -> None:
     assert (tmp_path / "sync_time.png").stat().st_size > 0
     reading = res["reading"]  # the generated sentences the output prints
     assert reading["disturbed_text"] and reading["sweep_text"] and reading["sweep_vs_per_tensor_text"]
-    assert res["summary"]["smallest"]["per_tensor_disturbed"] == ("tiny" in reading["disturbed"]["per-tensor ms"])
+    flagged = {m for models in reading["disturbed"].values() for m in models}
+    assert res["summary"]["unflagged"]["model"] not in flagged
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

@@ -46,15 +46,20 @@ def draw_placement(results: dict, args) -> None:
 
 
 def draw_timeline(results: dict, args) -> None:
+    """Who did what when, one panel per placement; each generate and train bar carries its batch number."""
     plt = plot.pyplot()
     names = list(results)
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
                              sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         for rank, events in enumerate(results[name]["timelines"]):
+            count = {"generate": 0, "train": 0}  # one span of each per iteration: the k-th is batch k
             for phase, s, e in events:
                 ax.barh(rank, e - s, left=s, color=PHASE_COLOURS[PHASE_LABELS.get(phase, phase)], edgecolor="none",
                         height=0.7)
+                if phase in count:
+                    count[phase] += 1
+                    ax.text((s + e) / 2, rank, str(count[phase]), ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(range(args.world_size))
         ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
         ax.invert_yaxis()
