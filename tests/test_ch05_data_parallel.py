@@ -653,7 +653,7 @@ def test_takeaway_says_nothing_overlapped_when_the_fastest_overlapped_row_has_on
     assert ("nothing overlapped there" in text) == warned, text
 
 
-@pytest.mark.parametrize("overlapped_ms, spread", [(113.0, 67.0), (113.0, 10.0), (140.0, 67.0)])
+@pytest.mark.parametrize("overlapped_ms, spread", [(113.0, 67.0), (113.0, 10.0), (140.0, 67.0), (131.54, 8.0)])
 def test_one_bucket_sentence_calls_the_gap_noise_only_within_locals_spread(overlapped_ms, spread) -> None:
     """The figure's 16 MiB point: one bucket, so overlapped and bucketed do the same work there. The read run had
     overlapped 18 ms below bucketed with local's rounds spread over 67 ms; whether the sentence may say "noise",
@@ -663,7 +663,9 @@ def test_one_bucket_sentence_calls_the_gap_noise_only_within_locals_spread(overl
     text = bench._one_bucket(med, {2.0: 7, 16.0: 1}, spread)
     gap = 131.0 - overlapped_ms
     assert text.startswith("at 16 MiB all the gradients fit in one bucket"), text
-    assert f"lies {abs(gap):.0f} ms {'below' if gap > 0 else 'above'} bucketed's" in text, text
+    assert f"lies {abs(gap):.1f} ms {'below' if gap > 0 else 'above'} bucketed's" in text, text
+    # the same gap as the per-size line prints it (the read run said "1 ms above" beside "16 MiB -0.5 ms")
+    assert f"16 MiB {gap:+.1f} ms" in bench._overlapped_vs_bucketed(med, [2.0, 16.0], spread)
     assert ("noise" in text) == (abs(gap) <= spread), text
     assert "2 MiB" not in text
     assert bench._one_bucket(med, {2.0: 7, 16.0: 2}, spread).startswith("no bucket size of this run holds")

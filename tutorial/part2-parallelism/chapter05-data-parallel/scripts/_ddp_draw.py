@@ -102,19 +102,24 @@ def draw_overlap(args, spans: list[plot.Span]):
     char = x_max / 110  # about one character of 7-point text (with room to spare), in ms, on this axis
     # the name of each range of the training thread above its row, with a bracket over the whole range
     names = [(s, {"wait for all-reduces": "wait"}.get(s.label, s.label.replace("block ", "blk "))) for s in named]
-    for (s, text), level in zip(names, _levels([((s.start + s.end) / 2, (len(t) + 1) * char) for s, t in names])):
+    name_levels = _levels([((s.start + s.end) / 2, (len(t) + 1) * char) for s, t in names])
+    marks = [(s.start + (len(f"launch {k}") / 2 + 0.5) * char, (len(f"launch {k}") + 1) * char)
+             for k, s in enumerate(launches)]
+    mark_levels = _levels(marks)
+    # a short backward in a long step stacks the labels into many rows: make room for every row
+    above, below = max(name_levels, default=0), max(mark_levels, default=0)
+    fig.set_figheight(4.2 + 0.25 * (max(0, above - 2) + max(0, below - 2)))
+    for (s, text), level in zip(names, name_levels):
         y = top + 0.12 + 0.3 * level
         ax.plot([s.start, s.start, s.end, s.end], [top + 0.02, y, y, top + 0.02], color="black", linewidth=0.7,
                 clip_on=False)
         ax.text((s.start + s.end) / 2, y + 0.03, text, ha="center", va="bottom", fontsize=7)
     # where the gradient hook launched each bucket: a dotted line down, named below the bottom row
-    marks = [(s.start + (len(f"launch {k}") / 2 + 0.5) * char, (len(f"launch {k}") + 1) * char)
-             for k, s in enumerate(launches)]
-    for (k, s), level in zip(enumerate(launches), _levels(marks)):
+    for (k, s), level in zip(enumerate(launches), mark_levels):
         y = bottom - 0.08 - 0.28 * level
         ax.plot([s.start, s.start], [top - 1.0, y], color="black", linestyle=":", linewidth=1)
         ax.text(s.start, y, f" launch {k}", ha="left", va="top", fontsize=7)
-    ax.set_ylim(bottom - 0.9, top + 1.0)
+    ax.set_ylim(bottom - 0.9 - 0.28 * max(0, below - 2), top + 1.0 + 0.3 * max(0, above - 2))
     ax.set_xlim(0, x_max * 1.02)
     ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace", pad=4)
     fig.tight_layout()

@@ -312,10 +312,10 @@ def _one_bucket(med: dict, buckets: dict, spread_ms: float) -> str:
     mb = max(single)
     gap = 1e3 * (med[("bucketed", mb)] - med[("overlapped", mb)])  # > 0: overlapped's median lower
     head = (f"at {mb:g} MiB all the gradients fit in one bucket, launched when the backward ends, so overlapped has "
-            f"nothing to overlap; its median lies {abs(gap):.0f} ms {'below' if gap > 0 else 'above'} bucketed's")
-    if round(abs(gap)) <= round(spread_ms):  # as printed
-        return f"{head}, within local's own spread ({spread_ms:.0f} ms): noise between rounds"
-    return (f"{head}, more than local's own spread ({spread_ms:.0f} ms), though the two did the same work there: "
+            f"nothing to overlap; its median lies {abs(gap):.1f} ms {'below' if gap > 0 else 'above'} bucketed's")
+    if round(abs(gap), 1) <= round(spread_ms, 1):  # as printed, one decimal like the per-size gaps
+        return f"{head}, within local's own spread ({spread_ms:.1f} ms): noise between rounds"
+    return (f"{head}, more than local's own spread ({spread_ms:.1f} ms), though the two did the same work there: "
             "a gap this run does not explain")
 
 
