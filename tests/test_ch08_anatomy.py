@@ -681,7 +681,7 @@ def test_each_verdict_weighs_only_its_own_pair():
              "mlsys.model.generate": {"best_s": 0.353, "median_s": 0.36},
              "mlsys.engine": {"best_s": 0.504, "median_s": 0.59}}
     ratio, spread, verdict = vt.pair_verdict(times, "mlsys.model.generate")
-    assert verdict == "the engine is slower by more than the spread of the runs"
+    assert verdict == "the engine is slower: the other's median run beat the engine's best run"
     assert ratio == pytest.approx(0.353 / 0.504) and spread == pytest.approx(0.59 / 0.504 - 1)
     # against transformers the runs overlap (0.504 < 0.548) and the best runs are 0.79x apart: undecided
     ratio, spread, verdict = vt.pair_verdict(times, "transformers generate")
@@ -707,9 +707,9 @@ def test_vs_transformers_verdict_is_about_equal_only_near_one_and_within_the_spr
     ratio, _, verdict = vt.pair_verdict(times, "other")
     assert ratio == pytest.approx(other[0] / engine[0])
     if engine[1] < other[0]:
-        assert verdict == "the engine is faster by more than the spread of the runs"
+        assert verdict == "the engine is faster: its median run beat the other's best run"
     elif other[1] < engine[0]:
-        assert verdict == "the engine is slower by more than the spread of the runs"
+        assert verdict == "the engine is slower: the other's median run beat the engine's best run"
     elif abs(ratio - 1) <= 0.10:
         assert verdict.startswith("about equal")
     else:

@@ -161,9 +161,9 @@ def compare(engine: dict[str, float], other: dict[str, float], repeats: int) -> 
     if repeats < 3:
         return "undecided: too few runs to measure their spread"
     if engine["median_s"] < other["best_s"]:
-        return "the engine is faster by more than the spread of the runs"
+        return "the engine is faster: its median run beat the other's best run"
     if other["median_s"] < engine["best_s"]:
-        return "the engine is slower by more than the spread of the runs"
+        return "the engine is slower: the other's median run beat the engine's best run"
     if abs(other["best_s"] / engine["best_s"] - 1) <= NEAR:
         return f"about equal: the runs overlap and the best ones lie within {NEAR:.0%} of each other"
     return "undecided: the runs overlap, so at this load the gap is noise"
