@@ -174,21 +174,41 @@ def test_ratio_evidence_is_the_largest_ratio_of_the_unflagged_rows() -> None:
 
 
 def test_formula_estimate_names_the_larger_term_per_model() -> None:
-    """Section 1's worked estimate: alpha = the smallest model's per-tensor ms / its tensors, 1/beta = the largest
-    model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/beta, computed here by hand."""
+    """Section 1's worked estimate: alpha = the smallest model's per-tensor ms / its tensors (no row is flagged
+    here), 1/beta = the largest model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/beta,
+    computed here by hand."""
     mod = load_script(CH14 / "weight_sync.py")
-    rows = [{"model": "tiny", "MiB": 0.111, "tensors": 28, "per-tensor ms": 5.6},
-            {"model": "small", "MiB": 3.17, "tensors": 52},
-            {"model": "medium", "MiB": 18.4, "tensors": 76},
-            {"model": "large", "MiB": 54.6, "tensors": 100, "bucketed ms/MiB": 0.75}]
+    rows = [{"model": "tiny", "MiB": 0.111, "tensors": 28, "per-tensor ms": 5.6, "bucketed ms": 1.0},
+            {"model": "small", "MiB": 3.17, "tensors": 52, "per-tensor ms": 60.0, "bucketed ms": 2.0},
+            {"model": "medium", "MiB": 18.4, "tensors": 76, "per-tensor ms": 70.0, "bucketed ms": 3.0},
+            {"model": "large", "MiB": 54.6, "tensors": 100, "per-tensor ms": 80.0, "bucketed ms": 41.0,
+             "bucketed ms/MiB": 0.75}]
     est = mod.formula_estimate(rows)
-    assert est["alpha_ms"] == pytest.approx(0.2) and est["ms_per_mib"] == 0.75
+    assert est["alpha_ms"] == pytest.approx(0.2) and est["ms_per_mib"] == 0.75 and est["alpha_model"] == "tiny"
     # by hand: tiny 5.6 vs 0.083, small 10.4 vs 2.38, medium 15.2 vs 13.8 (calls); large 20.0 vs 40.95 (bytes)
     assert [t["larger"] for t in est["terms"]] == ["calls", "calls", "calls", "bytes"]
     assert est["calls_larger"] == "tiny, small, medium" and est["bytes_larger"] == "large"
     assert "medium 15.20 vs 13.80 ms (calls)" in est["text"] and "large 20.00 vs 40.95 ms (bytes)" in est["text"]
     rows[0]["per-tensor ms"] = 56.0  # alpha 2 ms: every model's calls outweigh its bytes
     assert mod.formula_estimate(rows)["bytes_larger"] == "no model"
+
+
+def test_formula_alpha_skips_rows_flagged_as_disturbed() -> None:
+    """alpha must not come from a row the Disturbed line flags (a disturbed time is too slow): it is the per-tensor
+    ms / tensors of the first row whose times are both at or below the next row's, found here by hand."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "MiB": 0.11, "tensors": 28, "per-tensor ms": 6.0, "bucketed ms": 0.5},  # > draft's
+            {"model": "draft", "MiB": 0.46, "tensors": 28, "per-tensor ms": 5.6, "bucketed ms": 2.0},  # > small's
+            {"model": "small", "MiB": 3.17, "tensors": 52, "per-tensor ms": 10.4, "bucketed ms": 1.5},
+            {"model": "large", "MiB": 54.6, "tensors": 100, "per-tensor ms": 40.0, "bucketed ms": 30.0,
+             "bucketed ms/MiB": 0.55}]
+    clean = [a for a, b in zip(rows, rows[1:])
+             if a["per-tensor ms"] <= b["per-tensor ms"] and a["bucketed ms"] <= b["bucketed ms"]] + rows[-1:]
+    assert clean[0]["model"] == "small"  # tiny flagged for per-tensor, draft for bucketed
+    est = mod.formula_estimate(rows)
+    assert est["alpha_model"] == "small" and est["alpha_ms"] == pytest.approx(10.4 / 52)
+    assert est["text"].startswith("alpha ~ 0.200 ms per call (small's per-tensor ms / 52 tensors, the smallest "
+                                  "model not flagged as disturbed)")
 
 
 def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:

@@ -210,10 +210,15 @@ def disturbed_text(rows: list[dict]) -> str:
     return "; ".join(parts) + "; " + ratio
 
 
+def flagged_rows(rows: list[dict]) -> set[str]:
+    """Models the Disturbed line flags, for either method; never the last row (no larger model below it)."""
+    return {m for key in ("per-tensor ms", "bucketed ms") for m in disturbed_rows(rows, key)}
+
+
 def ratio_evidence(rows: list[dict]) -> dict:
     """The per-tensor / bucketed ratio worth quoting: the largest among the rows the Disturbed line does not flag (a
     flagged time pushes its row's ratio up or down), and the smallest model's named as left out when it is flagged."""
-    flagged = {m for key in ("per-tensor ms", "bucketed ms") for m in disturbed_rows(rows, key)}
+    flagged = flagged_rows(rows)
     ratio = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}
     kept = [r for r in rows if r["model"] not in flagged]  # never empty: no row below the last can flag it
     best, small = max(kept, key=lambda r: ratio[r["model"]]), rows[0]["model"]
@@ -225,19 +230,22 @@ def ratio_evidence(rows: list[dict]) -> dict:
 
 
 def formula_estimate(rows: list[dict]) -> dict:
-    """Section 1's formula with constants read off the table, each a rough upper bound: alpha, the smallest model's
-    per-tensor time over its calls (its bytes taken as free); 1/beta, the largest model's bucketed ms/MiB (the row
-    with the fewest calls per byte). Then, per model, the calls term N*alpha against the bytes term S/beta."""
-    alpha, per_mib = rows[0]["per-tensor ms"] / rows[0]["tensors"], rows[-1]["bucketed ms/MiB"]
+    """Section 1's formula with constants read off the table, each a rough upper bound: alpha, the per-tensor time
+    over its calls of the smallest model the Disturbed line does not flag (its bytes taken as free); 1/beta, the
+    largest model's bucketed ms/MiB (the row with the fewest calls per byte). Then, per model, the calls term
+    N*alpha against the bytes term S/beta."""
+    src = next(r for r in rows if r["model"] not in flagged_rows(rows))  # the last row is never flagged
+    alpha, per_mib = src["per-tensor ms"] / src["tensors"], rows[-1]["bucketed ms/MiB"]
     terms = [{"model": r["model"], "calls ms": r["tensors"] * alpha, "bytes ms": r["MiB"] * per_mib} for r in rows]
     for t in terms:
         t["larger"] = "calls" if t["calls ms"] > t["bytes ms"] else "bytes"
     named = {k: ", ".join(t["model"] for t in terms if t["larger"] == k) or "no model" for k in ("calls", "bytes")}
-    text = (f"alpha ~ {alpha:.3f} ms per call ({rows[0]['model']}'s per-tensor ms / {rows[0]['tensors']} tensors), "
+    text = (f"alpha ~ {alpha:.3f} ms per call ({src['model']}'s per-tensor ms / {src['tensors']} tensors, the "
+            "smallest model not flagged as disturbed), "
             f"1/beta ~ {per_mib:.3f} ms/MiB ({rows[-1]['model']}'s bucketed ms/MiB); N*alpha vs S/beta: "
             + ", ".join(f"{t['model']} {t['calls ms']:.2f} vs {t['bytes ms']:.2f} ms ({t['larger']})" for t in terms))
-    return {"alpha_ms": alpha, "ms_per_mib": per_mib, "terms": terms, "calls_larger": named["calls"],
-            "bytes_larger": named["bytes"], "text": text}
+    return {"alpha_ms": alpha, "alpha_model": src["model"], "ms_per_mib": per_mib, "terms": terms,
+            "calls_larger": named["calls"], "bytes_larger": named["bytes"], "text": text}
 
 
 def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
