@@ -12,7 +12,8 @@ What it shows
        the two engines alternating in rounds so that both see the same machine load. Printed: ms per step
        for each, the time saved per step, and the CPU work (schedule + prepare) each engine does: in line in
        the plain one, while the forward runs in the overlapped one. A row that saved more than the plain
-       sched+prep, or lost more than a whole plain step, is marked noise.
+       sched+prep, or saved with the two forwards (each timed in the thread that ran it) 10% apart or more, the
+       plain one slower, or lost more than a whole plain step, is marked noise.
        On a CPU the forward runs in a worker thread and the scheduler's Python can run only while that
        thread is inside a kernel (PyTorch releases the GIL there), not while the forward's own Python
        dispatches ops. On a GPU the forward is an asynchronous launch, so the CPU work hides behind the GPU's
@@ -165,14 +166,29 @@ def placeholder_trace(model, device: str, batch: int = 2) -> dict:
 
 
 # --8<-- [start:timing]
-def run_steps(engine: Engine, steps: int) -> dict:
-    """Step `steps` times; mean seconds per step and of its stages."""
-    rows = []
+def time_forwards(engine: Engine) -> list[float]:
+    """Wrap the engine's runner so that every forward's seconds, timed in the thread that ran it, go into the list
+    returned (the overlapped engine's stage "forward" is only the main thread's wait for it)."""
+    took, execute = [], engine.runner.execute
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return execute(*a, **kw)
+        finally:
+            took.append(time.perf_counter() - t)
+    engine.runner.execute = timed
+    return took
+
+
+def run_steps(engine: Engine, steps: int, took: list[float]) -> dict:
+    """Step `steps` times; mean seconds per step, of its stages and of its forward as really run (from `took`)."""
+    rows, n0 = [], len(took)
     for _ in range(steps):
         engine.step()
         rows.append(dict(engine.last_step_timing))
     keys = ("total", "schedule", "prepare", "forward", "overlapped")
-    return {k: statistics.fmean(r.get(k, 0.0) for r in rows) for k in keys}
+    return {"ran": statistics.fmean(took[n0:]), **{k: statistics.fmean(r.get(k, 0.0) for r in rows) for k in keys}}
 
 
 def compare(model, B: int, args: Settings, device: str) -> dict:
@@ -186,12 +202,13 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     engines = {name: decode_engine(model, B, args.prompt_len, max_tokens, device, engine_cls=cls,
                                    cuda_graph_sizes=sizes) for name, (cls, sizes) in variants.items()}
     per_round = {name: [] for name in engines}
+    took = {name: time_forwards(engine) for name, engine in engines.items()}
     for engine in engines.values():
         engine.step()  # warm-up; for an OverlapEngine it also fills the pipeline
     with bench.steady_timing():  # no garbage-collector pass inside a timed step
         for _ in range(args.rounds):
             for name, engine in engines.items():
-                per_round[name].append(run_steps(engine, args.steps))
+                per_round[name].append(run_steps(engine, args.steps, took[name]))
     for engine in engines.values():
         if isinstance(engine, OverlapEngine):
             engine.close()
@@ -200,7 +217,8 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     row = {"B": B, "plain ms": p["total"] * 1e3, "overlap ms": o["total"] * 1e3,
            "speed-up": p["total"] / o["total"], "saved ms": (p["total"] - o["total"]) * 1e3,
            "plain sched+prep ms": (p["schedule"] + p["prepare"]) * 1e3,
-           "overlap sched+prep ms": o["overlapped"] * 1e3}
+           "overlap sched+prep ms": o["overlapped"] * 1e3, "plain fwd ms": p["ran"] * 1e3,
+           "overlap fwd ms": o["ran"] * 1e3}
     if device == "cuda":
         g, go = med["graphs"], med["graphs+overlap"]
         row |= {"graphs ms": g["total"] * 1e3, "graphs+overlap ms": go["total"] * 1e3,
@@ -211,10 +229,13 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
 
 def noise_note(row: dict) -> str:
     """Table 2's note: only the plain engine's sched+prep can hide behind the forward, so a saving above it is load
-    noise; an overlapped step does the plain step's work (at worst one thread after the other) plus two waits, so a
-    loss of more than a whole plain step is load noise too."""
+    noise; both engines run the same forward, so a saving with a plain forward FORWARD_SAME times the overlapped one
+    or more is a slow plain run (the timeline's 'slow plain recording'); an overlapped step does the plain step's
+    work (at worst one thread after the other) plus two waits, so a loss of more than a plain step is noise."""
     if row["saved ms"] > row["plain sched+prep ms"]:
         return "noise: saved > sched+prep"
+    if row["saved ms"] > 0 and row["plain fwd ms"] >= FORWARD_SAME * row["overlap fwd ms"]:
+        return "noise: slow plain fwd"
     return "noise: lost > plain step" if -row["saved ms"] > row["plain ms"] else ""
 # --8<-- [end:timing]
 
@@ -561,8 +582,9 @@ def main() -> int:
           f"{sys.getswitchinterval() * 1e3:g} ms")
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
-    print("   saved: plain - overlap per step. note: noise marks a row that saved more than the plain sched+prep (all"
-          " that can hide) or lost more than a whole plain step: the machine's load, not the overlap")
+    print("   saved: plain - overlap per step; fwd: the forward as run, in its thread. note: noise marks a row that"
+          " saved more than the plain sched+prep (all that can hide) or with a plain fwd 10% or more over the"
+          " overlapped one, or lost more than a whole plain step: the machine's load, not the overlap")
     tl = record_timeline(model, args, device)
     schematic = draw_timeline(schematic_timeline(tl), args, "schematic")  # overlap working, modelled: no timing
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)
