@@ -27,7 +27,7 @@ How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/batching_bench.py
     python .../batching_bench.py --request-rate 40 --repeats 2   # Poisson arrivals: a latency view
 
-Runtime on 2 idle cores: about 10 s (3 runs of each scheduler), 4 s with --smoke (two or three times that on a
+Runtime on 2 idle cores: about 10 s (3 runs of each scheduler), 4 s with --smoke (two to five times that on a
 busy machine).
 
 Try next
@@ -227,15 +227,15 @@ def throughput_sentence(rows: list[dict], runs: dict) -> tuple[str, str]:
     row = next(r for r in rows if r["metric"] == "output_throughput")
     ratio = row["continuous"] / row["static"]
     values = {m: [r["output_throughput"] for r in rs] for m, rs in runs.items()}
-    span = "; ".join(f"{m} {min(v):.0f} to {max(v):.0f}" for m, v in values.items())
-    head = f"its output throughput was {ratio:.2f}× the static one"
+    span = ", ".join(f"{m} {min(v):.0f} to {max(v):.0f}" for m, v in values.items()) + " tokens per second"
+    head = f"continuous batching's output throughput was {ratio:.2f}× the static one"
     if row["better"] == "continuous":
-        return (f"{head}, higher in every run ({span} tok/s)", "higher throughput in every run")
+        return (f"{head} and higher in every run ({span})", "higher throughput in every run")
     if row["better"] == "static":
-        return (f"{head}, lower in every run ({span} tok/s)", "lower throughput in every run")
+        return (f"{head} and lower in every run ({span})", "lower throughput in every run")
     if row["better"] == "tie":
         return f"{head}: a tie", "the same throughput"
-    return (f"{head} by the fastest runs, but that is {NOISE}: the runs of the two overlapped ({span} tok/s)",
+    return (f"{head} by the fastest runs, but that is {NOISE}: the runs of the two overlapped ({span})",
             f"throughput {NOISE}")
 
 
@@ -491,7 +491,7 @@ def main() -> None:
     print(f"\ngreedy outputs identical under both schedulers: {same}/{len(workload)}")
     gain, gain_short = throughput_sentence(rows, every)
     print(f"engine steps for the same work: static {s['num_steps']}, continuous {c['num_steps']} "
-          f"(static took {steps_ratio:.2f}x as many); continuous batching: {gain}")
+          f"(static took {steps_ratio:.2f}x as many); {gain}")
     first = s["first_step_seqs"]
     print(f"first step: static ran {first} sequence{'s' * (first != 1)}, continuous {c['first_step_seqs']} "
           f"(token budget {args.max_num_batched_tokens} per step, {args.max_num_seqs} seats)")

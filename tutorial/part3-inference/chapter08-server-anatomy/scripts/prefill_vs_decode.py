@@ -13,14 +13,15 @@ What it shows
     warm-up, with the garbage collector held off; the load average is printed beside them.
     The FLOP formula (2 per weight per token, plus the causal attention pairs, L(L+1)/2 for a prefill of L,
     and the logits rows) is checked against torch.utils.flop_counter on the model's own forward before
-    anything is printed (the counter also sees the masked scores SDPA's math backend computes and discards),
+    anything is printed (the counter also sees the masked scores that the math backend of torch's
+    scaled_dot_product_attention, SDPA, computes and discards),
     and the tests check the byte formula against the sizes of the real weight and KV tensors.
 
 How to run
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py
     python .../prefill_vs_decode.py --prompt-lens 16 64 240 --batch-sizes 1 8 64
 
-Runtime on 2 idle cores: about 5 s, 5 s with --smoke (two or three times that on a busy machine).
+Runtime on 2 idle cores: about 5 s, 5 s with --smoke (two to four times that on a busy machine).
 
 Try next
     python tutorial/part3-inference/chapter08-server-anatomy/scripts/prefill_vs_decode.py --context 200
@@ -36,6 +37,7 @@ Try next
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -185,19 +187,33 @@ def doubling_verdict(prev: dict, last: dict) -> str:
             f"{'rose' if best < k else 'fell'} at the largest batch")
 
 
-def memory_side(decode: list[dict]) -> str:
+AGREE = 1.25  # the fastest and the median ratio tell one story only within this factor of each other
+
+
+def memory_side(decode: list[dict], load: float | None = None, cores: int | None = None) -> str:
     """Do the decode times show the memory side? A step's FLOPs grow exactly with B and its counted bytes more
     slowly, so a step time that grew faster than the number of sequences, by the fastest repetitions and by the
-    medians alike, is what neither count explains. The largest batch is compared with the batch before it and
-    with the batch of the most tokens per second. -> the rest of "the decode times ...", from the rows."""
+    medians alike, is what neither count explains. Load from other programs can do the same, so the memory side
+    is claimed only when the two ratios agree within AGREE and the 1-minute load average was at most the core
+    count; otherwise the sentence names what casts the doubt. The largest batch is compared with the batch before
+    it and with the batch of the most tokens per second. -> the rest of "the decode times ...", from the rows."""
     last = decode[-1]
     peak = max(decode, key=lambda r: r["tokens_per_s"])
     froms = decode[-2:-1] + ([peak] if peak is not last and peak not in decode[-2:-1] else [])
+    doubtful = []
     for prev in froms:
         k, best, median = last["batch"] / prev["batch"], last["ms"] / prev["ms"], last["median_ms"] / prev["median_ms"]
         if best > k and median > k:
-            return (f"show the memory side: from B={prev['batch']} to B={last['batch']}, {k:g}x the sequences took "
-                    f"{best:.2f}x the step time by the fastest repetitions and {median:.2f}x by the medians")
+            took = (f"from B={prev['batch']} to B={last['batch']}, {k:g}x the sequences took {best:.2f}x the step "
+                    f"time by the fastest repetitions and {median:.2f}x by the medians")
+            doubts = ([f"the load average, {load:.2f}, exceeded the {cores} cores"] if load and cores and load > cores
+                      else []) + ([f"the two ratios differ by more than {AGREE - 1:.0%}"]
+                                  if max(best, median) > AGREE * min(best, median) else [])
+            if not doubts:
+                return f"show the memory side: {took}"
+            doubtful.append(f"{took}, but {' and '.join(doubts)}, and load alone can cause that")
+    if doubtful:
+        return f"may show the memory side, or only the machine's load: {doubtful[0]}"
     if not froms:
         return "do not show the memory side: only one batch size was measured"
     named = [f"B={r['batch']}" + (" (the most tokens per second)" if r is peak else "") for r in froms]
@@ -333,6 +349,11 @@ def main() -> None:
     print(f"decode: B sequences, one new token each, {c}-token context (forward time, best and median of {args.reps})")
     print(report.table(decode, floatfmt=".3g") + "\n")
     print(bench.load_average())
+    try:  # the same 1-minute load average, for the `decode times` verdict
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    side = memory_side(decode, load, os.cpu_count())
     engine.check_invariants()
 
     p_last, d_first, d_last = prefill[-1], decode[0], decode[-1]
@@ -370,7 +391,7 @@ def main() -> None:
               f"{d_last['kv_mib'] / peak['kv_mib']:.2f}x the KV cache "
               f"moved ({peak['kv_mib']:.1f} -> {d_last['kv_mib']:.1f} MiB; the weights stay "
               f"{n_params * 4 / 2**20:.1f} MiB)")
-    print(f"decode times: they {memory_side(decode)}")
+    print(f"decode times: they {side}")
     print("note: this model's weights (3 MiB) fit in the CPU's caches and each step is dozens of small kernel calls,"
           " so the measured times show per-step overhead more than DRAM traffic; the intensities are the"
           " arithmetic that decides the bound on a GPU-sized model")
@@ -397,7 +418,7 @@ def main() -> None:
                                       "last_doubling_tokens_per_s": "fell" if d_last["tokens_per_s"] < before_last[
                                           "tokens_per_s"] else "rose",
                                       "last_doubling": doubling_verdict(before_last, d_last),
-                                      "memory_side": memory_side(decode),
+                                      "memory_side": side,
                                       "decode_range_word": "cheaper" if d_last["tokens_per_s"] > d_first[
                                           "tokens_per_s"] else "no cheaper",
                                       **intensity_growth(decode, n_params * 4 / 2**20),
