@@ -161,6 +161,43 @@ def test_fit_that_pins_beta_at_zero_prints_a_note(capsys) -> None:
     assert "note: the fit pinned alpha" not in out
 
 
+@pytest.mark.parametrize(("scale", "fires"), [
+    (lambda name, k: 1.0, False),  # the model's own times: a sound fit
+    (lambda name, k: 4.0 if k in (1, 3, 5) and name != "gloo all_reduce" else 1.0, False),  # held out 4x: not yet
+    (lambda name, k: 30.0 if k in (1, 3, 5) and name != "gloo all_reduce" else 1.0, True),  # held out 30x off
+    (lambda name, k: 0.02 if (name, k) == ("tree", 0) else 1.0, True),  # one fast tree point drags alpha down
+])
+def test_clearly_wrong_fit_prints_a_note_though_nothing_is_pinned(capsys, scale, fires: bool) -> None:
+    """A reader's -w 2 run fitted alpha = 41.8 us beside steps of 195 to 3689 us, its held-out points off by 25x
+    (median), and printed no `note:`: the old rule spoke only when alpha or beta was pinned at 0. Here the rule is
+    computed by hand: its own fit on the fitted sizes (every other from the smallest, plus the largest), held-out
+    median factor above 5, or every algorithm's median time per step (over the sizes where the fit has ring and tree
+    latency-bound) above 4 alpha. The old rule, planted, prints nothing for the cases that must fire."""
+    rvt, p, alpha, beta = load("_rvt_model"), 4, 1000e-6, 1e-9
+    rows = model_rows(lambda steps, moved: steps * alpha + moved * beta)
+    for i, r in enumerate(rows):  # model_rows: 3 rows per size, in size order
+        r["time (us)"] *= scale(r["algorithm"], i // 3)
+    t = {(r["algorithm"], r["size (B)"]): r["time (us)"] * 1e-6 for r in rows}
+    sizes = sorted({n for _, n in t})
+    fit = sizes[::2] + sizes[-1:]
+    pts = [(x, n) for x in ("ring", "tree") for n in fit]
+    terms = {x: hand_cost_terms(x, p) for x in ("ring", "tree")}
+    a, b = weighted_nonnegative_fit(np.array([terms[x][0] for x, _ in pts]),
+                                    np.array([terms[x][1] * n for x, n in pts]), np.array([t[q] for q in pts]))
+    model = {(x, n): terms[x][0] * a + terms[x][1] * n * b for x in terms for n in sizes}
+    held = [max(t[q] / model[q], model[q] / t[q]) for q in model if q[1] not in fit]
+    bound = [n for n in sizes if all(terms[x][0] * a > terms[x][1] * n * b for x in terms)] or sizes[:len(sizes) // 2]
+    steps = {"ring": 2 * (p - 1), "tree": terms["tree"][0], "gloo all_reduce": 2 * (p - 1)}
+    cheapest = min(float(np.median([t[x, n] / k for n in bound])) for x, k in steps.items())
+    rule = a > 0 and b > 0 and (float(np.median(held)) > 5 or cheapest > 4 * a)
+    assert rule == fires
+    rvt.print_model(rvt.summarise(rows, p), p)
+    out = capsys.readouterr().out
+    assert ("note: do not trust this fit" in out) == rule and "pinned" not in out
+    if rule:
+        assert "can change several-fold on a rerun" in out
+
+
 @pytest.mark.parametrize("ratio, shown, word", [(12290 / 12347, "0.995", "below 1"), (0.9996, "1.000", "about 1"),
                                                 (1.0004, "1.000", "about 1"), (1.2, "1.200", "above 1")])
 def test_ring_over_gloo_label_agrees_with_the_printed_ratio(ratio: float, shown: str, word: str) -> None:
@@ -446,7 +483,8 @@ def test_step_cost_text_divides_each_time_by_its_own_steps(p: int) -> None:
     assert text.startswith("median over the 3 sizes 256 B to 4.0 KiB, where the fit has ring and tree latency-bound")
     per = {name: sorted(ts)[1] / steps[name] for name, ts in times.items()}  # the middle of three
     for name, label in (("ring", "our ring"), ("tree", "our tree"), ("gloo all_reduce", "gloo")):
-        want = f"a step of {label} took {per[name]:.0f} us ({steps[name]} steps, each {per[name] / 600:.2f} alpha)"
+        want = (f"a step of {label} took {per[name]:.0f} us ({steps[name]} steps, "
+                f"each step = {per[name] / 600:.2f} x alpha)")
         assert want in text
     assert text.endswith(f"a step of our ring took {per['ring'] / per['tree']:.1f}x one of our tree")
     assert "alpha)" not in rvt.step_cost_text(time_of, p, [256], 0.0)
@@ -784,6 +822,20 @@ def test_latency_bound_fit_prints_no_bandwidth() -> None:
     assert "GB/s" in bc.fit_line(big, 300e-6 + big / 1.5e9, 300e-6, 1.5e9)  # a real bandwidth-bound sweep
 
 
+
+
+def test_latency_bound_sweep_draws_its_fit_flat() -> None:
+    """A reader's --max-bytes 1024 figure labelled its fit "its slope is noise" yet drew it rising from 207 to
+    about 300 us. Where the sweep has no bandwidth-bound points the drawn line is t0 at every size; with them it
+    is t0 + size / B, computed here by hand."""
+    bc = load("bench_collectives")
+    size = np.array([8.0, 32, 128, 512, 1024])
+    times = np.array([207e-6, 260e-6, 240e-6, 280e-6, 300e-6])
+    t0, bandwidth = bc.fit_latency_bandwidth(size, times)
+    assert math.isfinite(bandwidth) and not bc.bandwidth_bound_points(size, times, t0, bandwidth)
+    assert bc.drawn_fit_us(size, t0, bandwidth, False) == pytest.approx(np.full(size.size, t0 * 1e6))
+    big = np.array([2.0**k for k in range(3, 26, 2)])
+    assert bc.drawn_fit_us(big, 300e-6, 1.5e9, True) == pytest.approx([1e6 * (300e-6 + n / 1.5e9) for n in big])
 
 def weighted_line(size: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(alpha, 1/B) of time = alpha + size / B minimising sum((model / t - 1)^2), by its 2x2 normal equations

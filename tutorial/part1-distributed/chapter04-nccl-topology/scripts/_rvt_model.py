@@ -331,7 +331,7 @@ def step_cost_text(time_of: dict, world_size: int, sizes: list[int], alpha: floa
              f"median over the {len(sizes)} sizes {size_text(sizes[0])} to {size_text(sizes[-1])}")
     return (f"{where}, where the fit has ring and tree latency-bound: " + ", ".join(
         f"a step of {'gloo' if name.startswith('gloo') else 'our ' + name} took {per[name]:.0f} us "
-        f"({a} steps" + (f", each {per[name] / (alpha * 1e6):.2f} alpha)" if alpha > 0 else ")")
+        f"({a} steps" + (f", each step = {per[name] / (alpha * 1e6):.2f} x alpha)" if alpha > 0 else ")")
         for name, a in steps.items()) + f"; a step of our ring took {per['ring'] / per['tree']:.1f}x one of our tree")
 
 
@@ -393,6 +393,27 @@ def beta_pinned_note(summary: dict) -> str | None:
             "rerun on a quieter machine")
 
 
+HELD_OUT_LIMIT = 5.0  # a held-out median off by more than this factor: the model misses the sizes it did not see
+STEP_LIMIT = 4.0  # every measured step costs more than this many alphas: alpha explains little of any step
+
+
+def fit_sanity_note(summary: dict) -> str | None:
+    """The `note:` line for a fit that is clearly wrong though neither value was pinned at 0: its held-out points
+    are off by more than HELD_OUT_LIMIT (median), or alpha is below 1/STEP_LIMIT of every measured time per step
+    (a few fast points pulled the relative-error fit down). Built from the run's own values; None otherwise."""
+    alpha, median = summary["alpha_s"], summary["held_out_median_factor"]
+    if alpha <= 0 or not summary["beta_s_per_byte"]:  # pinned: the notes above say so
+        return None
+    cheapest = min(summary["step_us"].values())
+    why = ([f"the held-out points are off by {median:.2f}x (median), more than {HELD_OUT_LIMIT:.0f}x"]
+           if median and median > HELD_OUT_LIMIT else [])
+    if cheapest > STEP_LIMIT * alpha * 1e6:
+        why.append(f"alpha ({alpha * 1e6:.1f} us) is below 1/{STEP_LIMIT:.0f} of every measured time per step "
+                   f"(the cheapest {cheapest:.0f} us)")
+    return ("note: do not trust this fit: " + ", and ".join(why) + ". Its alpha, beta and n* describe these "
+            "times poorly and can change several-fold on a rerun") if why else None
+
+
 def ring_vs_gloo(ratio: float, largest: str) -> tuple[str, str]:
     """(the ratio as printed, its label): the label is read off the printed three digits, so "0.995" says
     below 1 and a ratio that prints as 1.000 says about 1, never a direction the printed number does not show."""
@@ -428,7 +449,7 @@ def print_model(summary: dict, w: int) -> str:
                    f"{summary['held_out_worst_factor']:.2f} at worst; {summary['held_out_off_by_2x']} of them"
                    " more than 2x off (on the fitted points themselves: "
                    f"{summary['fit_worst_factor']:.2f} at worst)")
-    for note in (alpha_pinned_note(summary), beta_pinned_note(summary)):
+    for note in (alpha_pinned_note(summary), beta_pinned_note(summary), fit_sanity_note(summary)):
         if note:
             out.append(note)
     out.append("median measured/model over every size: " + ", ".join(f"{n} {summary[f'{n}_median_ratio']:.2f}"

@@ -448,6 +448,12 @@ def fit_line(size: np.ndarray, times: np.ndarray, t0: float, bandwidth: float) -
             f"{boundary_text(knee)}, bandwidth-bound above")
 
 
+def drawn_fit_us(size: np.ndarray, t0: float, bandwidth: float, has_bandwidth_bound: bool) -> np.ndarray:
+    """The fitted line as drawn (us): t0 + size / B, or the flat t0 where the sweep is latency-bound, since
+    there the slope is noise and the legend says so."""
+    return 1e6 * (t0 + (size / bandwidth if has_bandwidth_bound else 0 * size))
+
+
 def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_size: int,
          has_bandwidth_bound: bool = True) -> None:
     plt = plot.pyplot()
@@ -455,9 +461,9 @@ def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_si
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
     label = (f"fit: {t0 * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
-             f"fit: {t0 * 1e6:.0f} us (latency-bound: its slope is noise, no bandwidth)")
+             f"fit: {t0 * 1e6:.0f} us, drawn flat (latency-bound: its fitted slope is noise, no bandwidth)")
     if size.min() < size.max():  # one size: no line to fit
-        ax_t.loglog(size, 1e6 * (t0 + size / bandwidth), "--", label=label)  # bandwidth may be inf: flat
+        ax_t.loglog(size, drawn_fit_us(size, t0, bandwidth, has_bandwidth_bound), "--", label=label)
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
     for ax in (ax_t, ax_b):
         knee = t0 * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term

@@ -24,7 +24,8 @@ What it shows
          ranks above the run's own, with the same alpha and beta (a prediction: ranks started on one box share its
          cores and memory, so no run here times that many real links), and which algorithm's points the line passes
          nearer; a `note:` line when the fit pins alpha at 0 (then the factors at the small sizes are meaningless)
-         or beta at 0 (then no size costs more than another);
+         or beta at 0 (then no size costs more than another), or is clearly wrong (held-out points off by more
+         than 5x in the median, or alpha below a quarter of every measured time per step);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
@@ -52,11 +53,9 @@ Runtime on 2 cores: about 20-60 s (4 ranks, 256 B .. 8 MiB; 37 to 56 s at a load
 
 Try next
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 2
-        -> two ranks: equal steps, so the model has no crossover; but each ring step is a two-way swap (both ranks
-           post a send and a receive, then wait for both: 2 sends and 2 receives per rank in all) and each tree
-           step one message one way (1 and 1), which the model does not see: the `time per step` line prints the
-           median cost of each over the latency-bound sizes and the ring's step over the tree's, to hold against the
-           two-to-one of their messages; a `note:` line, if printed, says what in the fit not to trust
+        -> two ranks: equal steps, so no model crossover; the `time per step` line ends with a ring step over a
+           tree step (the model would say 1; the ring's step has twice the messages). Under load a 2-rank fit
+           can change several-fold between reruns; a `note:` line says when not to trust it
     python tutorial/part1-distributed/chapter04-nccl-topology/scripts/ring_vs_tree.py -w 8 --max-bytes 2097152
         -> eight ranks on two cores: more steps, more scheduler noise at small sizes; about a minute on 2 cores
            at a load near 2, up to about L/C times that at a load L on C cores (section 2 prints the load).
