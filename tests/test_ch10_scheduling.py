@@ -82,6 +82,20 @@ def test_token_cost_words_follow_the_rows() -> None:
         "was lowest at B = 1, and every larger batch paid more per token than that")
 
 
+@pytest.mark.parametrize("shares", [(0.20, 0.08), (0.08, 0.20), (0.20, 0.195), (0.12, 0.135), (0.30, 0.31)])
+def test_context_words_take_the_direction_from_the_two_rows(shares) -> None:
+    """The lesson quotes the line comparing the share outside the forward at two prompt lengths: 'smaller' or
+    'larger' must follow the two made-up rows (a loaded machine can reverse it), 'about the same' within 2 points.
+    Oracle: the shares' difference, computed here."""
+    mod = load_script(CH10 / "step_breakdown.py")
+    short, long = ({"batch_size": 64, "non_forward_share": x} for x in shares)
+    text = mod.context_words(short, long, 32, 200)
+    diff = shares[1] - shares[0]
+    want = "about the same" if abs(diff) < 0.02 else "smaller" if diff < 0 else "larger"
+    assert text == (f"the share outside the forward was {shares[0]:.0%} with 32-token prompts and "
+                    f"{shares[1]:.0%} with 200-token prompts: {want} with 200 tokens")
+
+
 @pytest.mark.parametrize("forwards", [(1.0, 3.0, 4.0, 6.0), (1.0, 3.0, 6.5, 5.1), (1.0, 3.0, 1.5, 2.0),
                                       (1.0, 7.0, 6.5, 5.1), (1.0, 2.0, 3.0, 3.0)])
 def test_top_growth_says_shrank_when_the_larger_batch_s_forward_was_quicker(forwards) -> None:
@@ -834,7 +848,7 @@ def test_cuda_graphs_direction_text_follows_the_printed_tokens_per_second(smoke_
     tokens-per-second figures the last line printed."""
     proc = smoke_run(smoke_cache, CH10 / "cuda_graphs.py")
     assert proc["code"] == 0, proc["stderr"]
-    match = re.search(r"\(\d+ tokens\); graphs (\d+) vs eager (\d+) tokens/s", proc["stdout"])
+    match = re.search(r"\(\d+ tokens\); (?:graphs|static-buffer path) (\d+) vs eager (\d+) tokens/s", proc["stdout"])
     assert match, proc["stdout"][-600:]
     graphs, eager = (int(g) for g in match.groups())
     text = proc["json"]["results"]["engine"]["direction_text"]

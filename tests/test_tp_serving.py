@@ -167,6 +167,32 @@ def test_tp_profile_counts_the_bytes_each_step_reduces(tp_serving_smoke):
     assert one["bytes_per_step"] == 0 and two["kv_bytes_per_rank"] * 2 == one["kv_bytes_per_rank"]
 
 
+def test_tp_shards_picture_is_the_real_shards(tp_serving_smoke, small_model):
+    """tp_shards.png's data (JSON "shards", TP=2 in the smoke run) against shard_model's own slices of layer 0: each
+    rank's tile has the shape of its real weight (q, k, v and the MLP's up projection cut by rows of (out, in), the two
+    output projections by columns), the tiles follow each other rank by rank and cover the dense weight, and the dense
+    weight at a rank's tile is that rank's weight."""
+    r, plots = tp_serving_smoke
+    shards, dense = r["shards"], small_model.blocks[0]
+    C = small_model.config.n_embd
+    full = {"q": dense.attn.c_attn.weight[:C], "k": dense.attn.c_attn.weight[C : 2 * C],
+            "v": dense.attn.c_attn.weight[2 * C :], "attn out": dense.attn.c_proj.weight,
+            "MLP up": dense.mlp.c_fc.weight, "MLP down": dense.mlp.c_proj.weight}
+    assert list(shards) == list(full) and (plots / "tp_shards.png").exists()
+    for rank in range(2):
+        b = shard_model(small_model, rank, 2).blocks[0]
+        for name, w in zip(full, (b.wq, b.wk, b.wv, b.wo, b.up[0].weight, b.down.weight)):
+            m = shards[name]
+            assert m["shape"] == list(full[name].shape)
+            cols = name in ("attn out", "MLP down")
+            assert m["split"] == ("columns" if cols else "rows")
+            n = w.shape[1] if cols else w.shape[0]
+            assert m["ranks"][rank] == [rank * n, (rank + 1) * n]
+            assert m["ranks"][-1][1] == full[name].shape[1 if cols else 0]
+            lo, hi = m["ranks"][rank]
+            assert torch.equal(full[name][:, lo:hi] if cols else full[name][lo:hi], w)
+
+
 def test_tp_step_picture_shows_two_all_reduces_per_layer(tp_serving_smoke, small_model):
     """The traced decode step's picture against the model's definition and gloo's own events in the trace file. Oracle
     1: the dense model's row-parallel projections, counted by name (each block's attn.c_proj and mlp.c_proj:

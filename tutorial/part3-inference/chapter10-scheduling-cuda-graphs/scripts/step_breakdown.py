@@ -7,6 +7,9 @@ What it shows
        the steps (on a shared machine the slower ones are those the OS interrupted), the share of the step
        that is NOT the model's forward, and draws them as stacked bars (step_breakdown/breakdown.png).
        Self-check: the stages add up to the step's total (what they leave out is a few counter updates).
+       Then the largest batch once more with 200-token prompts (--compare-prompt-len): the line under the table
+       compares the share outside the forward at the two prompt lengths (a longer context gives the forward more
+       K and V to gather), its direction worded from the two rows.
     2. What a forward is made of, from the PyTorch profiler: how many aten ops one decode step's forward
        dispatches, how many of them are called from Python (each pays the full dispatch), which, and on a GPU
        how many kernels it launches. The count does not depend on B: a bigger batch makes each op bigger,
@@ -16,16 +19,14 @@ How to run
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py
     python .../step_breakdown.py --batch-sizes 1 8 64 --steps 30 --device cuda
 
-Runtime on 2 idle cores: about 5 s, 3 s with --smoke; on a busy machine (a printed load average above the core
+Runtime on 2 idle cores: about 8 s, 3 s with --smoke; on a busy machine (a printed load average above the core
 count) up to about load average / cores times that. Timings move with the machine's load: compare shares, not
 absolute milliseconds, across runs.
 
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --prompt-len 200
-        -> longer contexts: the forward grows faster with B (more KV to gather and attend over), so at the
-           largest batches the share outside the forward is usually smaller than in a default run (not steadily
-           from row to row, and on a loaded machine not always); the summary line says at which B ms/token was
-           lowest, often a middle one, every larger batch then paying more per token
+        -> longer contexts at every batch size: compare the `not forward %` column with the default run's, and
+           read at which B ms/token was lowest (the summary line); both move with the machine's load
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/step_breakdown.py --threads 2
         -> two torch threads: section 2's op counts stay the same; compare the `forward ms` column, B by B, with
            a default (one-thread) run made just before on the same machine (the summary line's "B 1 -> 64" ratio
@@ -43,7 +44,7 @@ import os
 # (the forward then runs many times slower). A user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,6 +68,9 @@ class Settings(cli.Args, cli.PlotArgs):
     """Prompt tokens of every request (its KV cache length when the timed steps start)."""
     steps: int = 20
     """Timed decode steps per batch size (after one warm-up step)."""
+    compare_prompt_len: int = 200
+    """A second prompt length, timed at the largest batch size only, to compare the share outside the forward
+    (0 or equal to --prompt-len: no comparison)."""
     threads: int = 1
     """torch intra-op threads (1: the tiny model's ops are too small to split)."""
     device: str = "auto"
@@ -77,6 +81,8 @@ class Settings(cli.Args, cli.PlotArgs):
             raise cli.UsageError("--batch-sizes must be in 1..256")
         if not 2 <= self.prompt_len <= 200 or not 1 <= self.steps <= 50:
             raise cli.UsageError("--prompt-len must be in 2..200 and --steps in 1..50")
+        if self.compare_prompt_len and not 2 <= self.compare_prompt_len <= 200:
+            raise cli.UsageError("--compare-prompt-len must be 0 or in 2..200")
         if self.threads < 1:
             raise cli.UsageError("--threads must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -163,6 +169,15 @@ def token_cost_words(rows: list[dict]) -> str:
     return text + later
 
 
+def context_words(short: dict, long: dict, short_len: int, long_len: int) -> str:
+    """The share outside the forward at one batch size, for two prompt lengths, and which way it went: derived from
+    the two rows, since a loaded machine could reverse it."""
+    a, b = short["non_forward_share"], long["non_forward_share"]
+    how = ("about the same" if abs(a - b) < 0.02 else "smaller" if b < a else "larger") + f" with {long_len} tokens"
+    return (f"the share outside the forward was {a:.0%} with {short_len}-token prompts and {b:.0%} with "
+            f"{long_len}-token prompts: {how}")
+
+
 def draw(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -209,6 +224,14 @@ def main() -> int:
           f"{token_cost_ratio:.2f}x as much; {bench.load_average()}")
     top = top_growth(rows)
     print(f"   The forward {top['text']}; ms/token {top['token_cost_text']}")
+    compare = None
+    if args.compare_prompt_len not in (0, args.prompt_len):  # the stable signal of a longer context: one row more
+        other = {"batch_size": b1, **breakdown(model, b1, replace(args, prompt_len=args.compare_prompt_len), device)}
+        pair = sorted([(args.prompt_len, rows[-1]), (args.compare_prompt_len, other)], key=lambda p: p[0])
+        compare = {"batch_size": b1, "prompt_lens": [pair[0][0], pair[1][0]],
+                   "non_forward_shares": [pair[0][1]["non_forward_share"], pair[1][1]["non_forward_share"]],
+                   "text": context_words(pair[0][1], pair[1][1], pair[0][0], pair[1][0])}
+        print(f"   At B = {b1}, {compare['text']}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
           "in the median step of every row it is under 2% of the total\n")
     draw(rows, args)
@@ -225,7 +248,7 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
                                       "step_growth": step_growth, "token_cost_ratio": token_cost_ratio,
-                                      "top_growth": top,
+                                      "top_growth": top, "context": compare,
                                       "load_average": bench.load_average()}, args)
     return 0
 

@@ -10,13 +10,15 @@ What it shows
        all-reduce (waiting for the slowest rank included in both); the bytes the step's all-reduces were given
        together, against the formula 2 * layers * tokens * hidden * 4 bytes (float32); and the share of the step
        inside all-reduce (comm_share). The KV bytes each rank holds shrink as 1/N.
-    3. The picture (tp_step.png): three decode steps at the smallest N above 1 traced with torch.profiler on
-       rank 0, with every sublayer's compute labelled; the fastest of them drawn on four lanes (where each layer
-       begins; rank 0's compute; rank 0 inside a collective: sending the batch, then the two all-reduces of every
-       layer; gloo's threads carrying the collectives out), and the trace itself beside it (tp_step.trace.json,
-       for ui.perfetto.dev). The line above the figure's path gives that step's time, its all-reduce time and
-       share, the time spent sending the batch, and the median all-reduce against the median compute of one
-       sublayer (its pieces on either side of its all-reduce added). The JSON keeps the drawn boxes ("traced_step").
+    3. Which rows or columns of layer 0's weights each rank holds at the smallest N above 1 (tp_shards.png), read
+       from the ranks' real shards. The picture (tp_step.png): three decode steps at that N traced with
+       torch.profiler on rank 0, with every sublayer's compute labelled; the fastest of them drawn on four lanes
+       (where each layer begins; rank 0's compute; rank 0 inside a collective: sending the batch, then the two
+       all-reduces of every layer; gloo's threads carrying the collectives out), and the trace itself beside it
+       (tp_step.trace.json, for ui.perfetto.dev). The line above the figure's path gives that step's time, its
+       all-reduce time and share, the time spent sending the batch, and the median all-reduce against the median
+       compute of one sublayer (its pieces on either side of its all-reduce added). The JSON keeps the drawn boxes
+       ("traced_step").
     On this machine the ranks are processes on 2 CPU cores talking through gloo over loopback TCP: every
     all-reduce is a few system calls and copies, and N ranks share 2 cores. There is nothing to gain here, and
     the table and the picture show what it costs. With GPUs joined by NVLink the same all-reduce of a few hundred
@@ -35,7 +37,8 @@ count) up to about load average / cores times that.
 Try next
     python tutorial/part3-inference/chapter10-scheduling-cuda-graphs/scripts/tp_serving.py --batch-size 64
         -> more tokens per all-reduce: the bytes grow with the batch, the number of all-reduces does not; the KV
-           bytes per rank grow with the batch too (the pool is sized for max_num_seqs)
+           bytes per rank grow with the batch too (the pool is sized for max_num_seqs); whether an all-reduce of 4x
+           the bytes takes longer here can be read against a default run only at a similar load average
 """
 
 from __future__ import annotations
@@ -129,6 +132,42 @@ def measure(model, prompts: list[list[int]], args: Settings, size: int, device: 
             "kv_bytes_per_rank": kv, "steps_timed": len(steps),
             "tokens": [outs[k] for k in sorted(outs, key=lambda k: int(k.split("-")[1]))]}
 # --8<-- [end:measure]
+
+
+def shard_map(model, size: int) -> dict:
+    """Which rows (a split of the outputs) or columns (of the inputs) of layer 0's dense (out, in) weights each rank's
+    real shard holds: every shard_model slice located in the dense weight it was cut from."""
+    dense, C = model.blocks[0], model.config.n_embd
+    full = {"q": dense.attn.c_attn.weight[:C], "k": dense.attn.c_attn.weight[C : 2 * C],
+            "v": dense.attn.c_attn.weight[2 * C :], "attn out": dense.attn.c_proj.weight,
+            "MLP up": dense.mlp.c_fc.weight, "MLP down": dense.mlp.c_proj.weight}
+    out = {k: {"shape": list(w.shape), "split": "columns" if k in ("attn out", "MLP down") else "rows", "ranks": []}
+           for k, w in full.items()}
+    for r in range(size):
+        b = tp_module.shard_model(model, r, size).blocks[0]
+        for k, w in zip(full, (b.wq, b.wk, b.wv, b.wo, b.up[0].weight, b.down.weight)):
+            cols = out[k]["split"] == "columns"
+            d, n = (full[k].T, w.shape[1]) if cols else (full[k], w.shape[0])
+            start = next(i for i in range(d.shape[0] - n + 1) if torch.equal(d[i : i + n], w.T if cols else w))
+            out[k]["ranks"].append([start, start + n])
+    return out
+
+
+def draw_shards(shards: dict, size: int, args: Settings) -> Path:
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(1, len(shards), figsize=(12, 3.4))
+    for ax, (name, m) in zip(axes, shards.items()):
+        owner = torch.zeros(m["shape"])  # (out, in): which rank holds each weight
+        for r, (a, b) in enumerate(m["ranks"]):
+            (owner[:, a:b] if m["split"] == "columns" else owner[a:b]).fill_(r)
+        ax.imshow(owner, cmap="tab10", vmin=0, vmax=9, aspect="equal", interpolation="nearest")
+        reduce = "\neach rank's output: a partial\nsum, then all-reduced" if m["split"] == "columns" else "\n\n"
+        ax.set(title=f"{name} {tuple(m['shape'])}\nsplit by {m['split']}{reduce}", xticks=[], yticks=[], xlabel="in",
+               ylabel="out")
+    fig.suptitle(f"Layer 0's weights at TP={size}, each colour one rank's shard (" + ", ".join(
+        f"rank {r}: {c}" for r, c in enumerate(["blue", "orange", "green", "red"][:size])) + ")", fontsize=10)
+    fig.tight_layout()
+    return plot.save(fig, args, "tp_shards")
 
 
 # --8<-- [start:trace]
@@ -323,6 +362,8 @@ def main() -> int:
     traced = next((n for n in sorted(set(args.sizes)) if n > 1), None)
     picture = None
     if traced:
+        shards = shard_map(model, traced)
+        print(f"figure: {draw_shards(shards, traced, args)}")
         trace_path = plot.figure_dir(args) / "tp_step.trace.json"
         trace_decode_step(model, prompts, args, traced, trace_path)
         spans, picture = step_spans(trace_path)
@@ -348,7 +389,7 @@ def main() -> int:
         print("\nno TP size above 1 in --sizes: no traced step")
     if args.json:
         report.write_json(args.json, {"runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
-                                      "traced_step": picture,
+                                      "traced_step": picture, "shards": shards if traced else None,
                                       "slowdown": last["step_ms"] / base["step_ms"],
                                       "kv_ratio": last["kv_bytes_per_rank"] / base["kv_bytes_per_rank"],
                                       "last_tp": last["tp"], "last_comm_share": last["comm_share"],
