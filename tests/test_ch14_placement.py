@@ -153,6 +153,13 @@ def test_colocated_counts_table_from_divisibility(planner) -> None:
     tp = min(t for t in (1, 2, 4, 8) if n % t == 0 and peak(n, t) <= budget)
     assert (rows[-1]["engine TP"], rows[-1]["fits"]) == (tp, "yes") == (result["colocated_engine_tp"], "yes")
     assert rows[0]["peak GiB"] == pytest.approx(below["peak_gib"])
+    # the printed table keeps three of these rows: the first, the lowest peak in between (every other count in
+    # between peaks higher, as the lesson says), and the chosen count
+    shown = planner.near_shown(rows)
+    low = sorted(rows[1:-1], key=lambda r: r["peak GiB"])[0]
+    assert shown == [rows[0], low, rows[-1]]
+    assert all(r["peak GiB"] >= low["peak GiB"] for r in rows[1:-1])
+    assert planner.near_shown(rows[:1] + rows[-1:]) == rows[:1] + rows[-1:]  # nothing in between (the 8B run)
 
 
 def test_smaller_engine_tps_overflow_by_the_printed_amount(planner) -> None:
@@ -403,6 +410,23 @@ def test_placement_picture_roles_and_work_per_rank(placement_json: dict) -> None
         want += [{"params": gpt, "roles": {"engine": gpt}, "generated": [s for s in range(S) if s % (W - 1) == r - 1],
                   "scored": []} for r in range(1, W)]
         assert res[placement]["placed"] == want, placement
+
+
+@pytest.mark.timeout(300)
+def test_versions_picture_lag_per_batch(placement_json: dict) -> None:
+    """versions.png draws what rollout rank 1 recorded: which weights version (updates received) sampled each batch.
+    The rule worked out here: sync receives update k before sampling batch k (lag 0); async samples batch k first,
+    with the weights of update k - 1 (lag 1 from the second batch on, 0 for the first)."""
+    res = placement_json["results"]
+    n = placement_json["settings"]["iterations"]
+    want = {"disaggregated": list(range(n)), "async": [0] + list(range(n - 1))}
+    for name, versions in want.items():
+        for rank, got in enumerate(res[name]["sampled_with"]):
+            assert got == (versions if rank else None), (name, rank)
+        assert res["versions_drawn"][name] == [{"batch": k, "version": v, "lag": k - v}
+                                               for k, v in enumerate(versions)]
+    assert {r["lag"] for r in res["versions_drawn"]["async"][1:]} == {1}
+    assert {r["lag"] for r in res["versions_drawn"]["disaggregated"]} == {0}
 
 
 @pytest.mark.timeout(120)

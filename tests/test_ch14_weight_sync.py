@@ -128,31 +128,26 @@ def test_reading_flags_rows_that_break_the_bytes_and_calls_order() -> None:
             {"model": "small", "per-tensor ms": 5.99, "bucketed ms": 1.84}]
     assert mod.disturbed_rows(rows, "per-tensor ms") == ["tiny"]
     assert mod.disturbed_rows(rows, "bucketed ms") == []
-    assert mod.disturbed_text(rows) == ("tiny's per-tensor sync took longer than draft's, a larger model, so it "
-                                        "was disturbed; so the ratio of tiny, the smallest model, is too high as well")
+    assert mod.disturbed_text(rows) == "tiny per-tensor (slower than draft); tiny's ratio: too high"
     rows[0]["per-tensor ms"] = 1.0
-    assert mod.disturbed_text(rows).startswith("none: no row was slower")
+    assert mod.disturbed_text(rows) == "none"
     rows[1]["bucketed ms"] = 2.0  # draft, not the smallest model, is flagged: the smallest model's ratio stands
-    assert mod.disturbed_text(rows).endswith("the rule leaves the smallest model's ratio standing")
+    assert mod.disturbed_text(rows) == "draft bucketed (slower than small); tiny's ratio: not affected"
     rows[0]["bucketed ms"] = 3.0  # tiny's bucketed sync is flagged too: its ratio is too low
-    assert mod.disturbed_text(rows).endswith("the smallest model, is too low as well")
+    assert mod.disturbed_text(rows).endswith("tiny's ratio: too low")
 
 
-def test_reading_with_no_flagged_row_says_the_smallest_ratio_is_not_flagged() -> None:
-    """The lesson quotes this sentence alone, so with no flagged row it must itself say what holds for the
-    smallest model's ratio (not leave the lesson a conditional about a row it did not name)."""
+def test_sweep_order_names_the_rows_where_fewer_calls_took_longer() -> None:
+    """The 'Bucket sweep, calls against time' line: the neighbouring rows, found here by hand, where the row with
+    fewer calls took longer; equal call counts never count."""
     mod = load_script(CH14 / "weight_sync.py")
-    rows = [{"model": "tiny", "per-tensor ms": 1.0, "bucketed ms": 0.4},
-            {"model": "draft", "per-tensor ms": 2.2, "bucketed ms": 0.6}]
-    text = mod.disturbed_text(rows)
-    assert text == ("none: no row was slower than the larger model below it, so no time is flagged (the smallest "
-                    "model's ratio included)")
     sweep = [{"bucket MiB": 0.0625, "buckets": 67, "ms": 29.4}, {"bucket MiB": 0.25, "buckets": 67, "ms": 26.7},
              {"bucket MiB": 4.0, "buckets": 17, "ms": 20.3}, {"bucket MiB": 16.0, "buckets": 4, "ms": 33.9}]
     assert [(a["bucket MiB"], b["bucket MiB"]) for a, b in mod.sweep_order_breaks(sweep)] == [(4.0, 16.0)]
-    assert "16 MiB (4 calls, 33.9 ms) took longer than 4 MiB (17 calls, 20.3 ms)" in mod.sweep_order_text(sweep)
+    assert mod.sweep_order_text(sweep) == ("fewer calls took longer at 16 MiB (4 calls, 33.9 ms) against 4 MiB "
+                                           "(17 calls, 20.3 ms)")
     sweep[-1]["ms"] = 15.0  # the order holds; equal call counts (67, 67) never count as a break
-    assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep).startswith("every row")
+    assert mod.sweep_order_breaks(sweep) == [] and mod.sweep_order_text(sweep) == "fewer calls always took less time"
 
 
 def test_ratio_evidence_is_the_largest_ratio_of_the_unflagged_rows() -> None:
@@ -165,17 +160,25 @@ def test_ratio_evidence_is_the_largest_ratio_of_the_unflagged_rows() -> None:
             {"model": "small", "MiB": 3.17, "per-tensor ms": 5.99, "bucketed ms": 1.84}]  # 3.26
     ev = mod.ratio_evidence(rows)
     assert (ev["model"], round(ev["speedup"], 2)) == ("draft", 3.89)
-    assert ev["text"] == ("the largest ratio among the rows not flagged as disturbed is draft's 3.89 (0.90 MiB); "
-                          "tiny's 6.33, the smallest model's, is left out: its row was disturbed")
+    assert ev["text"] == "draft (0.90 MiB) 3.89, bucketing faster (tiny's 6.33 left out: disturbed)"
     rows[1]["bucketed ms"] = 2.0  # now draft's bucketed time is flagged (above small's 1.84) and tiny is not:
     rows[0]["per-tensor ms"] = 1.8  # tiny 3.91 against small 3.26
     ev = mod.ratio_evidence(rows)
     assert ev["model"] == "tiny" and "left out" not in ev["text"]
 
 
+def test_verdict_direction_follows_the_ratio() -> None:
+    """The verdict printed first on the ratio line: bucketing faster above 1, slower below 1 (per-tensor time over
+    bucketed time)."""
+    mod = load_script(CH14 / "weight_sync.py")
+    for per, buck in [(9.0, 1.0), (1.0, 1.1), (2.0, 2.0)]:
+        want = "faster" if per > buck else "slower" if per < buck else "no faster"
+        assert mod.verdict(per / buck) == f"{per / buck:.2f}, bucketing {want}"
+
+
 def test_formula_estimate_names_the_larger_term_per_model() -> None:
     """Section 1's worked estimate: alpha = the smallest model's per-tensor ms / its tensors (no row is flagged
-    here), 1/beta = the largest model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/beta,
+    here), 1/bw = the largest model's bucketed ms/MiB; each model is named by the larger of N*alpha and S/bw,
     computed here by hand."""
     mod = load_script(CH14 / "weight_sync.py")
     rows = [{"model": "tiny", "MiB": 0.111, "tensors": 28, "per-tensor ms": 5.6, "bucketed ms": 1.0},
@@ -188,7 +191,9 @@ def test_formula_estimate_names_the_larger_term_per_model() -> None:
     # by hand: tiny 5.6 vs 0.083, small 10.4 vs 2.38, medium 15.2 vs 13.8 (calls); large 20.0 vs 40.95 (bytes)
     assert [t["larger"] for t in est["terms"]] == ["calls", "calls", "calls", "bytes"]
     assert est["calls_larger"] == "tiny, small, medium" and est["bytes_larger"] == "large"
-    assert "medium 15.20 vs 13.80 ms (calls)" in est["text"] and "large 20.00 vs 40.95 ms (bytes)" in est["text"]
+    t = {x["model"]: x for x in est["terms"]}
+    assert (t["medium"]["N*alpha ms"], t["medium"]["S/bw ms"]) == pytest.approx((15.2, 13.8))
+    assert (t["large"]["N*alpha ms"], t["large"]["S/bw ms"]) == pytest.approx((20.0, 40.95))
     rows[0]["per-tensor ms"] = 56.0  # alpha 2 ms: every model's calls outweigh its bytes
     assert mod.formula_estimate(rows)["bytes_larger"] == "no model"
 
@@ -207,8 +212,30 @@ def test_formula_alpha_skips_rows_flagged_as_disturbed() -> None:
     assert clean[0]["model"] == "small"  # tiny flagged for per-tensor, draft for bucketed
     est = mod.formula_estimate(rows)
     assert est["alpha_model"] == "small" and est["alpha_ms"] == pytest.approx(10.4 / 52)
-    assert est["text"].startswith("alpha ~ 0.200 ms per call (small's per-tensor ms / 52 tensors, the smallest "
-                                  "model not flagged as disturbed)")
+    assert est["text"].startswith("alpha ~ 0.200 ms per call (small, the smallest unflagged model)")
+
+
+def test_formula_estimate_against_the_measured_time_per_row() -> None:
+    """The constants are not upper bounds: a row's measured per-tensor time can come out above the estimate
+    N*alpha + S/bw or below it. Per made-up row the estimate and the side are worked out here, and the printed
+    sentence must name each row on the side its own values put it."""
+    mod = load_script(CH14 / "weight_sync.py")
+    rows = [{"model": "tiny", "MiB": 0.1, "tensors": 28, "per-tensor ms": 2.8, "bucketed ms": 0.5},
+            {"model": "small", "MiB": 3.0, "tensors": 52, "per-tensor ms": 20.0, "bucketed ms": 2.0},
+            {"model": "medium", "MiB": 18.0, "tensors": 76, "per-tensor ms": 15.0, "bucketed ms": 13.0},
+            {"model": "large", "MiB": 50.0, "tensors": 100, "per-tensor ms": 55.0, "bucketed ms": 35.0,
+             "bucketed ms/MiB": 0.7}]
+    alpha, per_mib = 2.8 / 28, 0.7
+    est = {r["model"]: r["tensors"] * alpha + r["MiB"] * per_mib for r in rows}
+    # by hand: tiny 2.87 (measured 2.8, below), small 7.3 (20, above), medium 20.2 (15, below), large 45 (55, above)
+    above = [r["model"] for r in rows if r["per-tensor ms"] > est[r["model"]]]
+    below = [r["model"] for r in rows if r["per-tensor ms"] < est[r["model"]]]
+    assert above == ["small", "large"] and below == ["tiny", "medium"]
+    got = mod.formula_estimate(rows)
+    for t in got["terms"]:
+        assert t["estimate ms"] == pytest.approx(est[t["model"]])
+        assert t["measured / estimate"] == pytest.approx(t["measured ms"] / est[t["model"]])
+    assert got["compare_text"] == f"above for {', '.join(above)}; below for {', '.join(below)}"
 
 
 def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:
@@ -230,14 +257,12 @@ def test_smallest_buckets_against_per_tensor_reason_and_direction() -> None:
     text = mod.sweep_vs_per_tensor_text(first, big)
     assert f"{len(alone)} of the {len(params)} tensors" in text and f"saves just {saved} calls" in text
     slower = first["ms"] > big["per-tensor ms"]
-    assert ("took longer than the per-tensor sync" in text) == slower
-    assert ("was faster than the per-tensor sync" in text) == (not slower)
-    first["ms"] = 30.0  # the other direction: the saved calls outweighed the copies
+    assert text.startswith("slower (76.0 ms against 44.3 ms)") == slower
+    first["ms"] = 30.0  # the other direction
     text = mod.sweep_vs_per_tensor_text(first, big)
-    assert "was faster than the per-tensor sync (30.0 ms against 44.3 ms)" in text
-    assert "took longer" not in text
+    assert text.startswith("faster (30.0 ms against 44.3 ms)")
     first.update({"alone": 0, "MiB alone": 0.0})  # every tensor fits: no 'travel alone' clause
-    assert mod.sweep_vs_per_tensor_text(first, big).startswith("at 0.0625 MiB every tensor fits in a bucket")
+    assert "at 0.0625 MiB every tensor fits in a bucket" in mod.sweep_vs_per_tensor_text(first, big)
 
 
 @pytest.mark.timeout(150)

@@ -83,3 +83,35 @@ def draw_learning(results: dict, args) -> None:
     ax2.set_xlabel("iteration"), ax2.set_ylabel("off-policy gap (nats/token)")
     fig.tight_layout()  # room for the right panel's y label between the two panels
     print(f"figure: {plot.save(fig, args, 'learning')}")
+
+
+def draw_versions(results: dict, args) -> dict:
+    """versions.png: for the disaggregated placements, which weights version (updates the rollout rank had received)
+    sampled each batch, as rollout rank 1 recorded it: one row of weights versions (the trainer's update k makes
+    version k + 1) and one of batches, an arrow from the version to the batch it sampled. Returns, per placement,
+    the drawn (batch, version, lag) triples."""
+    plt = plot.pyplot()
+    names = [n for n in ("disaggregated", "async") if n in results and args.world_size > 1]
+    drawn = {}
+    if not names:
+        return drawn
+    fig, axes = plt.subplots(len(names), 1, figsize=(7.5, 1.5 * len(names) + 0.4), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        versions = results[name]["sampled_with"][1]  # rollout rank 1's record
+        drawn[name] = [{"batch": k, "version": v, "lag": k - v} for k, v in enumerate(versions)]
+        for k in range(len(versions)):
+            ax.text(k, 1, f"w{k}", ha="center", va="center", fontsize=8, bbox={"fc": "C2", "alpha": 0.35})
+            ax.text(k, 0, f"batch {k}", ha="center", va="center", fontsize=8, bbox={"fc": "C0", "alpha": 0.35})
+        for row in drawn[name]:
+            ax.annotate("", xy=(row["batch"], 0.2), xytext=(row["version"], 0.8),
+                        arrowprops={"arrowstyle": "->", "color": "C3" if row["lag"] else "0.3"})
+        lags = sorted({r["lag"] for r in drawn[name]})
+        ax.set_title(f"{'sync' if name == 'disaggregated' else 'async'}: w k = the weights after k updates; lags "
+                     f"seen (batch - version): {', '.join(map(str, lags))}", fontsize=9, loc="left")
+        ax.set(xlim=(-0.6, len(versions) - 0.4), ylim=(-0.5, 1.5))
+        ax.set_yticks([0, 1], ["rollout rank 1\nsamples", "weights\nversion"], fontsize=8)
+        ax.set_xticks([])
+        ax.grid(False)
+    fig.tight_layout()
+    print(f"figure: {plot.save(fig, args, 'versions')}")
+    return drawn

@@ -260,6 +260,13 @@ def tp_overflow_text(num_gpus: int, tried: list[dict], budget: float) -> str:
     return f"Smaller engine TPs on {num_gpus} GPUs, against {budget / GIB:.3f} GiB usable: " + "; ".join(parts) + "."
 
 
+def near_shown(near: list[dict]) -> list[dict]:
+    """The rows of the table under 'Fewer GPUs do not fit': the best try below, the count in between with the lowest
+    peak (every other one peaks higher), and the chosen count."""
+    between = near[1:-1]
+    return near[:1] + ([min(between, key=lambda r: r["peak GiB"])] if between else []) + near[-1:]
+
+
 def plan(args: Settings) -> dict:
     budget = kvm.GPU_MEMORY_GIB[args.gpu] * GIB * (1 - args.reserve_fraction)
     # co-located: not a bisection, since the peak is not monotone in n (the engine's tp must divide n: 5 GPUs allow
@@ -414,9 +421,9 @@ def main() -> int:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
-            print("Every GPU count from there up, each at its best engine TP (the smallest TP dividing the count "
-                  "that fits; if none fits, the lowest peak):")
-            print(report.table(result["colocated_near"], floatfmt=".1f"))
+            print("That try, the count between with the lowest peak, and the chosen count, each at its best engine "
+                  "TP (every count: colocated_near in the JSON):")
+            print(report.table(near_shown(result["colocated_near"]), floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:
         print(f"\nDisaggregated: trainer pool {result['trainer_gpus']} GPUs (peak "

@@ -18,7 +18,8 @@ What it shows
     rewards and their final actor weights are bitwise equal. It measures time per phase and idle time per rank,
     rollouts per second, and for async the off-policy gap (how far the policy that sampled has drifted from the one
     being trained). Figures: placement/placement.png (which rank held which model and ran which shards, as the
-    ranks reported it), placement/timeline.png (who does what when), placement/learning.png.
+    ranks reported it), placement/timeline.png (who does what when), placement/learning.png,
+    placement/versions.png (which weights version sampled which batch, sync and async).
 
 How to run
     python tutorial/part4-rlhf/chapter14-rlhf-architecture/scripts/placement.py                # 2 ranks
@@ -164,15 +165,17 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
     params = unique_parameters(engine.model)
     plan = plan_buckets(named_meta(params), int(args.bucket_mb * 2**20))
     mine = range(ctx.rank - 1, args.shards, ctx.world_size - 1)
-    tl = Timeline()
+    tl, sampled_with, received = Timeline(), [], [0]  # per batch: the weights version (updates received) it saw
 
     def receive_weights() -> None:
         send_weights(tl, params, plan)
+        received[0] += 1
         engine.reset_prefix_cache()  # what Engine.load_weights does after loading
 
     for it in range(args.iterations):
         if it > 0 and not off_policy:
             receive_weights()
+        sampled_with.append(received[0])
         with tl.span("generate"):
             shards = [(s, generate_shard(engine, args, it, s)) for s in mine]
         if it > 0 and off_policy:
@@ -180,7 +183,7 @@ def rollout(ctx: RankContext, args: Settings, off_policy: bool) -> list:
         with tl.span("comm"):
             dist.all_gather_object([None] * ctx.world_size, shards)
     held.update(generated=[s for s, _ in shards], scored=[])
-    return tl, held
+    return tl, held, sampled_with
 # --8<-- [end:disaggregated]
 
 
@@ -188,16 +191,16 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     out, final = {}, {}
     for placement in args.placements:
         if placement == "colocated":
-            tl, stats, weights, held = colocated(ctx, args)
+            (tl, stats, weights, held), versions = colocated(ctx, args), None
         elif ctx.rank == 0:
-            tl, stats, weights, held = trainer(ctx, args)
+            (tl, stats, weights, held), versions = trainer(ctx, args), None
         else:
-            (tl, held), stats, weights = rollout(ctx, args, placement == "async"), [], None
+            (tl, held, versions), stats, weights = rollout(ctx, args, placement == "async"), [], None
         per_rank = [None] * ctx.world_size
-        dist.all_gather_object(per_rank, (tl.events, tl.t0, held))
-        timelines, t0s, helds = (list(x) for x in zip(*per_rank))
+        dist.all_gather_object(per_rank, (tl.events, tl.t0, held, versions))
+        timelines, t0s, helds, versions = (list(x) for x in zip(*per_rank))
         out[placement] = {"timelines": timelines, "t0": t0s, "params_held": [h["params"] for h in helds],
-                          "placed": helds, "stats": stats}
+                          "placed": helds, "stats": stats, "sampled_with": versions}
         if weights is not None:
             final[placement] = weights
             if args.save_weights and ctx.rank == 0:
@@ -267,7 +270,7 @@ def main() -> int:
                          "ranks": table, "timelines": res["timelines"], "t0": res["t0"],
                          "idle_pct": [row["idle %"] for row in table], "weight_sync_s": table[0]["weight sync"],
                          "generate_s": [row["generate"] for row in table], "params_held": res["params_held"],
-                         "placed": res["placed"],
+                         "placed": res["placed"], "sampled_with": res["sampled_with"],
                          "mean_off_policy_gap": sum(x["off_policy_gap"] for x in res["stats"]) / args.iterations,
                          # the same, as the table prints it (no -0.000)
                          "mean_off_policy_gap_shown": shown_gap(sum(x["off_policy_gap"] for x in res["stats"])
@@ -316,6 +319,7 @@ def main() -> int:
     figures.draw_placement(placements, args)
     figures.draw_timeline(placements, args)
     figures.draw_learning(placements, args)
+    summary["versions_drawn"] = figures.draw_versions(placements, args)
     if args.json:
         report.write_json(args.json, summary, args)
     return 0

@@ -21,9 +21,9 @@ How to run
     ... --backend nccl      # on a machine with one GPU per rank: the same code over NCCL, tensors on cuda
 
 Prints a table (model, MiB, tensors, buckets, ms per tensor-wise sync, ms bucketed, ms/MiB of each), the checks, the
-rows that the bytes-only-grow rule flags as disturbed, the formula's two terms per model (section 1's estimate), the
-sweep rows where fewer calls took longer, and what the smallest buckets saved against the per-tensor sync (the
-sweep's `alone` column: tensors larger than a bucket).
+rows that the bytes-only-grow rule flags as disturbed, the formula's estimate per model against the measured time
+(section 1), the sweep rows where fewer calls took longer, and what the smallest buckets saved against the
+per-tensor sync (the sweep's `alone` column: tensors larger than a bucket).
 Runtime on 2 cores: about 10-27 s, 10 s idle (the CI book build) and 20-27 s at a load average of 5 (gloo over
 loopback; other jobs on the cores multiply it: about 75 s at 10); --smoke about 11 s at load 5.
 
@@ -190,29 +190,30 @@ def disturbed_rows(rows: list[dict], key: str) -> list[str]:
 
 
 def disturbed_text(rows: list[dict]) -> str:
-    """One plain sentence per row that the bytes-only-grow rule flags (per method), or one saying none is, then
-    what that means for the smallest model's per-tensor / bucketed ratio (too high if its per-tensor sync was
-    disturbed, too low if its bucketed one was, unreliable either way if both were, not flagged if neither)."""
+    """The rows the bytes-only-grow rule flags (per method), or 'none', then what that means for the smallest
+    model's per-tensor / bucketed ratio: too high if its per-tensor sync was disturbed, too low if its bucketed one
+    was, either way if both were, untouched if neither."""
     nxt = {a["model"]: b["model"] for a, b in zip(rows, rows[1:])}
-    parts = [f"{m}'s {how} sync took longer than {nxt[m]}'s, a larger model, so it was disturbed"
-             for how, key in (("per-tensor", "per-tensor ms"), ("bucketed", "bucketed ms"))
+    parts = [f"{m} {how} (slower than {nxt[m]})" for how, key in (("per-tensor", "per-tensor ms"),
+                                                                  ("bucketed", "bucketed ms"))
              for m in disturbed_rows(rows, key)]
     if not parts:
-        return ("none: no row was slower than the larger model below it, so no time is flagged (the smallest "
-                "model's ratio included)")
+        return "none"
     small = rows[0]["model"]
     per, buck = (small in disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms"))
-    ratio = {(True, False): f"so the ratio of {small}, the smallest model, is too high as well",
-             (False, True): f"so the ratio of {small}, the smallest model, is too low as well",
-             (True, True): f"so the ratio of {small}, the smallest model, may be off either way",
-             (False, False): f"neither of {small}'s syncs is flagged, so the rule leaves the smallest model's ratio "
-                             "standing"}[per, buck]
-    return "; ".join(parts) + "; " + ratio
+    ratio = {(True, False): "too high", (False, True): "too low", (True, True): "off either way",
+             (False, False): "not affected"}[per, buck]
+    return ", ".join(parts) + f"; {small}'s ratio: {ratio}"
 
 
 def flagged_rows(rows: list[dict]) -> set[str]:
     """Models the Disturbed line flags, for either method; never the last row (no larger model below it)."""
     return {m for key in ("per-tensor ms", "bucketed ms") for m in disturbed_rows(rows, key)}
+
+
+def verdict(ratio: float) -> str:
+    """A per-tensor / bucketed time ratio in words: above 1 bucketing was faster, below 1 slower."""
+    return f"{ratio:.2f}, bucketing " + ("faster" if ratio > 1 else "slower" if ratio < 1 else "no faster")
 
 
 def ratio_evidence(rows: list[dict]) -> dict:
@@ -222,30 +223,39 @@ def ratio_evidence(rows: list[dict]) -> dict:
     ratio = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}
     kept = [r for r in rows if r["model"] not in flagged]  # never empty: no row below the last can flag it
     best, small = max(kept, key=lambda r: ratio[r["model"]]), rows[0]["model"]
-    text = (f"the largest ratio among the rows not flagged as disturbed is {best['model']}'s "
-            f"{ratio[best['model']]:.2f} ({best['MiB']:.2f} MiB)")
+    text = f"{best['model']} ({best['MiB']:.2f} MiB) {verdict(ratio[best['model']])}"
     if small in flagged:
-        text += f"; {small}'s {ratio[small]:.2f}, the smallest model's, is left out: its row was disturbed"
+        text += f" ({small}'s {ratio[small]:.2f} left out: disturbed)"
     return {"model": best["model"], "MiB": best["MiB"], "speedup": ratio[best["model"]], "text": text}
 
 
+def compare_text(terms: list[dict]) -> str:
+    """Which rows' measured per-tensor time came out above the formula's estimate and which below, from the values."""
+    side = {k: ", ".join(t["model"] for t in terms if t["side"] == k) for k in ("above", "below", "equal to")}
+    return "; ".join(f"{k} for {v}" for k, v in side.items() if v)
+
+
 def formula_estimate(rows: list[dict]) -> dict:
-    """Section 1's formula with constants read off the table, each a rough upper bound: alpha, the per-tensor time
-    over its calls of the smallest model the Disturbed line does not flag (its bytes taken as free); 1/beta, the
-    largest model's bucketed ms/MiB (the row with the fewest calls per byte). Then, per model, the calls term
-    N*alpha against the bytes term S/beta."""
+    """Section 1's formula with constants read off the table: alpha, the per-tensor time over its calls of the
+    smallest model the Disturbed line does not flag (its bytes taken as free); 1/bw, the largest model's bucketed
+    ms/MiB (the row with the fewest calls per byte). Per model: the calls term N*alpha, the bytes term S/bw, their
+    sum (the per-tensor estimate), the measured per-tensor time, and measured / estimate."""
     src = next(r for r in rows if r["model"] not in flagged_rows(rows))  # the last row is never flagged
     alpha, per_mib = src["per-tensor ms"] / src["tensors"], rows[-1]["bucketed ms/MiB"]
-    terms = [{"model": r["model"], "calls ms": r["tensors"] * alpha, "bytes ms": r["MiB"] * per_mib} for r in rows]
-    for t in terms:
-        t["larger"] = "calls" if t["calls ms"] > t["bytes ms"] else "bytes"
+    terms = []
+    for r in rows:
+        calls, nbytes = r["tensors"] * alpha, r["MiB"] * per_mib
+        est, got = calls + nbytes, r["per-tensor ms"]
+        terms.append({"model": r["model"], "N*alpha ms": calls, "S/bw ms": nbytes, "estimate ms": est,
+                      "measured ms": got, "measured / estimate": got / est,
+                      "larger": "calls" if calls > nbytes else "bytes",
+                      "side": "above" if got > est else "below" if got < est else "equal to"})
     named = {k: ", ".join(t["model"] for t in terms if t["larger"] == k) or "no model" for k in ("calls", "bytes")}
-    text = (f"alpha ~ {alpha:.3f} ms per call ({src['model']}'s per-tensor ms / {src['tensors']} tensors, the "
-            "smallest model not flagged as disturbed), "
-            f"1/beta ~ {per_mib:.3f} ms/MiB ({rows[-1]['model']}'s bucketed ms/MiB); N*alpha vs S/beta: "
-            + ", ".join(f"{t['model']} {t['calls ms']:.2f} vs {t['bytes ms']:.2f} ms ({t['larger']})" for t in terms))
+    text = (f"alpha ~ {alpha:.3f} ms per call ({src['model']}, the smallest unflagged model), "
+            f"1/bw ~ {per_mib:.3f} ms/MiB ({rows[-1]['model']}, bucketed)")
     return {"alpha_ms": alpha, "alpha_model": src["model"], "ms_per_mib": per_mib, "terms": terms,
-            "calls_larger": named["calls"], "bytes_larger": named["bytes"], "text": text}
+            "calls_larger": named["calls"], "bytes_larger": named["bytes"], "text": text,
+            "compare_text": compare_text(terms)}
 
 
 def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
@@ -254,37 +264,29 @@ def sweep_order_breaks(sweep: list[dict]) -> list[tuple[dict, dict]]:
 
 
 def sweep_order_text(sweep: list[dict]) -> str:
-    """One sentence saying which neighbouring sweep rows broke the 'fewer calls, less time' order, if any."""
+    """Which neighbouring sweep rows broke the 'fewer calls, less time' order, if any."""
     breaks = sweep_order_breaks(sweep)
     if not breaks:
-        return "every row with fewer calls than the row above it also took less time"
-    pairs = [f"{b['bucket MiB']:g} MiB ({b['buckets']} calls, {b['ms']:.1f} ms) took longer than "
-             f"{a['bucket MiB']:g} MiB ({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks]
-    return "fewer calls did not mean less time everywhere: " + "; ".join(pairs)
+        return "fewer calls always took less time"
+    return "fewer calls took longer at " + "; ".join(
+        f"{b['bucket MiB']:g} MiB ({b['buckets']} calls, {b['ms']:.1f} ms) against {a['bucket MiB']:g} MiB "
+        f"({a['buckets']} calls, {a['ms']:.1f} ms)" for a, b in breaks)
 
 
 def sweep_vs_per_tensor_text(first: dict, big: dict) -> str:
-    """Why the sweep's smallest buckets save few calls, and whether they beat the per-tensor sync of the same model
-    in this run: the direction comes from the two times, the reason from the plan (tensors larger than a bucket
-    travel alone, one call each, yet still pass through a fresh buffer on every rank)."""
+    """The sweep's smallest buckets against the per-tensor sync of the same model: the direction first, from the two
+    times; then the reason, from the plan (tensors larger than a bucket travel alone, one call each, and still pass
+    through the bucket's buffer on every rank)."""
     saved = big["tensors"] - first["buckets"]
-    copies = "while it still copies every byte into a fresh buffer and out again"
+    how = "slower" if first["ms"] > big["per-tensor ms"] else "faster" if first["ms"] < big["per-tensor ms"] else \
+        "as fast"
+    text = f"{how} ({first['ms']:.1f} ms against {big['per-tensor ms']:.1f} ms); at {first['bucket MiB']:g} MiB "
     if first["alone"]:
-        reason = (f"at {first['bucket MiB']:g} MiB, {first['alone']} of the {big['tensors']} tensors "
-                  f"({first['MiB alone']:.1f} of {big['MiB']:.1f} MiB) are larger than a bucket and travel alone, one "
-                  f"call each as in the per-tensor sync, so only smaller neighbours share buckets and bucketing saves "
-                  f"just {saved} calls, {copies}")
+        text += (f"{first['alone']} of the {big['tensors']} tensors ({first['MiB alone']:.1f} of {big['MiB']:.1f} "
+                 f"MiB) travel alone, so bucketing saves just {saved} calls")
     else:
-        reason = (f"at {first['bucket MiB']:g} MiB every tensor fits in a bucket, and bucketing saves {saved} calls, "
-                  f"{copies}")
-    times = f"{first['ms']:.1f} ms against {big['per-tensor ms']:.1f} ms"
-    if first["ms"] > big["per-tensor ms"]:
-        return (f"{reason}; in this run it took longer than the per-tensor sync ({times}): the copies cost more than "
-                f"the {saved} saved calls")
-    if first["ms"] < big["per-tensor ms"]:
-        return (f"{reason}; in this run it was faster than the per-tensor sync ({times}): the {saved} saved calls "
-                "outweighed the copies")
-    return f"{reason}; in this run it took as long as the per-tensor sync ({times})"
+        text += f"every tensor fits in a bucket, and bucketing saves {saved} calls"
+    return text + ", and still copies every byte in and out"
 
 
 def check_engine_serves_new_weights(ctx: RankContext, model: GPT) -> dict:
@@ -402,14 +404,16 @@ def main() -> int:
     print(f"\nEngine.load_weights on rank {args.world_size - 1}: greedy completions equal the trainer's  OK")
     big = rows[-1]
     speedup = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}  # > 1: bucketing was faster
-    print(f"{big['model']}: bucketed {big['bucketed ms/MiB']:.2f} ms/MiB vs per tensor {big['per-tensor ms/MiB']:.2f} "
-          f"ms/MiB ({big['tensors']} tensors in {big['buckets']} buckets): per-tensor time / bucketed time "
-          f"{speedup[big['model']]:.2f}; {ratio_evidence(rows)['text']}")
+    print(f"Per-tensor / bucketed time: {big['model']} {verdict(speedup[big['model']])}; largest unflagged: "
+          f"{ratio_evidence(rows)['text']}")
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
     print(f"Disturbed table rows: {reading['disturbed_text']}")
     estimate = formula_estimate(rows)
-    print(f"Formula estimate: {estimate['text']}")
+    print(f"\nFormula estimate of the per-tensor sync, N*alpha + S/bw: {estimate['text']}")
+    print(report.table([{k: v for k, v in t.items() if k not in ("larger", "side")} for t in estimate["terms"]],
+                       floatfmt=".3g"))
+    print(f"Measured against the estimate: {estimate['compare_text']}")
     if sweep:
         reading["sweep_breaks"] = [[a["bucket MiB"], b["bucket MiB"]] for a, b in sweep_order_breaks(sweep)]
         reading["sweep_text"] = sweep_order_text(sweep)
