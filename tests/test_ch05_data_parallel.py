@@ -11,7 +11,9 @@
   the printed launch table's fractions equal to the raw trace's launch-call events over its backward;
 - the ideal-overlap model (ddp_from_scratch.ideal_schedule) against a recomputation from assign_buckets' plan: each
   all-reduce starts at max(its bucket ready, the previous one done); with one bucket, none before the backward ends;
-- the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof;
+- the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof; dp_training's step-1
+  record (its figure dp_step.png): each rank's own gradient recomputed here from the rank's rebuilt first batch,
+  the averaged gradient equal to their mean, identical post-step parameters, the windows where the batch lies;
 - the plain PyTorch recipe (ddp_recipe.py): DistributedSampler gives every rank an equal share with the padding
   counted, and forgetting set_epoch is caught.
 """
@@ -27,7 +29,7 @@ import torch
 
 from conftest import load_script, run, scripts_dir
 from mlsys.collectives import comm_volume, ring_all_reduce
-from mlsys.data import load_splits
+from mlsys.data import load_splits, shard
 from mlsys.ddp import BucketedDDP, OverlappedDDP, assign_buckets, rank_batches, wrap
 from mlsys.model import GPT, GPTConfig, num_params
 
@@ -494,6 +496,46 @@ def test_grad_sync_average_equals_full_batch(grad_sync_json: dict) -> None:
     assert np.abs(before[0] - before[1]).max() > 1e-5  # ranks really had different gradients
 
 
+def _check_first_step(doc: dict) -> None:
+    """dp_training's step-1 record against an oracle: each rank's first batch rebuilt here (rank_batches), its
+    gradient computed on a fresh model with the run's initial weights; the averaged gradient is their mean; every rank
+    ends the step with the same parameters; the marked windows are where the batch lies in the rank's shard."""
+    settings, r = doc["settings"], doc["results"]["step1"]
+    world = settings["world_size"]
+    local, averaged, after, before = (np.array(r[k]) for k in ("local", "averaged", "after", "before"))
+    assert local.shape == averaged.shape == after.shape == (world, 12)
+    np.testing.assert_allclose(averaged, np.broadcast_to(local.mean(0), averaged.shape), rtol=1e-5, atol=1e-7)
+    for a in range(world):  # different data: every pair of ranks has different gradients
+        for b in range(a + 1, world):
+            assert np.abs(local[a] - local[b]).max() > 1e-3 * np.abs(local).max(), (a, b)
+    assert (after == after[0]).all() and (before == before[0]).all()  # identical replicas, before and after
+    assert np.abs(after - before).min() > 0  # the step moved every drawn entry
+    tokens, _ = load_splits(settings["num_records"], settings["seed"])
+    torch.manual_seed(settings["seed"])
+    model = GPT(GPTConfig.preset("tiny"))
+    init = [p.detach().clone() for p in model.parameters()]
+    for rank in range(world):
+        (x, y), = rank_batches(tokens, rank, world, settings["batch_size"], 64, settings["seed"], 1)
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), init):
+                p.copy_(p0)
+        grads = torch.cat([g.flatten() for g in _grad_of(model, x, y)])
+        np.testing.assert_allclose(local[rank], grads[r["entries"]].numpy(), rtol=1e-4, atol=1e-7)
+        part = shard(tokens, rank, world)
+        assert [part[s:s + 64].tolist() for s in r["starts"][rank]] == x.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_dp_training_first_step_averages_each_ranks_own_gradient(tmp_path) -> None:
+    """Three ranks, torch's DDP (which averages inside backward()); two ranks with the overlapped DDP in the test
+    below."""
+    out = tmp_path / "dp.json"
+    proc = run([CH05 / "dp_training.py", "-w", "3", "--smoke", "--json", out, "--plot-dir", tmp_path], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_first_step(json.loads(out.read_text()))
+    assert f"figure: {tmp_path / 'dp_step.png'}" in proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:
     out = tmp_path / "dp.json"
@@ -507,6 +549,7 @@ def test_dp_training_loss_falls_and_replicas_agree(tmp_path) -> None:
     shards = r["shards"]
     assert shards[0]["first token"] == 0 and shards[1]["first token"] == shards[0]["last token"] + 1
     assert r["rank_loss_last"][0] != r["rank_loss_last"][1]  # different data on each rank
+    _check_first_step(json.loads(out.read_text()))
 
 
 # ----------------------------------------------------------------------------------------------- the plain recipe

@@ -1,10 +1,13 @@
 """Chapter 5 recomputation: what autograd keeps, measured, against the Korthikanti et al. count and exact tensor
-sizes; checkpointed gradients against the model's own forward and backward."""
+sizes; checkpointed gradients against the model's own forward and backward. Also mixed precision's runs, and local
+SGD / DiLoCo: bytes per round, the outer step against torch's, and the replicas' drift (figure replica_drift.png)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -200,5 +203,47 @@ def test_diloco_outer_step_is_torch_nesterov_sgd_and_the_planted_bug_is_not(monk
         monkeypatch.setattr(ls, "outer_step", planted)
         with pytest.raises(SelfCheckFailed, match="outer step"):
             ls.train(ctx, args, tokens, val, "diloco")
+    finally:
+        dist.destroy_process_group()
+
+
+DRIFT_ROUNDING = 1e-5  # float32 weights of norm about 3: a distance this small is rounding, not drift
+
+
+def test_replicas_drift_between_averagings_and_agree_after_each(smoke_cache) -> None:
+    """The smoke run (two ranks, H = 4 of 8 steps): sync's replicas never differ; local's and diloco's differ after
+    every step and agree again right after each averaging, at steps H, 2H. At W = 2, theta_r - mean is
+    +-(theta_0 - theta_1) / 2, so both ranks are the same distance from the mean."""
+    proc = smoke_run(smoke_cache, scripts_dir(5) / "local_sgd.py")
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    settings, drift = proc["json"]["settings"], proc["json"]["results"]["drift"]
+    steps, h = settings["steps"], settings["sync_every"]
+    assert settings["world_size"] == 2 and steps > h
+    for run_name, d in drift.items():
+        after_step, after_sync = np.array(d["after_step"]), np.array(d["after_sync"])
+        assert after_step.shape == (steps, 2)
+        both = np.concatenate([after_step, after_sync.reshape(-1, 2)])
+        np.testing.assert_allclose(both[:, 0], both[:, 1], rtol=1e-6, atol=DRIFT_ROUNDING)  # W = 2: equal
+        if run_name == "sync":  # gradients averaged before every step: identical replicas throughout
+            assert d["sync_steps"] == [] and after_step.max() < DRIFT_ROUNDING
+            continue
+        assert d["sync_steps"] == list(range(h, steps + 1, h))
+        assert after_sync.shape == (steps // h, 2) and after_sync.max() < DRIFT_ROUNDING  # agree after averaging
+        assert after_step.min() > 1000 * DRIFT_ROUNDING, run_name  # apart after every local step, sync steps too
+    figure = Path(proc["plot_dir"]) / "replica_drift.png"
+    assert figure.exists() and f"figure: {figure}" in proc["stdout"]
+
+
+def test_one_rank_has_nothing_to_drift() -> None:
+    """At W = 1 every rank is the mean: every distance is exactly 0, in every run."""
+    import torch.distributed as dist
+
+    ls, args, tokens, val, ctx = _one_rank_local_sgd(steps=8, sync_every=4)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for run_name in ("sync", "local", "diloco"):
+            d = ls.train(ctx, args, tokens, val, run_name)["drift"]
+            assert len(d["after_step"]) == 8 and len(d["after_sync"]) == (0 if run_name == "sync" else 2)
+            assert all(v == 0.0 for row in d["after_step"] + d["after_sync"] for v in row)
     finally:
         dist.destroy_process_group()

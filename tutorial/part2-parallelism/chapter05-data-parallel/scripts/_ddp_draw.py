@@ -1,5 +1,6 @@
-"""ddp_from_scratch.py's figures: the ideal-overlap model and the profiled step, drawn; and the interval arithmetic
-both the drawing and the script's overlap numbers use. A file starting with _ is a helper, not a script."""
+"""The chapter's drawings. ddp_from_scratch.py's figures: the ideal-overlap model and the profiled step, and the
+interval arithmetic both the drawing and the script's overlap numbers use; dp_training.py's step 1 on every rank;
+local_sgd.py's drift of the replicas. A file starting with _ is a helper, not a script."""
 
 from __future__ import annotations
 
@@ -124,3 +125,137 @@ def draw_overlap(args, spans: list[plot.Span]):
     ax.set_title("One overlapped DDP step on rank 0, from its torch.profiler trace", pad=4)
     fig.tight_layout()
     return plot.save(fig, args, "ddp_overlap")
+
+
+# ---- dp_training.py: one data-parallel step ------------------------------------------------------------------
+def entry_names(model, entries: list[int]) -> list[str]:
+    """A short name for each flat parameter position, e.g. h.0.mlp.c_fc.w[5,17] (the order of model.parameters())."""
+    import numpy as np
+
+    names, start = [], 0
+    spans = []
+    for name, p in model.named_parameters():
+        spans.append((start, start + p.numel(), name.replace(".weight", ".w").replace(".bias", ".b"), p.shape))
+        start += p.numel()
+    for e in entries:
+        first, _, name, shape = next(s for s in spans if s[0] <= e < s[1])
+        index = np.unravel_index(e - first, tuple(shape))
+        names.append(f"{name}[{','.join(str(int(i)) for i in index)}]")
+    return names
+
+
+def draw_dp_step(args, step1: dict, shards: list[dict], names: list[str], block_size: int):
+    """One row per rank: (a) its shard of the stream and its first batch's windows, (b) its own gradient g_r on the
+    chosen entries, (c) the averaged gradient after the all-reduce, with every rank's g_r as dots, (d) the change
+    the optimizer step made to those entries. An all-reduce box joins (b) to (c)."""
+    import numpy as np
+    from matplotlib.patches import FancyArrowPatch
+
+    plt = plot.pyplot()
+    world = len(shards)
+    local, averaged = np.array(step1["local"]), np.array(step1["averaged"])  # (W, n)
+    change = np.array(step1["after"]) - np.array(step1["before"])  # (W, n)
+    colours = plot.colours([f"rank {r}" for r in range(world)])
+    height = 1.55 * world + 2.6  # inches: the rows, 1.1 above them for the titles, 1.5 below for the entry names
+    fig = plt.figure(figsize=(16, height))
+    grid = fig.add_gridspec(world, 5, width_ratios=[3.0, 2.2, 0.9, 2.2, 2.2], left=0.04, right=0.99,
+                            top=1 - 1.1 / height, bottom=1.5 / height, wspace=0.28, hspace=0.35)
+    n = len(names)
+    xs = np.arange(n)
+    g_lim = 1.15 * max(np.abs(local).max(), np.abs(averaged).max())
+    d_lim = 1.15 * np.abs(change).max()
+    total = shards[-1]["last token"] + 1
+    rows = []
+    for r in range(world):
+        stream, own, mean, step = (fig.add_subplot(grid[r, c]) for c in (0, 1, 3, 4))
+        colour = colours[f"rank {r}"]
+        for s in shards:  # the stream as a bar, one segment per shard
+            mine = s["rank"] == r
+            stream.barh(0, s["tokens"], left=s["first token"], height=0.6, color=colour if mine else "0.88",
+                        edgecolor="white")
+            stream.text(s["first token"] + s["tokens"] / 2, 0.45, f"rank {s['rank']}'s shard", ha="center",
+                        va="bottom", fontsize=8, fontweight="bold" if mine else "normal")
+        for start in step1["starts"][r]:  # this rank's first-batch windows, drawn at least a pixel wide
+            stream.axvspan(shards[r]["first token"] + start, shards[r]["first token"] + start + block_size,
+                           ymin=0.2, ymax=0.5, color="black", lw=0.8)
+        stream.set(xlim=(0, total), ylim=(-0.5, 1.0), yticks=[], ylabel=f"rank {r}")
+        stream.locator_params(axis="x", nbins=4)  # token positions are long numbers: few ticks, small type
+        stream.tick_params(axis="x", labelsize=8)
+        stream.grid(False)
+        own.bar(xs, local[r], color=colour)
+        mean.bar(xs, averaged[r], color="0.35", label="mean over ranks")
+        for q in range(world):  # every rank's g_r, as dots: the bar is their mean
+            mean.plot(xs, local[q], "o", ms=3.5, color=colours[f"rank {q}"], label=f"rank {q}'s g_r")
+        step.bar(xs, change[r], color="0.55")
+        for ax, lim in ((own, g_lim), (mean, g_lim), (step, d_lim)):
+            ax.axhline(0, color="black", lw=0.6)
+            ax.set(xlim=(-0.6, n - 0.4), ylim=(-lim, lim), xticks=xs)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_xticklabels(names if r == world - 1 else [], rotation=90, fontsize=7)
+        rows.append((own, mean))
+        if r == 0:
+            marked = f"black: its {len(step1['starts'][r])} windows" if step1["starts"][r] else "windows not marked"
+            stream.set_title(f"(a) this rank's batch: its shard of the stream\n({marked})", fontsize=10)
+            own.set_title("(b) g_r: this rank's own gradient\n(its own batch, before any communication)",
+                          fontsize=10)
+            mean.set_title("(c) after the all-reduce: (1/W) sum of g_r\n(dots: every rank's g_r)", fontsize=10)
+            step.set_title("(d) after the optimizer step:\nparameter after - before", fontsize=10)
+    rows[-1][0].set_xlabel("")
+    stream.set_xlabel("position in the token stream")
+    # the all-reduce: an arrow from every rank's (b) into one box, and from the box to every rank's (c)
+    own_x = rows[0][0].get_position().x1
+    mean_x = rows[0][1].get_position().x0
+    box_x = (own_x + mean_x) / 2
+    box_y = (rows[0][0].get_position().y1 + rows[-1][0].get_position().y0) / 2
+    fig.text(box_x, box_y, f"all-reduce\n(sum, / {world})", ha="center", va="center", fontsize=10,
+             bbox={"boxstyle": "round", "facecolor": "#fff3c4", "edgecolor": "black"})
+    for own, _ in rows:
+        y = (own.get_position().y0 + own.get_position().y1) / 2
+        for a, b in (((own_x + 0.004, y), (box_x - 0.03, box_y)), ((box_x + 0.03, box_y), (mean_x - 0.004, y))):
+            fig.add_artist(FancyArrowPatch(a, b, transform=fig.transFigure, arrowstyle="-|>", mutation_scale=12,
+                                           color="black", lw=1.0))
+    chosen = "where the ranks' gradients differ most" if world > 1 else "with the largest gradient (one rank)"
+    fig.suptitle(f"Step 1 of the run on each of its {world} rank(s), on the {n} parameter entries {chosen}",
+                 fontsize=12)
+    return plot.save(fig, args, "dp_step")
+
+
+# ---- local_sgd.py: how far the replicas drift between synchronisations ------------------------------------------
+def draw_drift(args, drift: dict):
+    """One panel per run: each rank's ||theta_r - mean theta|| after every step, dropping at each averaging (the
+    line goes straight down at that step); a grey line at every all-reduce the run makes."""
+    plt = plot.pyplot()
+    runs = list(drift)
+    world = len(drift[runs[0]]["after_step"][0])
+    fig, axes = plt.subplots(1, len(runs), figsize=(12, 3.4), sharey=True)
+    colours = plot.colours([f"rank {r}" for r in range(world)])
+    h = args.sync_every
+    what = {"sync": "gradients all-reduced every step", "local": f"parameters averaged every {h} steps",
+            "diloco": f"outer step every {h} steps"}
+    top = max(max(map(max, d["after_step"])) for d in drift.values())
+    for ax, run in zip(axes, runs):
+        d = drift[run]
+        steps = range(1, len(d["after_step"]) + 1)
+        reduces = list(steps) if run == "sync" else d["sync_steps"]  # where this run all-reduces
+        for k, s in enumerate(reduces):
+            ax.axvline(s, color="crimson", alpha=0.5, lw=0.8, ls=":", zorder=1,
+                       label="an all-reduce" if k == 0 else None)
+        after = dict(zip(d["sync_steps"], d["after_sync"]))
+        for r in range(world):  # the point after the step, then (at an averaging) the point after the averaging
+            xs = [x for s in steps for x in ([s, s] if s in after else [s])]
+            ys = [y for s in steps for y in ([d["after_step"][s - 1][r], after[s][r]] if s in after
+                                              else [d["after_step"][s - 1][r]])]
+            ax.plot(xs, ys, color=colours[f"rank {r}"], lw=2.2 if r == 0 else 1.2, ls="-" if r == 0 else "--",
+                    zorder=2, label=f"rank {r}")
+        ax.set(title=f"{run}: {what.get(run, run)}", xlabel="step", xlim=(0, len(steps) + 0.5))
+        ax.title.set_fontsize(10)
+        ax.grid(axis="x", visible=False)  # vertical lines are the all-reduces only
+        if world == 1:
+            ax.text(0.5, 0.5, "W = 1: one replica,\nnothing to drift", transform=ax.transAxes, ha="center")
+    axes[0].set_ylabel("||theta_r - mean over ranks||")
+    top = top if top > 0 else 1.0  # W = 1: every distance is 0
+    axes[0].set_ylim(-0.03 * top, 1.12 * top)
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return plot.save(fig, args, "replica_drift")

@@ -9,6 +9,10 @@ What it shows
     3. A loss table: each rank's own training loss (different data, so different numbers), their mean, and the
        validation loss of the shared model. Figure dp_training.png: the same curves,
        and each rank's loss minus the mean.
+    4. Figure dp_step.png: step 1 on every rank, drawn from the run. Where the rank's shard (and its batch's windows)
+       lie in the stream; its own gradient g_r on 12 parameter entries, from an unwrapped copy of the model with the
+       same weights (torch's DDP averages inside backward(), so the wrapped model never holds g_r); the averaged
+       gradient the real step used; and how the optimizer step changed those entries.
     Self-checks (exit 1 on failure): after training every rank holds bit-identical parameters, and the
     validation loss fell to at most --max-final-ratio of its starting value.
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
+import _ddp_draw
 import torch
 import torch.distributed as dist
 
@@ -95,6 +100,33 @@ def describe_shards(ctx: RankContext, tokens: torch.Tensor) -> list[dict]:
     return rows
 
 
+def entries_of(model: GPT, entries: torch.Tensor, attr: str = "data") -> torch.Tensor:
+    """The parameters' (attr="data") or gradients' (attr="grad") values at flat positions `entries`."""
+    return torch.cat([getattr(p, attr).detach().flatten() for p in model.parameters()])[entries]
+
+
+def first_step_probe(ctx: RankContext, model: GPT, tokens: torch.Tensor, seed: int, x: torch.Tensor,
+                     y: torch.Tensor) -> dict:
+    """g_r, this rank's own gradient on its first batch (x, y), which a DDP-wrapped model never holds (torch's DDP
+    averages inside backward()): an unwrapped copy with the same weights computes it. Picks 12 entries for the figure
+    (where the ranks' gradients differ most), and where the batch's windows start in this rank's shard."""
+    twin = GPT(model.config)
+    twin.load_state_dict(model.state_dict())
+    twin(x, y)[1].backward()
+    local = entries_of(twin, slice(None), "grad")
+    every = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(every, local)  # every rank's g_r: the same entries chosen on every rank
+    every = torch.stack(every)  # (W, n): where the ranks disagree most (at W = 1: the largest gradients)
+    entries = (every.amax(0) - every.amin(0) + 1e-3 * every.mean(0).abs()).topk(12).indices.sort().values
+    part, (b, t) = shard(tokens, ctx.rank, ctx.world_size), x.shape
+    gen = torch.Generator().manual_seed(seed * 7919 + ctx.rank)  # rank_batches' generator, drawn again
+    starts = torch.randint(0, len(part) - t, (b,), generator=gen)  # the same text can recur: search would mislead
+    if not all(torch.equal(part[s:s + t], row) for s, row in zip(starts, x)):  # not its draws: mark no windows
+        starts = torch.tensor([], dtype=torch.long)
+    return {"entries": entries, "local": local[entries], "before": entries_of(model, entries),
+            "starts": starts.tolist()}
+
+
 # --8<-- [start:loop]
 def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, val: torch.Tensor) -> dict:
     torch.manual_seed(args.seed)  # the same init everywhere (the wrapper broadcasts rank 0's anyway)
@@ -105,6 +137,7 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, val: torch.Ten
     batches = rank_batches(tokens, ctx.rank, ctx.world_size, args.batch_size, model.config.block_size,
                            args.seed, args.steps)  # this rank's own data: (B, T) pairs
     history = {"step": [], "rank_loss": [], "mean_loss": [], "val": [(0, estimate_loss(model, val, 8))]}
+    first = first_step_probe(ctx, model, tokens, args.seed, *batches[0])  # g_r of step 1, for the figure dp_step.png
     for step, (x, y) in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, warmup, args.lr / 10)
@@ -112,8 +145,12 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, val: torch.Ten
         _, loss = ddp(x, y)  # mean over this rank's B*T tokens
         loss.backward()  # torch's DDP averages the gradients in here ...
         ddp.finish_gradient_synchronization()  # ... the hand-written ones finish here
+        if step == 0:  # step 1, for the figure only: the averaged gradient on its entries ...
+            first["averaged"] = entries_of(model, first["entries"], "grad")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # same grads on every rank: same clipping
         opt.step()
+        if step == 0:  # ... and the parameters after the step
+            first["after"] = entries_of(model, first["entries"])
         losses = torch.zeros(ctx.world_size)
         losses[ctx.rank] = loss.detach()
         dist.all_reduce(losses)  # every rank's loss, for the table (not needed for training)
@@ -122,8 +159,16 @@ def train(ctx: RankContext, args: Settings, tokens: torch.Tensor, val: torch.Ten
         history["mean_loss"].append(losses.mean().item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             history["val"].append((step + 1, estimate_loss(model, val, 8)))
-    return {"model": model, **history}
+    return {"model": model, "first": first, **history}
 # --8<-- [end:loop]
+
+
+def gather_first_step(ctx: RankContext, first: dict) -> dict:
+    """Every rank's step-1 record, one row per rank (the entries are the same on every rank), for the figure."""
+    every: list = [None] * ctx.world_size
+    dist.all_gather_object(every, {k: v.tolist() if torch.is_tensor(v) else v for k, v in first.items()})
+    return {"entries": every[0]["entries"], **{k: [e[k] for e in every] for k in ("local", "averaged", "before",
+                                                                                    "after", "starts")}}
 
 
 def check_replicas_identical(model: GPT) -> float:
@@ -163,9 +208,12 @@ def worker(ctx: RankContext, args: Settings) -> dict:
               f"{ctx.world_size} ranks")
     if last > args.max_final_ratio * first:
         raise cli.SelfCheckFailed(f"validation loss only went from {first:.3f} to {last:.3f}")
+    step1 = gather_first_step(ctx, out["first"])
     if ctx.is_main:
         draw(args, out, ctx.world_size)
-    return {"shards": shards, "val_loss": out["val"], "mean_loss": out["mean_loss"],
+        names = _ddp_draw.entry_names(model, step1["entries"])
+        print(f"figure: {_ddp_draw.draw_dp_step(args, step1, shards, names, model.config.block_size)}")
+    return {"step1": step1, "shards": shards, "val_loss": out["val"], "mean_loss": out["mean_loss"],
             "rank_loss_last": out["rank_loss"][-1], "initial_val_loss": first, "final_val_loss": last,
             "loss_ratio": last / first, "replica_max_diff": worst, "ddp": args.ddp, "num_params": num_params(model)}
 

@@ -9,10 +9,14 @@ What it shows
                parameters is treated as a gradient for an outer SGD step with Nesterov momentum
                (lr 0.7, momentum 0.9, as in Douillard et al., https://arxiv.org/abs/2311.08105)
     It counts the bytes each run all-reduces, evaluates the averaged model on held-out data after every round of
-    H steps, and draws the validation loss against the bytes. Checked first: with plain SGD and H = 1, averaging
-    the parameters after every step gives the same weights as averaging the gradients (to rounding). Checked in
-    every DiLoCo round: the hand-written outer step gives the same weights as torch.optim.SGD(lr=0.7, momentum=0.9,
-    nesterov=True) stepping a copy of the outer weights with the same outer gradient (to rounding).
+    H steps, and draws the validation loss against the bytes. It also keeps every rank's weights after every
+    optimizer step, and right after each synchronisation, and measures how far each rank is from the ranks' mean,
+    ||theta_r - mean_r theta|| (one gather after each run, a measurement not counted in the bytes): figure
+    replica_drift.png draws that distance per run and rank, with a line at every all-reduce the run makes.
+    Checked first: with plain SGD and H = 1, averaging the parameters after every step gives the same weights as
+    averaging the gradients (to rounding). Checked in every DiLoCo round: the hand-written outer step gives the
+    same weights as torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True) stepping a copy of the outer weights
+    with the same outer gradient (to rounding).
 
 How to run (any world size from 1 to 8)
     python tutorial/part2-parallelism/chapter05-data-parallel/scripts/local_sgd.py
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import _ddp_draw
 import torch
 import torch.distributed as dist
 
@@ -94,6 +99,21 @@ def torch_outer_optimizer(global_params: torch.Tensor) -> tuple[torch.Tensor, to
     return copy, torch.optim.SGD([copy], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
 
+def replica_drift(seen: dict, sync_steps: list[int]) -> dict | None:
+    """||theta_r - mean over ranks of theta|| for every rank r and every weight vector in `seen` (lists of flat
+    weights: after each step, after each averaging). A measurement for the figure, on rank 0 (None elsewhere): one
+    gather after the run, left out of the runs' byte counts (they count only the all-reduces training needs)."""
+    mine = torch.stack(seen["after_step"] + seen["after_sync"])  # (S, n)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(mine, every, dst=0)
+    if every is None:
+        return None
+    stack = torch.stack(every)  # (W, S, n)
+    dist_at = [(w - w.mean(0)).norm(dim=1).tolist() for w in stack.double().unbind(1)]  # float64: 0 stays 0
+    return {"after_step": dist_at[:len(seen["after_step"])], "sync_steps": sync_steps,
+            "after_sync": dist_at[len(seen["after_step"]):]}
+
+
 def mean_all_reduce(t: torch.Tensor, sent: list[int]) -> torch.Tensor:
     """All-reduce and divide by W; adds the buffer's bytes to sent[0]."""
     dist.all_reduce(t)
@@ -110,6 +130,7 @@ def train(ctx: RankContext, args: Settings, tokens, val, run: str) -> dict:
     outer_buffer = torch.zeros_like(global_params)  # Nesterov momentum of the outer step
     oracle, oracle_opt = torch_outer_optimizer(global_params)  # checks every outer step
     sent, curve = [0], []
+    seen, sync_steps = {"after_step": [], "after_sync": []}, []  # weights for the drift figure (not sent)
     gen = torch.Generator().manual_seed(args.seed * 7 + ctx.rank)
     for step in range(1, args.steps + 1):
         x, y = get_batch(tokens, args.batch_size, args.seq_len, gen)
@@ -120,6 +141,7 @@ def train(ctx: RankContext, args: Settings, tokens, val, run: str) -> dict:
             grads = mean_all_reduce(torch.cat([p.grad.flatten() for p in model.parameters()]), sent)
             torch.nn.utils.vector_to_parameters(grads, [p.grad for p in model.parameters()])
         inner.step()
+        seen["after_step"].append(flat(model))  # kept for the drift figure, measured after the run
         if step % args.sync_every:
             continue
         if run == "local":  # average the parameters every H steps
@@ -132,8 +154,11 @@ def train(ctx: RankContext, args: Settings, tokens, val, run: str) -> dict:
             report.expect_close(f"diloco outer step {step // args.sync_every} == torch SGD(nesterov=True)",
                                 global_params, oracle.detach(), rtol=1e-6, atol=1e-7)
             load_flat(model, global_params)
+        if run != "sync":  # again after the averaging (sync averages gradients, never the parameters)
+            seen["after_sync"].append(flat(model))
+            sync_steps.append(step)
         curve.append({"step": step, "bytes": sent[0], "val_loss": evaluate(model, val, args)})
-    return {"curve": curve, "bytes": sent[0], "params": flat(model)}
+    return {"curve": curve, "bytes": sent[0], "params": flat(model), "drift": replica_drift(seen, sync_steps)}
 # --8<-- [end:rounds]
 
 
@@ -186,9 +211,13 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     ctx.print(report.table(rows, floatfmt=".4g"))
     ctx.print("validation loss after each round: " + "; ".join(
         f"{run} " + " ".join(f"{c['val_loss']:.3f}" for c in r["curve"]) for run, r in runs.items()))
+    if ctx.world_size == 1:
+        ctx.print("W = 1: one replica, so nothing can drift: every distance in replica_drift.png is 0")
     if ctx.is_main:
+        print(f"figure: {_ddp_draw.draw_drift(args, {run: r['drift'] for run, r in runs.items()})}")
         draw(args, runs)
     return {"rows": rows, "identity_gap": gap, "curves": {run: r["curve"] for run, r in runs.items()},
+            "drift": {run: r["drift"] for run, r in runs.items()},
             "bytes_ratio_local": rows[1]["vs sync"],
             "val_loss": {run: r["curve"][-1]["val_loss"] for run, r in runs.items()}}
 
