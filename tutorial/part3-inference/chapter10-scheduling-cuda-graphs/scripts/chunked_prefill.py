@@ -291,8 +291,10 @@ def throughput_words(rows: list[dict]) -> str:
     """Where throughput was highest and lowest across the budgets, and how far apart, in words from this run."""
     hi, lo = max(rows, key=lambda r: r["tok_per_s"]), min(rows, key=lambda r: r["tok_per_s"])
     spread = hi["tok_per_s"] / lo["tok_per_s"] - 1
-    text = f"was highest with budget {hi['budget']} and lowest with budget {lo['budget']}, {spread:.0%} apart"
-    return text + (" (under 10%, a difference the machine's load alone can make)" if spread < 0.1 else "")
+    text = f"was highest with budget {hi['budget']} and lowest with budget {lo['budget']}"
+    if spread < 0.1:
+        return f"{text}, only {spread:.0%} apart, a gap the machine's load alone can make"
+    return f"{text}, {spread:.0%} apart"
 
 
 def main() -> int:

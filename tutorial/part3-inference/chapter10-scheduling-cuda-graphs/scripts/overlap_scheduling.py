@@ -375,8 +375,8 @@ def forward_ratio_words(ratio: float) -> str:
     return f"the two forwards took about as long ({ratio:.2f}x, overlapped over plain)"
 
 
-NO_OVERLAP_HINT = ("timeline.png shows no overlap this time (schematic.png draws the idea working); "
-                   "--timeline-batch 64's longer forwards may leave box n+1 room to meet forward n")
+NO_OVERLAP_HINT = ("timeline.png shows no overlap this time (schematic.png draws the idea working); whether box n+1 "
+                   "meets forward n depends on when the worker thread gets the GIL and a core, so a rerun may differ")
 
 
 def overlap_text(serial: int, drawn: int, slowdown: float) -> str:
