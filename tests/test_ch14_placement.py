@@ -295,6 +295,16 @@ def test_roles_picture_against_parameters_of_the_real_models(smoke_cache) -> Non
     _check_roles(proc["json"]["results"]["roles"], "llama-3-8b", "llama-3-8b")
 
 
+def test_fewer_gpus_header_names_a_middle_row_only_when_one_exists(smoke_cache) -> None:
+    """The heading of the table under 'Fewer GPUs do not fit' promises a middle row only when some GPU count lies
+    strictly between the best try below and the chosen count (the 8B run has none: 5 and 6)."""
+    proc = smoke_run(smoke_cache, CH14 / "memory_planner.py")
+    gpus = [r["GPUs"] for r in proc["json"]["results"]["colocated_near"]]
+    has_middle = gpus[-1] - gpus[0] > 1
+    assert ("the count between with the lowest peak" in proc["stdout"]) == has_middle
+    assert ("That try and the chosen count" in proc["stdout"]) == (not has_middle)
+
+
 # ------------------------------------------------------------------------------------------ placements
 @pytest.fixture(scope="module")
 def placement_json(smoke_cache) -> dict:
@@ -415,16 +425,17 @@ def test_placement_picture_roles_and_work_per_rank(placement_json: dict) -> None
 @pytest.mark.timeout(300)
 def test_versions_picture_lag_per_batch(placement_json: dict) -> None:
     """versions.png draws what rollout rank 1 recorded: which weights version (updates received) sampled each batch.
-    The rule worked out here: sync receives update k before sampling batch k (lag 0); async samples batch k first,
-    with the weights of update k - 1 (lag 1 from the second batch on, 0 for the first)."""
+    The rule worked out here, counting batches from 1 as timeline.png does: sync samples batch k with w k-1, the
+    weights after every update so far (lag 0); async samples batch k with w k-2 (lag 1 from batch 2 on, 0 for
+    batch 1)."""
     res = placement_json["results"]
     n = placement_json["settings"]["iterations"]
     want = {"disaggregated": list(range(n)), "async": [0] + list(range(n - 1))}
     for name, versions in want.items():
         for rank, got in enumerate(res[name]["sampled_with"]):
             assert got == (versions if rank else None), (name, rank)
-        assert res["versions_drawn"][name] == [{"batch": k, "version": v, "lag": k - v}
-                                               for k, v in enumerate(versions)]
+        assert res["versions_drawn"][name] == [{"batch": b, "version": v, "lag": b - 1 - v}
+                                               for b, v in enumerate(versions, start=1)]
     assert {r["lag"] for r in res["versions_drawn"]["async"][1:]} == {1}
     assert {r["lag"] for r in res["versions_drawn"]["disaggregated"]} == {0}
 

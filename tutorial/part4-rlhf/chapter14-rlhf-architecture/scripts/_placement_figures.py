@@ -46,19 +46,21 @@ def draw_placement(results: dict, args) -> None:
 
 
 def draw_timeline(results: dict, args) -> None:
-    """Who did what when, one panel per placement; each generate and train bar carries its batch number."""
+    """Who did what when, one panel per placement; each generate and train bar wide enough to show it carries its
+    batch number (a co-located rank with no shard has empty generate and score spans)."""
     plt = plot.pyplot()
     names = list(results)
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.0 + 1.1 * len(names) * args.world_size / 2),
                              sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
+        wall = max((e for events in results[name]["timelines"] for _, _, e in events), default=0.0)
         for rank, events in enumerate(results[name]["timelines"]):
-            count = {"generate": 0, "train": 0}  # one span of each per iteration: the k-th is batch k
+            count = {}  # one generate and one train span per iteration: the k-th is batch k
             for phase, s, e in events:
                 ax.barh(rank, e - s, left=s, color=PHASE_COLOURS[PHASE_LABELS.get(phase, phase)], edgecolor="none",
                         height=0.7)
-                if phase in count:
-                    count[phase] += 1
+                count[phase] = count.get(phase, 0) + 1
+                if phase in ("generate", "train") and e - s > 0.01 * wall:
                     ax.text((s + e) / 2, rank, str(count[phase]), ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(range(args.world_size))
         ax.set_yticklabels([f"rank {r}" for r in range(args.world_size)])
@@ -87,9 +89,10 @@ def draw_learning(results: dict, args) -> None:
 
 def draw_versions(results: dict, args) -> dict:
     """versions.png: for the disaggregated placements, which weights version (updates the rollout rank had received)
-    sampled each batch, as rollout rank 1 recorded it: one row of weights versions (the trainer's update k makes
-    version k + 1) and one of batches, an arrow from the version to the batch it sampled. Returns, per placement,
-    the drawn (batch, version, lag) triples."""
+    sampled each batch, as rollout rank 1 recorded it: one row of weights versions (w k, the weights after k
+    updates) and one of batches, numbered from 1 as in timeline.png, an arrow from the version to the batch it
+    sampled. Batch k can at best be sampled by w k-1, so its lag is k - 1 - version. Returns, per placement, the
+    drawn (batch, version, lag) triples."""
     plt = plot.pyplot()
     names = [n for n in ("disaggregated", "async") if n in results and args.world_size > 1]
     drawn = {}
@@ -98,16 +101,16 @@ def draw_versions(results: dict, args) -> dict:
     fig, axes = plt.subplots(len(names), 1, figsize=(7.5, 1.5 * len(names) + 0.4), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         versions = results[name]["sampled_with"][1]  # rollout rank 1's record
-        drawn[name] = [{"batch": k, "version": v, "lag": k - v} for k, v in enumerate(versions)]
+        drawn[name] = [{"batch": k + 1, "version": v, "lag": k - v} for k, v in enumerate(versions)]
         for k in range(len(versions)):
             ax.text(k, 1, f"w{k}", ha="center", va="center", fontsize=8, bbox={"fc": "C2", "alpha": 0.35})
-            ax.text(k, 0, f"batch {k}", ha="center", va="center", fontsize=8, bbox={"fc": "C0", "alpha": 0.35})
+            ax.text(k, 0, f"batch {k + 1}", ha="center", va="center", fontsize=8, bbox={"fc": "C0", "alpha": 0.35})
         for row in drawn[name]:
-            ax.annotate("", xy=(row["batch"], 0.2), xytext=(row["version"], 0.8),
+            ax.annotate("", xy=(row["batch"] - 1, 0.2), xytext=(row["version"], 0.8),
                         arrowprops={"arrowstyle": "->", "color": "C3" if row["lag"] else "0.3"})
         lags = sorted({r["lag"] for r in drawn[name]})
         ax.set_title(f"{'sync' if name == 'disaggregated' else 'async'}: w k = the weights after k updates; lags "
-                     f"seen (batch - version): {', '.join(map(str, lags))}", fontsize=9, loc="left")
+                     f"seen (updates behind the newest): {', '.join(map(str, lags))}", fontsize=9, loc="left")
         ax.set(xlim=(-0.6, len(versions) - 0.4), ylim=(-0.5, 1.5))
         ax.set_yticks([0, 1], ["rollout rank 1\nsamples", "weights\nversion"], fontsize=8)
         ax.set_xticks([])

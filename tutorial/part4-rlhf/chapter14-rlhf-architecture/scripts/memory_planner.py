@@ -254,10 +254,11 @@ def tp_overflow_text(num_gpus: int, tried: list[dict], budget: float) -> str:
         over = t["over_bytes"]
         excess = f"{over / GIB:.2f} GiB" if over >= GIB else f"{over / 2**20:.0f} MiB" if over >= 2**20 else \
             f"{over:,.0f} bytes"
-        parts.append(f"TP {t['engine_tp']} peaks in {t['phase']} at "
+        parts.append(f"  TP {t['engine_tp']}, {t['phase']}: "
                      f"{' + '.join(f'{v:.2f}' for v in t['parts_gib'].values())} = {t['peak_gib']:.3f} GiB, "
                      f"{excess} over")
-    return f"Smaller engine TPs on {num_gpus} GPUs, against {budget / GIB:.3f} GiB usable: " + "; ".join(parts) + "."
+    return (f"Smaller engine TPs on {num_gpus} GPUs overflow the {budget / GIB:.3f} GiB usable (peak phase, sum of "
+            f"its columns):\n" + "\n".join(parts))
 
 
 def near_shown(near: list[dict]) -> list[dict]:
@@ -421,8 +422,9 @@ def main() -> int:
             b = result["colocated_best_below"]
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
-            print("That try, the count between with the lowest peak, and the chosen count, each at its best engine "
-                  "TP (every count: colocated_near in the JSON):")
+            between = ", the count between with the lowest peak," if len(result["colocated_near"]) > 2 else ""
+            print(f"That try{between} and the chosen count, each at its best engine TP (every count: "
+                  "colocated_near in the JSON):")
             print(report.table(near_shown(result["colocated_near"]), floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:

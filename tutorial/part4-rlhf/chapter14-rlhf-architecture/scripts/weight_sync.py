@@ -190,20 +190,12 @@ def disturbed_rows(rows: list[dict], key: str) -> list[str]:
 
 
 def disturbed_text(rows: list[dict]) -> str:
-    """The rows the bytes-only-grow rule flags (per method), or 'none', then what that means for the smallest
-    model's per-tensor / bucketed ratio: too high if its per-tensor sync was disturbed, too low if its bucketed one
-    was, either way if both were, untouched if neither."""
+    """The rows the bytes-only-grow rule flags, per method, or 'none'."""
     nxt = {a["model"]: b["model"] for a, b in zip(rows, rows[1:])}
     parts = [f"{m} {how} (slower than {nxt[m]})" for how, key in (("per-tensor", "per-tensor ms"),
                                                                   ("bucketed", "bucketed ms"))
              for m in disturbed_rows(rows, key)]
-    if not parts:
-        return "none"
-    small = rows[0]["model"]
-    per, buck = (small in disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms"))
-    ratio = {(True, False): "too high", (False, True): "too low", (True, True): "off either way",
-             (False, False): "not affected"}[per, buck]
-    return ", ".join(parts) + f"; {small}'s ratio: {ratio}"
+    return ", ".join(parts) or "none"
 
 
 def flagged_rows(rows: list[dict]) -> set[str]:
@@ -218,14 +210,12 @@ def verdict(ratio: float) -> str:
 
 def ratio_evidence(rows: list[dict]) -> dict:
     """The per-tensor / bucketed ratio worth quoting: the largest among the rows the Disturbed line does not flag (a
-    flagged time pushes its row's ratio up or down), and the smallest model's named as left out when it is flagged."""
+    flagged time pushes its row's ratio up or down)."""
     flagged = flagged_rows(rows)
     ratio = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}
     kept = [r for r in rows if r["model"] not in flagged]  # never empty: no row below the last can flag it
-    best, small = max(kept, key=lambda r: ratio[r["model"]]), rows[0]["model"]
+    best = max(kept, key=lambda r: ratio[r["model"]])
     text = f"{best['model']} ({best['MiB']:.2f} MiB) {verdict(ratio[best['model']])}"
-    if small in flagged:
-        text += f" ({small}'s {ratio[small]:.2f} left out: disturbed)"
     return {"model": best["model"], "MiB": best["MiB"], "speedup": ratio[best["model"]], "text": text}
 
 
@@ -404,11 +394,11 @@ def main() -> int:
     print(f"\nEngine.load_weights on rank {args.world_size - 1}: greedy completions equal the trainer's  OK")
     big = rows[-1]
     speedup = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}  # > 1: bucketing was faster
-    print(f"Per-tensor / bucketed time: {big['model']} {verdict(speedup[big['model']])}; largest unflagged: "
-          f"{ratio_evidence(rows)['text']}")
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
-    print(f"Disturbed table rows: {reading['disturbed_text']}")
+    print(f"Disturbed rows (left out below): {reading['disturbed_text']}")
+    print(f"Per-tensor / bucketed time: {big['model']} {verdict(speedup[big['model']])}; largest: "
+          f"{ratio_evidence(rows)['text']}")
     estimate = formula_estimate(rows)
     print(f"\nFormula estimate of the per-tensor sync, N*alpha + S/bw: {estimate['text']}")
     print(report.table([{k: v for k, v in t.items() if k not in ("larger", "side")} for t in estimate["terms"]],
