@@ -478,25 +478,30 @@ def test_prefill_peak_sentence_says_middle_only_strictly_inside(pvd, times_ms):
         assert "x that" not in sentence
 
 
-def test_roofline_places_each_step_under_the_lower_limit(pvd, monkeypatch, tmp_path):
-    """roofline.png: the roof is min(peak, bandwidth x intensity), bent at peak / bandwidth, and every step sits on
-    it at its intensity, recomputed here from the two limits."""
+def test_roofline_shows_counted_intensity_and_timed_flops(pvd, monkeypatch, tmp_path):
+    """roofline.png: the roof is min(peak, bandwidth x intensity), bent at peak / bandwidth. A reader took dots
+    drawn on the roof for a measurement that fit it perfectly, so no step may sit on the roof by construction: each
+    is a tick on the x-axis at its counted intensity, and a hollow marker at the FLOP/s it reached, recomputed here
+    as its FLOPs over its fastest time."""
     saved = []
     monkeypatch.setattr(pvd.plot, "save", lambda fig, args, name: saved.append((fig, name)) or tmp_path / name)
-    prefill = [dict(prompt_len=n, intensity=i) for n, i in [(8, 2.0), (64, 30.0), (240, 90.0)]]
-    decode = [dict(batch=b, intensity=i) for b, i in [(1, 0.5), (64, 5.0)]]
+    prefill = [dict(prompt_len=n, intensity=i, gflop=g, ms=t) for n, i, g, t in
+               [(8, 2.0, 0.01, 2.0), (64, 30.0, 0.1, 4.0), (240, 90.0, 0.4, 8.0)]]
+    decode = [dict(batch=b, intensity=i, gflop=g, ms=t) for b, i, g, t in [(1, 0.5, 0.002, 0.5), (64, 5.0, 0.1, 5.0)]]
     peak, bandwidth = 40e9, 2e9  # ridge at 20 FLOPs per byte
     pvd.draw_roofline(prefill, decode, peak, bandwidth, None)
     (fig, name), = saved
     ax = fig.axes[0]
-    roof, ridge, prefill_dots, decode_dots = ax.get_lines()
+    roof, ridge, prefill_ticks, decode_ticks, prefill_timed, decode_timed = ax.get_lines()
     assert name == "roofline" and list(ridge.get_xdata()) == [20.0, 20.0]
     x, y = roof.get_xdata(), roof.get_ydata()
     assert list(x) == [0.25, 20.0, 180.0] and list(y) == pytest.approx([0.5, 40.0, 40.0])  # GFLOP/s
-    for dots, rows in ((prefill_dots, prefill), (decode_dots, decode)):
-        want = [min(40.0, 2.0 * r["intensity"]) for r in rows]
-        assert list(dots.get_xdata()) == [r["intensity"] for r in rows]
-        assert list(dots.get_ydata()) == pytest.approx(want)
+    for ticks, timed, rows in ((prefill_ticks, prefill_timed, prefill), (decode_ticks, decode_timed, decode)):
+        assert list(ticks.get_xdata()) == list(timed.get_xdata()) == [r["intensity"] for r in rows]
+        assert list(ticks.get_ydata()) == [0.0] * len(rows)  # on the x-axis: axes coordinates, not GFLOP/s
+        assert ticks.get_transform() == ax.get_xaxis_transform()
+        assert list(timed.get_ydata()) == pytest.approx([1e3 * r["gflop"] / r["ms"] for r in rows])  # GFLOP/s
+        assert timed.get_markerfacecolor() == "none" and "timed" in timed.get_label()
 
 
 def test_prefill_and_decode_sentences_follow_the_rows(smoke_cache):
