@@ -597,21 +597,42 @@ def test_bench_headline_gives_the_ratio_when_both_have_a_row_above_local() -> No
     assert "overlapped / torch = 1.09x" in text and "no headline" not in text
 
 
-def test_overlapped_vs_bucketed_sentence_follows_the_medians() -> None:
-    """Medians in seconds by (variant, bucket MiB); the sentence's direction and counts, worked by hand."""
-    med = {("bucketed", 0.25): 0.177, ("overlapped", 0.25): 0.189, ("bucketed", 2): 0.178, ("overlapped", 2): 0.170,
-           ("bucketed", 16): 0.193, ("overlapped", 16): 0.214}
-    text = bench._overlapped_vs_bucketed(med, [0.25, 2, 16], 10.0)
-    assert text.startswith("overlapped's median was lower than bucketed's at 2 MiB only.")  # 178 - 170 > 0 there
-    assert "0.25 MiB -12.0 ms, 2 MiB +8.0 ms, 16 MiB -21.0 ms" in text
-    assert "2 of the 3 gaps are larger than that spread" in text  # |-12|, |-21| > 10; 8 is not
-    every = {k: v - (0.02 if k[0] == "overlapped" else 0) for k, v in med.items() if k[0] == "bucketed"}
-    every.update({("overlapped", mb): med["bucketed", mb] - 0.005 for mb in (0.25, 2, 16)})
-    text = bench._overlapped_vs_bucketed(every, [0.25, 2, 16], 7.0)
-    assert "at every bucket size" in text and "no gap is larger than that spread" in text
-    never = {k: v + (0.02 if k[0] == "overlapped" else 0) for k, v in med.items()}
-    assert bench._overlapped_vs_bucketed(never, [0.25, 2, 16], 7.0).startswith(
-        "overlapped's median was never lower than bucketed's.")
+def _direction_of(text: str, mb: float) -> str:
+    """The word ("shorter", "longer" or "the same") that governs the sentence's mention of `mb` MiB."""
+    head = text.split(";")[0]
+    at = head.index(f" {mb:g} MiB (by ")
+    return max(("shorter", "longer", "the same"), key=lambda w: head.rfind(w, 0, at))
+
+
+@pytest.mark.parametrize("bucketed_ms, overlapped_ms, spread", [
+    ((177, 178, 193), (189, 170, 214), 10.0),   # the read run's shape: shorter at 2 MiB only; two gaps wide
+    ((177, 178, 193), (157, 158, 173), 25.0),   # shorter everywhere, all within the spread
+    ((177, 178, 193), (197, 198, 213), 7.0),    # longer everywhere, every gap wide
+    ((177, 178, 193), (169.96, 185.04, 193), 6.96),  # gaps 7.04 against 6.96: both 7.0 as printed, not wider; a tie
+])
+def test_overlapped_vs_bucketed_sentence_follows_the_medians(bucketed_ms, overlapped_ms, spread) -> None:
+    """Medians by (variant, bucket MiB); each size's direction and gap, and which gaps are wider than local's
+    spread (compared as printed, one decimal), worked out here on their own."""
+    sizes = [0.25, 2.0, 16.0]
+    med = {("bucketed", mb): b / 1e3 for mb, b in zip(sizes, bucketed_ms)}
+    med |= {("overlapped", mb): o / 1e3 for mb, o in zip(sizes, overlapped_ms)}
+    text = bench._overlapped_vs_bucketed(med, sizes, spread)
+    assert text.startswith("overlapped's step was ") and "bucketed's at" in text, text
+    for mb, b, o in zip(sizes, bucketed_ms, overlapped_ms):
+        gap = 1e3 * (b / 1e3 - o / 1e3)
+        assert f"{mb:g} MiB (by {abs(gap):.1f} ms)" in text, (mb, text)
+        want = "shorter" if gap > 0 else "longer" if gap < 0 else "the same"
+        assert _direction_of(text, mb) == want, (mb, text)
+    wide = [mb for mb, b, o in zip(sizes, bucketed_ms, overlapped_ms)
+            if float(f"{abs(b - o):.1f}") > float(f"{spread:.1f}")]
+    tail = text.split(";")[1]
+    if not wide:
+        assert "none of these gaps is wider" in tail and "noise" in tail, text
+    elif len(wide) == len(sizes):
+        assert "every gap is wider" in tail, text
+    else:
+        named = tail.split(" at ")[1].split(" MiB")[0]
+        assert sorted(float(x) for x in named.replace(" and ", ", ").split(", ")) == sorted(wide), text
 
 
 def test_naive_sentence_follows_the_medians() -> None:
@@ -707,8 +728,10 @@ def test_one_bucket_sentence_calls_the_gap_noise_only_within_locals_spread(overl
     gap = 131.0 - overlapped_ms
     assert text.startswith("at 16 MiB all the gradients fit in one bucket"), text
     assert f"lies {abs(gap):.1f} ms {'below' if gap > 0 else 'above'} bucketed's" in text, text
-    # the same gap as the per-size line prints it (the read run said "1 ms above" beside "16 MiB -0.5 ms")
-    assert f"16 MiB {gap:+.1f} ms" in bench._overlapped_vs_bucketed(med, [2.0, 16.0], spread)
+    # the same gap, and the same direction, as the per-size sentence gives it
+    per_size = bench._overlapped_vs_bucketed(med, [2.0, 16.0], spread)
+    assert f"16 MiB (by {abs(gap):.1f} ms)" in per_size, per_size
+    assert _direction_of(per_size, 16.0) == ("shorter" if gap > 0 else "longer" if gap < 0 else "the same")
     assert ("noise" in text) == (abs(gap) <= spread), text
     assert "2 MiB" not in text
     assert bench._one_bucket(med, {2.0: 7, 16.0: 2}, spread).startswith("no bucket size of this run holds")

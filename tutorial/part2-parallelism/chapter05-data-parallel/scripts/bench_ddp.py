@@ -27,8 +27,9 @@ What it shows
     The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
     cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
-    one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A line
-    gives bucketed minus overlapped at each size, next to the spread of local's own rounds. The line
+    one, filled only by the last gradient of the backward, so overlapped has nothing to overlap there. A sentence
+    says at which sizes overlapped's step was shorter or longer than bucketed's, and which gaps are wider than the
+    spread of local's own rounds. The line
     "overlapped / torch at the same bucket size" divides the two medians at each size; it is no steadier than the
     medians it divides.
     Writes bench_ddp.png (step time against bucket size, local's min-to-max range shaded) to --plot-dir and
@@ -319,25 +320,29 @@ def _one_bucket(med: dict, buckets: dict, spread_ms: float) -> str:
             "a gap this run does not explain")
 
 
+def _and(items: list[str]) -> str:
+    return " and ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _overlapped_vs_bucketed(med: dict, sizes: list[float], spread_ms: float) -> str:
-    """One sentence: at which bucket sizes overlapped's median beat bucketed's, by how much, against local's range."""
+    """One plain sentence: at which bucket sizes overlapped's step was shorter or longer than bucketed's, by how
+    much, and which gaps are wider than local's own spread (the noise of a row, compared as printed: one decimal)."""
     gaps = {mb: 1e3 * (med[("bucketed", mb)] - med[("overlapped", mb)]) for mb in sizes}  # > 0: overlapped faster
-    faster = [mb for mb in sizes if gaps[mb] > 0]
-    if len(faster) == len(sizes):
-        where = "overlapped's median was lower than bucketed's at every bucket size"
-    elif not faster:
-        where = "overlapped's median was never lower than bucketed's"
-    else:
-        where = ("overlapped's median was lower than bucketed's at " + ", ".join(f"{mb:g}" for mb in faster)
-                 + " MiB only")
-    larger = sum(round(abs(g), 1) > round(spread_ms, 1) for g in gaps.values())  # as printed: 7.0 is not > 7.0
-    against = ("every gap is larger than that spread" if larger == len(gaps) else
-               "no gap is larger than that spread" if not larger else
-               f"{larger} of the {len(gaps)} gaps {'is' if larger == 1 else 'are'} larger than that spread")
-    return (f"{where}. Bucketed minus overlapped, per bucket size: "
-            + ", ".join(f"{mb:g} MiB {g:+.1f} ms" for mb, g in gaps.items())
-            + f" (positive where overlapped was faster); local's own rounds spread over {spread_ms:.1f} ms, and "
-            + against)
+    parts = []
+    for first, later, sign in (("shorter than bucketed's", "shorter", 1), ("longer than bucketed's", "longer", -1),
+                               ("the same as bucketed's", "the same", 0)):
+        mbs = [mb for mb in sizes if (gaps[mb] > 0) - (gaps[mb] < 0) == sign]
+        if mbs:  # the first part names bucketed, the later ones do not repeat it
+            every = "every bucket size, " if len(mbs) == len(sizes) > 1 else ""
+            each = [f"{mb:g} MiB (by {abs(gaps[mb]):.1f} ms)" for mb in mbs]
+            parts.append(f"{later if parts else first} at {every}{_and(each)}")
+    wide = [mb for mb in sizes if round(abs(gaps[mb]), 1) > round(spread_ms, 1)]  # as printed: 7.0 is not > 7.0
+    spread = f"the spread of local's own rounds ({spread_ms:.1f} ms)"
+    noise = (f"none of these gaps is wider than {spread}, so none is more than noise" if not wide else
+             f"every gap is wider than {spread}" if len(wide) == len(sizes) else
+             f"only the gap{'s' * (len(wide) > 1)} at {_and([f'{mb:g}' for mb in wide])} MiB "
+             f"{'are' if len(wide) > 1 else 'is'} wider than {spread}")
+    return f"overlapped's step was {', and '.join(parts)}; {noise}"
 
 
 def _calls(wrapped, args: Settings) -> str:

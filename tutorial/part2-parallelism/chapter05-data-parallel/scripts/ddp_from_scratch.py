@@ -12,10 +12,11 @@ What it shows
        (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
        of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
        is held in the call, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows
-       of gloo's worker threads. A table gives, from the same trace, when each launch call began and returned
-       as a share of that step's backward (the figure's dotted lines and the ends of the pink boxes). The totals
-       line adds up the all-reduces' durations (two can run at once on gloo's worker threads, so the sum can exceed
-       the step) and gives the time during which at least one was running. The launch
+       of gloo's worker threads. Before that step a barrier, once every rank's profiler is running, lines the
+       ranks up. A table gives, from the same trace, when each launch call began and returned
+       as a share of that step's backward (the figure's dotted lines and the ends of the pink boxes). The line
+       starting "step" gives the overlap share; --json also holds the all-reduces' durations added up (two can run
+       at once on gloo's worker threads, so the sum can exceed the step) and the time at least one ran. The launch
        calls are also timed from the training thread, around the whole Python call (a longer stretch than the
        trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the clock's own readings): wall
        clock, the thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap
@@ -222,9 +223,9 @@ def labelled_block_backward(model: GPT):
 
 def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trace_path,
                     clock: list[dict] | None = None) -> list[list[str]]:
-    """One OverlappedDDP step under torch.profiler (after one unprofiled warm-up step), on every rank; rank 0
-    writes the Chrome trace. Returns the parameter names of each bucket, in launch order; `clock` receives the
-    profiled step's launch timings (clocked_launches)."""
+    """One OverlappedDDP step under torch.profiler (after one unprofiled warm-up step, and a barrier once every
+    rank's profiler has started), on every rank; rank 0 writes the Chrome trace. Returns the parameter names of
+    each bucket, in launch order; `clock` receives the profiled step's launch timings (clocked_launches)."""
     model = fresh_model(args, ctx.rank)
     ddp = OverlappedDDP(model, args.bucket_mb)
     x, y = rank_batches(tokens, ctx.rank, ctx.world_size, args.batch_size, model.config.block_size, args.seed, 1)[0]
@@ -233,6 +234,8 @@ def profile_overlap(ctx: RankContext, args: Settings, tokens: torch.Tensor, trac
     model.zero_grad(set_to_none=True)
     with labelled_block_backward(model), clocked_launches(ddp, clock), plot.quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        if ctx.world_size > 1:  # line the ranks up once every profiler is running: a profiler is slow to start,
+            dist.barrier()      # and a rank starting late would leave the others' all-reduces waiting for it
         with torch.profiler.record_function("forward"):
             _, loss = ddp(x, y)
         with torch.profiler.record_function("backward"):
@@ -498,12 +501,10 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         ctx.print("bucket launches in that step, when the hook's launch call began and returned (the figure's dotted "
                   "line and the end of its pink box), as a share of the backward:")
         ctx.print(report.table(timeline, ".0f"))
-        ctx.print(f"step {o['step_ms']:.1f} ms, backward {o['backward_ms']:.1f} ms; {o['buckets']} all-reduces busy "
-                  f"{o['allreduce_ms']:.1f} ms in all (their durations added up; on {o['gloo_threads']} gloo thread"
-                  f"{'s' * (o['gloo_threads'] != 1)}, at least one ran for {o['allreduce_any_ms']:.1f} ms), "
-                  f"{o['hidden_share']:.0%} of it while the training thread computed the backward; the "
-                  f"hooks' launch calls held it {o['launch_ms']:.1f} ms (longest {o['longest_launch_ms']:.1f} ms); "
-                  f"gloo started a launched bucket up to {o['max_start_delay_ms']:.2f} ms late")
+        # the plain line; the other totals (summed and merged all-reduce time, gloo's start delay) are in --json
+        ctx.print(f"step {o['step_ms']:.1f} ms, backward {o['backward_ms']:.1f} ms: {o['hidden_share']:.0%} of the "
+                  f"{o['buckets']} all-reduces' time ran while the training thread computed the backward; the "
+                  f"hooks' launch calls held it {o['launch_ms']:.1f} ms")
         ctx.print(f"final wait {o['wait_text']}")
         ctx.print(f"the same launch calls timed from the training thread around the whole Python call: "
                   f"{o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
