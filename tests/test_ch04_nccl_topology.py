@@ -294,8 +294,9 @@ def test_tree_cost_terms_match_the_tree_that_is_built(wire) -> None:
 
 @pytest.mark.parametrize("p", [4, 8])
 def test_lesson_table_of_k_is_the_heap_tree(p: int) -> None:
-    """The lesson's table of K: for each level, every parent with children and those children, and the most
-    children on one parent's link, against the heap tree built here from (c - 1) // 2; their sum is the model's K."""
+    """The lesson's table of K: for each level, numbered from the leaves up (level L's parents sit at depth
+    levels - L), every parent with children and those children, and the most children on one parent's link,
+    against the heap tree built here from (c - 1) // 2; their sum is the model's K."""
     readme = (CH04.parent / "README.md").read_text(encoding="utf-8")
     rows = [m.groups() for m in re.finditer(r"^\| (\d+) \| (\d+) \| ([^|]+) \| (\d+) \|$", readme, re.M)
             if int(m.group(1)) == p]
@@ -307,7 +308,7 @@ def test_lesson_table_of_k_is_the_heap_tree(p: int) -> None:
     assert [int(level) for _, level, _, _ in rows] == list(range(1, levels + 1))
     for _, level, links, most in rows:
         drawn = {int(a): sorted(map(int, b.split(","))) for a, b in re.findall(r"(\d+) ← \{([\d, ]+)\}", links)}
-        want = {r: [c for c in parent if parent[c] == r] for r in range(p) if depth[r] == int(level) - 1}
+        want = {r: [c for c in parent if parent[c] == r] for r in range(p) if depth[r] == levels - int(level)}
         assert drawn == {r: cs for r, cs in want.items() if cs}
         assert int(most) == max(len(cs) for cs in want.values())
     assert 2 * sum(int(most) for *_, most in rows) == load("_rvt_model").cost_terms("tree", p)[1]
@@ -333,10 +334,15 @@ def replay(schedule: list[dict], world_size: int, numel: int) -> tuple[np.ndarra
 
 
 def check_drawn_steps(drawn: dict, world_size: int, numel: int) -> None:
-    """Both drawn schedules end in the all-reduce sum on every rank, in 2 floor(log2 p) steps; halving-doubling
-    sends 2(p-1)/p n per rank, the tree n up (every rank but the root) plus n per child down."""
+    """Every drawn schedule ends in the all-reduce sum on every rank; the ring (when drawn) sends 2(p-1)/p n per
+    rank in 2(p-1) steps; tree and halving-doubling take 2 floor(log2 p) steps, halving-doubling sending
+    2(p-1)/p n per rank, the tree n up (every rank but the root) plus n per child down."""
     p = world_size
     steps = 2 * (p.bit_length() - 1)
+    if "ring" in drawn:
+        _, ring_sent = replay(drawn["ring"], p, numel)
+        assert list(ring_sent) == pytest.approx([2 * (p - 1) * numel / p] * p)
+        assert max(m["step"] for m in drawn["ring"]) + 1 == 2 * (p - 1)
     _, tree_sent = replay(drawn["tree"], p, numel)
     children = [sum((c - 1) // 2 == r for c in range(1, p)) for r in range(p)]  # heap order, counted by brute force
     assert list(tree_sent) == [numel * ((r > 0) + children[r]) for r in range(p)]
@@ -355,10 +361,11 @@ def test_drawn_steps_replay_to_the_sum(tmp_path) -> None:
     lengths, replayed in numpy."""
     rvt, model, draw = load("ring_vs_tree"), load("_rvt_model"), load("_rvt_draw")
     drawn = draw.draw_steps(4, rvt.Settings(world_size=4, plot_dir=str(tmp_path)))
+    assert list(drawn) == ["ring", "tree", "halving-doubling"]  # the lesson's rows, top to bottom
     check_drawn_steps(drawn, 4, 64)
     assert (tmp_path / "steps.png").exists()
     for p in (2, 3, 5, 8):
-        check_drawn_steps({"tree": model.tree_schedule(p, 16 * p)} | (
+        check_drawn_steps({"ring": model.ring_schedule(p, 16 * p), "tree": model.tree_schedule(p, 16 * p)} | (
             {"halving-doubling": model.halving_doubling_schedule(p, 16 * p)} if p & (p - 1) == 0 else {}), p, 16 * p)
     for p in (2, 3, 4, 5, 8):
         for numel in (1, 7, 1001):  # uneven halves: the schedule must still sum every element exactly once

@@ -1,6 +1,6 @@
-"""ring_vs_tree.py's figures: the tree's and halving-doubling's messages step by step, what each rank waits for in
-one ring step and one tree step, the measured times, the alpha-beta model against its points, and busbw under the
-box's ceilings."""
+"""ring_vs_tree.py's figures: the ring's, the tree's and halving-doubling's messages step by step, what each rank
+waits for in one ring step and one tree step, the measured times, the alpha-beta model against its points, and
+busbw under the box's ceilings."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from mlsys.collectives import is_power_of_two
 
 # --8<-- [start:draw_steps]
 def draw_steps(world_size: int, args: cli.PlotArgs) -> dict[str, list[dict]]:
-    """One row per algorithm, one panel per step: who sends to whom and how much (as a fraction of the n-element
-    buffer), from the schedules above. Returns the schedules it drew."""
+    """One row per algorithm (ring, tree, halving-doubling), one panel per step: who sends to whom and how much (as
+    a fraction of the n-element buffer), from the schedules above. Returns the schedules it drew."""
     from fractions import Fraction
 
     from matplotlib.patches import FancyArrowPatch
 
     p, numel = world_size, 16 * world_size  # a size every step divides evenly, so the labels are exact fractions
-    drawn = {"tree": tree_schedule(p, numel)}
+    drawn = {"ring": ring_schedule(p, numel), "tree": tree_schedule(p, numel)}
     if is_power_of_two(p):
         drawn["halving-doubling"] = halving_doubling_schedule(p, numel)
     tree_pos = {}
@@ -30,16 +30,20 @@ def draw_steps(world_size: int, args: cli.PlotArgs) -> dict[str, list[dict]]:
         d = (r + 1).bit_length() - 1
         tree_pos[r] = ((r + 1 - 2**d + 0.5) / 2**d * (p - 1), -1.2 * d)
     line_pos = {r: (float(r), 0.0) for r in range(p)}
+    ring_pos = {r: ((p - 1) / 2 * (1 + 0.8 * math.sin(2 * math.pi * r / p)), 1.2 * math.cos(2 * math.pi * r / p))
+                for r in range(p)}  # clockwise on a circle, rank 0 on top
     plt = plot.pyplot()
     cols = max(m["step"] for sched in drawn.values() for m in sched) + 1
     size = 0.55 * p + 0.8  # inches per panel
     fig, axes = plt.subplots(len(drawn), cols, figsize=(size * cols, (size + 0.3) * len(drawn)), squeeze=False)
     for row, (name, sched) in enumerate(drawn.items()):
-        pos = tree_pos if name == "tree" else line_pos
+        pos = {"tree": tree_pos, "ring": ring_pos}.get(name, line_pos)
         sent = [sum(Fraction(m["hi"] - m["lo"], numel) for m in sched if m["src"] == r) for r in range(p)]
         for step in range(cols):
             ax = axes[row, step]
             ax.set_axis_off()
+            if step > max(m["step"] for m in sched):
+                continue  # this algorithm is done: a blank panel
             ax.set_aspect("equal")
             ys = [y for _, y in pos.values()]
             ax.set_xlim(-0.6, p - 0.4)

@@ -475,9 +475,9 @@ def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_si
         ax.set_xlabel("message size (bytes)")
     ax_t.set_ylabel("time per call (us)")
     ax_b.set_ylabel("busbw (GB/s)")
-    ax_t.legend(fontsize=8)
-    if ax_b.get_legend_handles_labels()[0]:
-        ax_b.legend(fontsize=8)
+    for ax in (ax_t, ax_b):  # under the axes, where no legend can hide a point or a tick label
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle(f"{args.collective}, {world_size} ranks, {args.backend}")
     print(f"figure: {plot.save(fig, args, f'{args.collective}_sweep')}")
 

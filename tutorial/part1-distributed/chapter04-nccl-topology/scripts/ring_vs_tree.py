@@ -11,10 +11,11 @@ What it shows
                 2 log2(p) steps AND 2(p-1)/p * n bytes; power-of-two p only (skipped otherwise, with a message).
     The output has four sections:
       1. correctness: each algorithm's largest difference from dist.all_reduce;
-      2. the median time per all-reduce of every algorithm and gloo's own at each size (they take turns, so a
-         burst of load hits all of them) and the fastest of them all, gloo's included; which of ring and tree was
-         faster where (a tie where their ranges over the rounds overlap: no winner is claimed there; the table
-         prints both ranges and the verdict per size), ring busbw over gloo's;
+      2. the median time per all-reduce of every algorithm and gloo's own at each size (after a warm-up pass;
+         each round times every size, and the algorithms take turns at each, so a burst of load hits all of
+         them) and the fastest of them all, gloo's included; which of ring and tree was faster where (a tie
+         where their ranges over the rounds overlap: no winner is claimed there; the table prints both ranges
+         and the verdict per size), ring busbw over gloo's;
       3. an alpha-beta model time = steps*alpha + bytes*beta: ONE (alpha, beta) >= 0 fitted by least squares,
          each point weighted by 1/time (the relative error (model/time - 1)^2: a point above the line costs at
          most 1, one below it without limit), to the ring's and the tree's times at every other size from the
@@ -28,14 +29,14 @@ What it shows
          than 5x in the median, or alpha below a quarter of every measured time per step);
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
-    Figures: steps.png (every message of the tree and of halving-doubling, step by step, from the schedules the
-    two all-reduces follow; kept in the JSON as "steps"), waits.png (step 0 of the ring beside step 0 of the tree: what
-    each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured medians, a bar from each
-    one's fastest to its slowest round), alpha_beta.png (the model against the points, fitted and held out, with
-    its latency- and bandwidth-bound ranges shaded), crossover.png (the ring's and the tree's model lines on one set
-    of axes with the crossover n* marked) and ceiling.png (busbw under the two ceilings); ring_vs_tree, alpha_beta
-    (with crossover) and ceiling are kept in the JSON under "figures", and the text of
-    sections 1-2, 3 and 4 under "printed" (the lesson shows each section beside its explanation).
+    Figures: steps.png (every message of the ring, the tree and halving-doubling, step by step, from the schedules
+    the three all-reduces follow; kept in the JSON as "steps"), waits.png (step 0 of the ring beside step 0 of the
+    tree: what each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured medians, a bar
+    from each one's fastest to its slowest round), alpha_beta.png (the model against the points, fitted and held
+    out, with its latency- and bandwidth-bound ranges shaded), crossover.png (the ring's and the tree's model lines
+    on one set of axes with the crossover n* marked) and ceiling.png (busbw under the two ceilings); ring_vs_tree,
+    alpha_beta (with crossover) and ceiling are kept in the JSON under "figures", and the text of sections 1-2, 3
+    and 4 under "printed" (the lesson shows each section beside its explanation).
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
     This file runs the ranks and prints; the schedules, the model and the sentences printed from the times are in
@@ -157,24 +158,32 @@ def sweep_sizes(args: Settings) -> list[int]:
 
 
 def worker(ctx: RankContext, args: Settings) -> dict:
+    """Checked once, warmed up (every algorithm once at every size), then timed in rounds: each round times every
+    size once, smallest to largest, and the algorithms take turns at each size. A slow spell of the machine (load
+    from elsewhere, or the ranks' own start) then lands on one round of many sizes, not on every round of the
+    first sizes, and each size keeps its median round."""
     algos = algorithms(ctx.world_size)
     errors, outputs = check_against_gloo(ctx, args)
-    rows = []
+    bufs = [torch.zeros(size // ELEMENT_BYTES) for size in sweep_sizes(args)]  # zeros: in-place sums stay finite
+    times = [{name: [] for name in algos} for _ in bufs]
     with steady_timing():  # one garbage collection for the whole sweep, not one per timed loop (each rank's costs
-        for size in sweep_sizes(args):  # a tenth of a second, and the barrier waits for the slowest rank's)
-            count = size // ELEMENT_BYTES
-            buf = torch.zeros(count)  # zeros: repeated in-place sums stay finite
-            iters = max(2, min(args.max_iters, (16 * 2**20) // size))
-            rounds = {name: [] for name in algos}
-            for _ in range(args.rounds):  # take turns, so a burst of load from elsewhere hits every algorithm
-                for name, fn in algos.items():
+        for buf in bufs:  # a tenth of a second, and the barrier waits for the slowest rank's)
+            for fn in algos.values():
+                fn(buf)  # the warm-up pass, untimed
+        for _ in range(args.rounds):
+            for buf, rounds in zip(bufs, times):
+                iters = max(2, min(args.max_iters, (16 * 2**20) // (buf.numel() * ELEMENT_BYTES)))
+                for name, fn in algos.items():  # take turns, so a burst of load hits every algorithm
                     rounds[name].append(time_collective(lambda: fn(buf), warmup=1, iters=iters,  # noqa: B023
                                                         device=ctx.device))
-            for name, times in rounds.items():
-                seconds = float(np.median(times))
-                rows.append({"size (B)": count * ELEMENT_BYTES, "algorithm": name, "time (us)": seconds * 1e6,
-                             "busbw (GB/s)": busbw("all_reduce", count * ELEMENT_BYTES, seconds, ctx.world_size),
-                             "rounds (us)": [t * 1e6 for t in times]})
+    rows = []
+    for buf, rounds in zip(bufs, times):
+        size = buf.numel() * ELEMENT_BYTES
+        for name, per_round in rounds.items():
+            seconds = float(np.median(per_round))
+            rows.append({"size (B)": size, "algorithm": name, "time (us)": seconds * 1e6,
+                         "busbw (GB/s)": busbw("all_reduce", size, seconds, ctx.world_size),
+                         "rounds (us)": [t * 1e6 for t in per_round]})
     return {"rows": rows, "max_abs_error": errors, "check_output": outputs}
 
 
@@ -232,7 +241,7 @@ def main() -> int:
               "nothing on this box moves bytes faster than a memory copy, so the fit's beta is not a speed here")
     figures = {"times": draw_times(rows, w, args), "alpha_beta": draw_alpha_beta(summary, w, args),
                "ceiling": draw_ceiling(rows, ceiling, w, args)}
-    steps = draw_steps(w, args)  # the tree's and halving-doubling's messages, step by step
+    steps = draw_steps(w, args)  # the ring's, the tree's and halving-doubling's messages, step by step
     waits = draw_waits(w, args)  # one ring step beside one tree step: what each rank waits for
     if args.json:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
