@@ -122,9 +122,9 @@ def test_why_the_best_smaller_colocated_count_is_that_count(planner) -> None:
     assert below["gpus"] == max(k for k in range(1, n) if k % tp == 0)  # the largest smaller count TP divides
     widest = max(t for k in range(below["gpus"] + 1, n) for t in (1, 2, 4, 8) if k % t == 0)
     assert widest < tp
-    assert below["reason"] == (f"{below['gpus']} is the largest count below {n} that TP {tp} divides; "
+    assert below["reason"] == (f"TP {tp} needs a multiple of {tp} GPUs, and {below['gpus']} is the largest below {n}; "
                                f"{below['gpus'] + 1} to {n - 1} allow at most TP {widest}, "
-                               f"at least {tp // widest}x the engine weights per GPU")
+                               f"so each GPU holds at least {tp // widest}x the engine weights")
     assert planner.below_reason(6, 5, 1) == "the count just below 6"  # nothing between: no divisibility story
     assert planner.below_reason(10, 4, 2) == "the count below 10 with the lowest peak"  # 8 between allows TP 8
 

@@ -119,6 +119,20 @@ def test_broadcasts_are_bitwise_on_every_rank() -> None:
             assert calls == want_calls
 
 
+def test_sweep_mb_zero_alone_skips_the_sweep() -> None:
+    """--help says `--sweep-mb 0` skips the sweep (the flag takes at least one value): 0 alone gives no sizes; a 0
+    beside other sizes, or a negative size, is still bad usage (exit 2)."""
+    from mlsys import cli
+
+    mod = load_script(CH14 / "weight_sync.py")
+    assert cli.parse(mod.Settings, mod.__doc__, argv=["--sweep-mb", "0"]).sweep_mb == []
+    assert cli.parse(mod.Settings, mod.__doc__, argv=["--sweep-mb", "0.5", "2"]).sweep_mb == [0.5, 2.0]
+    for bad in (["0", "1"], ["-1"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse(mod.Settings, mod.__doc__, argv=["--sweep-mb", *bad])
+        assert exc.value.code == 2
+
+
 def test_reading_flags_rows_that_break_the_bytes_and_calls_order() -> None:
     """The generated sentences: a table row slower than the larger model below it is flagged as disturbed (the
     sync_time caption's rule); a sweep row with fewer calls that took longer than its neighbour is named."""

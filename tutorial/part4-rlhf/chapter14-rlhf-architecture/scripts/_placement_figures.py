@@ -21,7 +21,7 @@ def draw_placement(results: dict, args) -> None:
     plt = plot.pyplot()
     names = list(results)
     cols = ["actor", "critic", "reward\nmodel", "reference", "engine\n(actor copy)", "generates\nshards",
-            "scores\nslices"]
+            "scores\nshards"]
     fig, axes = plt.subplots(len(names), 1, figsize=(9, 0.5 + (0.55 * args.world_size + 0.6) * len(names)),
                              squeeze=False)
     for ax, name in zip(axes[:, 0], names):
@@ -39,7 +39,7 @@ def draw_placement(results: dict, args) -> None:
         ax.set_yticks([args.world_size - r - 0.5 for r in range(args.world_size)],
                       [f"rank {r}" for r in range(args.world_size)])
         ax.grid(False)
-        ax.set_title(f"{name}: parameters held per model, and the shards / slices each rank ran",
+        ax.set_title(f"{name}: parameters held per model, and the shards each rank generated and scored",
                      fontsize=9, loc="left", pad=24)
     fig.tight_layout()
     print(f"figure: {plot.save(fig, args, 'placement')}")

@@ -232,8 +232,8 @@ def below_reason(n_co: int, gpus: int, tp: int) -> str:
         return f"the count just below {n_co}"
     widest = max(t for n in between for t in (1, 2, 4, 8) if n % t == 0)
     if widest < tp:
-        return (f"{gpus} is the largest count below {n_co} that TP {tp} divides; {gpus + 1} to {n_co - 1} allow at "
-                f"most TP {widest}, at least {tp // widest}x the engine weights per GPU")
+        return (f"TP {tp} needs a multiple of {tp} GPUs, and {gpus} is the largest below {n_co}; {gpus + 1} to "
+                f"{n_co - 1} allow at most TP {widest}, so each GPU holds at least {tp // widest}x the engine weights")
     return f"the count below {n_co} with the lowest peak"
 
 
@@ -423,8 +423,7 @@ def main() -> int:
             print(f"Fewer GPUs do not fit: the lowest co-located peak below {n} GPUs is {b['peak_gib']:.1f} GiB per "
                   f"GPU, on {b['gpus']} GPUs with engine TP {b['engine_tp']} ({b['reason']}).")
             between = ", the count between with the lowest peak," if len(result["colocated_near"]) > 2 else ""
-            print(f"That try{between} and the chosen count, each at its best engine TP (every count: "
-                  "colocated_near in the JSON):")
+            print(f"That try{between} and the chosen count, each at its best engine TP:")
             print(report.table(near_shown(result["colocated_near"]), floatfmt=".1f"))
     pool = result["rollout"]
     if pool is not None and result["trainer_gpus"] is not None:

@@ -4,7 +4,7 @@ What it shows
     The same task (mlsys/rlhf.py: actor, critic, reward model, reference on the `draft` GPT; rollouts from the
     inference engine; PPO) run three ways on real processes started by the launcher:
       co-located     every rank holds all four models and an engine; the phases take turns on every rank:
-                     generate a shard of the batch, all-gather, score a slice, all-gather, train, reload
+                     generate a shard of the batch, all-gather, score it, all-gather, train, reload
                      the engine from the local actor (no weight transfer between processes)
       disaggregated  rank 0 trains (actor, critic, reward, reference); ranks 1.. hold only an engine; each
                      iteration the rollout ranks generate, send the batch, wait; the trainer scores and trains
@@ -13,7 +13,7 @@ What it shows
                      have (from step k-1) before receiving step k's, while the trainer trains on batch k-1: the
                      trainer learns from a batch sampled by a policy one update older (one step off-policy), and
                      generation overlaps training
-    Every placement generates the batch in the same seeded shards and scores it in the same slices, so
+    Every placement generates and scores the batch in the same seeded shards, so
     co-located and disaggregated (sync) compute the same numbers: the script checks that their per-iteration
     rewards and their final actor weights are bitwise equal. It measures time per phase and idle time per rank,
     rollouts per second, and for async the off-policy gap (how far the policy that sampled has drifted from the one
@@ -102,7 +102,7 @@ def colocated(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
     held = holdings(actor=models.actor, critic=models.critic, reward_model=models.reward_model,
                     reference=models.reference, engine=engine.model)
     tl, stats = Timeline(), []
-    mine = range(ctx.rank, args.shards, ctx.world_size)  # shards (and slices) this rank owns
+    mine = range(ctx.rank, args.shards, ctx.world_size)  # shards this rank generates and scores
     for it in range(args.iterations):
         with tl.span("generate"):
             shards = [(s, generate_shard(engine, args, it, s)) for s in mine]
@@ -152,7 +152,7 @@ def trainer(ctx: RankContext, args: Settings) -> tuple[list, list, dict]:
             stats.append(train_on(models, opts, kl_ctl, cfg, batch, extras))
         if it < args.iterations - 1:
             send_weights(tl, params, plan)
-    held.update(generated=[], scored=list(range(args.shards)))  # no engine: it scores every slice
+    held.update(generated=[], scored=list(range(args.shards)))  # no engine: it scores every shard
     return tl, stats, {n: t.detach().clone() for n, t in models.actor.state_dict().items()}, held
 
 

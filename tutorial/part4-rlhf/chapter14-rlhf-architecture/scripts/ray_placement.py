@@ -15,7 +15,7 @@ What it shows
       async          the same pools and actors (their models rebuilt); the driver submits batch k+1's generation
                      before step k's weight sync, so the rollout actors generate with weights one step old while
                      the trainer trains
-    It computes what placement.py computes: the same seeded shards, slices and thread count give the same
+    It computes what placement.py computes: the same seeded shards and thread count give the same
     rewards, KL and final actor weights, bit for bit (tests/test_ch14_ray.py compares the two scripts' runs).
     On a machine without GPUs the "GPU" of a bundle is a logical Ray resource (ray.init(num_gpus=W)): it reserves
     a slot, the models still run on the CPU.

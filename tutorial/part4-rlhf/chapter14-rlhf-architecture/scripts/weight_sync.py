@@ -77,7 +77,7 @@ class Settings(cli.DistArgs, cli.PlotArgs):
     bucket_mb: float = 4.0
     """Bucket size in MiB (2**20 bytes) for the bucketed sync."""
     sweep_mb: list[float] = field(default_factory=lambda: [0.0625, 0.25, 1.0, 4.0, 16.0])
-    """Bucket sizes (MiB) tried on the largest model; empty to skip."""
+    """Bucket sizes (MiB) tried on the largest model; `--sweep-mb 0` skips the sweep."""
     figure_bucket_kb: float = 96.0
     """Bucket size (KiB) of the packing figure buckets.png, drawn for the 'draft' model."""
     iters: int = 7
@@ -88,8 +88,10 @@ class Settings(cli.DistArgs, cli.PlotArgs):
         bad = [m for m in self.models if m not in SIZES]
         if bad or not self.models:
             raise cli.UsageError(f"--models must name sizes from {list(SIZES)}, got {self.models}")
+        if self.sweep_mb == [0]:
+            self.sweep_mb = []  # the one way to ask for no sweep: the flag takes at least one value
         if not self.bucket_mb > 0 or any(not b > 0 for b in self.sweep_mb):
-            raise cli.UsageError("--bucket-mb and --sweep-mb must be > 0")
+            raise cli.UsageError("--bucket-mb and --sweep-mb must be > 0 (or --sweep-mb 0 alone, no sweep)")
         if not self.figure_bucket_kb > 0:
             raise cli.UsageError("--figure-bucket-kb must be > 0")
         if self.iters < 1:
