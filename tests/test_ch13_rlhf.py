@@ -734,10 +734,13 @@ def test_rlhf_loop_printed_parts_joined_are_the_whole_output(smoke_cache) -> Non
     proc = smoke_run(smoke_cache, scripts_dir(13) / "rlhf_loop.py")
     assert proc["code"] == 0, proc["stderr"][-2000:]
     parts = proc["json"]["results"]["printed"]
-    assert list(parts) == ["models", "phases", "loop", "hacking", "response", "tensors"]
+    assert list(parts) == ["models", "phases", "loop", "hacking", "examples", "response", "tensors"]
     shown = [line for line in proc["stdout"].strip("\n").split("\n") if not line.startswith("figure: ")]
     assert "\n\n".join(parts.values()).split("\n") == shown
     starts = {"models": "   model ", "phases": "1. ", "loop": "2. ", "hacking": "3. ",
               "response": "   One response of iteration", "tensors": "4. "}
     assert all(parts[k].startswith(v) for k, v in starts.items())
+    # the lesson shows the no-penalty run's section 3 through its verdict alone: the part must end there
+    assert parts["hacking"].split("\n")[-1].startswith("   verdict: ")
+    assert parts["examples"].startswith(("   malformed, scored", "   the same prompts, SFT then trained:"))
     assert "reward model  " in parts["models"] and "read at the last token: (B,)" in parts["models"]

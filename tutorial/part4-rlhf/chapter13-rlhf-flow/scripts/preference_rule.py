@@ -105,7 +105,7 @@ def draw(verdict: dict, args: Settings) -> None:
         right.text(s, counts[str(s)], str(counts[str(s)]), ha="center", va="bottom", fontsize=8)
     right.set(xticks=range(4), xticklabels=["0\nmalformed", "1 lang", "2 langs", "3 langs"], ylabel="responses",
               title=f"rule score of all {len(verdict['texts'])} responses")
-    right.legend(fontsize=7, loc="upper left")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the bars: no count hidden
     print(f"figure: {plot.save(fig, args, 'records')}")
 
 

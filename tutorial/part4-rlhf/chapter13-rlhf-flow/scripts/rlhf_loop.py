@@ -19,8 +19,9 @@ What it shows
        what the reward model pays for each kind; a verdict line says whether this run shows reward hacking by
        the rule's count (more malformed records after training than before). Responses side by side.
     4. The tensors of the last iteration, drawn as heatmaps in the order the phases make them, with their shapes.
-    --json keeps the printed text too, part by part under "printed" (models, phases, loop, hacking, and for PPO
-    response and tensors), so that the lesson can show each part beside the text that reads it.
+    --json keeps the printed text too, part by part under "printed" (models, phases, loop, hacking up to the
+    verdict, examples, and for PPO response and tensors), so that the lesson can show each part beside the text
+    that reads it.
     FIGURES (into --plot-dir): loop.png (the six phases, labelled from iteration 1), training.png (per iteration),
     response.png (one response of the last iteration token by token: shaped rewards, values, GAE advantages),
     iteration.png (every tensor of the last iteration: ids, log-probs, values, scores, k1, rewards, advantages).
@@ -40,8 +41,8 @@ terminal), 10 s with --smoke.
 
 Try next
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --kl-target 0 --beta 0
-        -> no KL penalty: the reward still rises, the KL grows to many nats, and section 3 shows the hacking: rule
-           score and well-formed share of the trained policy far below the SFT model's (its verdict line says so)
+        -> no KL penalty (the lesson shows its section 3): compare the kl column with the 1-nat target of the
+           default run, and section 3's verdict line, which says whether the rule counts more malformed records
     python tutorial/part4-rlhf/chapter13-rlhf-flow/scripts/rlhf_loop.py --algo grpo
         -> no critic, group baseline, KL in the loss; no token table and no section 4 or iteration.png (no
            per-token values); with the penalty on, section 3's verdict line can still show reward hacking
@@ -428,15 +429,20 @@ def print_hacking(sft: dict, trained: dict, args: Settings) -> dict:
           f"score {words['sft_malformed_paid']} its well-formed ones on average ({sft['reward_malformed']:+.2f} "
           f"against {sft['reward_valid']:+.2f}) before any RL")
     print(f"   verdict: {words['hack_verdict']}")
+    return {**words, **{name: {k: v for k, v in e.items() if k not in ("texts", "scores")}
+                        for name, e in (("sft", sft), ("trained", trained))}}
+# --8<-- [end:hacking]
+
+
+def print_examples(sft: dict, trained: dict) -> None:
+    """The end of section 3: the trained policy's best-paid malformed records, then both policies side by side."""
     bad = sorted((s, t) for s, t in zip(trained["scores"], trained["texts"]) if rule_score(t) == 0)
+    print()  # a part of its own in --json's "printed": a lesson can show section 3 without the examples
     for score, text in bad[::-1][:3]:
         print(f"   malformed, scored {score:+.2f}: {text}")
     print("   the same prompts, SFT then trained:")
     for before, after in list(zip(sft["texts"], trained["texts"]))[:4]:
         print(f"   SFT:     {before}\n   trained: {after}")
-    return {**words, **{name: {k: v for k, v in e.items() if k not in ("texts", "scores")}
-                        for name, e in (("sft", sft), ("trained", trained))}}
-# --8<-- [end:hacking]
 
 
 def main() -> int:
@@ -501,6 +507,8 @@ def run_loop(args: Settings, printed: Printed) -> int:
     final_eval = evaluate_policy(engine, models.reward_model, args.eval_prompts, args.max_tokens)
     hacking = print_hacking(sft_eval, final_eval, args)
     printed.cut("hacking")
+    print_examples(sft_eval, final_eval)
+    printed.cut("examples")
     checked, response, tensors = {}, {}, {}
     if args.algo == "ppo":
         print(f"\n   One response of iteration {len(history)}, token by token, with what its update used:")
