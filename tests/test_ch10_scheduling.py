@@ -229,6 +229,26 @@ def test_launch_picture_names_every_launch_call_in_a_legend(tmp_path, monkeypatc
     assert len(set(named_all.values())) == len(named_all)  # one colour per legend entry across the figure
 
 
+def test_launch_picture_legend_leaves_out_op_kinds_too_thin_to_see(tmp_path, monkeypatch) -> None:
+    """A reader saw `view` (light blue) in the CPU picture's legend and no light-blue box: views take microseconds
+    of a step of milliseconds. An op kind is named only if one of its boxes is at least 0.3% of the time axis
+    (about 3 pixels); hand-made CPU spans, the widths worked out here."""
+    mod = load_script(CH10 / "cuda_graphs.py")
+    span = mod.plot.Span
+    lane = "CPU: ops called from Python"
+    lanes = {"eager step": [span(lane, 0, 4, "", "linear"), span(lane, 4, 4.004, "", "view"),
+                            span(lane, 4.004, 4.02, "", "layer_norm")],
+             "graph step": [span(lane, 0, 3, "", "linear"), span(lane, 3, 3.01, "", "view")]}
+    figures = []
+    monkeypatch.setattr(mod.plot, "save", lambda fig, args, name: figures.append(fig) or tmp_path / f"{name}.png")
+    mod.draw_launches(lanes, mod.Settings(sizes=[1], plot_dir=str(tmp_path)), "cpu")
+    (fig,) = figures
+    axis = max(s.end for spans in lanes.values() for s in spans)
+    seen = {s.kind for spans in lanes.values() for s in spans if s.end - s.start >= 0.003 * axis}
+    named = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert sorted(named) == sorted(seen) == ["layer_norm", "linear"], named
+
+
 H200_GRAPHS = CH10.parent / "results" / "h200" / "cuda_graphs.json"
 
 
@@ -564,6 +584,48 @@ def test_speedup_words_leave_out_the_rows_marked_noise(notes) -> None:
         left = len(rows) - len(kept)
         assert (f"({left} row" in text) == (left > 0)
     assert "1.71x" not in text or "" == notes[2]  # the old rule (every row) quoted the noisy 1.71x
+
+
+def _by_hand_note(r: dict) -> str:
+    """Table 2's note worked out here: a saving above the plain sched+prep, a saving with a plain forward 10% or
+    more slower, or a loss above a whole plain step (checked in this order)."""
+    saved = r["plain ms"] - r["overlap ms"]
+    if saved > r["plain sched+prep ms"]:
+        return "noise: saved > sched+prep"
+    if saved > 0 and r["plain fwd ms"] >= 1.1 * r["overlap fwd ms"]:
+        return "noise: slow plain fwd"
+    return "noise: lost > plain step" if -saved > r["plain ms"] else ""
+
+
+def _legend_note(legend: str, r: dict) -> str:
+    """Apply the rules the printed legend states ('NOTE' if A op [K x ]B and ...; first that holds) to row r."""
+    rules = re.findall(r"'(noise: [^']+)' if (.+?) \(", legend)
+    assert len(rules) == 3, legend
+
+    def holds(clause: str) -> bool:
+        a, op, k, b = re.fullmatch(r"(.+? ms) (>=|>) (?:([\d.]+) x )?(.+)", clause).groups()
+        rhs = float(b) if re.fullmatch(r"[\d.]+", b) else float(k or 1) * r[b]
+        return r[a] > rhs if op == ">" else r[a] >= rhs
+
+    return next((note for note, conds in rules if all(holds(c) for c in conds.split(" and "))), "")
+
+
+def test_printed_noise_legend_states_the_rule_noise_note_applies() -> None:
+    """A reader's rows had a plain fwd 10% or more over the overlapped one and no mark: the code also asks for a
+    saving, which the printed legend left out. The legend the script prints is read here as rules and applied to
+    made-up rows (the reader's two losing rows among them): it must mark each row as noise_note does and as the
+    rule worked out here does."""
+    mod = load_script(CH10 / "overlap_scheduling.py")
+    legend = mod.noise_legend()
+    rng = np.random.default_rng(0)
+    rows = [(5.0, 9.0, 4.69, 3.01, 1.0), (9.0, 12.0, 7.50, 3.87, 1.0)]  # the reader's B = 1 and B = 8: losses
+    rows += [tuple(v) for v in rng.uniform([2, 1, 1, 1, 0.2], [10, 25, 5, 5, 3], size=(300, 5))]
+    for plain, over, pf, of, sched in rows:
+        r = {"plain ms": plain, "overlap ms": over, "saved ms": plain - over, "plain sched+prep ms": sched,
+             "plain fwd ms": pf, "overlap fwd ms": of}
+        assert _legend_note(legend, r) == mod.noise_note(r) == _by_hand_note(r), (r, legend)
+    assert not mod.noise_note({"plain ms": 5.0, "overlap ms": 9.0, "saved ms": -4.0, "plain sched+prep ms": 1.0,
+                               "plain fwd ms": 4.69, "overlap fwd ms": 3.01})
 
 
 def _line_3_problems(line: str, counted: int, drawn: int) -> list[str]:

@@ -13,8 +13,9 @@ What it shows
     its gaps under the smallest budget that lie above twice the plateau (the median gap of a step carrying a
     prompt chunk).
     FIGURE flat_batch.png: what the scheduler put in each step's flat batch (its own SchedulerOutput, recorded
-    per step) around the first long prompt's arrival, for the largest and the smallest budget: the decodes'
-    one token each and the prompt's chunk, stacked against the budget.
+    per step) from just before the first long prompt's arrival to the end of its prefill (12 steps at least;
+    the title names them), for the largest and the smallest budget: the decodes' one token each and the
+    prompt's chunk, stacked against the budget.
     Time is each engine's own clock: the sum of its step times (Engine.last_step_timing), with the engines
     stepping in turn so that they share the machine's load. The workload runs --repeats times per budget and
     takes the same steps each time, so every step counts with its fastest repeat: on a shared machine one
@@ -259,10 +260,14 @@ def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
+    # widen the window to the end of the first long prompt's prefill in every run, one step more
+    last = [max((k for k, step in enumerate(r.schedule) for rid, _, kind in step
+                 if rid == "long-0" and kind == "prefill"), default=0) for r in runs]
+    width = max(width, *(k + 2 - batch_window(r, 0)["first_step"] for k, r in zip(last, runs)))
     drawn = [batch_window(run, width) for run in runs]
     fig, axes = plt.subplots(1, len(drawn), figsize=(5.2 * len(drawn), 3.6), squeeze=False)
     colour, used = {"decode": "C0", "short prefill": "0.75"}, {}
-    for ax, d in zip(axes[0], drawn):
+    for ax, d, run in zip(axes[0], drawn, runs):
         for k, step in enumerate(d["steps"]):
             x, bottom = d["first_step"] + k, 0
             for rid, n, kind in step:
@@ -276,8 +281,9 @@ def draw_flat_batches(runs: list[Run], args: Settings, width: int = 12) -> list[
                                   "alpha": 0.85})
                 bottom += n
         ax.axhline(d["budget"], color="black", linestyle="--", linewidth=1)
+        a, total = d["first_step"], len(run.schedule)
         ax.set(xlabel="engine step", ylabel="tokens in the step's flat batch",
-               title=f"budget {d['budget']} tokens per step (dashed)")
+               title=f"budget {d['budget']} (dashed): steps {a}-{a + len(d['steps']) - 1} of {total}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and tokens are whole numbers
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0][-1].legend(handles=[Patch(color=c, label=f"{n} (prompt chunk)" if n.startswith("long") else n)

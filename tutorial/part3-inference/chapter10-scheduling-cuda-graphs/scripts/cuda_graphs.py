@@ -316,6 +316,7 @@ def launch_lanes(path: Path) -> dict[str, list[plot.Span]]:
 
 KIND_ORDER = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaLaunchKernelExC", "index_copy_", "kernel", "layer_norm",
               "linear", "other op", "scaled_dot_product_attention", "view")
+VISIBLE = 0.003  # of the time axis: about 3 pixels of the saved figure, the least width whose fill can be seen
 
 
 def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str) -> dict:
@@ -334,10 +335,14 @@ def draw_launches(lanes: dict[str, list[plot.Span]], args: Settings, device: str
     names = ["CPU: ops called from Python"] + (["CPU: CUDA launch calls", "GPU: kernels"] if device == "cuda" else [])
     fig, axes = plt.subplots(len(lanes), 1, figsize=(11, 1.3 + 0.9 * len(names) * len(lanes)), sharex=True)
     drawn, named = {}, set()
+    # an op kind whose every box is narrower than VISIBLE of the time axis shows no colour: the legend skips it
+    # (the GPU lanes' launch calls and kernels are always named)
+    thin = VISIBLE * max((s.end for spans in lanes.values() for s in spans), default=1.0)
     for ax, (step, spans) in zip(axes, lanes.items()):
         shown = [plot.Span(s.lane, s.start, s.end, "", kind[s.kind]) for s in spans]
         plot.timeline(ax, shown, names, palette=palette, legend=False)
-        new = [k for k in palette if k not in named and any(s.kind == k for s in shown)]
+        seen = {s.kind for s in shown if s.end - s.start >= thin or s.lane != names[0]}
+        new = [k for k in palette if k not in named and k in seen]
         if new:  # each panel names the kinds no panel above it named (the replay's cudaGraphLaunch, on a GPU)
             ax.legend(handles=[Patch(facecolor=palette[k], edgecolor="black", label=k) for k in new],
                       loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

@@ -227,16 +227,39 @@ def compare(model, B: int, args: Settings, device: str) -> dict:
     return row
 
 
+FORWARD_SAME = 1.1  # forwards within 10% of each other's time read as "about as long"
+# Table 2's note: a row gets the first note all of whose conditions hold; (a, op, k, b) reads row[a] op k * row[b]
+# (op k alone when b is None). The printed legend is written from this table, so it states the rule applied.
+NOISE_RULES = (
+    ("noise: saved > sched+prep", "only the plain sched+prep can hide behind the forward",
+     [("saved ms", ">", 1, "plain sched+prep ms")]),
+    ("noise: slow plain fwd", "both engines run the same forward, so a slower plain one is load",
+     [("saved ms", ">", 0, None), ("plain fwd ms", ">=", FORWARD_SAME, "overlap fwd ms")]),
+    ("noise: lost > plain step", "at worst the plain step's work runs one thread after the other, plus two waits",
+     [("overlap ms", ">", 2, "plain ms")]),
+)
+
+
+def holds(row: dict, a: str, op: str, k: float, b: str | None) -> bool:
+    rhs = k if b is None else k * row[b]
+    return row[a] > rhs if op == ">" else row[a] >= rhs
+
+
 def noise_note(row: dict) -> str:
-    """Table 2's note: only the plain engine's sched+prep can hide behind the forward, so a saving above it is load
-    noise; both engines run the same forward, so a saving with a plain forward FORWARD_SAME times the overlapped one
-    or more is a slow plain run (the timeline's 'slow plain recording'); an overlapped step does the plain step's
-    work (at worst one thread after the other) plus two waits, so a loss of more than a plain step is noise."""
-    if row["saved ms"] > row["plain sched+prep ms"]:
-        return "noise: saved > sched+prep"
-    if row["saved ms"] > 0 and row["plain fwd ms"] >= FORWARD_SAME * row["overlap fwd ms"]:
-        return "noise: slow plain fwd"
-    return "noise: lost > plain step" if -row["saved ms"] > row["plain ms"] else ""
+    """Table 2's note: the first rule of NOISE_RULES whose conditions all hold, or "" (overlap can explain the row)."""
+    return next((note for note, _, conds in NOISE_RULES if all(holds(row, *c) for c in conds)), "")
+
+
+def noise_legend() -> str:
+    """The printed legend of the note column, written from NOISE_RULES."""
+
+    def cond(a: str, op: str, k: float, b: str | None) -> str:
+        return f"{a} {op} " + (f"{k:g}" if b is None else b if k == 1 else f"{k:g} x {b}")
+    rules = "; ".join(f"'{note}' if {' and '.join(cond(*c) for c in conds)} ({why})"
+                      for note, why, conds in NOISE_RULES)
+    return f"note, the first rule that holds (the machine's load, not the overlap): {rules}"
+
+
 # --8<-- [end:timing]
 
 
@@ -358,9 +381,6 @@ def schematic_timeline(tl: dict[str, list[dict]], u: dict = SCHEMATIC, steps: in
             t += total
         out[name] = new
     return out
-
-
-FORWARD_SAME = 1.1  # forwards within 10% of each other's time read as "about as long"
 
 
 def forward_ratio_words(ratio: float) -> str:
@@ -582,9 +602,7 @@ def main() -> int:
           f"{sys.getswitchinterval() * 1e3:g} ms")
     print(report.table(rows, floatfmt=".2f"))
     print(f"   {bench.load_average()}")
-    print("   saved: plain - overlap per step; fwd: the forward as run, in its thread. note: noise marks a row that"
-          " saved more than the plain sched+prep (all that can hide) or with a plain fwd 10% or more over the"
-          " overlapped one, or lost more than a whole plain step: the machine's load, not the overlap")
+    print(f"   saved: plain - overlap per step; fwd: the forward as run, in its thread.\n   {noise_legend()}")
     tl = record_timeline(model, args, device)
     schematic = draw_timeline(schematic_timeline(tl), args, "schematic")  # overlap working, modelled: no timing
     spans, summ = draw_timeline(tl, args), timeline_summary(tl)

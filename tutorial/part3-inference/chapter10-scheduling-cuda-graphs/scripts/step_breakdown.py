@@ -234,9 +234,9 @@ def main() -> int:
                    "non_forward_shares": [pair[0][1]["non_forward_share"], pair[1][1]["non_forward_share"]],
                    "text": context_words(pair[0][1], pair[1][1], pair[0][0], pair[1][0])}
         print(f"   At B = {b1}, {compare['text']}")
-    print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine); "
-          "the self-check holds it under 2% of the total in each row's median step (the table's mean can exceed "
-          "that)\n")
+    print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine), a "
+          "mean like every column so that a row adds up; the self-check holds other's MEDIAN over the same steps "
+          "under 2% of the row's total ms plus 20 us instead, since one interrupted step moves a mean, not a median\n")
     draw(rows, args)
 
     profiles = [forward_ops(model, B, args, device) for B in sorted({min(args.batch_sizes), max(args.batch_sizes)})]
