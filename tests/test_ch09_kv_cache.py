@@ -75,7 +75,7 @@ def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int,
     prompt, max_tokens = [p for p, _ in work], [m for _, m in work]
     done, gen, held = [0] * len(work), [0] * len(work), [0] * len(work)  # computed, generated, blocks held
     waiting, running, free = deque(range(len(work))), [], num_blocks
-    counts, preemptions, per_request, prefill = [], 0, [0] * len(work), 0
+    counts, preemptions, per_request, prefill, order = [], 0, [0] * len(work), 0, []
 
     def blocks_for(r: int, n: int) -> int:
         return max(0, -(-(done[r] + n) // block_size) - held[r])
@@ -95,6 +95,7 @@ def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int,
                 waiting.appendleft(victim)
                 preemptions, preempted = preemptions + 1, True
                 per_request[victim] += 1
+                order.append([len(counts) + 1, victim])  # (step, victim) in the order they are popped
                 if victim == r:
                     break
             else:
@@ -127,7 +128,7 @@ def simulate_pool(work: list[tuple[int, int]], num_blocks: int, block_size: int,
             first.update(step=len(counts), before=before, after=state())
     return {"steps": len(counts), "preemptions": preemptions, "peak_running": max(counts),
             "mean_running": sum(counts) / len(counts), "preemptions_per_request": per_request,
-            "prefill_tokens": prefill}
+            "prefill_tokens": prefill, "preemption_order": order}
 
 
 @pytest.mark.timeout(180)
@@ -186,6 +187,19 @@ def test_preemption_script(preempt: dict) -> None:
     assert roomy["prefill_tokens"] == sum(p for p, _ in work)  # without preemption every prompt once
     assert tight["reasons"] == ["length"] * len(tight["reasons"])  # outputs equal: checked by the script (exit 0)
     assert preempt["recomputed_tokens"] > 0
+
+
+def test_preemption_log_lists_victims_in_the_schedulers_order(preempt: dict) -> None:
+    """The log prints the victims of one step in the order the scheduler popped them off the end of `running`
+    (newest first), the brute-force pool's order; not in request-id order."""
+    mod = load_script(CH09 / "preemption.py")
+    args = mod.Settings()
+    work = [(len(p), args.max_tokens) for p in mod.make_prompts(args.num_requests, args.seed)]
+    sim = simulate_pool(work, args.num_blocks, args.block_size, args.num_requests, args.max_model_len)
+    want = [[step, f"req-{r}"] for step, r in sim["preemption_order"]]
+    assert preempt["tight"]["preemption_order"] == want
+    first = [r for step, r in want if step == want[0][0]]
+    assert first == ["req-5", "req-4"]  # the lesson: the newer one is queued first, the older one in front of it
 
 
 def test_preemption_picture_queues_and_pool(preempt: dict) -> None:
@@ -358,6 +372,32 @@ def test_calculator_row_by_hand() -> None:
     assert (b["block_mib"], b["num_blocks"], b["blocks_per_request"]) == (2.0, int(budget // (2 * kvm.MIB)), 128)
     mqa = mod.model_row(kvm.MODEL_SHAPES["llama-3-8b"], mod.Settings(kv_heads=1), 80 * kvm.GIB)
     assert mqa["_bytes"]["per_token"] == 131072 // 8
+
+
+def test_gqa_picture_against_the_published_configs(tmp_path) -> None:
+    """gqa_heads.png: the query -> K/V head map drawn equals transformers' own repeat_kv (the K/V head it places at
+    query position q), and one layer's row holds K and V of every K/V head, with head_dim = hidden / heads worked
+    out here from the models' config.json values; times the layers it is the table's KiB per token."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    mod = load_script(CH09 / "kv_calculator.py")
+    pictures = [mod.head_groups(kvm.MODEL_SHAPES[n], "bf16") for n in mod.FIGURE_MODELS]
+    mod.draw_gqa(pictures, SimpleNamespace(plot_dir=str(tmp_path), dtype="bf16"))
+    assert (tmp_path / "gqa_heads.png").exists()
+    # hidden_size, num_attention_heads, num_key_value_heads, num_hidden_layers from each model's config.json
+    published = {"llama-2-7b": (4096, 32, 32, 32), "llama-3-8b": (4096, 32, 8, 32)}
+    assert [p["model"] for p in pictures] == list(published)
+    for p in pictures:
+        hidden, heads, kv, layers = published[p["model"]]
+        head_dim = hidden // heads
+        assert (p["heads"], p["kv_heads"], p["head_dim"], p["layers"]) == (heads, kv, head_dim, layers)
+        kv_index = torch.arange(kv, dtype=torch.float32).view(1, kv, 1, 1)
+        assert p["query_to_kv"] == repeat_kv(kv_index, heads // kv).flatten().long().tolist(), p["model"]
+        assert p["row_numbers"] == 2 * kv * head_dim and p["row_bytes"] == 2 * p["row_numbers"]  # bf16: 2 bytes
+        row = mod.model_row(kvm.MODEL_SHAPES[p["model"]], mod.Settings(), 80 * kvm.GIB)
+        assert p["token_kib"] == layers * p["row_bytes"] / 1024 == row["KiB/token"]
 
 
 def test_calculator_own_model_from_hf_config(tmp_path) -> None:

@@ -4,6 +4,8 @@ What it shows
     1. For each published model shape (mlsys.kv_memory.MODEL_SHAPES, numbers from each model's config.json):
        bytes per token = 2 * layers * kv_heads * head_dim * dtype_bytes, beside what full multi-head attention
        (one KV head per query head) would cost. Grouped-query attention is where the 4x comes from.
+       gqa_heads.png draws two of the shapes, Llama-2-7B (MHA) and Llama-3-8B (GQA): the K/V head each query
+       head reads, and what one layer's cache row holds for one token.
     2. Per request: a prompt of --prompt-len tokens plus --max-new-tokens generated tokens.
     3. Capacity on --gpu (or --gpu-mem-gib): budget = memory * (1 - reserve) - weights; how many tokens, and how
        many requests of that length, fit in blocks of --block-size tokens. Weights that do not fit give 0.
@@ -43,12 +45,12 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from mlsys import cli, report
+from mlsys import cli, plot, report
 from mlsys import kv_memory as kvm
 
 
 @dataclass
-class Settings(cli.Args):
+class Settings(cli.Args, cli.PlotArgs):
     model: str = "all"
     """A name from mlsys.kv_memory.MODEL_SHAPES, or 'all'."""
     dtype: str = "bf16"
@@ -107,6 +109,45 @@ def shape_from_hf_config(path: str) -> kvm.ModelShape:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise cli.UsageError(f"--config {path}: cannot read a Llama-style config.json ({err!r})") from None
     return dataclasses.replace(shape, num_params=kvm.llama_num_params(shape))
+
+
+FIGURE_MODELS = ("llama-2-7b", "llama-3-8b")  # the same 32 query heads, with 32 K/V heads (MHA) and with 8 (GQA)
+
+
+def head_groups(shape: kvm.ModelShape, dtype: str) -> dict:
+    """The K/V head each query head reads (q -> q // group, heads in order), and one layer's cache row per token."""
+    group, row = shape.num_heads // shape.num_kv_heads, 2 * shape.num_kv_heads * shape.head_dim  # K and V
+    nbytes = row * kvm.DTYPE_BYTES[dtype]
+    return {"model": shape.name, "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "layers": shape.num_layers, "query_to_kv": [q // group for q in range(shape.num_heads)],
+            "row_numbers": row, "row_bytes": nbytes, "token_kib": nbytes * shape.num_layers / kvm.KIB}
+
+
+def draw_gqa(pictures: list[dict], args: Settings) -> None:
+    """Per model: query heads (top) joined to the K/V head they read, and one layer's cache row for one token."""
+    plt = plot.pyplot()
+    fig, axes = plt.subplots(len(pictures), 1, figsize=(10, 2.3 * len(pictures)))
+    for ax, p in zip(axes, pictures):
+        h, kv, colour = p["heads"], p["kv_heads"], lambda k: plt.cm.tab10(k % 10)
+        qx, kx = [(q + 0.5) * 32 / h for q in range(h)], [(k + 0.5) * 32 / kv for k in range(kv)]
+        for q, k in enumerate(p["query_to_kv"]):
+            ax.plot([qx[q], kx[k]], [2, 1.1], color=colour(k), lw=0.8)
+        ax.scatter(qx, [2] * h, marker="s", s=45, color=[colour(k) for k in p["query_to_kv"]])
+        ax.scatter(kx, [1.1] * kv, marker="s", s=45, color=[colour(k) for k in range(kv)], edgecolors="k")
+        for i in range(2 * kv):  # the row: K of every K/V head, then V of every K/V head
+            ax.add_patch(plt.Rectangle((i * 16 / kv, 0), 16 / kv, 0.45, fc=colour(i % kv), ec="0.3", alpha=0.6))
+        for x, name in ((8, "K"), (24, "V")):
+            ax.text(x, 0.22, f"{name}: {kv} heads x {p['head_dim']}", ha="center", va="center", fontsize=8,
+                    bbox={"fc": "white", "ec": "none", "pad": 1})
+        for y, label in ((2, "query heads"), (1.1, "K/V heads"), (0.22, "cache row")):
+            ax.text(-0.5, y, label, ha="right", va="center", fontsize=8)
+        ax.set_title(f"{p['model']}: {h} query heads read {kv} K/V heads ({h // kv} per K/V head); one layer's row: "
+                     f"{p['row_numbers']} numbers = {p['row_bytes']:g} B in {args.dtype}; x {p['layers']} layers = "
+                     f"{p['token_kib']:g} KiB per token", fontsize=9, loc="left")
+        ax.set(xlim=(-5, 32.5), ylim=(-0.1, 2.3))
+        ax.axis("off")
+    fig.tight_layout()
+    print(f"\nfigure: {plot.save(fig, args, 'gqa_heads')}")
 
 
 # --8<-- [start:row]
@@ -174,6 +215,8 @@ def main() -> int:
             print(f"\n{s.name}: GQA, {s.num_heads // s.num_kv_heads} query heads share each KV head, so its cache "
                   f"is {s.num_heads // s.num_kv_heads}x smaller than the same model with full multi-head attention.")
             break
+    pictures = [head_groups(kvm.MODEL_SHAPES[n], args.dtype) for n in FIGURE_MODELS]
+    draw_gqa(pictures, args)
     real = check_against_real_pool()
     print(f"\nself-check: the engine's KV pool for mlsys-small (fp32, whatever --dtype says) holds "
           f"{real['pool_bytes']} bytes for "
@@ -182,7 +225,8 @@ def main() -> int:
     if args.json:
         results = {"models": {r["model"]: {**{k: v for k, v in r.items() if not k.startswith("_")}, **r["_bytes"]}
                               for r in rows},
-                   "gpu_gib": gpu_gib, "usable_gib": gpu_gib * (1 - args.reserve_fraction), "self_check": real}
+                   "gqa_picture": pictures, "gpu_gib": gpu_gib, "usable_gib": gpu_gib * (1 - args.reserve_fraction),
+                   "self_check": real}
         report.write_json(args.json, results, args)
     return 0
 

@@ -6,9 +6,10 @@ What it shows
        them at once, and with a pool of --num-blocks blocks, only a little more than one full-length sequence.
        The small pool preempts by recompute: the newest running sequence loses its blocks, goes back to the
        front of the queue keeping its tokens, and later prefills prompt + generated tokens again. The script
-       prints each preemption as it happens, checks the engine's invariants after every step, and compares every
-       request's tokens with the unconstrained run (any difference exits 1). preemption.png draws the pool and the
-       scheduler's running and waiting queues before and after the first step that preempts.
+       prints each preemption as it happens (two in one step in the order the scheduler picked them), checks the
+       engine's invariants after every step, and compares every request's tokens with the unconstrained run (any
+       difference exits 1). preemption.png draws the pool and the scheduler's running and waiting queues before
+       and after the first step that preempts.
     2. What a preemption costs, two ways of paying:
        recompute  prefill the n tokens again (2 * params * n FLOPs, one batched pass);
        swap       copy the n tokens' K/V out to host memory and back (2 * n * kv_bytes_per_token over the bus).
@@ -102,17 +103,25 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
 
 # --8<-- [start:serve]
 def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, log: bool) -> dict:
-    """Run all requests to completion; print preemptions as they happen (with the running and waiting counts
-    after that step); invariants after every step. Keeps the pool and the queues before and after the first
-    step that preempts (the picture)."""
+    """Run all requests to completion; print preemptions as they happen, in the order the scheduler picked them
+    (with the running and waiting counts after that step); invariants after every step. Keeps the pool and the
+    queues before and after the first step that preempts (the picture)."""
     cfg = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=len(prompts),
                        max_model_len=args.max_model_len, device=device)
     engine = Engine(model, config=cfg)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     seqs = dict(engine.requests)  # request id -> Sequence, to watch their counters
-    seen = {i: 0 for i in ids}
-    final, step, t0, first = {}, 0, time.perf_counter(), None
+    victims: list[str] = []  # the scheduler's own victims, in the order it picked them
+    schedule = engine.scheduler.schedule
+
+    def watched_schedule():  # the engine calls this; it returns the scheduler's output unchanged
+        out = schedule()
+        victims.extend(seq.request_id for seq in out.preempted)
+        return out
+
+    engine.scheduler.schedule = watched_schedule
+    final, step, t0, first, order = {}, 0, time.perf_counter(), None, []
     while engine.has_unfinished():
         computed = {i: s.num_computed_tokens for i, s in seqs.items()}
         before = queues(engine)
@@ -121,23 +130,23 @@ def serve(model, prompts, args: Settings, num_blocks: int | None, device: str, l
                 final[out.request_id] = out
         step += 1
         engine.check_invariants()
-        if first is None and engine.scheduler.num_preemptions:
+        if first is None and victims:
             first = {"step": step, "before": before, "after": queues(engine)}
-        for i, s in seqs.items():
-            if s.metrics.num_preemptions > seen[i]:
-                seen[i] = s.metrics.num_preemptions
-                if log:
-                    st = engine.stats()
-                    print(f"   step {step:>3}: preempted {i} ({computed[i]} tokens of K/V dropped, "
-                          f"{s.num_tokens} tokens kept); after the step: running {st['num_running']}, "
-                          f"waiting {st['num_waiting']}")
+        for i in victims:  # in the scheduler's order: newest running sequence first
+            order.append([step, i])
+            if log:
+                st = engine.stats()
+                print(f"   step {step:>3}: preempted {i} ({computed[i]} tokens of K/V dropped, "
+                      f"{seqs[i].num_tokens} tokens kept); after the step: running {st['num_running']}, "
+                      f"waiting {st['num_waiting']}")
+        victims.clear()
     stats = engine.stats()
     assert stats["num_used_blocks"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"], stats
     return {"outputs": [final[i].token_ids for i in ids], "reasons": [final[i].finish_reason for i in ids],
             "preemptions_per_request": [final[i].metrics.num_preemptions for i in ids],
             "num_preemptions": stats["num_preemptions"], "steps": stats["num_steps"],
             "prefill_tokens": stats["num_prefill_tokens"], "num_blocks": stats["num_total_blocks"],
-            "seconds": time.perf_counter() - t0, "first_preemption": first}
+            "seconds": time.perf_counter() - t0, "first_preemption": first, "preemption_order": order}
 # --8<-- [end:serve]
 
 
