@@ -844,6 +844,25 @@ def test_latency_bound_sweep_draws_its_fit_flat() -> None:
     big = np.array([2.0**k for k in range(3, 26, 2)])
     assert bc.drawn_fit_us(big, 300e-6, 1.5e9, True) == pytest.approx([1e6 * (300e-6 + n / 1.5e9) for n in big])
 
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_sweep_figure_names_each_shaded_regime_once(monkeypatch, tmp_path, bound: bool) -> None:
+    """A reader's --max-bytes 1024 figure listed "latency-bound" and "bandwidth-bound" in both panels' legends,
+    though nothing was shaded bandwidth-bound. Every legend label must appear once in the figure, and
+    "bandwidth-bound" only where the drawn boundary t0 * B lies inside the sweep (decided here from the numbers)."""
+    bc = load("bench_collectives")
+    size = [8.0, 32, 128, 512, 1024] if not bound else [2.0**k for k in range(3, 26, 2)]
+    t0, bandwidth = 300e-6, 1.5e9
+    rows = [{"size (B)": n, "time (us)": 1e6 * (t0 + (n / bandwidth if bound else 0)), "busbw (GB/s)": n / 1e9}
+            for n in size]
+    figures = []
+    monkeypatch.setattr(bc.plot, "save", lambda fig, args, name: figures.append(fig) or tmp_path / f"{name}.png")
+    bc.draw(rows, t0, bandwidth, bc.Settings(plot_dir=str(tmp_path)), 2, bound)
+    labels = [t.get_text() for ax in figures[0].axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert len(labels) == len(set(labels)), labels
+    inside = bound and size[0] < t0 * bandwidth < size[-1]
+    assert ("bandwidth-bound" in labels) == inside and "latency-bound" in labels
+
 def weighted_line(size: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(alpha, 1/B) of time = alpha + size / B minimising sum((model / t - 1)^2), by its 2x2 normal equations
     written out here: not the script's lstsq."""

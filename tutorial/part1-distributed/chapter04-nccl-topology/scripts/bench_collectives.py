@@ -465,11 +465,16 @@ def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_si
     if size.min() < size.max():  # one size: no line to fit
         ax_t.loglog(size, drawn_fit_us(size, t0, bandwidth, has_bandwidth_bound), "--", label=label)
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")
-    for ax in (ax_t, ax_b):
-        knee = t0 * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
+    knee = t0 * bandwidth if has_bandwidth_bound else math.inf  # latency term == bandwidth term
+    for ax in (ax_t, ax_b):  # each regime named once, in the right panel's legend, and only where it is shaded
+        named = ax is ax_b
         if size.min() < size.max():  # one size has no regimes to shade
-            ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12, label="latency-bound")
-            ax.axvspan(min(knee, size.max()), size.max(), color="C0", alpha=0.08, label="bandwidth-bound")
+            if knee > size.min():
+                ax.axvspan(size.min(), min(knee, size.max()), color="C1", alpha=0.12,
+                           label="latency-bound" if named else None)
+            if knee < size.max():
+                ax.axvspan(max(knee, size.min()), size.max(), color="C0", alpha=0.08,
+                           label="bandwidth-bound" if named else None)
         else:
             ax.set_xlim(size.min() / 2, size.max() * 2)
         ax.set_xlabel("message size (bytes)")
@@ -477,7 +482,7 @@ def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_si
     ax_b.set_ylabel("busbw (GB/s)")
     for ax in (ax_t, ax_b):  # under the axes, where no legend can hide a point or a tick label
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
     fig.suptitle(f"{args.collective}, {world_size} ranks, {args.backend}")
     print(f"figure: {plot.save(fig, args, f'{args.collective}_sweep')}")
 
