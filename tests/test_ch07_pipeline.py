@@ -487,84 +487,45 @@ def test_longest_op_follows_the_next_message_the_stage_sends() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ends_vs_mean_sentence_follows_the_raw_events(trace_run) -> None:
-    """The lesson quotes ends_vs_mean: whether stage 0's first forward and last backward (the ramp's two ends) were
-    shorter or longer than the mean forward and backward. Decided here from the raw trace events."""
+def test_trace_replay_keeps_the_op_lengths_and_drops_the_gaps(trace_run) -> None:
+    """The lesson's note splits measured - ideal into gaps_added (measured - replayed, never negative) and
+    lengths_added (replayed - ideal). The replay is recomputed here from the raw trace events as a longest path:
+    an op ends its length after the later of its stage's previous op and its input op (F i after F i on the stage
+    before; B i after B i on the stage after, the last stage's after its own F i)."""
+    from functools import cache
+
     p, res, raw = trace_run
     stage_of = {e["pid"]: int(e["args"]["name"].split()[1]) for e in raw
                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    ops = [e for e in raw if e.get("ph") == "X" and e.get("pid") in stage_of and e["name"][0] in "FB"
-           and e["name"][1:].isdigit()]
-    mean = {k: np.mean([e["dur"] for e in ops if e["name"][0] == k]) for k in "FB"}
-    stage0 = sorted((e for e in ops if stage_of[e["pid"]] == 0), key=lambda e: e["ts"])
-    first, last = stage0[0], stage0[-1]
-    assert first["name"][0] == "F" and last["name"][0] == "B"
-    ms = [first["dur"] / 1000, last["dur"] / 1000, mean["F"] / 1000, mean["B"] / 1000]
-    if any(abs((100 * x) % 1 - 0.5) < 1e-6 for x in ms):
-        pytest.skip("a duration sits on a rounding boundary at 0.01 ms")
-    shown = [round(x, 2) for x in ms]
-    words = ["shorter than" if a < b else "longer than" if a > b else "as long as"
-             for a, b in zip(shown[:2], shown[2:])]
-    text = res["ends_vs_mean"]
-    shares = round(res["measured"]["mean"], 3), round(res["ideal"], 3)  # as printed
-    vs = "above" if shares[0] > shares[1] else "below" if shares[0] < shares[1] else "equal to"
-    assert res["net_pull"] == load_script(SCRIPTS / "pipeline_trace.py").net_pull(vs, text)
-    assert text.startswith(f"stage 0's first forward took {shown[0]:.2f} ms against a mean forward of "
-                           f"{shown[2]:.2f} ms, its last backward {shown[1]:.2f} ms against a mean backward of "
-                           f"{shown[3]:.2f} ms: "), text
-    if words[0] == words[1]:
-        assert f"both ends were {words[0]}" in text, text
-    else:
-        assert f"the first forward was {words[0]} the mean and the last backward {words[1]} the mean" in text, text
+    ops = [sorted(((e["name"][0], int(e["name"][1:]), e["dur"], e["ts"]) for e in raw if e.get("ph") == "X"
+                   and stage_of.get(e.get("pid")) == s and e["name"][0] in "FB" and e["name"][1:].isdigit()),
+                  key=lambda op: op[3]) for s in range(p)]
+    where = {(s, k, i): j for s in range(p) for j, (k, i, _, _) in enumerate(ops[s])}
+
+    @cache
+    def end(s: int, j: int) -> float:
+        kind, i, dur, _ = ops[s][j]
+        before = [end(s, j - 1)] if j else [0.0]
+        if kind == "F" and s > 0:
+            before.append(end(s - 1, where[(s - 1, "F", i)]))
+        if kind == "B":
+            before.append(end(s, where[(s, "F", i)]) if s == p - 1 else end(s + 1, where[(s + 1, "B", i)]))
+        return max(before) + dur
+
+    span = max(end(s, len(ops[s]) - 1) for s in range(p))
+    shares = [1 - sum(op[2] for op in ops[s]) / span for s in range(p)]
+    assert res["replayed"] == pytest.approx(sum(shares) / p, abs=1e-6)
+    assert all(m >= r - 1e-6 for m, r in zip(res["measured"]["per_stage"], shares))
+    assert res["gaps_added"] >= -1e-9
+    assert res["gaps_added"] + res["lengths_added"] == pytest.approx(res["measured"]["mean"] - res["ideal"])
 
 
-@pytest.mark.parametrize("values, verdict", [
-    ((7.31, 9.55, 7.02, 9.61), "the first forward was longer than the mean and the last backward shorter than the "
-                               "mean, so the two ends pulled in opposite directions"),
-    ((6.0, 9.0, 7.0, 10.0), "both ends were shorter than the means, so they pulled the measured share down"),
-    ((8.0, 11.0, 7.0, 10.0), "both ends were longer than the means, so they too pushed the measured share up"),
-    # the old rule called 9.598 "shorter" than 9.601: both print as 9.60, so the sentence must name no direction
-    ((7.3, 9.598, 7.0, 9.601), "the first forward was longer than the mean and the last backward as long as the "
-                               "mean to the 0.01 ms shown, so only the first forward pushed the measured share up"),
-    ((6.5, 9.604, 7.0, 9.601), "the first forward was shorter than the mean and the last backward as long as the "
-                               "mean to the 0.01 ms shown, so only the first forward pulled the measured share down"),
-    ((7.001, 9.598, 7.0, 9.601), "both ends were as long as the means to the 0.01 ms shown, so they pulled "
-                                 "neither way"),
-])
-def test_ends_vs_mean_names_a_direction_only_where_the_printed_numbers_differ(values, verdict) -> None:
-    """The Either-way bullet of the lesson's note quotes this sentence next to its four numbers (printed to 0.01 ms): a
-    direction word must be visible in those numbers, so values that print equal get none."""
+def test_replay_of_a_hand_worked_step() -> None:
+    """p = 2, m = 1 with a 2 ms gap before stage 1's F0 and a 1 ms gap before stage 0's B0: the trace spans 9 ms,
+    each stage computes 3. Replayed back to back (F0, F0, B0, B0) the step takes 6 ms: idle 0.5 on both stages."""
     trace = load_script(SCRIPTS / "pipeline_trace.py")
-    text = trace.ends_vs_mean(*values)
-    shown = [f"{x:.2f}" for x in values]
-    assert text == (f"stage 0's first forward took {shown[0]} ms against a mean forward of {shown[2]} ms, its last "
-                    f"backward {shown[1]} ms against a mean backward of {shown[3]} ms: {verdict}"), text
-
-
-@pytest.mark.parametrize("durations", [(6.0, 9.0, 7.0, 10.0), (8.0, 11.0, 7.0, 10.0), (7.31, 9.55, 7.02, 9.61),
-                                       (7.001, 9.598, 7.0, 9.601), (6.5, 9.604, 7.0, 9.601)])
-@pytest.mark.parametrize("shares", [(0.319, 0.2), (0.15, 0.2), (0.2, 0.2)])
-def test_net_pull_names_the_winner_the_two_comparisons_imply(durations, shares) -> None:
-    """The note's last sentence (net_pull) says which pull won. Up only adds idle time, so: a measured share above
-    the ideal one with only shorter ends means Up outweighed them; below it, the shorter ends outweighed Up; below it
-    with no shorter end, the note's two pulls cannot explain it. Decided here from the numbers as printed."""
-    trace = load_script(SCRIPTS / "pipeline_trace.py")
-    shown = [round(x, 2) for x in durations]
-    short = sum(a < b for a, b in zip(shown[:2], shown[2:]))
-    long_ = sum(a > b for a, b in zip(shown[:2], shown[2:]))
-    measured, ideal = shares
-    vs = "above" if measured > ideal else "below" if measured < ideal else "equal to"
-    text = trace.net_pull(vs, trace.ends_vs_mean(*durations))
-    if vs == "equal to":
-        expected = "the pulls cancelled out"
-    elif vs == "above":
-        expected = ("Up and the longer end outweighed the shorter one" if short and long_
-                    else "Up outweighed the ends' pull down" if short
-                    else "Up and the ends both pushed it up" if long_ else "Up alone pushed it up")
-    else:
-        expected = ("the shorter end outweighed Up and the longer end" if short and long_
-                    else "the ends' pull down outweighed Up" if short
-                    else "something this note leaves out pulled it down")
-    assert text.endswith(expected), text
-    if vs != "equal to":
-        assert text.startswith(f"the measured share came out {vs} the ideal one, "), text
+    Span = trace.plot.Span
+    spans = [Span("stage 0", 0, 1, "F0", "forward"), Span("stage 1", 3, 4, "F0", "forward"),
+             Span("stage 1", 4, 6, "B0", "backward"), Span("stage 0", 7, 9, "B0", "backward")]
+    assert trace.replay(spans, 2)["per_stage"] == pytest.approx([0.5, 0.5])
+    assert trace.replay(spans, 2)["span"] == pytest.approx(6.0)

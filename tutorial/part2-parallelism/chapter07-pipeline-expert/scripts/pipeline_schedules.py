@@ -173,7 +173,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         report.expect_close(f"{schedule}: loss", last_loss, ref_loss, *tol)
         for row in gathered:
             first, end = row["layers"]
-            rows.append({"schedule": schedule, "stage": row["stage"], "layers": f"{first}-{end - 1}",
+            blocks = f"{first}-{end - 1}" if end - first > 1 else f"{first}"  # "0", not "0-0", for one block
+            rows.append({"schedule": schedule, "stage": row["stage"], "layers": blocks,
                          "in flight": row["peak_in_flight"], "act KiB": round(row["peak_activation_bytes"] / 1024, 1),
                          "max|dgrad|": row["max_grad_diff"], "max|dparam|": row["max_param_diff"]})
     if ctx.is_main:

@@ -15,8 +15,9 @@ What it shows
               where the runner posted it.
     BUBBLE    each stage's idle share of the step, measured on the trace (the step runs from the first compute
               start to the last compute end on any stage), split into the time spent blocked in a receive,
-              the time spent posting sends and the rest, against the ideal clock of the same orders (forward
-              1 tick, backward 2, messages free): (p - 1) / (m + p - 1). The check: the order of F and B
+              the time spent posting sends and the rest, against a replay (the same orders and op lengths with
+              no gaps between ops) and the ideal clock of the same orders (forward 1 tick, backward 2, messages
+              free): (p - 1) / (m + p - 1). The check: the order of F and B
               events in the trace is the order the runner ran (exit 1 otherwise). Timings are reported, never
               a reason to fail.
 
@@ -166,7 +167,7 @@ def draw(args: Settings, spans: list[plot.Span], p: int, summary: dict) -> Path:
     plt = plot.pyplot()
     lanes = [f"stage {s}{part}" for s in range(p) for part in ("", " messages")]
     fig, ax = plt.subplots(figsize=(11, 1.0 + 0.55 * len(lanes)))
-    palette = plot.colours(KINDS)
+    palette = {**plot.colours(KINDS), "send posted": "0.45"}  # grey: no orange a backward could be mistaken for
     boxes = [sp if sp.kind != "send posted" else plot.Span(sp.lane, sp.start, sp.end, "", sp.kind) for sp in spans]
     plot.timeline(ax, boxes, lanes, palette=palette, fontsize=7, legend=False,
                   unit="ms since the first forward started (all stages on one clock)")
@@ -231,69 +232,46 @@ def summarize(spans: list[plot.Span], p: int, actions: list[list[tuple[str, int]
 
     ideal = measured_bubble(simulate(lambda s, p_, m_: actions[s], p, len(actions[0]) // 2))
     ops = {k: [sp.end - sp.start for sp in spans if sp.kind == k] for k in ("forward", "backward")}
-    first = [sp for sp in spans if sp.lane == "stage 0" and sp.kind in ("forward", "backward")]  # sorted by start
     shown = round(measured["mean"], 3), round(ideal["mean"], 3)  # as the lesson prints them
     vs = "above" if shown[0] > shown[1] else "below" if shown[0] < shown[1] else "equal to"
     fwd, bwd = sum(ops["forward"]) / len(ops["forward"]), sum(ops["backward"]) / len(ops["backward"])
-    ends = ends_vs_mean(first[0].end - first[0].start, first[-1].end - first[-1].start, fwd, bwd)
+    replayed = replay(spans, p)["mean"]
     return {"measured": measured, "idle_ms": [measured["span"] - b for b in measured["busy"]],
             "longest_op": longest_op(spans, {"forward": fwd, "backward": bwd}, p),
             "blocked_ms": total("blocked in recv"), "sending_ms": total("send posted"),
             "ideal": ideal["mean"], "ideal_per_stage": ideal["per_stage"],
             "formula": bubble_fraction(p, len(actions[0]) // 2),
-            "forward_ms": fwd, "backward_ms": bwd, "ends_vs_mean": ends,
-            # the ends of the ramp: stage 0's first forward and last backward, which run while the others wait
-            "first_forward_ms": first[0].end - first[0].start, "last_backward_ms": first[-1].end - first[-1].start,
-            "measured_vs_ideal": vs, "net_pull": net_pull(vs, ends),
+            "forward_ms": fwd, "backward_ms": bwd, "measured_vs_ideal": vs, "replayed": replayed,
+            # measured - ideal = gaps (measured - replayed, never negative) + op lengths (replayed - ideal, either sign)
+            "gaps_added": measured["mean"] - replayed, "lengths_added": replayed - ideal["mean"],
             "cores": len(os.sched_getaffinity(0))}  # the ranks share these cores
 
 
-def ends_vs_mean(first_forward: float, last_backward: float, forward: float, backward: float) -> str:
-    """The lesson's sentence on the ramp's two ends (stage 0's first forward and last backward, ms) against the mean
-    forward and backward. The numbers are printed to 0.01 ms and each direction word is decided on those printed
-    values, so the sentence never calls two equal-looking numbers shorter or longer."""
-    def word(x: float, mean: float) -> str:
-        a, b = round(x, 2), round(mean, 2)
-        return "shorter" if a < b else "longer" if a > b else "equal"
-
-    words = [word(first_forward, forward), word(last_backward, backward)]
-    numbers = (f"stage 0's first forward took {first_forward:.2f} ms against a mean forward of {forward:.2f} ms, "
-               f"its last backward {last_backward:.2f} ms against a mean backward of {backward:.2f} ms")
-    plural = {"shorter": "shorter than the means", "longer": "longer than the means",
-              "equal": "as long as the means to the 0.01 ms shown"}
-    single = {"shorter": "shorter than the mean", "longer": "longer than the mean",
-              "equal": "as long as the mean to the 0.01 ms shown"}
-    if words[0] == words[1]:
-        verdict = f"both ends were {plural[words[0]]}"
-        effect = {"shorter": "so they pulled the measured share down",
-                  "longer": "so they too pushed the measured share up", "equal": "so they pulled neither way"}[words[0]]
-    else:
-        verdict = f"the first forward was {single[words[0]]} and the last backward {single[words[1]]}"
-        if "equal" not in words:
-            effect = "so the two ends pulled in opposite directions"
-        else:
-            end = "first forward" if words[0] != "equal" else "last backward"
-            effect = (f"so only the {end} pulled the measured share down" if "shorter" in words
-                      else f"so only the {end} pushed the measured share up")
-    return f"{numbers}: {verdict}, {effect}"
-
-
-def net_pull(vs: str, ends: str) -> str:
-    """The note's verdict on which pull won, from the measured-vs-ideal word and the ends_vs_mean sentence. Up only
-    adds idle time, so a share above the ideal one despite ends that pulled it down means Up was the larger pull,
-    and a share below it means the shorter ends outweighed Up."""
-    pull = ("opposite" if "opposite" in ends else "down" if "share down" in ends
-            else "up" if "share up" in ends else "neither")
-    if vs == "equal to":
-        return "the measured share equals the ideal one as printed, so the pulls cancelled out"
-    verdict = {("above", "down"): "so Up outweighed the ends' pull down",
-               ("above", "up"): "so Up and the ends both pushed it up",
-               ("above", "neither"): "so Up alone pushed it up",
-               ("above", "opposite"): "so Up and the longer end outweighed the shorter one",
-               ("below", "down"): "so the ends' pull down outweighed Up",
-               ("below", "opposite"): "so the shorter end outweighed Up and the longer end"}
-    return f"the measured share came out {vs} the ideal one, " + verdict.get(
-        (vs, pull), "yet no end was shorter than its mean, so something this note leaves out pulled it down")
+def replay(spans: list[plot.Span], p: int) -> dict:
+    """The trace's orders and operation lengths with nothing between operations: each F or B starts as soon as its
+    stage is free and its input has been computed (F i on stage s after F i on s - 1; B i after B i on s + 1, the last
+    stage's after its own F i). It keeps what the ops' own lengths do to the bubble and drops every gap; since the
+    trace's ops waited for the same inputs, each stage's measured share can only be larger."""
+    ops = [[sp for sp in spans if sp.lane == f"stage {s}"] for s in range(p)]  # each stage's ops in trace order
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end on the replayed clock
+    free, nxt, events = [0.0] * p, [0] * p, [[] for _ in range(p)]
+    while any(nxt[s] < len(ops[s]) for s in range(p)):
+        before = sum(nxt)
+        for s in range(p):
+            if nxt[s] == len(ops[s]):
+                continue
+            sp = ops[s][nxt[s]]
+            kind, i = sp.label[0], int(sp.label[1:])
+            dep = (None if kind == "F" and s == 0 else ("F", i, s - 1) if kind == "F"
+                   else ("F", i, s) if s == p - 1 else ("B", i, s + 1))
+            if dep is None or dep in done:
+                start = max(free[s], done.get(dep, 0.0))
+                free[s] = done[(kind, i, s)] = start + sp.end - sp.start
+                events[s].append({"start": start, "end": free[s]})
+                nxt[s] += 1
+        if sum(nxt) == before:
+            raise ValueError("the orders deadlock")
+    return measured_bubble(events)
 
 
 def longest_op(spans: list[plot.Span], means: dict[str, float], p: int) -> str:
@@ -386,8 +364,8 @@ def main() -> int:
     print(f"\nstep on the trace: {m['span']:.2f} ms; mean forward {summary['forward_ms']:.2f} ms, "
           f"backward {summary['backward_ms']:.2f} ms")
     print(report.table(rows))
-    print(f"\nidle share, mean over stages: measured {m['mean']:.3f}, ideal clock {summary['ideal']:.3f} "
-          f"= (p-1)/(m+p-1) = {summary['formula']:.3f}")
+    print(f"\nidle share, mean over stages: measured {m['mean']:.3f}, replayed (the trace's op lengths, no gaps) "
+          f"{summary['replayed']:.3f}, ideal clock {summary['ideal']:.3f} = (p-1)/(m+p-1) = {summary['formula']:.3f}")
     print(f"{summary['longest_op'][0].upper()}{summary['longest_op'][1:]}")
     print(f"load average: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores")
     print(f"figure: {draw(args, spans, p, summary)}")
