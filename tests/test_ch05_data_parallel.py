@@ -9,6 +9,8 @@
 - the profiled overlapped step (ddp_from_scratch.profile_overlap, in one process): torch's bucket assignment, one
   gloo all-reduce per bucket in the raw trace, each launch inside the backward of the block that completes it, and
   the printed launch table's fractions equal to the raw trace's launch-call events over its backward;
+- the overlap share: all-reduce time during the backward minus the whole launch calls (the clock's windows placed
+  on the trace), not only minus the trace's shorter c10d::allreduce_ events;
 - the ideal-overlap model (ddp_from_scratch.ideal_schedule) against a recomputation from assign_buckets' plan: each
   all-reduce starts at max(its bucket ready, the previous one done); with one bucket, none before the backward ends;
 - the chapter's scripts' JSON: loss really falls in dp_training, grad_sync's computed proof; dp_training's step-1
@@ -257,8 +259,8 @@ def test_hand_written_ddp_equals_single_process_and_torch_ddp(world_size: int) -
     assert abs(ring - 2 * (world_size - 1) / world_size * 4 * n) <= 4 * messages
 
 
-PROFILER_LINES = ("profiled one more overlapped step", "bucket launches in that step", "launch calls held it",
-                  "timed from the training thread", "what most kept the all-reduces", "figure:")
+PROFILER_LINES = ("profiled one more overlapped step", "bucket launches in that step", "the hooks' launch calls",
+                  "inside the launch calls the training thread", "what most kept the all-reduces", "figure:")
 
 
 @pytest.mark.long  # a full 2-rank training run, about 14 s: make sweep (and CI) run it
@@ -374,6 +376,33 @@ def test_peer_wait_counts_all_reduce_time_before_the_other_rank_launched_outside
     assert dfs.peer_wait_ms(spans, own, []) == 0.0  # one rank: nobody to wait for
     # three ranks: the latest other rank counts
     assert dfs.peer_wait_ms(spans, own, [[100 + 1e-3] * 2, [100 + 20e-3, 100 + 10e-3]]) == pytest.approx(14.05)
+
+
+def test_overlap_share_leaves_out_the_whole_launch_calls_not_only_the_c10d_events() -> None:
+    """The line starting "step": the launch calls are the whole Python calls the clock timed (1.5 and 0.3 ms), not
+    the trace's 0.05 ms c10d::allreduce_ events inside them; their readings land on the trace's axis at the least
+    gap to the events (here 0.01 ms). Backward 2-6 ms = the calls + computing; the share of all-reduce time during
+    that computing is counted here on a 1 us grid. Cutting only the c10d events (the old rule) gives 6%, not 2%."""
+    spans = _step_spans(launch_ms=0.05)  # c10d events at 3.5 and 5.5 ms; all-reduces 3.6-30 and 30-40
+    began, wall = [100 + 3.45e-3, 100 + 5.49e-3], [1.5, 0.3]
+    clock = [{"began_s": b, "wall_ms": w} for b, w in zip(began, wall)]
+    gap = min(3.5 - 1e3 * (began[0] - 100), 5.5 - 1e3 * (began[1] - 100))  # the offset: trace 0 = 100 s + gap
+    windows = [(1e3 * (b - 100) + gap, 1e3 * (b - 100) + gap + w) for b, w in zip(began, wall)]
+    grid = np.arange(0, 40, 1e-3) + 5e-4
+    held = np.zeros_like(grid, dtype=bool)
+    for a, b in windows:
+        held |= (grid >= a) & (grid < b)
+    computing = (grid >= 2) & (grid < 6) & ~held
+    comm = [s for s in spans if s.kind == dfs.ALL_REDUCE]
+    running = sum(((grid >= s.start) & (grid < s.end) & computing).sum() * 1e-3 for s in comm)
+    share = running / sum(s.end - s.start for s in comm)
+    o = dfs.overlap_summary(dfs.whole_launch_calls(spans, clock))
+    assert o["hidden_share"] == pytest.approx(share, abs=1e-4) and f"{share:.0%}" == "2%"
+    assert o["step_text"] == (f"40.0 ms, backward 4.0 ms = the hooks' launch calls {held.sum() * 1e-3:.1f} ms + "
+                              f"computing {computing.sum() * 1e-3:.1f} ms; {share:.0%} of the 2 all-reduces' time "
+                              "ran during that computing")
+    placed = sorted((s.start, s.end) for s in dfs.whole_launch_calls(spans, clock) if s.lane == "launch")
+    assert np.allclose(placed, windows)
 
 
 @pytest.mark.parametrize("peer, core, launch", [(120.0, 0.0, 0.7), (0.0, 12.9, 0.9), (0.5, 0.2, 3.0),

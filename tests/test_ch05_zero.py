@@ -318,3 +318,9 @@ def test_zero_grid_never_draws_a_rank_shard_in_the_full_copy_grey(world_size: in
     assert len(set(own.values())) == world_size  # one colour per rank
     assert not any(grey(c) for c in own.values()), own
     assert all(grey(b["colour"]) for b in drawn if not b["own"])
+
+
+@pytest.mark.parametrize("world_size, steps", [(4, 4), (2, 1), (8, 3)])
+def test_mixed_bound_is_w_minus_1_bf16_roundings_per_step(world_size: int, steps: int) -> None:
+    """The lesson works the bf16 bound out as lr x (W - 1) x 2^-8 x steps (bf16 keeps 8 significant bits)."""
+    assert common.mixed_step_fraction(world_size, steps) == pytest.approx((world_size - 1) * 2.0 ** -8 * steps)

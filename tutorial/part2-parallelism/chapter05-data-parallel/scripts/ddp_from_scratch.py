@@ -8,24 +8,19 @@ What it shows
        single-process copy on the GLOBAL batch (all ranks' batches concatenated). The table gives, per version,
        the all-reduce calls and bytes per step and the largest parameter difference from both references.
     3. Gradient accumulation: --accum micro-batches per step, communicating only on the last one (no_sync()).
-    4. One more overlapped step runs under torch.profiler (unless --no-profile): rank 0 writes it as a Chrome trace
-       (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and draws it as ddp_overlap.png: the backward
-       of each block on one row, with the hooks' launch calls (c10d::allreduce_, during which the training thread
-       is held in the call, not computing) drawn as their own boxes on it, and each bucket's all-reduce on the rows
-       of gloo's worker threads. Before that step a barrier, once every rank's profiler is running, lines the
-       ranks up. A table gives, from the same trace, when each launch call began and returned
-       as a share of that step's backward (the figure's dotted lines and the ends of the pink boxes). The line
-       starting "step" gives the overlap share; --json also holds the all-reduces' durations added up (two can run
-       at once on gloo's worker threads, so the sum can exceed the step) and the time at least one ran. The launch
-       calls are also timed from the training thread, around the whole Python call (a longer stretch than the
-       trace's c10d::allreduce_ boxes: it adds dist.all_reduce's Python side and the clock's own readings): wall
-       clock, the thread's CPU time, and (Linux) how long it was runnable but waiting for a core. The overlap
-       share counts only all-reduce time during which the training thread was computing the backward (its
-       segments minus the launch calls). A last line names the largest measured part of what kept the rest from
-       running beside that compute: waiting for another rank to launch the same bucket (every rank's launch
-       times, gathered to rank 0), waiting for a core inside the launch calls, or the rest of the launch calls.
-       The line starting "final wait" splits the wait at the end of the step (each bucket's handle.wait(), then the
-       copy of its sums back into .grad) into time with an all-reduce still running, copying, and neither.
+    4. One more overlapped step runs under torch.profiler (unless --no-profile), after a barrier that lines the
+       ranks up: rank 0 writes it as a Chrome trace (ddp_overlap.trace.json, open it in https://ui.perfetto.dev) and
+       draws it as ddp_overlap.png: the backward of each block on one row, the hooks' launch calls as pink boxes on
+       it, and each bucket's all-reduce on the rows of gloo's worker threads. A launch call is the whole Python call
+       a hook makes to dist.all_reduce, timed by the script's clock (perf_counter) and placed on the trace's axis;
+       the trace's own c10d::allreduce_ event is only torch's C++ op inside it, and the call can last far longer
+       (on 2 shared cores its thread sleeps or waits for a core in it). A table gives when each launch call began
+       and returned, as a share of the backward. The line starting "step" splits the backward into the launch
+       calls and the rest, the compute, and gives the share of all-reduce time that ran during that compute; the
+       next lines split the wait at the end of the step and the launch calls' time (on a core, waiting for a core,
+       asleep), and name the largest measured part of what kept the all-reduces from running beside the compute
+       (waiting for another rank to launch the same bucket, from every rank's launch times gathered to rank 0;
+       waiting for a core inside the launch calls; or the rest of those calls).
     4a. Before the profiled step (and only with it), a model of the ideal overlap, not a measurement, drawn as
        ideal_overlap_vs_bucketed_model.png: the tiny GPT's real bucket plan (mlsys.ddp.assign_buckets on its
        parameters in reverse registration order, at --bucket-mb), each tensor's backward lasting in proportion to
@@ -323,16 +318,17 @@ def overlap_spans(trace_path) -> list[plot.Span]:
 
 
 def backward_compute(spans: list[plot.Span]) -> list[tuple[float, float]]:
-    """When the training thread really computed the backward: its segments minus the hooks' launch calls
-    (c10d::allreduce_, during which the thread waits inside the collective's launch instead of computing)."""
+    """When the training thread really computed the backward: its segments minus the hooks' launch calls (the
+    "launch" spans: whole calls once whole_launch_calls has widened them, during which the thread is not computing)."""
     launches = [(s.start, s.end) for s in spans if s.lane == "launch"]
-    return minus([(s.start, s.end) for s in spans if s.kind == "backward"], launches)
+    backward = [s for s in spans if s.kind == "backward"]
+    return minus([(min(s.start for s in backward), max(s.end for s in backward))], launches)
 
 
 def overlap_summary(spans: list[plot.Span]) -> dict:
-    """What the lesson reads off the trace: how long the backward and the final wait took, how much of the
-    all-reduce time ran while the training thread was computing the backward (launch calls excluded), how long
-    the launch calls blocked it, and how late gloo started a launched bucket."""
+    """What the lesson reads off the trace: how long the backward and the final wait took, how long the launch calls
+    held the training thread inside the backward ("held") and how long it computed (the rest of the backward), how
+    much of the all-reduce time ran during that computing, and how late gloo started a launched bucket."""
     backward = [s for s in spans if s.kind == "backward"]
     start, end = min(s.start for s in backward), max(s.end for s in backward)
     comm = [s for s in spans if s.kind == ALL_REDUCE]
@@ -346,6 +342,8 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
             merged.append([s.start, s.end])
     computing = backward_compute(spans)
     hidden = sum(max(0.0, min(s.end, b) - max(s.start, a)) for s in comm for a, b in computing)
+    share, held = hidden / busy if busy else 0.0, end - start - sum(b - a for a, b in computing)
+    step = max(s.end for s in spans) - min(s.start for s in spans)
     waits = [(s.start, s.end) for s in spans if s.label == "wait for all-reduces"]
     wait = sum(b - a for a, b in waits)
     # the final wait split three ways: an all-reduce box still open; else a copy back into .grad; else neither
@@ -359,10 +357,30 @@ def overlap_summary(spans: list[plot.Span]) -> dict:
                          "(the training thread inside handle.wait() or in Python between the copies, with no "
                          "all-reduce box open)",
             "allreduce_any_ms": sum(b - a for a, b in merged), "gloo_threads": len({s.lane for s in comm}),
-            "step_ms": max(s.end for s in spans) - min(s.start for s in spans),
-            "hidden_share": hidden / busy if busy else 0.0, "launch_ms": sum(s.end - s.start for s in launches),
+            "step_ms": step,
+            "hidden_share": share, "launch_ms": held, "computing_ms": end - start - held,
+            "step_text": f"{step:.1f} ms, backward {end - start:.1f} ms = the hooks' launch calls {held:.1f} ms + "
+                         f"computing {end - start - held:.1f} ms; {share:.0%} of the {len(comm)} all-reduces' time "
+                         "ran during that computing",
             "longest_launch_ms": max((s.end - s.start for s in launches), default=0.0),
             "max_start_delay_ms": max((c.start - ln.start for c, ln in zip(comm, launches)), default=0.0)}
+
+
+def _trace_offset(launches: list[plot.Span], began_s: list[float]) -> float:
+    """trace ms = 1e3 * perf_counter + offset; each launch event begins after its clock reading: the least gap."""
+    return min(ln.start - 1e3 * t for ln, t in zip(launches, began_s))
+
+
+def whole_launch_calls(spans: list[plot.Span], clock: list[dict]) -> list[plot.Span]:
+    """`spans` with each launch span ("launch": the trace's c10d::allreduce_, torch's C++ op) replaced by the whole
+    Python call around it as clocked_launches timed it, placed on the trace's axis by _trace_offset."""
+    launches = sorted((s for s in spans if s.lane == "launch"), key=lambda s: s.start)
+    if not clock or len(clock) != len(launches):
+        return spans
+    offset = _trace_offset(launches, [c["began_s"] for c in clock])
+    return [s for s in spans if s.lane != "launch"] + [
+        plot.Span("launch", 1e3 * c["began_s"] + offset, 1e3 * c["began_s"] + offset + c["wall_ms"], ln.label, ln.kind)
+        for ln, c in zip(launches, clock)]
 
 
 def peer_wait_ms(spans: list[plot.Span], own_began_s: list[float], peers_began_s: list[list[float]]) -> float:
@@ -374,8 +392,7 @@ def peer_wait_ms(spans: list[plot.Span], own_began_s: list[float], peers_began_s
     comm = sorted((s for s in spans if s.kind == ALL_REDUCE), key=lambda s: s.start)
     if not peers_began_s or not launches or len(own_began_s) != len(launches):
         return 0.0
-    # trace ms = 1e3 * perf_counter + offset; each trace event begins after its clock reading: the least gap is it
-    offset = min(ln.start - 1e3 * t for ln, t in zip(launches, own_began_s))
+    offset = _trace_offset(launches, own_began_s)
     waiting = []
     for k, c in enumerate(comm):
         peer_ready = max(1e3 * began[k] + offset for began in peers_began_s if k < len(began))
@@ -487,31 +504,31 @@ def worker(ctx: RankContext, args: Settings) -> dict:
     spans, clocked, timeline = [], {}, []
     if ctx.is_main and args.profile:
         spans = overlap_spans(trace_path)
+        c10d_ms = sum(s.end - s.start for s in spans if s.lane == "launch")  # torch's C++ op: part of each call
+        spans = whole_launch_calls(spans, clock)  # from here on a launch call is the whole Python call
         queued = [c["run_queue_ms"] for c in clock]
         clocked = {"launch_wall_ms": sum(c["wall_ms"] for c in clock), "launch_cpu_ms": sum(c["cpu_ms"] for c in clock),
-                   "launch_run_queue_ms": None if None in queued else sum(queued)}
+                   "launch_run_queue_ms": None if None in queued else sum(queued), "launch_c10d_ms": c10d_ms}
+        held = overlap_summary(spans)["launch_ms"]  # the whole calls, inside the backward
         clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(
-            0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
+            0.0, held - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
         clocked["peer_wait_ms"] = peer_wait_ms(spans, began[0], began[1:])
-        rest = clocked["launch_wall_ms"] - (clocked["launch_run_queue_ms"] or 0.0)
+        rest = held - (clocked["launch_run_queue_ms"] or 0.0)  # on a core or asleep
         clocked["overlap_cause"] = overlap_cause(clocked["peer_wait_ms"], clocked["launch_run_queue_ms"], rest)
         o = overlap_summary(spans) | clocked
         timeline = launch_timeline(spans)
         ctx.print(f"\nprofiled one more overlapped step on rank 0 (the measured figure): trace {trace_path}")
-        ctx.print("bucket launches in that step, when the hook's launch call began and returned (the figure's dotted "
-                  "line and the end of its pink box), as a share of the backward:")
+        ctx.print("bucket launches in that step, when the hook's launch call (its whole call to dist.all_reduce) began "
+                  "and returned (the figure's dotted line and the end of its pink box), as a share of the backward:")
         ctx.print(report.table(timeline, ".0f"))
         # the plain line; the other totals (summed and merged all-reduce time, gloo's start delay) are in --json
-        ctx.print(f"step {o['step_ms']:.1f} ms, backward {o['backward_ms']:.1f} ms: {o['hidden_share']:.0%} of the "
-                  f"{o['buckets']} all-reduces' time ran while the training thread computed the backward; the "
-                  f"hooks' launch calls held it {o['launch_ms']:.1f} ms")
+        ctx.print(f"step {o['step_text']}")
         ctx.print(f"final wait {o['wait_text']}")
-        ctx.print(f"the same launch calls timed from the training thread around the whole Python call: "
-                  f"{o['launch_wall_ms']:.1f} ms of wall clock, of which the thread ran "
-                  f"{o['launch_cpu_ms']:.2f} ms on a core"
+        ctx.print(f"inside the launch calls the training thread ran {o['launch_cpu_ms']:.2f} ms on a core"
                   + ("" if o["launch_run_queue_ms"] is None else
                      f", was runnable but waiting for a core {o['launch_run_queue_ms']:.1f} ms and was asleep "
-                     f"(neither) {o['launch_asleep_ms']:.1f} ms"))
+                     f"(neither) {o['launch_asleep_ms']:.1f} ms")
+                  + f"; torch's own c10d::allreduce_ events, the C++ op inside the calls, took {c10d_ms:.1f} ms")
         ctx.print(f"what most kept the all-reduces from running beside the backward: {o['overlap_cause']}")
         ctx.print(f"figure: {draw_overlap(args, spans)}")
 
