@@ -99,6 +99,19 @@ def test_context_words_take_the_direction_from_the_two_rows(shares) -> None:
     assert ":" not in text  # one plain clause: the lesson splices it into its own sentence
 
 
+@pytest.mark.parametrize("gpu_cpu", [((1.75e-3, 1.17e-3), (1.07e-3, 0.76e-3)), ((1.75e-3, 1.17e-3), (2.5e-3, 2.0e-3)),
+                                     ((1.75e-3, 1.17e-3), (1.5e-3, 1.3e-3))])
+def test_h200_words_take_the_direction_from_the_two_runs(gpu_cpu) -> None:
+    """The lesson quotes the line comparing this run's B = 1 step and forward with the recorded eager H200 run's:
+    'slower on the H200' only where the H200's time is the larger. Oracle: the two times compared here."""
+    mod = load_script(CH10 / "step_breakdown.py")
+    (g_step, g_fwd), (c_step, c_fwd) = gpu_cpu
+    text = mod.h200_words({"total": c_step, "forward": c_fwd}, {"total": g_step, "forward": g_fwd})
+    for name, g, c in (("step", g_step, c_step), ("forward", g_fwd, c_fwd)):
+        word = "slower" if g > c else "not slower"
+        assert f"{name} {g * 1e3:.3f} ms there against {c * 1e3:.3f} ms here, {word} on the H200" in text
+
+
 @pytest.mark.parametrize("forwards", [(1.0, 3.0, 4.0, 6.0), (1.0, 3.0, 6.5, 5.1), (1.0, 3.0, 1.5, 2.0),
                                       (1.0, 7.0, 6.5, 5.1), (1.0, 2.0, 3.0, 3.0)])
 def test_top_growth_says_shrank_when_the_larger_batch_s_forward_was_quicker(forwards) -> None:

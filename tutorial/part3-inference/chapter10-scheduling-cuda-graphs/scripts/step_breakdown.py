@@ -37,6 +37,7 @@ Try next
 
 from __future__ import annotations
 
+import json
 import os
 
 # Before `import torch` loads OpenMP, which reads this once: with --threads > 1 OpenMP's idle threads spin
@@ -45,6 +46,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -180,6 +182,17 @@ def context_words(short: dict, long: dict, short_len: int, long_len: int) -> str
             f"to {b:.0%} with {long_len}-token prompts")
 
 
+H200_RUN = Path(__file__).resolve().parent.parent / "results" / "h200" / "step_breakdown.json"
+
+
+def h200_words(here: dict, h200: dict) -> str:
+    """This run's B = 1 step and forward against the recorded H200 run's eager ones; the direction from the values."""
+    parts = [f"{name} {h200[k] * 1e3:.3f} ms there against {here[k] * 1e3:.3f} ms here, "
+             f"{'slower' if h200[k] > here[k] else 'not slower'} on the H200"
+             for k, name in (("total", "step"), ("forward", "forward"))]
+    return "at B = 1 the recorded eager H200 run's " + "; its ".join(parts)
+
+
 def draw(rows: list[dict], args: Settings) -> None:
     plt = plot.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
@@ -234,6 +247,10 @@ def main() -> int:
                    "non_forward_shares": [pair[0][1]["non_forward_share"], pair[1][1]["non_forward_share"]],
                    "text": context_words(pair[0][1], pair[1][1], pair[0][0], pair[1][0])}
         print(f"   At B = {b1}, {compare['text']}")
+    h200 = None  # the recorded GPU run beside this one: an eager H200 step is not automatically quicker
+    if device == "cpu" and rows[0]["batch_size"] == 1 and H200_RUN.exists():
+        h200 = {"text": h200_words(rows[0], json.loads(H200_RUN.read_text())["results"]["breakdown"][0])}
+        print(f"   Against the GPU: {h200['text']}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine), a "
           "mean like every column so that a row adds up; the self-check holds other's MEDIAN over the same steps "
           "under 2% of the row's total ms plus 20 us instead, since one interrupted step moves a mean, not a median\n")
@@ -251,7 +268,7 @@ def main() -> int:
     if args.json:
         report.write_json(args.json, {"device": device, "breakdown": rows, "forward_ops": profiles,
                                       "step_growth": step_growth, "token_cost_ratio": token_cost_ratio,
-                                      "top_growth": top, "context": compare,
+                                      "top_growth": top, "context": compare, "h200": h200,
                                       "load_average": bench.load_average()}, args)
     return 0
 

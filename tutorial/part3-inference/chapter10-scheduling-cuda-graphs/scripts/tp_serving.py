@@ -353,6 +353,9 @@ def main() -> int:
                                 rows[0]["tokens"])
             report.expect_equal(f"all-reduce bytes per step at TP={r['tp']}", r["bytes_per_step"],
                                 r["formula_bytes_per_step"])
+        print(f"   check passed: the tokens at TP={', '.join(str(r['tp']) for r in rows)} are identical "
+              f"({len(rows[0]['tokens'])} requests x {len(rows[0]['tokens'][0])} tokens), and every row's all-reduce "
+              "bytes per step equal the formula")
     runs = next(iter(tables.values()))
     base = runs[0]
     last = runs[-1]
