@@ -450,6 +450,41 @@ def test_rlhf_loop_hacking_words_agree_with_its_own_counts(smoke_cache) -> None:
     assert f"KL target {settings['kl_target']}, gain K_beta {settings['k_beta']})" in proc["stdout"]
 
 
+def _signs_by_hand(d_last: float, d_top: float, r_top: float, top_is_last: bool) -> list[str]:
+    """The phrases the sentence under the token table must hold, decided here from the deltas themselves."""
+    words = [("fell short of" if d_last < 0 else "reached") + " the critic's last value, so the last tokens are "
+             f"pushed {'down' if d_last < 0 else 'up'}"]
+    if top_is_last:
+        return words + ["the largest delta is that last one"]
+    mostly = "its reward r_t" if abs(r_top) > abs(d_top - r_top) else "the critic's change of value"  # V_(t+1) - V_t
+    return words + [f"before it {'up' if d_top > 0 else 'down'}, is mostly {mostly};",
+                    "a KL bonus" if r_top > 0 else "a KL charge"]
+
+
+@pytest.mark.parametrize("d_last, d_top, r_top, top_is_last", [
+    (-0.896, 0.333, 0.511, False),  # the lesson's run: R short of V at the end, a KL bonus carries the largest delta
+    (0.2, 0.4, -0.05, False), (0.2, 0.4, 0.05, False), (-0.3, 0.3, -0.4, False), (0.3, 0.3, 0.3, True),
+    (-0.1, -0.02, -0.01, False),
+])
+def test_signs_sentence_reads_the_deltas(d_last: float, d_top: float, r_top: float, top_is_last: bool) -> None:
+    """The 'so:' line under the token table, which the lesson quotes: each direction recomputed from the numbers."""
+    text = load_script(scripts_dir(13) / "rlhf_loop.py").signs_text(d_last, d_top, r_top, top_is_last)
+    assert all(w in text for w in _signs_by_hand(d_last, d_top, r_top, top_is_last)), text
+
+
+def test_rlhf_loop_signs_sentence_agrees_with_its_own_token_table(smoke_cache) -> None:
+    """rlhf_loop.py --smoke: the deltas recomputed in numpy from the recorded rewards and values of the response."""
+    proc = smoke_run(smoke_cache, scripts_dir(13) / "rlhf_loop.py")
+    assert proc["code"] == 0, proc["stderr"][-2000:]
+    resp = proc["json"]["results"]["response"]
+    r, v = np.array(resp["rewards"]), np.array(resp["values"])
+    delta = r + np.append(v[1:], 0.0) - v  # gamma 1
+    top = int(np.argmax(delta))
+    for w in _signs_by_hand(delta[-1], delta[top], r[top], top == len(r) - 1):
+        assert w in resp["signs_text"], (w, resp["signs_text"])
+    assert f"   so: {resp['signs_text']}" in proc["stdout"]
+
+
 def test_response_kind_names_how_a_record_breaks_the_schema() -> None:
     base = '{"name": "ada", "age": 34, "city": "london", "langs": '
     assert rlhf.response_kind(base + '["c", "go"]}') == "well_formed"

@@ -9,7 +9,8 @@ What it shows
        critic -> the new actor weights pushed into the engine (Engine.load_weights). Self-checks: the engine's
        log-probs of the tokens it sampled equal the trainer's recomputation, and sum_t r_t = score - beta * sum_t
        k1_t per row.
-       One response is printed token by token with every quantity the update uses.
+       One response is printed token by token with every quantity the update uses, and a "so:" line reading
+       what its last and largest TD errors do to the update.
     2. The loop for --iterations, with an adaptive KL coefficient (Ziegler et al. 2019) keeping the KL per
        response near --kl-target (--kl-target 0: a fixed beta). A table every few iterations, and a figure of
        reward, KL, response length and the share of well-formed records per iteration.
@@ -323,7 +324,23 @@ def advantage_signs(data: dict, cfg: PPOConfig) -> dict:
     top = max(range(n), key=lambda t: delta[t])
     return {"delta_max": delta[top], "delta_max_t": top, "delta_max_token": repr(data["tokens"][top]),
             "delta_max_reward": r[top], "delta_last": delta[-1], "raw_positive": n - data["raw_negative"],
-            "sign_stretches": sign_stretches(data["advantages_raw"])}
+            "sign_stretches": sign_stretches(data["advantages_raw"]),
+            "signs_text": signs_text(delta[-1], delta[top], r[top], top == n - 1)}
+
+
+def signs_text(delta_last: float, delta_top: float, reward_top: float, top_is_last: bool) -> str:
+    """What the two deltas mean for the update, read from their values so that the lesson's sentence is true of
+    every run: the last delta's sign says whether the last reward r_T (R and its KL term) beat the critic's last
+    value; the largest delta is 'mostly' its reward r_t when |r_t| exceeds the critic's change of value beside it."""
+    end = "fell short of" if delta_last < 0 else "reached"
+    text = f"r_T {end} the critic's last value, so the last tokens are pushed {'down' if delta_last < 0 else 'up'}"
+    if top_is_last:
+        return f"{text}; the largest delta is that last one"
+    part = ("mostly its reward r_t" if abs(reward_top) > abs(delta_top - reward_top)
+            else "mostly the critic's change of value")
+    kind = "a KL bonus (r_t > 0)" if reward_top > 0 else "a KL charge (r_t <= 0)"
+    return (f"{text}; the largest delta, which pushes the tokens before it {'up' if delta_top > 0 else 'down'}, "
+            f"is {part}; its r_t is {kind}")
 
 
 def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settings, row: int = 0) -> dict:
@@ -348,7 +365,7 @@ def draw_response(batch: RolloutBatch, beta: float, cfg: PPOConfig, args: Settin
     fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.16 * n + 2), 7.2), sharex=True)
     kl_part = [-beta * k for k in data["k1"]]
     returns = [a + v for a, v in zip(data["advantages_raw"], data["values"])]  # G_t = A_t + V_t (lambda-return)
-    axes[0].bar(t, kl_part, color="#9e9ac8", label="-beta k1_t: the KL penalty, on every token")
+    axes[0].bar(t, kl_part, color="#9e9ac8", label="-beta k1_t: the KL term, on every token\n(a charge, or a bonus)")
     axes[0].axhline(0, color="black", lw=0.6)
     axes[0].bar([n - 1], [data["score"]], bottom=[kl_part[-1]], color="#e6550d",
                 label=f"+ score R = {data['score']:+.2f}, on the last token only")
@@ -518,7 +535,7 @@ def run_loop(args: Settings, printed: Printed) -> int:
               f"{response['sign_stretches']}; largest delta {response['delta_max']:+.3f} at t "
               f"{response['delta_max_t']} {response['delta_max_token']} (r_t {response['delta_max_reward']:+.3f}), "
               f"last delta = r_T - V_T {response['delta_last']:+.3f}; {response['whitened_negative']} of "
-              f"{response['num_tokens']} negative after whitening")
+              f"{response['num_tokens']} negative after whitening\n   so: {response['signs_text']}")
         printed.cut("response")
         lengths = batch.mask.sum(1).long()
         B, L = batch.mask.shape
