@@ -57,6 +57,7 @@ from mlsys.model import GPT, GPTConfig
 from mlsys.pipeline import bubble_fraction, measured_bubble, run_pipeline_step, simulate, split_gpt
 
 GOAL = 0.15  # relative error the measurement should stay within
+NOISE = 0.02  # a wall-clock bubble that moves by less than this (relative) between two m "stayed about the same"
 
 
 @dataclass
@@ -185,6 +186,13 @@ def critical_path(timeline: list) -> list[tuple[int, int]]:
         path.append(max(inputs, key=end))
 
 
+def trend_word(x: float, y: float) -> str:
+    """How a wall-clock bubble moved from x to y; a change within NOISE of the larger is load noise, not a trend."""
+    if abs(y - x) <= NOISE * max(x, y):
+        return f"stayed about the same (within {NOISE:.0%})"
+    return "rose" if y > x else "fell"
+
+
 def print_report(args: Settings, p: int, rows: list, replay_rows: list, results: dict) -> None:
     print(f"p={p} stages x {args.layers_per_stage} blocks (width {args.width}), micro-batches of "
           f"{args.micro_batch_size} x {args.seq_len} tokens, 1 thread per rank, "
@@ -200,7 +208,7 @@ def print_report(args: Settings, p: int, rows: list, replay_rows: list, results:
         a, b = ms[-2], ms[-1]
         wall_at = {(r["schedule"], r["m"]): r["measured"] for r in results["runs"]}
         moves = [(s, wall_at[s, a], wall_at[s, b]) for s in ("gpipe", "1f1b")]
-        words = [f"{'rose' if y > x else 'fell' if y < x else 'stayed'} under {name} ({x:.3f} to {y:.3f})"
+        words = [f"{trend_word(x, y)} under {name} ({x:.3f} to {y:.3f})"
                  for (s, x, y), name in zip(moves, ("GPipe", "1F1B"))]
         results["wall_trend"] = f"from m = {a} to m = {b} the wall-clock bubble {words[0]} and {words[1]}"
         print(f"\n{results['wall_trend']}; the formula's fell from {bubble_fraction(p, a):.3f} to "
