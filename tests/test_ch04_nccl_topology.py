@@ -377,6 +377,25 @@ def test_drawn_steps_replay_to_the_sum(tmp_path) -> None:
                 replay(model.halving_doubling_schedule(p, numel), p, numel)
 
 
+@pytest.mark.parametrize("p", [3, 4, 8])
+def test_schedule_table_counts_the_drawn_steps(p: int) -> None:
+    """The lesson's table under the step picture (steps, most bytes one rank sends, critical path; bytes in n),
+    against counts worked out by hand from the heap tree: at p = 4 the tree's path is 2n up (3,2 -> 1,0 together,
+    then 1 -> 0) and 3n down (the root's 2n over its one link, then 1 -> 3); at p = 8 it is 4n up and 5n down."""
+    model = load("_rvt_model")
+    ring = (2 * (p - 1), 2 * (p - 1) / p, 2 * (p - 1) / p)
+    want = {3: {"ring": ring, "tree": (2, 2, 4)},
+            4: {"ring": ring, "tree": (4, 2, 5), "halving-doubling": (4, 1.5, 1.5)},
+            8: {"ring": ring, "tree": (6, 3, 9), "halving-doubling": (6, 1.75, 1.75)}}[p]
+    schedules = {"ring": model.ring_schedule(p, 16 * p), "tree": model.tree_schedule(p, 16 * p)} | (
+        {"halving-doubling": model.halving_doubling_schedule(p, 16 * p)} if p != 3 else {})
+    table = model.schedule_table(schedules, p, 16 * p)
+    assert list(table) == list(want)
+    for name, counts in want.items():
+        assert (table[name]["steps"], table[name]["most_sent"], table[name]["critical_path"]) == pytest.approx(counts)
+    assert table["tree"]["critical_path"] <= model.cost_terms("tree", p)[1]  # the model's 2K n bounds the drawn path
+
+
 def test_crossover_solves_the_two_models_equal() -> None:
     rvt = load("_rvt_model")
     assert rvt.cost_terms("halving-doubling", 8) == (6, 1.75)
@@ -719,8 +738,8 @@ def test_a_fall_is_called_a_limit_only_when_every_round_shows_it(last_rates: lis
         assert "cannot tell" not in text
     else:
         k = next(i for i, (last, peak) in enumerate(zip(last_rates, peak_rates)) if last >= peak)
-        assert f"in round {k + 1} of 4, 32 MiB's busbw ({last_rates[k]:.3f} GB/s) was no lower than 8 MiB's " \
-               f"({peak_rates[k]:.3f} GB/s), so this run cannot tell load from a limit" in text
+        assert f"in round {k + 1} of 4 the fall did not happen (32 MiB's busbw {last_rates[k]:.3f} GB/s, 8 MiB's " \
+               f"{peak_rates[k]:.3f} GB/s), so this run cannot tell load from a limit" in text
         assert "pattern of a limit" not in text
     one_round = [[r[0]] for r in rounds]  # one look at it is not two
     assert "fewer than two rounds" in bc.busbw_trend_text(rows, one_round)
@@ -1091,6 +1110,7 @@ def test_ring_vs_tree_json(ring_vs_tree_run) -> None:
     for name in ("ring_vs_tree", "alpha_beta", "crossover", "ceiling", "steps"):
         assert (tmp / f"{name}.png").exists()
     check_drawn_steps(doc["steps"], 3, doc["steps_numel"])
+    assert doc["schedule_table"]["tree"] == {"steps": 2, "most_sent": 2.0, "critical_path": 4.0}  # root: n to each
     # the lesson shows sections 1-2, 3 and 4 apart, from the JSON: together they are exactly what was printed
     shown = [line for line in proc.stdout.strip("\n").split("\n") if not line.startswith("figure: ")]
     sections = doc["printed"]

@@ -69,6 +69,22 @@ def halving_doubling_schedule(world_size: int, numel: int) -> list[dict]:
 # --8<-- [end:schedules]
 
 
+def schedule_table(schedules: dict[str, list[dict]], world_size: int, numel: int) -> dict[str, dict]:
+    """The step picture in numbers (the lesson's table), bytes as multiples of n: each algorithm's steps, the most
+    any one rank sends (the footer's largest), and its critical path: each step costs its busiest rank's larger of
+    bytes sent and bytes received (one full-duplex link per rank), summed over the steps."""
+    out = {}
+    for name, sched in schedules.items():
+        steps = max(m["step"] for m in sched) + 1
+        moved = np.zeros((steps, world_size, 2))  # [step, rank, sent/received] elements
+        for m in sched:
+            moved[m["step"], m["src"], 0] += m["hi"] - m["lo"]
+            moved[m["step"], m["dst"], 1] += m["hi"] - m["lo"]
+        out[name] = {"steps": steps, "most_sent": float(moved[:, :, 0].sum(axis=0).max()) / numel,
+                     "critical_path": float(moved.max(axis=2).max(axis=1).sum()) / numel}
+    return out
+
+
 # --8<-- [start:model]
 def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
     """(latency steps a, bytes factor b) of the model time = a * alpha + b * n * beta for an n-byte all-reduce.

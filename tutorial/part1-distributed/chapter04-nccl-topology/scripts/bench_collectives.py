@@ -325,8 +325,8 @@ def fall_evidence(rows: list[dict], round_times_us: list[list[float]] | None, to
         return "limit", (f"; it shows in every one of the {rounds} rounds (in each, {last_size} had a lower busbw "
                          f"than {peak_size} in the same round): the pattern of a limit, such as the caches")
     return "cannot tell", (
-        f"; but not in every round: in round {against + 1} of {rounds}, {last_size}'s busbw "
-        f"({last_bw[against]:.3f} GB/s) was no lower than {peak_size}'s ({peak_bw[against]:.3f} GB/s), so this run "
+        f"; but not in every round: in round {against + 1} of {rounds} the fall did not happen ({last_size}'s "
+        f"busbw {last_bw[against]:.3f} GB/s, {peak_size}'s {peak_bw[against]:.3f} GB/s), so this run "
         "cannot tell load from a limit (rerun: a limit shows in every round, load moves)")
 
 
@@ -460,8 +460,8 @@ def draw(rows: list[dict], t0: float, bandwidth: float, args: Settings, world_si
     size = np.array([r["size (B)"] for r in rows], dtype=float)
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
     ax_t.loglog(size, [r["time (us)"] for r in rows], "o-", label="measured")
-    label = (f"fit: {t0 * 1e6:.0f} us + size / {bandwidth / 1e9:.2f} GB/s" if has_bandwidth_bound else
-             f"fit: {t0 * 1e6:.0f} us, drawn flat (latency-bound: its fitted slope is noise, no bandwidth)")
+    label = (f"fit: {t0 * 1e6:.1f} us + size / {bandwidth / 1e9:.3f} GB/s" if has_bandwidth_bound else
+             f"fit: {t0 * 1e6:.1f} us, drawn flat (latency-bound: its fitted slope is noise, no bandwidth)")
     if size.min() < size.max():  # one size: no line to fit
         ax_t.loglog(size, drawn_fit_us(size, t0, bandwidth, has_bandwidth_bound), "--", label=label)
     ax_b.loglog(size, [r["busbw (GB/s)"] for r in rows], "o-", color="C2")

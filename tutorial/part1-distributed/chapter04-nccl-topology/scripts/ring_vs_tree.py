@@ -30,13 +30,13 @@ What it shows
       4. the box's ceilings (memcpy bandwidth of a large torch copy, loopback TCP through a socket) and the best
          busbw at the largest size as a fraction of each.
     Figures: steps.png (every message of the ring, the tree and halving-doubling, step by step, from the schedules
-    the three all-reduces follow; kept in the JSON as "steps"), waits.png (step 0 of the ring beside step 0 of the
-    tree: what each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png (the measured medians, a bar
-    from each one's fastest to its slowest round), alpha_beta.png (the model against the points, fitted and held
-    out, with its latency- and bandwidth-bound ranges shaded), crossover.png (the ring's and the tree's model lines
-    on one set of axes with the crossover n* marked) and ceiling.png (busbw under the two ceilings); ring_vs_tree,
-    alpha_beta (with crossover) and ceiling are kept in the JSON under "figures", and the text of sections 1-2, 3
-    and 4 under "printed" (the lesson shows each section beside its explanation).
+    the three all-reduces follow; kept in the JSON as "steps", counted in "schedule_table"), waits.png (step 0 of
+    the ring beside step 0 of the tree: what each rank posts and waits for; "waits" in the JSON), ring_vs_tree.png
+    (the measured medians, a bar from each one's fastest to its slowest round), alpha_beta.png (the model against
+    the points, fitted and held out, with its latency- and bandwidth-bound ranges shaded), crossover.png (the ring's
+    and the tree's model lines on one set of axes with the crossover n* marked) and ceiling.png (busbw under the two
+    ceilings); ring_vs_tree, alpha_beta (with crossover) and ceiling are kept in the JSON under "figures", and the
+    text of sections 1-2, 3 and 4 under "printed" (the lesson shows each section beside its explanation).
     On one box, the ring's per-link advantage cannot show: summed over all ranks, the ring and the tree copy the
     same 2(p-1) n bytes, and here every "link" shares the same CPUs and memory.
     This file runs the ranks and prints; the schedules, the model and the sentences printed from the times are in
@@ -73,7 +73,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _rvt_draw import draw_alpha_beta, draw_ceiling, draw_steps, draw_times, draw_waits
-from _rvt_model import fit_vs_ceilings, print_model, ring_vs_gloo, size_text, summarise
+from _rvt_model import fit_vs_ceilings, print_model, ring_vs_gloo, schedule_table, size_text, summarise
 
 from mlsys import cli, report
 from mlsys.bench import busbw, load_average, loopback_tcp_bandwidth, memcpy_bandwidth, steady_timing, time_collective
@@ -247,6 +247,7 @@ def main() -> int:
         report.write_json(args.json, {"world_size": w, "rows": rows, "max_abs_error": result["max_abs_error"],
                                       "check_numel": args.check_numel, "check_output_rank0": result["check_output"],
                                       "steps_numel": 16 * w, "steps": steps, "waits": waits, "figures": figures,
+                                      "schedule_table": schedule_table(steps, w, 16 * w),
                                       **summary,
                                       "printed": {k: "\n".join(v).strip("\n") for k, v in printed.items()}}, args)
     return 0
