@@ -19,11 +19,11 @@ What it shows
     constant GOAL, reported as goal_met in --json), or, when every row of overlapped or of torch fell below local,
     names which one and says there is no ratio; it is reported, not enforced, because timings on a shared CPU are noisy.
     The line under the table gives naive against local, and whether every other row's median was below naive's.
-    The line starting "take-away" gives naive's cost over local and what the fastest other row (not below local)
-    saved against naive, each only where it is larger than local's own spread (an overlapped row with a single
-    bucket is named as such: nothing overlapped there). The line starting "one bucket" compares overlapped with
-    bucketed at the largest size that holds the gradients in one bucket, where both do the same work: a gap within
-    local's own spread is called noise.
+    The line starting "take-away" gives naive's cost over local and what the fastest other row (not below local's
+    median; said to lie inside or above local's band) saved against naive, each only where it is larger than local's
+    own spread (an overlapped row with a single bucket is named as such: nothing overlapped there).
+    The line starting "one bucket" compares overlapped with bucketed at the largest size that holds the gradients in
+    one bucket, where both do the same work: a gap within local's own spread is called noise.
     The line starting "what this run shows" names the versions whose median lies above local's slowest round (a
     cost that noise alone did not give), or says that none does and the run measured only the machine's noise.
     The buckets column counts the hand-written versions' buckets: at a size larger than all the gradients there is
@@ -272,8 +272,8 @@ def _verdict(med: dict, local_min_ms: float, local_max_ms: float) -> str:
         return (f"every version cost measurably more than local: every median lies above local's slowest round "
                 f"({local_max_ms:.0f} ms)")
     names = ", ".join(k if k == "naive" else f"{k} at {mb:g} MiB" for k, mb in above)
-    return (f"a measured cost for {names} only (median above local's slowest round, {local_max_ms:.0f} ms); "
-            "the other rows cannot be told from not communicating at all")
+    return (f"of the rows, only {names} had a median above local's band (its slowest round, {local_max_ms:.0f} ms); "
+            "the others lie inside or below the band and cannot be told from not communicating at all")
 
 
 def _takeaway(med: dict, local_min_ms: float, local_max_ms: float, buckets: dict | None = None) -> str:
@@ -297,9 +297,10 @@ def _takeaway(med: dict, local_min_ms: float, local_max_ms: float, buckets: dict
     one = (", one bucket: nothing overlapped there"
            if best[0] == "overlapped" and (buckets or {}).get(best[1]) == 1 else "")
     if naive - rest[best] > spread:
-        return (f"{head}; the fastest bucketed, overlapped or torch row not below local ({best[0]} at "
-                f"{best[1]:g} MiB{one}) took {naive - rest[best]:.0f} ms less than naive, more than local's own spread "
-                f"({spread:.0f} ms): that is what fewer, larger all-reduces saved here")
+        band = "above local's band" if rest[best] > local_max_ms else "inside local's band"
+        return (f"{head}; the fastest bucketed, overlapped or torch row ({best[0]} at {best[1]:g} MiB{one}, "
+                f"{band}) took {naive - rest[best]:.0f} ms less than naive, more than local's own spread "
+                f"({spread:.0f} ms): that is what fewer, larger all-reduces saved against naive")
     return (f"{head}; no bucketed, overlapped or torch row was faster than naive by more than local's own spread "
             f"({spread:.0f} ms), so this run does not measure what buckets save")
 

@@ -411,11 +411,11 @@ def overlap_cause(peer_ms: float, core_ms: float | None, launch_ms: float) -> st
     head = {
         "peer": f"waiting for another rank: {peer_ms:.1f} ms of rank 0's all-reduce time, outside the backward's "
                 "compute, passed before the other rank had launched the same bucket",
-        "core": f"waiting for a core: inside its launch calls the training thread was runnable but off its core "
+        "core": f"queued for a core: inside its launch calls the training thread was runnable but off its core "
                 f"{core}, so the all-reduce ran instead of the backward, not beside it",
         "launch": f"the launch calls themselves: they held the training thread {launch_ms:.1f} ms on a core or "
                   "asleep, not computing the backward"}[largest]
-    rest = {"peer": f"waiting for another rank {peer_ms:.1f} ms", "core": f"waiting for a core {core}",
+    rest = {"peer": f"waiting for another rank {peer_ms:.1f} ms", "core": f"queued for a core {core}",
             "launch": f"the rest of the launch calls {launch_ms:.1f} ms"}
     return f"{head} (the others: {', '.join(rest[k] for k in parts if k != largest)})"
 
