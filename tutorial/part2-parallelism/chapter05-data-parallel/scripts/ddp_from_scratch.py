@@ -510,8 +510,8 @@ def worker(ctx: RankContext, args: Settings) -> dict:
         clocked = {"launch_wall_ms": sum(c["wall_ms"] for c in clock), "launch_cpu_ms": sum(c["cpu_ms"] for c in clock),
                    "launch_run_queue_ms": None if None in queued else sum(queued), "launch_c10d_ms": c10d_ms}
         held = overlap_summary(spans)["launch_ms"]  # the whole calls, inside the backward
-        clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(
-            0.0, held - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
+        clocked["launch_asleep_ms"] = (None if clocked["launch_run_queue_ms"] is None else max(  # whole calls
+            0.0, clocked["launch_wall_ms"] - clocked["launch_cpu_ms"] - clocked["launch_run_queue_ms"]))
         clocked["peer_wait_ms"] = peer_wait_ms(spans, began[0], began[1:])
         rest = held - (clocked["launch_run_queue_ms"] or 0.0)  # on a core or asleep
         clocked["overlap_cause"] = overlap_cause(clocked["peer_wait_ms"], clocked["launch_run_queue_ms"], rest)
