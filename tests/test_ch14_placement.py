@@ -158,7 +158,8 @@ def test_colocated_counts_table_from_divisibility(planner) -> None:
     shown = planner.near_shown(rows)
     low = sorted(rows[1:-1], key=lambda r: r["peak GiB"])[0]
     assert shown == [rows[0], low, rows[-1]]
-    assert all(r["peak GiB"] >= low["peak GiB"] for r in rows[1:-1])
+    # the lesson: even the best count in between peaks higher than the first row
+    assert all(r["peak GiB"] > rows[0]["peak GiB"] for r in rows[1:-1])
     assert planner.near_shown(rows[:1] + rows[-1:]) == rows[:1] + rows[-1:]  # nothing in between (the 8B run)
 
 

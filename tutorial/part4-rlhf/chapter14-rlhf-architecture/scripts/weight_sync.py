@@ -398,7 +398,7 @@ def main() -> int:
     speedup = {r["model"]: r["per-tensor ms"] / r["bucketed ms"] for r in rows}  # > 1: bucketing was faster
     reading = {"disturbed": {key: disturbed_rows(rows, key) for key in ("per-tensor ms", "bucketed ms")},
                "disturbed_text": disturbed_text(rows)}
-    print(f"Disturbed rows (left out below): {reading['disturbed_text']}")
+    print(f"Disturbed rows (left out of the largest ratio and of alpha below): {reading['disturbed_text']}")
     print(f"Per-tensor / bucketed time: {big['model']} {verdict(speedup[big['model']])}; largest: "
           f"{ratio_evidence(rows)['text']}")
     estimate = formula_estimate(rows)
