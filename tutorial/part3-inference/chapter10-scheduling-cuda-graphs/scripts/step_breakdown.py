@@ -248,8 +248,10 @@ def main() -> int:
                    "text": context_words(pair[0][1], pair[1][1], pair[0][0], pair[1][0])}
         print(f"   At B = {b1}, {compare['text']}")
     h200 = None  # the recorded GPU run beside this one: an eager H200 step is not automatically quicker
-    if device == "cpu" and rows[0]["batch_size"] == 1 and H200_RUN.exists():
-        h200 = {"text": h200_words(rows[0], json.loads(H200_RUN.read_text())["results"]["breakdown"][0])}
+    recorded = json.loads(H200_RUN.read_text()) if H200_RUN.exists() else None
+    same = recorded and all(recorded["settings"][k] == getattr(args, k) for k in ("prompt_len", "threads"))
+    if device == "cpu" and rows[0]["batch_size"] == 1 and same:  # only like against like
+        h200 = {"text": h200_words(rows[0], recorded["results"]["breakdown"][0])}
         print(f"   Against the GPU: {h200['text']}")
     print("   other = total - the five stages (counter updates, and the OS's interruptions on a busy machine), a "
           "mean like every column so that a row adds up; the self-check holds other's MEDIAN over the same steps "
