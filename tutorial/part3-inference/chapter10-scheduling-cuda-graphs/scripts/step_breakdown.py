@@ -171,6 +171,14 @@ def token_cost_words(rows: list[dict]) -> str:
     return text + later
 
 
+def stages_add_up(r: dict) -> dict:
+    """Self-check: the stages tile the step; in the median step they leave out only a few counter updates."""
+    if not 0 <= r["median_other"] <= 0.02 * r["total"] + 20e-6:
+        raise cli.SelfCheckFailed(f"B={r['batch_size']}: stages do not add up to the step: "
+                                  f"{r['median_other'] * 1e3:.3f} ms of {r['total'] * 1e3:.3f} ms uncovered")
+    return r
+
+
 def context_words(short: dict, long: dict, short_len: int, long_len: int) -> str:
     """The share outside the forward at one batch size, for two prompt lengths, and which way it went: derived from
     the two rows, since a loaded machine could reverse it."""
@@ -218,14 +226,7 @@ def main() -> int:
     model = load_pretrained("small")
     print(f"device {device}, {args.threads} thread(s); every request has a {args.prompt_len}-token prompt; "
           f"mean of the faster half of {args.steps} decode steps per batch size\n")
-    rows = []
-    for B in args.batch_sizes:
-        r = {"batch_size": B, **breakdown(model, B, args, device)}
-        # the stages tile the step: in the median step they leave out only a few counter updates
-        if not 0 <= r["median_other"] <= 0.02 * r["total"] + 20e-6:
-            raise cli.SelfCheckFailed(f"B={B}: stages do not add up to the step: {r['median_other'] * 1e3:.3f} ms "
-                                      f"of {r['total'] * 1e3:.3f} ms uncovered")
-        rows.append(r)
+    rows = [stages_add_up({"batch_size": B, **breakdown(model, B, args, device)}) for B in args.batch_sizes]
     table = [{"B": r["batch_size"], **{f"{s} ms": r[s] * 1e3 for s in STAGES}, "total ms": r["total"] * 1e3,
               "other ms": r["other"] * 1e3, "ms/token": r["total"] * 1e3 / r["batch_size"],
               "not forward %": 100 * r["non_forward_share"]}
@@ -241,7 +242,8 @@ def main() -> int:
     print(f"   The forward {top['text']}; ms/token {top['token_cost_text']}")
     compare = None
     if args.compare_prompt_len not in (0, args.prompt_len):  # the stable signal of a longer context: one row more
-        other = {"batch_size": b1, **breakdown(model, b1, replace(args, prompt_len=args.compare_prompt_len), device)}
+        other = stages_add_up({"batch_size": b1,
+                               **breakdown(model, b1, replace(args, prompt_len=args.compare_prompt_len), device)})
         pair = sorted([(args.prompt_len, rows[-1]), (args.compare_prompt_len, other)], key=lambda p: p[0])
         compare = {"batch_size": b1, "prompt_lens": [pair[0][0], pair[1][0]],
                    "non_forward_shares": [pair[0][1]["non_forward_share"], pair[1][1]["non_forward_share"]],
